@@ -1,0 +1,1 @@
+"""Benchmarks behind `dpuctl bench ...`; each module defines one click command."""

@@ -1,0 +1,180 @@
+"""Block devices: what a tier stores chunks on and what the NVMe/TCP target exports.
+
+One interface for every backing store, so the engine, the embedded NVMe/TCP target and SPDK
+mode see the same thing: a memory region (the DPU DRAM tier), a file or block device (the NVMe
+tier in embedded mode), an encrypting wrapper (as SPDK's crypto vbdev), or a namespace reached
+over NVMe/TCP (SPDK mode). Blocks are 4096 bytes; LBAs count blocks.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import stat
+from typing import Protocol, runtime_checkable
+
+BLOCK_SIZE = 4096
+
+
+class BlockDeviceError(Exception):
+    """An operating error of a backing store (full disk, I/O error, out-of-range LBA)."""
+
+
+@runtime_checkable
+class BlockDevice(Protocol):
+    """`read_into` fills `buf` (len a multiple of block_size) from `lba` on; `write` stores `data`."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def block_count(self) -> int: ...
+
+    def read_into(self, lba: int, buf: memoryview) -> None: ...
+
+    def write(self, lba: int, data: memoryview | bytes) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def deallocate(self, lba: int, block_count: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def check_range(dev: BlockDevice, lba: int, nbytes: int) -> int:
+    """Validate an I/O and return its block count; raises BlockDeviceError when out of range."""
+    if nbytes % dev.block_size:
+        raise BlockDeviceError(f"I/O of {nbytes} bytes is not a multiple of {dev.block_size}")
+    count = nbytes // dev.block_size
+    if lba < 0 or lba + count > dev.block_count:
+        raise BlockDeviceError(
+            f"LBA range {lba}+{count} outside device of {dev.block_count} blocks"
+        )
+    return count
+
+
+class MemoryBlockDevice:
+    """DRAM tier: an anonymous mmap (page-aligned, zero-filled, not swapped into Python's heap)."""
+
+    def __init__(self, block_count: int, block_size: int = BLOCK_SIZE) -> None:
+        assert block_count > 0 and block_size > 0, (block_count, block_size)
+        self._block_size = block_size
+        self._block_count = block_count
+        self._map = mmap.mmap(-1, block_count * block_size)
+        self._view = memoryview(self._map)
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def block_count(self) -> int:
+        return self._block_count
+
+    def read_into(self, lba: int, buf: memoryview) -> None:
+        check_range(self, lba, len(buf))
+        start = lba * self._block_size
+        buf[:] = self._view[start : start + len(buf)]
+
+    def write(self, lba: int, data: memoryview | bytes) -> None:
+        check_range(self, lba, len(data))
+        start = lba * self._block_size
+        self._view[start : start + len(data)] = data
+
+    def flush(self) -> None:
+        pass
+
+    def deallocate(self, lba: int, block_count: int) -> None:
+        check_range(self, lba, block_count * self._block_size)
+        start = lba * self._block_size
+        self._view[start : start + block_count * self._block_size] = bytes(
+            block_count * self._block_size
+        )
+
+    def close(self) -> None:
+        self._view.release()
+        self._map.close()
+
+
+class FileBlockDevice:
+    """NVMe tier in embedded mode: a regular file (created and sized) or a block device.
+
+    Uses positional I/O (`os.preadv`/`os.pwritev`); the page cache is kept, since O_DIRECT needs
+    aligned user buffers that callers do not always own, and ext4 on virtio measured no faster
+    at QD1 (../shared/MEASURED.md). A full disk surfaces as BlockDeviceError(ENOSPC).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], block_count: int | None = None,
+                 block_size: int = BLOCK_SIZE) -> None:
+        self._block_size = block_size
+        self.path = os.fspath(path)
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise BlockDeviceError(f"cannot open {self.path}: {e.strerror}") from e
+        st = os.fstat(self._fd)
+        if stat.S_ISBLK(st.st_mode):
+            size = os.lseek(self._fd, 0, os.SEEK_END)
+        else:
+            size = st.st_size
+            if block_count is not None and size < block_count * block_size:
+                try:
+                    os.ftruncate(self._fd, block_count * block_size)
+                except OSError as e:
+                    os.close(self._fd)
+                    raise BlockDeviceError(f"cannot size {self.path}: {e.strerror}") from e
+                size = block_count * block_size
+        self._block_count = size // block_size if block_count is None else block_count
+        if self._block_count <= 0:
+            os.close(self._fd)
+            raise BlockDeviceError(f"{self.path} has no blocks; give block_count to create it")
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def block_count(self) -> int:
+        return self._block_count
+
+    def read_into(self, lba: int, buf: memoryview) -> None:
+        check_range(self, lba, len(buf))
+        offset, done = lba * self._block_size, 0
+        while done < len(buf):
+            try:
+                n = os.preadv(self._fd, [buf[done:]], offset + done)
+            except OSError as e:
+                raise BlockDeviceError(f"read {self.path} at LBA {lba}: {e.strerror}") from e
+            if n == 0:  # sparse tail past EOF of a file that was never written
+                buf[done:] = bytes(len(buf) - done)
+                return
+            done += n
+
+    def write(self, lba: int, data: memoryview | bytes) -> None:
+        check_range(self, lba, len(data))
+        view, offset, done = memoryview(data), lba * self._block_size, 0
+        while done < len(view):
+            try:
+                done += os.pwritev(self._fd, [view[done:]], offset + done)
+            except OSError as e:
+                code = "full" if e.errno == errno.ENOSPC else "error"
+                raise BlockDeviceError(
+                    f"write {self.path} at LBA {lba} ({code}): {e.strerror}"
+                ) from e
+
+    def flush(self) -> None:
+        try:
+            os.fdatasync(self._fd)
+        except OSError as e:
+            raise BlockDeviceError(f"flush {self.path}: {e.strerror}") from e
+
+    def deallocate(self, lba: int, block_count: int) -> None:
+        check_range(self, lba, block_count * self._block_size)
+        # Punching holes needs fallocate(PUNCH_HOLE), which os does not expose; zero instead.
+        self.write(lba, bytes(block_count * self._block_size))
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

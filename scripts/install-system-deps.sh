@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Installs the Debian packages the project needs on a development or CI machine.
+# As root it installs what is missing; otherwise it says what to install and carries on, so that
+# the parts that need a missing package skip with a reason instead of failing obscurely.
+set -u
+# libssl-dev + gcc: the batched AES-XTS loop (cffi over OpenSSL EVP) is compiled at install.
+# redis-server: the datapath benchmark compares against a real Redis.
+# serf: cluster membership (HashiCorp Serf).  iproute2: network namespaces in tests.
+PKGS=(gcc libssl-dev redis-server serf iproute2)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "installing Debian packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq >/dev/null && apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+    || { echo "apt-get install ${missing[*]} failed" >&2; exit 1; }
+else
+  echo "NOTE: missing Debian packages: ${missing[*]}" >&2
+  echo "      run: sudo apt-get install ${missing[*]}   (tests that need them will skip)" >&2
+fi

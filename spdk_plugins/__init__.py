@@ -1,0 +1,1 @@
+"""spdk_plugins: desired-state SPDK configuration, plan/apply, and an rpc.py plugin."""
