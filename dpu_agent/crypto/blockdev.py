@@ -1,0 +1,96 @@
+"""CryptoBlockDevice: AES-XTS over any BlockDevice, like SPDK's crypto vbdev over its base bdev.
+
+The base device only ever sees ciphertext. Sector i of an I/O at `lba` is tweaked with
+`lba + i`, the LBA on the base device (the crypto vbdev maps blocks 1:1), so a namespace written
+here reads back through SPDK's crypto vbdev with the same key and the other way round.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from dpu_agent.blockdev import BlockDevice, check_range
+from dpu_agent.crypto.xts import XtsCipher
+
+__all__ = ["SCRATCH_BYTES_MAX", "CryptoBlockDevice"]
+
+# Writes are encrypted through a per-thread scratch buffer of at most this size (the caller's
+# data is never modified): 4 MiB is where a QD1 pwritev reaches full speed here
+# (../shared/MEASURED.md), and it bounds memory to 4 MiB per writing thread.
+SCRATCH_BYTES_MAX = 4 << 20
+
+
+class CryptoBlockDevice:
+    """Encrypts writes and decrypts reads of `base`; safe to call from several threads at once.
+
+    Takes ownership of `base`: `close()` closes it. `deallocate` passes through, so a
+    deallocated range reads back as the decryption of zeros (as with SPDK's crypto vbdev):
+    callers must not read blocks they have not written.
+    """
+
+    def __init__(self, base: BlockDevice, cipher: XtsCipher) -> None:
+        if cipher.block_size != base.block_size:
+            raise ValueError(
+                f"cipher block_size {cipher.block_size} != base device block_size "
+                f"{base.block_size}; build XtsCipher(key, block_size={base.block_size})"
+            )
+        self._base = base
+        self._cipher = cipher
+        self._block_size = base.block_size
+        # Whole blocks only: a write is split at block boundaries.
+        self._scratch_bytes = max(
+            self._block_size, SCRATCH_BYTES_MAX // self._block_size * self._block_size
+        )
+        self._local = threading.local()
+
+    def __repr__(self) -> str:
+        return f"CryptoBlockDevice(base={self._base!r}, cipher={self._cipher!r})"
+
+    @property
+    def base(self) -> BlockDevice:
+        return self._base
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def block_count(self) -> int:
+        return self._base.block_count
+
+    def _scratch(self) -> memoryview:
+        view: memoryview | None = getattr(self._local, "scratch", None)
+        if view is None:
+            view = memoryview(bytearray(self._scratch_bytes))
+            self._local.scratch = view
+        return view
+
+    def read_into(self, lba: int, buf: memoryview) -> None:
+        """Read ciphertext into `buf`, then decrypt it there (no extra buffer)."""
+        check_range(self, lba, len(buf))
+        self._base.read_into(lba, buf)
+        self._cipher.decrypt_into(buf, buf, lba)
+
+    def write(self, lba: int, data: memoryview | bytes) -> None:
+        """Encrypt `data` piecewise into this thread's scratch buffer and write each piece."""
+        view = memoryview(data)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        check_range(self, lba, len(view))
+        scratch = self._scratch()
+        done = 0
+        while done < len(view):
+            n = min(len(view) - done, self._scratch_bytes)
+            piece_lba = lba + done // self._block_size
+            self._cipher.encrypt_into(view[done : done + n], scratch[:n], piece_lba)
+            self._base.write(piece_lba, scratch[:n])
+            done += n
+
+    def flush(self) -> None:
+        self._base.flush()
+
+    def deallocate(self, lba: int, block_count: int) -> None:
+        self._base.deallocate(lba, block_count)
+
+    def close(self) -> None:
+        self._base.close()
