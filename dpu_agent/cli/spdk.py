@@ -1,0 +1,177 @@
+"""`dpuctl spdk`: drive SPDK on the DPU from the `[spdk]` section of the agent's config.
+
+Exit codes: 0 done (status: in sync); 1 SPDK refused a step, the plan has conflicts, or
+status found drift; 2 usage; 3 SPDK unreachable (socket missing, timeout, connection lost);
+4 the config is invalid (the message names the field).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from typing import Any, NoReturn, TypeVar
+
+import click
+
+from spdk_plugins import ops
+from spdk_plugins.apply import ApplyError, PlanConflict
+from spdk_plugins.desired import DesiredStateError
+from spdk_plugins.rpc import SpdkConnectionError, SpdkError, SpdkTimeout
+
+__all__ = ["spdk_group"]
+
+EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE, EXIT_CONFIG = 0, 1, 3, 4
+F = TypeVar("F", bound=Callable[..., Any])
+_CONFIG = click.Path(dir_okay=False)  # the agent's TOML with [spdk]; or $DPUKV_CONFIG
+
+
+def _fail(exit_code: int, message: str, as_json: bool, **extra: Any) -> NoReturn:
+    if as_json:
+        click.echo(json.dumps({"ok": False, "error": message, "exit_code": exit_code, **extra}))
+    else:
+        click.echo(f"error: {message}", err=True)
+    sys.exit(exit_code)
+
+
+def _errors(fn: F) -> F:
+    """Map driver errors to exit codes in one place."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        as_json = bool(kwargs.get("as_json"))
+        try:
+            return fn(*args, **kwargs)
+        except (DesiredStateError, OSError, ValueError) as e:
+            _fail(EXIT_CONFIG, str(e), as_json)
+        except PlanConflict as e:
+            _fail(EXIT_FAILED, f"plan has conflicts: {e}", as_json, conflicts=list(e.conflicts))
+        except ApplyError as e:
+            _fail(EXIT_FAILED, str(e), as_json, step=e.step, code=e.code, done=e.done)
+        except (SpdkConnectionError, SpdkTimeout) as e:
+            _fail(EXIT_UNREACHABLE, str(e), as_json)
+        except SpdkError as e:
+            _fail(EXIT_FAILED, str(e), as_json)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _options(fn: F) -> F:
+    fn = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")(fn)
+    fn = click.option("--socket", default=None, help="SPDK RPC socket (default: [spdk].socket).")(
+        fn
+    )
+    fn = click.option("--key-file", default=None, help="Agent key file (default: environment).")(fn)
+    fn = click.option("--config", "config", required=True, envvar="DPUKV_CONFIG", type=_CONFIG)(fn)
+    return fn
+
+
+def _show(doc: Any, as_json: bool, render: Callable[[Any], str]) -> None:
+    click.echo(json.dumps(doc, indent=2) if as_json else render(doc))
+
+
+def _render_steps(steps: list[dict[str, Any]]) -> list[str]:
+    return [
+        f"{i:3}. {s['method']} {json.dumps(s['params'], separators=(',', ':'))}  # {s['why']}"
+        for i, s in enumerate(steps, 1)
+    ]
+
+
+def _render_plan(p: dict[str, Any]) -> str:
+    lines = _render_steps(p["steps"]) or ["in sync: nothing to do"]
+    lines += [f"CONFLICT {c}" for c in p["conflicts"]]
+    lines += [f"unmanaged {u}" for u in p["unmanaged"]]
+    return "\n".join(lines)
+
+
+def _render_apply(r: dict[str, Any]) -> str:
+    lines = [f"applied {len(r['applied'])} step(s)", *_render_steps(r["applied"])]
+    left = r["after"]["steps"]
+    lines.append("converged" if not left else f"NOT converged: {len(left)} step(s) left")
+    return "\n".join(lines)
+
+
+def _render_status(s: dict[str, Any]) -> str:
+    if s["in_sync"]:
+        return "in sync"
+    lines = [f"missing {m}" for m in s["missing"]] + [f"extra {x}" for x in s["extra"]]
+    return "\n".join(lines + [f"changed {c}" for c in s["changed"]])
+
+
+@click.group(
+    "spdk", help="Drive SPDK on the DPU: desired state ([spdk] in the config) -> plan -> apply."
+)
+def spdk_group() -> None:
+    pass
+
+
+@spdk_group.command("plan", help="Print the RPCs that would reconcile SPDK (keys redacted).")
+@_options
+@_errors
+def plan_cmd(config: str, socket: str | None, key_file: str | None, as_json: bool) -> None:
+    _show(ops.run_plan(config, socket, key_file), as_json, _render_plan)
+
+
+@spdk_group.command("apply", help="Run the plan; stop at the first SPDK error; re-plan.")
+@_options
+@_errors
+def apply_cmd(config: str, socket: str | None, key_file: str | None, as_json: bool) -> None:
+    result = ops.run_apply(config, socket, key_file)
+    _show(result, as_json, _render_apply)
+    sys.exit(EXIT_FAILED if result["after"]["steps"] else EXIT_OK)
+
+
+@spdk_group.command("status", help="Drift report: objects created or removed behind our back.")
+@_options
+@_errors
+def status_cmd(config: str, socket: str | None, key_file: str | None, as_json: bool) -> None:
+    report = ops.run_status(config, socket, key_file)
+    _show(report, as_json, _render_status)
+    sys.exit(EXIT_OK if report["in_sync"] else EXIT_FAILED)
+
+
+@spdk_group.command("boot-config", help="The SPDK JSON config (spdk_tgt --json) a DPU boots with.")
+@click.option("--config", "config", required=True, envvar="DPUKV_CONFIG", type=_CONFIG)
+@click.option("--output", default=None, help="Write here instead of stdout.")
+@click.option("--with-keys", is_flag=True, help="Real key material (needs --output; 0600).")
+@click.option("--key-file", default=None, help="Agent key file (default: environment).")
+@click.option("--provisioned", is_flag=True, help="The drive already holds the lvstores.")
+@click.option("--json", "as_json", is_flag=True, help="Errors as JSON too.")
+@_errors
+def boot_config_cmd(
+    config: str,
+    output: str | None,
+    with_keys: bool,
+    key_file: str | None,
+    provisioned: bool,
+    as_json: bool,
+) -> None:
+    doc = ops.run_boot_config(
+        config, output, with_keys=with_keys, key_file=key_file, provisioned=provisioned
+    )
+    click.echo(json.dumps(doc, indent=2) if output is None or with_keys else f"wrote {output}")
+
+
+@spdk_group.command("tiers", help="Per tenant: subsystem, loopback listener, nsid of each tier.")
+@click.option("--config", "config", required=True, envvar="DPUKV_CONFIG", type=_CONFIG)
+@click.option("--json", "as_json", is_flag=True)
+@_errors
+def tiers_cmd(config: str, as_json: bool) -> None:
+    _show(
+        ops.run_tiers(config),
+        as_json,
+        lambda ts: "\n".join(
+            f"{t['tenant']:12} {t['tier']:5} nsid {t['nsid']} {t['subnqn']} "
+            f"{t['traddr']}:{t['trsvcid']}"
+            for t in ts
+        ),
+    )
+
+
+@spdk_group.command("sim", help="Run the SPDK v26.05 simulator on a socket (demos, tests).")
+@click.option("--socket", required=True, help="Unix socket path to serve on.")
+@click.option("--wait-for-rpc", is_flag=True, help="Start like spdk_tgt --wait-for-rpc.")
+@click.option("--mlx5", is_flag=True, help="Pretend to be a DOCA build with the mlx5 module.")
+def sim_cmd(socket: str, wait_for_rpc: bool, mlx5: bool) -> None:
+    ops.run_simulator(socket, wait_for_rpc=wait_for_rpc, mlx5=mlx5)
