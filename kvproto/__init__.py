@@ -3,3 +3,16 @@
 Chunk keys, checksums, control-plane frames and NVMe/TCP PDUs. Depends only on the host
 shim's own dependencies (msgpack, xxhash, numpy).
 """
+
+from kvproto.checksum import CHECKSUM_BYTES, chunk_checksum, verify_checksum
+from kvproto.keys import KEY_BYTES, LAYOUT_ID_BYTES, ChunkLayout, chunk_keys
+
+__all__ = [
+    "CHECKSUM_BYTES",
+    "KEY_BYTES",
+    "LAYOUT_ID_BYTES",
+    "ChunkLayout",
+    "chunk_checksum",
+    "chunk_keys",
+    "verify_checksum",
+]
