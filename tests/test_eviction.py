@@ -1,0 +1,319 @@
+"""Eviction policies: the shared contract, and each policy's semantics on hand-made sequences."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+
+from dpu_agent.bench.replay import generate_trace
+from dpu_agent.eviction import (
+    DEFAULT_POLICY,
+    POLICY_NAMES,
+    ClockPolicy,
+    EvictionPolicy,
+    Lru2Policy,
+    PrefixPolicy,
+    S3FifoPolicy,
+    make_policy,
+)
+
+
+def always(_: int) -> bool:
+    return True
+
+
+def outside(pinned: set[int]) -> Callable[[int], bool]:
+    return lambda item: item not in pinned
+
+
+def filled(name: str, items: list[int], capacity: int = 100) -> EvictionPolicy:
+    policy = make_policy(name, capacity)
+    for i, item in enumerate(items):
+        policy.insert(item, None, float(i))
+    return policy
+
+
+def test_make_policy_names_and_default() -> None:
+    assert set(POLICY_NAMES) >= {"lru", "lru2", "clock", "s3fifo", "arc", "prefix"}
+    assert DEFAULT_POLICY == "prefix"
+    for name in POLICY_NAMES:
+        assert make_policy(name, 10).name == name
+
+
+def test_make_policy_unknown_name_lists_valid_names() -> None:
+    with pytest.raises(ValueError, match=r"lru2.*s3fifo.*prefix"):
+        make_policy("mru", 10)
+    with pytest.raises(ValueError, match="got 0"):
+        make_policy("lru", 0)
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_contract_len_contains_remove(name: str) -> None:
+    policy = filled(name, [1, 2, 3])
+    assert len(policy) == 3 and 2 in policy and 4 not in policy
+    policy.remove(2)
+    assert len(policy) == 2 and 2 not in policy
+    for _ in range(5):
+        assert policy.victim(always) in {1, 3}
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_victim_honours_evictable(name: str) -> None:
+    policy = filled(name, list(range(20)))
+    for i in range(0, 20, 3):
+        policy.access(i, 50.0)
+    assert policy.victim(lambda item: item == 7) == 7
+    assert policy.victim(lambda item: False) is None
+    assert make_policy(name, 10).victim(always) is None
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_random_operations_keep_the_contract(name: str) -> None:
+    """Model check: victims are always cached and evictable; None only if nothing is."""
+    rng = random.Random(name)
+    capacity = 32
+    policy, cached = make_policy(name, capacity), set[int]()
+    pinned: set[int] = set()
+    for step in range(3000):
+        item = rng.randrange(80)
+        now = step / 10
+        if item in cached:
+            policy.access(item, now)
+        else:
+            if len(cached) >= capacity:
+                victim = policy.victim(outside(pinned))
+                if victim is None:
+                    assert cached <= pinned
+                    continue
+                assert victim in cached and victim not in pinned
+                policy.remove(victim)
+                cached.discard(victim)
+            parent = rng.choice(sorted(cached)) if cached and rng.random() < 0.5 else None
+            policy.insert(item, parent, now)
+            cached.add(item)
+        if rng.random() < 0.02:
+            pinned = set(rng.sample(sorted(cached), k=min(len(cached), 8)))
+        assert len(policy) == len(cached)
+        assert all(i in policy for i in cached)
+
+
+def test_lru_evicts_least_recently_used() -> None:
+    policy = filled("lru", [1, 2, 3])
+    policy.access(1, 10.0)
+    assert policy.victim(always) == 2
+    policy.remove(2)
+    assert policy.victim(always) == 3
+
+
+def test_lru2_prefers_items_referenced_once() -> None:
+    policy = Lru2Policy(10, correlated_period_s=1.0)
+    for t, item in enumerate([1, 2, 3]):
+        policy.insert(item, None, t * 10.0)
+    policy.access(1, 30.0)
+    policy.access(2, 40.0)
+    assert policy.victim(always) == 3  # newest, but referenced only once
+    policy.remove(3)
+    assert policy.victim(always) == 1  # oldest second-to-last reference (0 < 10)
+
+
+def test_lru2_correlated_reference_does_not_count() -> None:
+    policy = Lru2Policy(10, correlated_period_s=1.0)
+    policy.insert(1, None, 0.0)
+    policy.access(1, 5.0)  # two uncorrelated references
+    policy.insert(2, None, 100.0)
+    policy.access(2, 100.5)  # within the correlated period: still one reference
+    assert policy.victim(always) == 2
+
+
+def test_lru2_remembers_evicted_items() -> None:
+    policy = Lru2Policy(10, correlated_period_s=0.0)
+    policy.insert(1, None, 0.0)
+    policy.remove(1)  # evicted; its reference stays in the history
+    policy.insert(2, None, 10.0)
+    policy.insert(1, None, 20.0)  # second reference
+    assert policy.victim(always) == 2
+
+
+def test_clock_scores_decay_with_time() -> None:
+    def victim_after_quiet(half_life_s: float) -> int | None:
+        policy = ClockPolicy(10, half_life_s=half_life_s)
+        policy.insert(1, None, 0.0)
+        for _ in range(4):
+            policy.access(1, 0.0)  # popular long ago
+        policy.insert(2, None, 0.0)
+        policy.access(2, 100.0)  # used once, just now
+        return policy.victim(always)
+
+    assert victim_after_quiet(half_life_s=1e9) == 2  # no decay: frequency wins
+    assert victim_after_quiet(half_life_s=10.0) == 1  # ten half-lives later: recency wins
+
+
+def test_clock_gives_accessed_items_a_second_chance() -> None:
+    policy = filled("clock", [1, 2, 3])
+    policy.access(1, 3.0)
+    assert policy.victim(always) == 2
+
+
+def test_s3fifo_one_hit_wonders_leave_from_small_queue() -> None:
+    policy = S3FifoPolicy(10)
+    for item in range(1, 11):
+        policy.insert(item, None, 0.0)
+    assert policy.victim(always) == 1
+
+
+def test_s3fifo_promotes_on_reaccess() -> None:
+    policy = S3FifoPolicy(10)
+    for item in range(1, 11):
+        policy.insert(item, None, 0.0)
+    policy.access(1, 1.0)
+    assert policy.victim(always) == 2  # 1 moved to the main queue instead
+    policy.remove(2)
+    assert policy.victim(always) == 3
+
+
+def test_s3fifo_ghost_hit_enters_main_queue() -> None:
+    policy = S3FifoPolicy(10)
+    for item in range(1, 11):
+        policy.insert(item, None, 0.0)
+    policy.remove(policy.victim(always) or 0)  # 1 goes to the ghost queue
+    policy.insert(1, None, 1.0)  # comes back: straight to main
+    for _ in range(8):
+        victim = policy.victim(always)
+        assert victim != 1
+        policy.remove(victim or 0)
+
+
+def test_arc_evicts_recency_list_first() -> None:
+    policy = filled("arc", [1, 2, 3, 4])
+    policy.access(1, 5.0)
+    policy.access(2, 5.0)
+    assert policy.victim(always) == 3
+
+
+def chain(policy: EvictionPolicy, items: list[int], now: float) -> None:
+    parent = None
+    for item in items:
+        policy.insert(item, parent, now)
+        parent = item
+
+
+def test_prefix_evicts_children_before_parents() -> None:
+    policy = PrefixPolicy(100)
+    chain(policy, [1, 2, 3], 0.0)
+    for _ in range(3):
+        policy.access(1, 1.0)  # a hot root
+    order = []
+    while len(policy):
+        victim = policy.victim(always)
+        assert victim is not None
+        order.append(victim)
+        policy.remove(victim)
+    assert order == [3, 2, 1]
+
+
+def test_prefix_keeps_parent_of_pinned_child_while_other_leaves_exist() -> None:
+    policy = PrefixPolicy(100)
+    chain(policy, [1, 2, 3], 0.0)
+    chain(policy, [10, 11], 5.0)  # newer chain
+    assert policy.victim(lambda i: i != 3) == 11  # 2 and 1 still have a cached child
+    # Nothing else evictable: a parent must go; the deeper one orphans fewer chunks.
+    assert policy.victim(lambda i: i in {1, 2}) == 2
+
+
+def test_prefix_never_evicts_parent_with_evictable_child_random() -> None:
+    rng = random.Random(7)
+    policy, parents = PrefixPolicy(64), dict[int, int | None]()
+    for step in range(2000):
+        item = step
+        parent = rng.choice(sorted(parents)) if parents and rng.random() < 0.7 else None
+        if len(policy) >= 64:
+            pinned = set(rng.sample(sorted(parents), k=4))
+            victim = policy.victim(outside(pinned))
+            assert victim is not None
+            children = [c for c, p in parents.items() if p == victim]
+            if children:  # allowed only when no evictable leaf exists
+                has_child = {p for p in parents.values() if p is not None}
+                assert not [i for i in parents if i not in has_child and i not in pinned]
+            policy.remove(victim)
+            del parents[victim]
+            if parent == victim:
+                parent = None
+        policy.insert(item, parent, float(step))
+        parents[item] = parent
+        if rng.random() < 0.3:
+            policy.access(rng.choice(sorted(parents)), float(step))
+
+
+def test_prefix_new_items_go_before_reused_ones() -> None:
+    policy = PrefixPolicy(4)  # probation's initial share: 0.4 items, so 1 is over it
+    policy.insert(1, None, 0.0)
+    policy.access(1, 1.0)  # reused: protected
+    policy.insert(2, None, 2.0)  # seen once: probation
+    assert policy.victim(always) == 2
+
+
+def test_prefix_probation_share_adapts_to_ghost_hits() -> None:
+    """A returning id that was evicted from probation wins probation more room (ARC)."""
+    policy = PrefixPolicy(4)
+    policy.insert(1, None, 0.0)
+    policy.access(1, 1.0)
+    policy.insert(2, None, 2.0)
+    policy.remove(2)  # evicted from probation: ghost B1
+    policy.insert(2, None, 3.0)  # B1 hit: the target grows and 2 returns protected
+    policy.insert(3, None, 4.0)  # probation holds 1 item, now within its share
+    assert policy.victim(always) == 1  # the least recently used protected leaf
+
+
+def test_prefix_parent_outside_the_tier() -> None:
+    """The engine passes parents that live in another tier, or come and go (demotion)."""
+    policy = PrefixPolicy(100)
+    policy.insert(2, 1, 0.0)  # parent 1 is not in this tier
+    policy.insert(1, None, 1.0)  # now it is, but 2 was not counted as its child
+    assert policy.victim(always) == 2  # older leaf
+    policy.remove(2)
+    policy.remove(1)
+    assert len(policy) == 0
+
+
+def test_prefix_parent_evicted_and_back_before_its_child() -> None:
+    policy = PrefixPolicy(100)
+    chain(policy, [1, 2], 0.0)
+    assert policy.victim(lambda i: i == 1) == 1  # child pinned: the parent must go
+    policy.remove(1)
+    policy.insert(1, None, 5.0)  # the parent comes back (re-fetched)
+    policy.remove(2)  # the child's count belonged to the old parent node
+    assert policy.victim(always) == 1
+    policy.remove(1)
+    assert policy.victim(always) is None
+
+
+def hits_with_hint(policy: EvictionPolicy, capacity: int, trace: list[tuple[int, ...]]) -> int:
+    """Replay with the caller evicting at `capacity`, whatever the policy was told."""
+    hits = 0
+    for now, ids in enumerate(trace):
+        for b in ids:
+            if b not in policy:
+                break
+            hits += 1
+        parent = None
+        for b in ids:
+            if b in policy:
+                policy.access(b, float(now))
+            else:
+                if len(policy) >= capacity:
+                    victim = policy.victim(outside(set(ids)))
+                    assert victim is not None
+                    policy.remove(victim)
+                policy.insert(b, parent, float(now))
+            parent = b
+    return hits
+
+
+def test_prefix_split_does_not_depend_on_the_capacity_hint() -> None:
+    """Tiers pass their block count (several blocks per chunk): the learnt split must hold."""
+    trace = [r.hash_ids for r in generate_trace("docs", 600, seed=1)]
+    exact = hits_with_hint(PrefixPolicy(300), 300, trace)
+    assert exact > 0
+    assert hits_with_hint(PrefixPolicy(300 * 64), 300, trace) == exact
