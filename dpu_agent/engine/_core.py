@@ -1,0 +1,557 @@
+"""The storage engine's core: records, tiers, leases, two-phase writes, eviction and durability.
+
+One lock guards all mutable state. Chunk bytes move outside it: hosts read and write blocks
+through the NVMe/TCP target with no engine call, and `put_chunk`/`get_chunk` drop the lock for
+their data I/O. Engine-internal moves (demotion, close-time flush of DRAM) run under the lock.
+
+Extent safety: an extent under lease is never freed, reused, evicted or demoted; a record deleted
+while its extent is leased leaves the extent "deferred" until the last lease ends. Reserved
+extents belong to their reservation until commit or expiry.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from dpu_agent.blockdev import BLOCK_SIZE, BlockDevice
+from dpu_agent.crypto import KeyStore
+from dpu_agent.engine import journal as jr
+from dpu_agent.engine import recovery
+from dpu_agent.engine._records import ITEM_ROW_BITS, RecordBookkeeping
+from dpu_agent.engine.errors import (
+    EngineError,
+    LeaseExpired,
+    LimitExceeded,
+    QuotaExceeded,
+    ReservationExpired,
+    TierFull,
+    UnknownTenant,
+)
+from dpu_agent.engine.index import NO_ROW, RecordIndex, split_keys
+from dpu_agent.engine.journal import Journal
+from dpu_agent.engine.tiers import DRAM, NVME, DeviceFactory, EmbeddedDevices, Tier, TierSpec
+from dpu_agent.engine.types import (
+    ChunkLocation,
+    EngineConfig,
+    Lease,
+    LookupResult,
+    PendingReservation,
+    Reservation,
+    TenantState,
+)
+from dpu_agent.log import get_logger
+from dpu_agent.metrics import REGISTRY, Counter, Gauge
+from kvproto.checksum import chunk_checksum
+from kvproto.control import valid_tenant_name
+
+__all__ = ["EngineCore"]
+
+log = get_logger(__name__)
+
+LOOKUP_KEYS_MAX = 4096  # 1M tokens of context in 256-token chunks
+LEASES_MAX = 65536  # open leases; each costs ~200 B, and readers release within the TTL
+RESERVATIONS_MAX = 65536  # open two-phase writes, same reasoning
+TENANTS_MAX = 4096  # one NVMe-oF subsystem each (matches dpu_agent.config)
+EVICT_STEPS_MAX = 256  # evictions one placement may cause (mixed sizes can need several)
+CHUNK_BYTES_MAX = 1 << 30  # one chunk; a 1 GiB KV chunk is far above any real layout
+COUNT_MAX = 0xFFFF  # pin and lease counts are uint16 columns
+SMALL_FRACTION = 8  # chunks above 1/8 of the DRAM tier go straight to NVMe
+SCALAR_FIND_MAX = 16  # lookups of up to this many keys probe key by key
+
+_LOOKUPS = Counter(
+    "kvtier_engine_lookup_chunks",
+    "Chunks asked for by lookups",
+    ["tenant", "result"],
+    registry=REGISTRY,
+)
+_EVICTIONS = Counter(
+    "kvtier_engine_evictions",
+    "Chunks that left a tier",
+    ["tenant", "tier", "action"],
+    registry=REGISTRY,
+)
+_USED = Gauge(
+    "kvtier_engine_tier_used_bytes",
+    "Allocated bytes per tier",
+    ["tenant", "tier"],
+    registry=REGISTRY,
+)
+_RECORDS = Gauge(
+    "kvtier_engine_records", "Committed chunks per tier", ["tenant", "tier"], registry=REGISTRY
+)
+
+
+def _check_key(key: bytes, what: str = "key") -> None:
+    if not isinstance(key, bytes | bytearray) or len(key) != 16:
+        raise ValueError(f"chunk {what} must be 16 bytes, got {key!r:.60}")
+
+
+class EngineCore(RecordBookkeeping):
+    """State, tenants, reads, two-phase writes, placement and eviction; `Engine` adds the rest."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        device_factory: DeviceFactory | None = None,
+        keystore: KeyStore | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self._clock = clock
+        self._wall = wall_clock
+        self._epoch = clock()
+        self._lock = threading.RLock()
+        self._checkpoint_lock = threading.Lock()
+        if device_factory is None:
+            config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            keystore = keystore if keystore is not None else KeyStore(config.key_path)
+            device_factory = EmbeddedDevices(config.nvme_path, keystore)
+        self._factory = device_factory
+        self._index = RecordIndex()
+        self._tenants: dict[str, TenantState] = {}
+        self._by_id: dict[int, TenantState] = {}
+        self._leases: OrderedDict[int, Lease] = OrderedDict()
+        self._extent_leases: dict[tuple[int, int, int], int] = {}
+        self._deferred: dict[tuple[int, int, int], tuple[int, bool]] = {}
+        self._reservations: OrderedDict[int, PendingReservation] = OrderedDict()
+        self._expired_leases: OrderedDict[int, float] = OrderedDict()
+        self._expired_reservations: OrderedDict[int, float] = OrderedDict()
+        # random start: ids from an earlier run are not mistaken for live ones
+        self._ids = itertools.count(secrets.randbits(40) + 1)
+        self._seq = 1
+        self._counters: dict[int, tuple[Any, Any]] = {}  # tenant id -> lookup hit/miss counters
+        self._last_sync = clock()
+        self._closed = False
+        self._journal = Journal(config.journal_path)
+        try:
+            self.recovery_report = recovery.recover(self)
+            for name, quota in config.tenants.items():
+                self.add_tenant(name, quota_bytes=quota)
+        except BaseException:
+            self._journal.close()  # a failed start must not keep the directory locked
+            raise
+
+    # --- tenants ---------------------------------------------------------------------------
+
+    def add_tenant(self, tenant: str, *, quota_bytes: int = 0) -> None:
+        """Create the tenant's tiers (idempotent; an existing tenant gets the new quota)."""
+        if not valid_tenant_name(tenant):
+            raise ValueError(
+                f"tenant name {tenant!r} is invalid: use 1-63 lowercase letters, digits, '-'"
+            )
+        if quota_bytes < 0:
+            raise ValueError(f"quota_bytes={quota_bytes}: give 0 (none) or a positive size")
+        with self._lock:
+            self._check_open()
+            ts = self._tenants.get(tenant)
+            if ts is not None:
+                ts.quota_bytes = quota_bytes
+                return
+            if len(self._tenants) >= TENANTS_MAX:
+                raise LimitExceeded(f"{TENANTS_MAX} tenants exist; remove one first")
+            tid = max(self._by_id, default=0) + 1
+            self._build_tenant(tenant, tid, quota_bytes)
+            self._journal.append(jr.pack_tenant(tid, self._next_seq(), tenant))
+            log.info("engine.tenant_added", tenant=tenant, quota_bytes=quota_bytes)
+
+    def tenants(self) -> list[str]:
+        with self._lock:
+            return sorted(self._tenants)
+
+    def namespaces(self, tenant: str) -> dict[int, BlockDevice]:
+        """What the NVMe/TCP target exports for the tenant: nsid -> (encrypting) device."""
+        with self._lock:
+            ts = self._tenant(tenant)
+            return {t.spec.nsid: t.device for t in ts.tiers}
+
+    def _build_tenant(
+        self, name: str, tid: int, quota_bytes: int, nvme_generation: int | None = None
+    ) -> TenantState:
+        tiers = []
+        sizes = {DRAM: self.config.dram_bytes, NVME: self.config.nvme_bytes}
+        for index, size in sizes.items():
+            spec = TierSpec(
+                index=index,
+                block_count=size // BLOCK_SIZE,
+                persistent=index == NVME,
+                key_generation=nvme_generation if index == NVME else None,
+            )
+            tiers.append(Tier.build(spec, self._factory(name, spec), self.config.eviction_policy))
+        ts = TenantState(name=name, tenant_id=tid, tiers=tiers, quota_bytes=quota_bytes)
+        self._tenants[name] = ts
+        self._by_id[tid] = ts
+        return ts
+
+    def _tenant(self, name: str) -> TenantState:
+        self._check_open()
+        ts = self._tenants.get(name)
+        if ts is None:
+            raise UnknownTenant(
+                f"tenant {name!r} is not configured on this agent; add it under "
+                f"[tenants.{name}] in the config (or Engine.add_tenant)"
+            )
+        return ts
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError("engine is closed; start a new Engine on the same data_dir")
+
+    # --- reads: lookup and leases ----------------------------------------------------------
+
+    def lookup(self, tenant: str, keys: Sequence[bytes]) -> LookupResult:
+        """The longest cached prefix of `keys`, its extents leased until release() or TTL."""
+        if len(keys) > LOOKUP_KEYS_MAX:
+            raise LimitExceeded(f"lookup of {len(keys)} keys; split it into <= {LOOKUP_KEYS_MAX}")
+        for key in keys:
+            _check_key(key)
+        with self._lock:
+            ts = self._tenant(tenant)
+            now = self._clock()
+            if not keys:
+                return LookupResult(hits=[], lease_id=None, lease_expires_s=0.0)
+            rows = self._find_prefix(ts.tenant_id, keys)
+            n = len(rows)
+            ts.hits += n
+            ts.misses += len(keys) - n
+            hit_counter, miss_counter = self._lookup_counters(ts)
+            hit_counter.inc(n)
+            miss_counter.inc(len(keys) - n)
+            if n == 0:
+                return LookupResult(hits=[], lease_id=None, lease_expires_s=0.0)
+            hit = rows[:n]
+            self._check_lease_room(hit, now)
+            hits, lease = self._lease_hits(ts, hit, keys, now)
+            self._leases[lease.lease_id] = lease
+            return LookupResult(
+                hits=hits, lease_id=lease.lease_id, lease_expires_s=self.config.lease_ttl_s
+            )
+
+    def release(self, tenant: str, lease_id: int) -> None:
+        """End a lease. Raises LeaseExpired when it was already reclaimed after its TTL."""
+        with self._lock:
+            ts = self._tenant(tenant)
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.tenant_id != ts.tenant_id:
+                raise self._lease_gone(ts, lease_id, self._clock())
+            del self._leases[lease_id]
+            self._unlease(lease)
+
+    def _find_prefix(self, tid: int, keys: Sequence[bytes]) -> np.ndarray:
+        """Rows of the longest prefix of keys that is cached; short requests probe one key at
+        a time (numpy's per-call cost dominates below about 16 keys)."""
+        if len(keys) > SCALAR_FIND_MAX:
+            k0, k1 = split_keys(keys)
+            rows = self._index.find_many(tid, k0, k1)
+            missing = np.flatnonzero(rows < 0)
+            return rows[: int(missing[0])] if len(missing) else rows
+        found = []
+        for key in keys:
+            row = self._index.find(tid, key)
+            if row == NO_ROW:
+                break
+            found.append(row)
+        return np.array(found, dtype=np.int64)
+
+    def _lookup_counters(self, ts: TenantState) -> tuple[Any, Any]:
+        counters = self._counters.get(ts.tenant_id)
+        if counters is None:
+            counters = (_LOOKUPS.labels(ts.name, "hit"), _LOOKUPS.labels(ts.name, "miss"))
+            self._counters[ts.tenant_id] = counters
+        return counters
+
+    def _lease_hits(
+        self, ts: TenantState, hit: np.ndarray, keys: Sequence[bytes], now: float
+    ) -> tuple[list[ChunkLocation], Lease]:
+        """Locations of the hit rows, their access history updated, leased (columns in bulk)."""
+        cols = self._index.cols
+        tiers, lbas = cols["tier"][hit].tolist(), cols["lba"][hit].tolist()
+        counts, lengths = cols["block_count"][hit].tolist(), cols["length"][hit].tolist()
+        sums = np.stack((cols["c0"][hit], cols["c1"][hit]), axis=1).astype("<u8").tobytes()
+        cols["access_count"][hit] += 1
+        cols["prev_access"][hit] = cols["last_access"][hit]
+        cols["last_access"][hit] = now - self._epoch
+        cols["lease"][hit] += 1  # a key asked twice counts once, as in _unlease: consistent
+        seqs, rows = cols["seq"][hit].tolist(), hit.tolist()
+        hits, extents = [], []
+        for i, row in enumerate(rows):
+            tier = ts.tiers[tiers[i]]
+            item = (seqs[i] << ITEM_ROW_BITS) | row
+            if item in tier.policy:
+                tier.policy.access(item, now - self._epoch)
+            else:  # recovered and not used since the restart: it joins the policy now
+                self._policy_insert(tier, row, now)
+            hits.append(
+                ChunkLocation(
+                    key=bytes(keys[i]),
+                    nsid=tiers[i] + 1,
+                    lba=lbas[i],
+                    block_count=counts[i],
+                    length=lengths[i],
+                    checksum=sums[16 * i : 16 * i + 16],
+                )
+            )
+            extents.append((tiers[i], lbas[i], counts[i], row))
+            k = (ts.tenant_id, tiers[i], lbas[i])
+            self._extent_leases[k] = self._extent_leases.get(k, 0) + 1
+        lease = Lease(
+            lease_id=next(self._ids),
+            tenant_id=ts.tenant_id,
+            extents=extents,
+            expires=now + self.config.lease_ttl_s,
+        )
+        return hits, lease
+
+    def _check_lease_room(self, rows: np.ndarray, now: float) -> None:
+        if len(self._leases) >= LEASES_MAX:
+            self._expire(now)
+            if len(self._leases) >= LEASES_MAX:
+                raise LimitExceeded(f"{LEASES_MAX} leases are open; release() leases after reading")
+        if (self._index.cols["lease"][rows] >= COUNT_MAX).any():
+            raise LimitExceeded(f"a chunk already has {COUNT_MAX} leases; release some first")
+
+    def _lease_gone(self, ts: TenantState, lease_id: int, now: float) -> LeaseExpired:
+        expired_at = self._expired_leases.get(lease_id)
+        if expired_at is not None:
+            return LeaseExpired(
+                f"lease {lease_id:#x} expired {(now - expired_at) * 1e3:.0f} ms ago and its "
+                "extents may have been reused; discard what was read under it and lookup() again"
+            )
+        return LeaseExpired(
+            f"lease {lease_id:#x} is not held by tenant {ts.name!r} (never granted, already "
+            "released, or expired long ago); lookup() again"
+        )
+
+    # --- writes: reserve and commit --------------------------------------------------------
+
+    def reserve(
+        self, tenant: str, key: bytes, length: int, parent: bytes | None = None
+    ) -> Reservation:
+        """Allocate blocks for a chunk of `length` bytes (evicting or demoting if needed)."""
+        _check_key(key)
+        if parent is not None:
+            _check_key(parent, "parent key")
+        if not 0 < length <= CHUNK_BYTES_MAX:
+            raise ValueError(f"chunk length {length}: give 1..{CHUNK_BYTES_MAX} bytes")
+        n = -(-length // BLOCK_SIZE)
+        with self._lock:
+            ts = self._tenant(tenant)
+            now = self._clock()
+            if len(self._reservations) >= RESERVATIONS_MAX:
+                self._expire(now)
+                if len(self._reservations) >= RESERVATIONS_MAX:
+                    raise LimitExceeded(
+                        f"{RESERVATIONS_MAX} reservations are open; commit or let them expire"
+                    )
+            self._enforce_quota(ts, n, now)
+            tier, lba = self._place(ts, n, length, now)
+            res = PendingReservation(
+                reservation_id=next(self._ids),
+                tenant_id=ts.tenant_id,
+                key=bytes(key),
+                length=length,
+                parent=None if parent is None else bytes(parent),
+                tier=tier,
+                lba=lba,
+                block_count=n,
+                expires=now + self.config.reservation_ttl_s,
+            )
+            self._reservations[res.reservation_id] = res
+            ts.reserved_blocks += n
+            return Reservation(
+                reservation_id=res.reservation_id,
+                nsid=tier + 1,
+                lba=lba,
+                block_count=n,
+                expires_s=self.config.reservation_ttl_s,
+            )
+
+    def commit(self, tenant: str, reservation_id: int, checksum: bytes) -> ChunkLocation:
+        """Make a reserved chunk visible (replacing an older chunk under the same key)."""
+        if len(checksum) != 16:
+            raise ValueError(f"checksum must be 16 bytes (xxh3-128), got {len(checksum)}")
+        with self._lock:
+            ts = self._tenant(tenant)
+            now = self._clock()
+            res = self._take_reservation(ts, reservation_id, now)
+            ts.reserved_blocks -= res.block_count
+            old = self._index.find(ts.tenant_id, res.key)
+            if old != NO_ROW:
+                self._drop(ts, old)
+            row = self._insert_record(ts, res, bytes(checksum), now)
+            return self._location(row, res.key)
+
+    def abort(self, tenant: str, reservation_id: int) -> None:
+        """Give a reservation back without committing it."""
+        with self._lock:
+            ts = self._tenant(tenant)
+            res = self._take_reservation(ts, reservation_id, self._clock())
+            self._reclaim_reservation(res)
+
+    def _take_reservation(self, ts: TenantState, rid: int, now: float) -> PendingReservation:
+        res = self._reservations.get(rid)
+        if res is None or res.tenant_id != ts.tenant_id:
+            expired_at = self._expired_reservations.get(rid)
+            if expired_at is not None:
+                raise ReservationExpired(
+                    f"reservation {rid:#x} expired {(now - expired_at) * 1e3:.0f} ms ago and its "
+                    "extent was reclaimed; reserve() again and rewrite the chunk"
+                )
+            raise ReservationExpired(
+                f"reservation {rid:#x} is not open for tenant {ts.name!r} (never made, already "
+                "committed, or expired long ago); reserve() again and rewrite the chunk"
+            )
+        del self._reservations[rid]
+        if now > res.expires:
+            self._reclaim_reservation(res)
+            self._remember(self._expired_reservations, rid, res.expires)
+            raise ReservationExpired(
+                f"reservation {rid:#x} expired {(now - res.expires) * 1e3:.0f} ms ago "
+                f"(TTL {self.config.reservation_ttl_s} s); reserve() again and rewrite the chunk"
+            )
+        return res
+
+    def _insert_record(
+        self, ts: TenantState, res: PendingReservation, checksum: bytes, now: float
+    ) -> int:
+        parent_row = NO_ROW
+        if res.parent is not None:
+            parent_row = self._index.find(ts.tenant_id, res.parent)
+        tier = ts.tiers[res.tier]
+        row = self._index.insert(
+            ts.tenant_id,
+            res.key,
+            c0=int.from_bytes(checksum[:8], "little"),
+            c1=int.from_bytes(checksum[8:], "little"),
+            lba=res.lba,
+            seq=self._next_seq(),
+            block_count=res.block_count,
+            length=res.length,
+            generation=tier.devices.key_generation,
+            created=int(self._wall()),
+            access_count=0,
+            parent=parent_row,
+            last_access=now - self._epoch,
+            prev_access=0.0,
+            tier=res.tier,
+        )
+        self._track(ts, res.tier, row, now)
+        if tier.spec.persistent:
+            self._journal_commit(ts, row, res.key, res.parent)
+        return row
+
+    # --- placement and eviction ------------------------------------------------------------
+
+    def _place(self, ts: TenantState, n: int, length: int, now: float) -> tuple[int, int]:
+        small = n <= ts.tiers[DRAM].alloc.block_count // SMALL_FRACTION
+        for t in (DRAM, NVME) if small else (NVME,):
+            lba = self._make_room(ts, t, n, now, evict=True)
+            if lba is not None:
+                return t, lba
+        parts = []
+        for tier in ts.tiers:
+            parts.append(
+                f"{tier.spec.name}: {tier.alloc.free_blocks} blocks free, largest extent "
+                f"{tier.alloc.largest_free}"
+            )
+        cols = self._index.cols
+        live = self._index.live_rows()
+        mine = live[cols["tenant"][live] == ts.tenant_id]
+        pinned = int(np.count_nonzero(cols["pin"][mine]))
+        leased = int(np.count_nonzero(cols["lease"][mine]))
+        raise TierFull(
+            f"tenant {ts.name!r}: no room for a chunk of {length} bytes ({n} blocks) even after "
+            f"eviction ({'; '.join(parts)}; {pinned} chunks pinned, {leased} leased, "
+            f"{len(self._reservations)} reservations open); release leases, unpin or delete "
+            "chunks, or give the tenant bigger tiers"
+        )
+
+    def _make_room(self, ts: TenantState, t: int, n: int, now: float, *, evict: bool) -> int | None:
+        tier = ts.tiers[t]
+        if n > tier.alloc.block_count:
+            return None
+        for _ in range(EVICT_STEPS_MAX):
+            lba = tier.alloc.alloc(n)
+            if lba is not None or not evict:
+                return lba
+            row = self._victim(tier, now)
+            if row is None:
+                return None
+            self._evict(ts, t, row, now)
+        return None
+
+    def _evict(self, ts: TenantState, t: int, row: int, now: float) -> None:
+        assert self._evictable(row), row
+        if t == DRAM and self._demote(ts, row, now, evict=True):
+            return
+        self._drop(ts, row)
+        ts.evictions += 1
+        _EVICTIONS.labels(ts.name, ts.tiers[t].spec.name, "drop").inc()
+
+    def _demote(self, ts: TenantState, row: int, now: float, *, evict: bool) -> bool:
+        """Move a DRAM chunk to NVMe (verifying it); False when NVMe has no room for it."""
+        cols = self._index.cols
+        n, src = int(cols["block_count"][row]), int(cols["lba"][row])
+        length = int(cols["length"][row])
+        dst = self._make_room(ts, NVME, n, now, evict=evict)
+        if dst is None:
+            return False
+        buf = bytearray(n * BLOCK_SIZE)
+        ts.tiers[DRAM].device.read_into(src, memoryview(buf))
+        key = self._index.key_of(row)
+        if chunk_checksum(key, memoryview(buf)[:length]) != self._checksum(row):
+            ts.tiers[NVME].alloc.free(dst, n)
+            self._integrity_failure(ts, row)
+            return True
+        ts.tiers[NVME].device.write(dst, memoryview(buf))
+        parent_key = self._parent_key(row)
+        self._untrack(ts, DRAM, row)
+        ts.tiers[DRAM].alloc.free(src, n)
+        cols["tier"][row] = NVME
+        cols["lba"][row] = dst
+        cols["generation"][row] = ts.tiers[NVME].devices.key_generation
+        cols["seq"][row] = self._next_seq()
+        self._track(ts, NVME, row, now)
+        self._journal_commit(ts, row, key, parent_key)
+        ts.demotions += 1
+        _EVICTIONS.labels(ts.name, "dram", "demote").inc()
+        return True
+
+    def _enforce_quota(self, ts: TenantState, n: int, now: float) -> None:
+        quota = ts.quota_bytes
+        if not quota:
+            return
+        if n * BLOCK_SIZE > quota:
+            raise QuotaExceeded(
+                f"a chunk of {n * BLOCK_SIZE} bytes exceeds tenant {ts.name!r}'s quota of "
+                f"{quota} bytes; raise the quota"
+            )
+        for _ in range(EVICT_STEPS_MAX):
+            if (ts.used_blocks + n) * BLOCK_SIZE <= quota or not self._drop_one(ts):
+                break
+        if (ts.used_blocks + n) * BLOCK_SIZE > quota:
+            raise QuotaExceeded(
+                f"tenant {ts.name!r} uses {ts.used_blocks * BLOCK_SIZE} of its {quota}-byte "
+                f"quota and cannot evict enough for {n * BLOCK_SIZE} more bytes (chunks pinned, "
+                "leased or reserved); release leases, unpin or delete chunks, or raise the quota"
+            )
+
+    def _drop_one(self, ts: TenantState) -> bool:
+        """Drop the coldest evictable chunk of the tenant (NVMe first); False if there is none."""
+        for t in (NVME, DRAM):
+            row = self._victim(ts.tiers[t], self._clock())
+            if row is not None:
+                self._drop(ts, row)
+                ts.evictions += 1
+                _EVICTIONS.labels(ts.name, ts.tiers[t].spec.name, "drop").inc()
+                return True
+        return False

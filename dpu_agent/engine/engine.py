@@ -1,0 +1,451 @@
+"""The storage engine's public face: everything of the ARCHITECTURE.md contract not in _core.
+
+`Engine` adds deletes, pins, operator eviction, stats, the periodic tick (expiry, group commit,
+automatic checkpoints), checkpoints, a clean close, in-process chunk I/O, backup and restore.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dpu_agent.blockdev import BLOCK_SIZE
+from dpu_agent.crypto import KeyStore
+from dpu_agent.engine import backup as backup_mod
+from dpu_agent.engine import recovery
+from dpu_agent.engine._core import (
+    _EVICTIONS,
+    _RECORDS,
+    _USED,
+    COUNT_MAX,
+    EngineCore,
+    _check_key,
+)
+from dpu_agent.engine.errors import EngineError, LimitExceeded, UnknownKey
+from dpu_agent.engine.index import NO_ROW, STATE_LIVE
+from dpu_agent.engine.journal import OP_UNQUARANTINE, pack_extent
+from dpu_agent.engine.tiers import DRAM, NVME, DeviceFactory
+from dpu_agent.engine.types import ChunkLocation, EngineConfig, Lease, TenantState
+from dpu_agent.log import get_logger
+from kvproto.checksum import chunk_checksum
+
+__all__ = ["Engine"]
+
+log = get_logger(__name__)
+
+DEMOTIONS_PER_TICK_MAX = 256  # bounds one tick's work; the next tick goes on
+DEMOTION_BYTES_PER_TICK_MAX = 256 << 20  # ~0.1-0.2 s of copying (XTS + checksum) per tick
+
+
+@dataclass(slots=True, kw_only=True)
+class _Demotion:
+    """A DRAM chunk being copied to NVMe outside the lock (its DRAM extent leased meanwhile)."""
+
+    ts: TenantState
+    row: int
+    seq: int
+    key: bytes
+    checksum: bytes
+    src: int
+    dst: int
+    block_count: int
+    length: int
+    lease: Lease
+
+
+class Engine(EngineCore):
+    """The context-memory tier's storage engine (docs/ENGINE.md). Thread-safe, synchronous."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        device_factory: DeviceFactory | None = None,
+        keystore: KeyStore | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        super().__init__(
+            config,
+            device_factory=device_factory,
+            keystore=keystore,
+            clock=clock,
+            wall_clock=wall_clock,
+        )
+        if self.recovery_report.torn_segments:
+            # retire the torn segment now, so a later crash never replays past its tear
+            self.checkpoint()
+
+    # --- record operations -----------------------------------------------------------------
+
+    def delete(self, tenant: str, key: bytes) -> None:
+        _check_key(key)
+        with self._lock:
+            ts = self._tenant(tenant)
+            self._drop(ts, self._row_of(ts, key, "delete"))
+
+    def pin(self, tenant: str, key: bytes) -> None:
+        """Keep a chunk from eviction and demotion until unpin() (pins do not survive restart)."""
+        _check_key(key)
+        with self._lock:
+            ts = self._tenant(tenant)
+            row = self._row_of(ts, key, "pin")
+            if self._index.cols["pin"][row] >= COUNT_MAX:
+                raise LimitExceeded(f"chunk {key.hex()} already has {COUNT_MAX} pins")
+            self._index.cols["pin"][row] += 1
+
+    def unpin(self, tenant: str, key: bytes) -> None:
+        _check_key(key)
+        with self._lock:
+            ts = self._tenant(tenant)
+            row = self._row_of(ts, key, "unpin")
+            if self._index.cols["pin"][row] == 0:
+                raise EngineError(f"chunk {key.hex()} of tenant {ts.name!r} is not pinned")
+            self._index.cols["pin"][row] -= 1
+
+    def evict(self, tenant: str, nbytes: int) -> int:
+        """Drop the tenant's coldest evictable chunks until `nbytes` are freed; returns bytes."""
+        if nbytes <= 0:
+            raise ValueError(f"evict {nbytes} bytes: give a positive byte count")
+        freed = 0
+        with self._lock:
+            ts = self._tenant(tenant)
+            while freed < nbytes:
+                before = ts.used_blocks
+                if not self._drop_one(ts):
+                    break
+                freed += (before - ts.used_blocks) * BLOCK_SIZE
+        return freed
+
+    def clear_quarantine(self, tenant: str) -> int:
+        """Return quarantined extents to the allocators (after an operator checked the device).
+        Returns the number of blocks released."""
+        with self._lock:
+            ts = self._tenant(tenant)
+            released = 0
+            for tier in ts.tiers:
+                for lba, n in sorted(tier.quarantined.items()):
+                    tier.alloc.free(lba, n)
+                    released += n
+                    if tier.spec.persistent:
+                        t = tier.spec.index
+                        body = pack_extent(
+                            OP_UNQUARANTINE, ts.tenant_id, self._next_seq(), t, lba, n
+                        )
+                        self._journal.append(body)
+                tier.quarantined.clear()
+            return released
+
+    def _row_of(self, ts: TenantState, key: bytes, what: str) -> int:
+        row = self._index.find(ts.tenant_id, key)
+        if row == NO_ROW:
+            raise UnknownKey(
+                f"tenant {ts.name!r} has no chunk {key.hex()} to {what}; lookup() shows what is "
+                "cached"
+            )
+        return row
+
+    # --- in-process chunk I/O (tests, benchmarks, embedded callers) -------------------------
+
+    def put_chunk(
+        self, tenant: str, key: bytes, data: Any, parent: bytes | None = None
+    ) -> ChunkLocation:
+        """reserve, write (outside the lock), commit."""
+        if isinstance(data, np.ndarray):  # any dtype, bfloat16 included: its bytes
+            data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        view = memoryview(data).cast("B")
+        checksum = chunk_checksum(key, view)
+        res = self.reserve(tenant, key, len(view), parent)
+        dev = self.namespaces(tenant)[res.nsid]
+        try:
+            if len(view) % BLOCK_SIZE:
+                padded = bytearray(res.block_count * BLOCK_SIZE)
+                padded[: len(view)] = view
+                dev.write(res.lba, memoryview(padded))
+            else:
+                dev.write(res.lba, view)
+        except BaseException:
+            self.abort(tenant, res.reservation_id)  # the blocks go back at once, not at expiry
+            raise
+        return self.commit(tenant, res.reservation_id, checksum)
+
+    def get_chunk(self, tenant: str, key: bytes) -> bytes | None:
+        """The chunk's bytes, checksum verified; None on a miss or a mismatch (quarantined)."""
+        result = self.lookup(tenant, [key])
+        if not result.hits:
+            return None
+        assert result.lease_id is not None
+        loc = result.hits[0]
+        buf = bytearray(loc.block_count * BLOCK_SIZE)
+        try:
+            self.namespaces(tenant)[loc.nsid].read_into(loc.lba, memoryview(buf))
+        finally:
+            self.release(tenant, result.lease_id)
+        data = bytes(memoryview(buf)[: loc.length])
+        if chunk_checksum(key, data) == loc.checksum:
+            return data
+        with self._lock:
+            ts = self._tenant(tenant)
+            row = self._index.find(ts.tenant_id, key)
+            cols = self._index.cols
+            same = row != NO_ROW and int(cols["lba"][row]) == loc.lba
+            same = same and self._checksum(row) == loc.checksum  # not a newer version
+            if same and int(cols["tier"][row]) == loc.nsid - 1:
+                self._integrity_failure(ts, row)
+        return None
+
+    # --- stats -----------------------------------------------------------------------------
+
+    def stats(self, tenant: str | None = None) -> dict[str, Any]:
+        with self._lock:
+            if tenant is not None:
+                return self._tenant_stats(self._tenant(tenant))
+            self._check_open()
+            per = {name: self._tenant_stats(ts) for name, ts in sorted(self._tenants.items())}
+            totals = {
+                k: sum(int(s[k]) for s in per.values())
+                for k in (
+                    "records",
+                    "hits",
+                    "misses",
+                    "evictions",
+                    "demotions",
+                    "integrity_failures",
+                )
+            }
+            return {
+                **totals,
+                "tenants": per,
+                "leases": len(self._leases),
+                "reservations": len(self._reservations),
+                "index_bytes": self._index.nbytes,
+                "journal_segment": self._journal.segment,
+                "journal_segment_bytes": self._journal.segment_bytes,
+                "seq": self._seq,
+                "recovery": dataclasses.asdict(self.recovery_report),
+            }
+
+    def _tenant_stats(self, ts: TenantState) -> dict[str, Any]:
+        tiers = {}
+        for tier in ts.tiers:
+            tiers[tier.spec.name] = {
+                "nsid": tier.spec.nsid,
+                "persistent": tier.spec.persistent,
+                "records": tier.records,
+                "capacity_bytes": tier.alloc.block_count * BLOCK_SIZE,
+                "used_bytes": tier.alloc.used_blocks * BLOCK_SIZE,
+                "free_bytes": tier.alloc.free_blocks * BLOCK_SIZE,
+                "largest_free_bytes": tier.alloc.largest_free * BLOCK_SIZE,
+                "free_extents": tier.alloc.extent_count,
+                "quarantined_bytes": tier.quarantined_blocks * BLOCK_SIZE,
+            }
+        return {
+            "tenant": ts.name,
+            "records": sum(t.records for t in ts.tiers),
+            "quota_bytes": ts.quota_bytes,
+            "used_bytes": ts.used_blocks * BLOCK_SIZE,
+            "hits": ts.hits,
+            "misses": ts.misses,
+            "evictions": ts.evictions,
+            "demotions": ts.demotions,
+            "integrity_failures": ts.integrity_failures,
+            "leases": sum(1 for le in self._leases.values() if le.tenant_id == ts.tenant_id),
+            "reservations": sum(
+                1 for r in self._reservations.values() if r.tenant_id == ts.tenant_id
+            ),
+            "tiers": tiers,
+        }
+
+    def _update_gauges(self) -> None:
+        for ts in self._tenants.values():
+            for tier in ts.tiers:
+                _USED.labels(ts.name, tier.spec.name).set(tier.alloc.used_blocks * BLOCK_SIZE)
+                _RECORDS.labels(ts.name, tier.spec.name).set(tier.records)
+
+    # --- housekeeping and durability -------------------------------------------------------
+
+    def tick(self) -> dict[str, int]:
+        """Expire reservations and leases, group-commit the journal, checkpoint when due."""
+        with self._lock:
+            self._check_open()
+            now = self._clock()
+            reservations, leases = self._expire(now)
+            synced = now - self._last_sync >= self.config.fsync_interval_s
+            if synced:
+                self._sync()
+                self._last_sync = now
+            due = self._journal.segment_bytes >= self.config.checkpoint_wal_bytes
+            self._update_gauges()
+        demoted = self._background_demote()
+        if due:
+            self.checkpoint()
+        return {
+            "reservations_expired": reservations,
+            "leases_expired": leases,
+            "demoted": demoted,
+            "synced": int(synced),
+            "checkpointed": int(due),
+        }
+
+    # --- background demotion: data copied outside the lock ---------------------------------
+
+    def _background_demote(self) -> int:
+        """Demote DRAM chunks until each tenant's DRAM has its free target; returns the count."""
+        moved = copied = 0
+        for _ in range(DEMOTIONS_PER_TICK_MAX):
+            if copied >= DEMOTION_BYTES_PER_TICK_MAX:
+                break
+            with self._lock:
+                job = self._start_demotion()
+            if job is None:
+                break
+            ok = self._copy_demotion(job)
+            copied += job.block_count * BLOCK_SIZE
+            with self._lock:
+                moved += self._finish_demotion(job, ok)
+        return moved
+
+    def _start_demotion(self) -> _Demotion | None:
+        """Pick a DRAM victim of a tenant below its free target, lease it, allocate on NVMe."""
+        now = self._clock()
+        for ts in self._tenants.values():
+            dram = ts.tiers[DRAM]
+            target = int(dram.alloc.block_count * self.config.dram_free_fraction)
+            if dram.alloc.free_blocks >= target:
+                continue
+            row = self._victim(dram, now)
+            if row is None:
+                continue
+            cols = self._index.cols
+            n, src = int(cols["block_count"][row]), int(cols["lba"][row])
+            dst = self._make_room(ts, NVME, n, now, evict=True)
+            if dst is None:
+                self._drop(ts, row)  # NVMe has no room at all: an ordinary eviction
+                ts.evictions += 1
+                continue
+            self._lease_extent(ts.tenant_id, DRAM, src, row)
+            lease = Lease(
+                lease_id=0,
+                tenant_id=ts.tenant_id,
+                extents=[(DRAM, src, n, row)],
+                expires=float("inf"),
+            )
+            return _Demotion(
+                ts=ts,
+                row=row,
+                seq=int(cols["seq"][row]),
+                key=self._index.key_of(row),
+                checksum=self._checksum(row),
+                src=src,
+                dst=dst,
+                block_count=n,
+                length=int(cols["length"][row]),
+                lease=lease,
+            )
+        return None
+
+    def _copy_demotion(self, job: _Demotion) -> bool:
+        buf = bytearray(job.block_count * BLOCK_SIZE)
+        job.ts.tiers[DRAM].device.read_into(job.src, memoryview(buf))
+        if chunk_checksum(job.key, memoryview(buf)[: job.length]) != job.checksum:
+            return False
+        job.ts.tiers[NVME].device.write(job.dst, memoryview(buf))
+        return True
+
+    def _finish_demotion(self, job: _Demotion, ok: bool) -> int:
+        """Switch the record to NVMe, unless it changed or a reader leased it meanwhile."""
+        ts, row, cols = job.ts, job.row, self._index.cols
+        self._unlease(job.lease)
+        same = cols["state"][row] == STATE_LIVE and int(cols["seq"][row]) == job.seq
+        if not same or cols["lease"][row] or not ok:
+            ts.tiers[NVME].alloc.free(job.dst, job.block_count)
+            if same and not ok:
+                self._integrity_failure(ts, row)
+            return 0
+        parent_key = self._parent_key(row)
+        self._untrack(ts, DRAM, row)
+        ts.tiers[DRAM].alloc.free(job.src, job.block_count)
+        cols["tier"][row] = NVME
+        cols["lba"][row] = job.dst
+        cols["generation"][row] = ts.tiers[NVME].devices.key_generation
+        cols["seq"][row] = self._next_seq()
+        self._track(ts, NVME, row, self._clock())
+        self._journal_commit(ts, row, job.key, parent_key)
+        ts.demotions += 1
+        _EVICTIONS.labels(ts.name, "dram", "demote").inc()
+        return 1
+
+    def _sync(self) -> None:
+        """Chunk data first, then the journal: a synced commit never points at unsynced data."""
+        for ts in self._tenants.values():
+            ts.tiers[NVME].device.flush()
+        self._journal.sync()
+
+    def checkpoint(self) -> dict[str, Any]:
+        """Snapshot the persistent records, then drop the WAL segments the snapshot contains."""
+        with self._checkpoint_lock:
+            t0 = time.perf_counter()
+            with self._lock:
+                self._check_open()
+                columns, meta = recovery.snapshot(self)
+                devices = [ts.tiers[NVME].device for ts in self._tenants.values()]
+            for dev in devices:
+                dev.flush()
+            size = self._journal.write_checkpoint(columns, meta)
+            seconds = time.perf_counter() - t0
+            log.info(
+                "engine.checkpoint", records=len(columns["k0"]), bytes=size, s=round(seconds, 3)
+            )
+            return {
+                "records": len(columns["k0"]),
+                "bytes": size,
+                "seconds": seconds,
+                "segment": meta["segment"],
+            }
+
+    def close(self) -> None:
+        """Demote DRAM chunks to NVMe where room allows, checkpoint, close devices."""
+        with self._lock:
+            if self._closed:
+                return
+            moved = self._demote_all_dram()
+        self.checkpoint()
+        with self._lock:
+            self._journal.close()
+            for ts in self._tenants.values():
+                for tier in ts.tiers:
+                    tier.device.close()
+            self._closed = True
+        log.info("engine.closed", dram_chunks_kept=moved)
+
+    def _demote_all_dram(self) -> int:
+        """DRAM is volatile: move what fits into free NVMe space, hottest first."""
+        now = self._clock()
+        cols = self._index.cols
+        live = self._index.live_rows()
+        dram = live[cols["tier"][live] == DRAM]
+        order = dram[np.argsort(-cols["last_access"][dram], kind="stable")]
+        moved = 0
+        for row in order.tolist():
+            ts = self._by_id[int(cols["tenant"][row])]
+            if cols["lease"][row]:
+                continue
+            if self._demote(ts, row, now, evict=False):
+                moved += 1
+        return moved
+
+    # --- backup ----------------------------------------------------------------------------
+
+    def backup(self, dest_dir: str | Path, incremental: bool = False) -> dict[str, Any]:
+        """Full or incremental backup of the persistent tier's chunks (ciphertext) and records."""
+        return backup_mod.backup(self, Path(dest_dir), incremental=incremental)
+
+    def restore(self, backup_dirs: Sequence[str | Path]) -> dict[str, Any]:
+        """Load a full backup then its incrementals (oldest first) into this fresh engine."""
+        return backup_mod.restore(self, [Path(d) for d in backup_dirs])

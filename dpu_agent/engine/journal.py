@@ -1,0 +1,412 @@
+"""Write-ahead journal and checkpoints of the persistent-tier records.
+
+Files in the journal directory:
+- `wal-<segment>.log`: append-only frames `[u32 body_len][u32 check][body]`, check = the low
+  32 bits of xxh3-64(body), every body zero-padded to 85 bytes (a commit's size) so a segment
+  parses as one numpy array. A frame cut short, or whose check does not match, ends the replay
+  of its segment (a torn tail after a crash); every frame before it is applied. The engine
+  checkpoints at once after replaying a torn segment, so a later crash never replays past an
+  old tear.
+- `checkpoint.bin`: the persistent records as numpy columns (64-byte aligned, loaded as views of
+  one read) plus a JSON header with tenants, quarantined extents, the next sequence number and
+  the first WAL segment not contained in it; an xxh3-64 of the whole file at its end. Written
+  to a temp file, fsynced, renamed over the old one, directory fsynced; then older segments are
+  deleted.
+
+Durability: appends go to the page cache with one `write()` each, so a `kill -9` of the agent
+loses nothing that was appended. `sync()` (called by the engine every `fsync_interval_s` and at
+checkpoint and close: group commit) fsyncs the segment, so a power loss loses at most that
+interval of commits.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from dpu_agent.log import get_logger
+
+__all__ = [
+    "CHECKPOINT_COLUMNS",
+    "OP_COMMIT",
+    "OP_DELETE",
+    "OP_QUARANTINE",
+    "OP_TENANT",
+    "OP_UNQUARANTINE",
+    "Journal",
+    "JournalError",
+    "Recovered",
+]
+
+log = get_logger(__name__)
+
+OP_COMMIT = 1
+OP_DELETE = 2
+OP_TENANT = 3
+OP_QUARANTINE = 4
+OP_UNQUARANTINE = 5
+
+_HDR = struct.Struct("<II")  # body_len, check: low 32 bits of xxh3-64(body)
+# op, tenant, seq, key, checksum, tier, lba, block_count, length, generation, created,
+# parent key, has_parent
+_COMMIT = struct.Struct("<BHQ16s16sBQIIII16sB")
+_DELETE = struct.Struct("<BHQ16s")  # op, tenant, seq, key
+_TENANT = struct.Struct("<BHQ")  # op, tenant, seq; the UTF-8 name follows
+_EXTENT = struct.Struct("<BHQBQI")  # op, tenant, seq, tier, lba, block_count
+# The same layouts as numpy records, for parsing a whole segment's commits at once.
+COMMIT_DTYPE = np.dtype(
+    [
+        ("op", "u1"),
+        ("tenant", "<u2"),
+        ("seq", "<u8"),
+        ("k0", "<u8"),
+        ("k1", "<u8"),
+        ("c0", "<u8"),
+        ("c1", "<u8"),
+        ("tier", "u1"),
+        ("lba", "<u8"),
+        ("block_count", "<u4"),
+        ("length", "<u4"),
+        ("generation", "<u4"),
+        ("created", "<u4"),
+        ("pk0", "<u8"),
+        ("pk1", "<u8"),
+        ("hp", "u1"),
+    ]
+)
+DELETE_DTYPE = np.dtype(
+    [("op", "u1"), ("tenant", "<u2"), ("seq", "<u8"), ("k0", "<u8"), ("k1", "<u8")]
+)
+assert COMMIT_DTYPE.itemsize == _COMMIT.size and DELETE_DTYPE.itemsize == _DELETE.size
+# Every frame has the same size: bodies are zero-padded to the largest (a commit), so replay
+# parses a whole segment as one numpy array. A tenant name (<= 63 bytes) fits too.
+BODY_BYTES = _COMMIT.size
+FRAME_BYTES = _HDR.size + BODY_BYTES
+SEGMENT_RE = re.compile(r"^wal-(\d{10})\.log$")
+CHECKPOINT_NAME = "checkpoint.bin"
+CHECKPOINT_MAGIC = b"DPUKVCK1"
+LOCK_NAME = "LOCK"
+# Columns of the record index a checkpoint keeps, plus the parent's key.
+CHECKPOINT_COLUMNS = (
+    "k0",
+    "k1",
+    "c0",
+    "c1",
+    "lba",
+    "seq",
+    "block_count",
+    "length",
+    "generation",
+    "created",
+    "tenant",
+    "tier",
+)
+
+
+class JournalError(Exception):
+    """The journal directory cannot be read or written; the message names the file."""
+
+
+@dataclass(slots=True)
+class Recovered:
+    """What load() found: the checkpoint's columns and everything the WAL adds after it."""
+
+    columns: dict[str, np.ndarray] = field(default_factory=dict)  # checkpoint rows (+pk0/pk1/hp)
+    tenants: dict[int, str] = field(default_factory=dict)
+    quarantined: set[tuple[int, int, int, int]] = field(default_factory=set)  # tid,tier,lba,n
+    # every COMMIT and DELETE of the WAL, in log order (COMMIT_DTYPE / DELETE_DTYPE rows)
+    wal_commits: list[np.ndarray] = field(default_factory=list)
+    wal_deletes: list[np.ndarray] = field(default_factory=list)
+    next_seq: int = 1
+    checkpoint_records: int = 0
+    wal_records: int = 0
+    torn_segments: int = 0
+
+
+def pack_commit(
+    tenant: int,
+    seq: int,
+    key: bytes,
+    checksum: bytes,
+    tier: int,
+    lba: int,
+    block_count: int,
+    length: int,
+    generation: int,
+    created: int,
+    parent: bytes | None,
+) -> bytes:
+    return _COMMIT.pack(
+        OP_COMMIT,
+        tenant,
+        seq,
+        key,
+        checksum,
+        tier,
+        lba,
+        block_count,
+        length,
+        generation,
+        created,
+        parent or bytes(16),
+        parent is not None,
+    )
+
+
+def pack_delete(tenant: int, seq: int, key: bytes) -> bytes:
+    return _DELETE.pack(OP_DELETE, tenant, seq, key)
+
+
+def pack_tenant(tenant: int, seq: int, name: str) -> bytes:
+    return _TENANT.pack(OP_TENANT, tenant, seq) + name.encode()
+
+
+def pack_extent(op: int, tenant: int, seq: int, tier: int, lba: int, block_count: int) -> bytes:
+    assert op in (OP_QUARANTINE, OP_UNQUARANTINE), op
+    return _EXTENT.pack(op, tenant, seq, tier, lba, block_count)
+
+
+def _check(body: bytes | memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(body) & 0xFFFFFFFF
+
+
+def frame(body: bytes) -> bytes:
+    assert 0 < len(body) <= BODY_BYTES, len(body)
+    padded = body.ljust(BODY_BYTES, b"\0")
+    return _HDR.pack(BODY_BYTES, _check(padded)) + padded
+
+
+class Journal:
+    """One engine's WAL segments and checkpoint. The engine's lock serialises the calls."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._lock_fd = _lock_dir(self.dir)  # one agent per journal; the kernel drops it on exit
+        self._fd = -1
+        self.segment = 0
+        self.segment_bytes = 0
+        self.unsynced = False
+
+    # --- appending ---
+
+    def open_segment(self, segment: int) -> None:
+        """Start appending to a new segment file (after load, or at a checkpoint)."""
+        self._close_segment()
+        path = self._segment_path(segment)
+        try:
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise JournalError(f"cannot open journal segment {path}: {e.strerror}") from e
+        self.segment = segment
+        self.segment_bytes = os.fstat(self._fd).st_size
+        _fsync_dir(self.dir)
+
+    def append(self, body: bytes) -> None:
+        data = frame(body)
+        try:
+            written = os.write(self._fd, data)
+        except OSError as e:
+            raise JournalError(f"journal append to segment {self.segment}: {e.strerror}") from e
+        assert written == len(data), (written, len(data))
+        self.segment_bytes += written
+        self.unsynced = True
+
+    def sync(self) -> None:
+        if self._fd >= 0 and self.unsynced:
+            os.fsync(self._fd)
+            self.unsynced = False
+
+    def close(self) -> None:
+        """Close the segment and give up the directory lock."""
+        self._close_segment()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    def _close_segment(self) -> None:
+        if self._fd >= 0:
+            self.sync()
+            os.close(self._fd)
+            self._fd = -1
+
+    # --- checkpoints ---
+
+    def write_checkpoint(self, columns: dict[str, np.ndarray], meta: dict[str, Any]) -> int:
+        """Atomically replace the checkpoint; then drop the segments it contains. Returns bytes."""
+        tmp = self.dir / (CHECKPOINT_NAME + ".tmp")
+        final = self.dir / CHECKPOINT_NAME
+        with open(tmp, "wb") as f:
+            size = _write_checkpoint_file(f, columns, meta)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        _fsync_dir(self.dir)
+        for seg in self._segments():
+            if seg < int(meta["segment"]):
+                self._segment_path(seg).unlink()
+        return size
+
+    # --- recovery ---
+
+    def load(self) -> Recovered:
+        """Read the checkpoint and replay every later WAL segment (torn tails tolerated)."""
+        rec = Recovered()
+        first_segment = 0
+        path = self.dir / CHECKPOINT_NAME
+        if path.exists():
+            rec.columns, meta = _read_checkpoint_file(path)
+            rec.tenants = {int(k): v for k, v in meta["tenants"].items()}
+            rec.quarantined = {tuple(q) for q in meta["quarantined"]}
+            rec.next_seq = int(meta["next_seq"])
+            rec.checkpoint_records = len(rec.columns["k0"])
+            first_segment = int(meta["segment"])
+        segments = [s for s in self._segments() if s >= first_segment]
+        for seg in segments:
+            self._replay_segment(seg, rec)
+        self.segment = max([first_segment, *segments]) + 1
+        return rec
+
+    def _replay_segment(self, segment: int, rec: Recovered) -> None:
+        """Frames are fixed-size: verify every check, keep the frames before the first bad one
+        (a torn tail), and decode commits and deletes as numpy records."""
+        data = self._segment_path(segment).read_bytes()
+        count = len(data) // FRAME_BYTES
+        frames = np.frombuffer(data, dtype=np.uint8, count=count * FRAME_BYTES)
+        frames = frames.reshape(count, FRAME_BYTES)
+        header = frames[:, : _HDR.size].copy().view("<u4")  # (count, 2): body_len, check
+        view = memoryview(data)
+        checks = np.fromiter(
+            (
+                _check(view[i * FRAME_BYTES + _HDR.size : (i + 1) * FRAME_BYTES])
+                for i in range(count)
+            ),
+            dtype=np.uint32,
+            count=count,
+        )
+        good = (header[:, 0] == BODY_BYTES) & (header[:, 1] == checks)
+        valid = count if good.all() else int(np.argmin(good))
+        bodies = frames[:valid, _HDR.size :]
+        ops = bodies[:, 0]
+        commits = np.ascontiguousarray(bodies[ops == OP_COMMIT]).view(COMMIT_DTYPE).reshape(-1)
+        deletes = np.ascontiguousarray(bodies[ops == OP_DELETE][:, : DELETE_DTYPE.itemsize])
+        deletes = deletes.view(DELETE_DTYPE).reshape(-1)
+        for row in bodies[(ops != OP_COMMIT) & (ops != OP_DELETE)]:
+            _apply_other(row.tobytes(), rec)
+        for records, out in ((commits, rec.wal_commits), (deletes, rec.wal_deletes)):
+            if len(records):
+                out.append(records)
+                rec.next_seq = max(rec.next_seq, int(records["seq"].max()) + 1)
+        rec.wal_records += valid
+        if valid * FRAME_BYTES != len(data):
+            rec.torn_segments += 1
+            log.warning(
+                "journal.torn_tail",
+                segment=segment,
+                valid_bytes=valid * FRAME_BYTES,
+                file_bytes=len(data),
+            )
+
+    def _segments(self) -> list[int]:
+        found = []
+        for name in os.listdir(self.dir):
+            m = SEGMENT_RE.match(name)
+            if m:
+                found.append(int(m.group(1)))
+        return sorted(found)
+
+    def _segment_path(self, segment: int) -> Path:
+        return self.dir / f"wal-{segment:010d}.log"
+
+
+def _apply_other(body: bytes, rec: Recovered) -> None:
+    """Tenant and quarantine records (rare): applied in log order."""
+    op = body[0]
+    if op == OP_TENANT:
+        _, tenant, seq = _TENANT.unpack_from(body)
+        rec.tenants[tenant] = body[_TENANT.size :].rstrip(b"\0").decode()
+    elif op in (OP_QUARANTINE, OP_UNQUARANTINE):
+        _, tenant, seq, tier, lba, count = _EXTENT.unpack_from(body)
+        if op == OP_QUARANTINE:
+            rec.quarantined.add((tenant, tier, lba, count))
+        else:
+            rec.quarantined.discard((tenant, tier, lba, count))
+    else:
+        raise JournalError(
+            f"journal record with op {op} (check valid): written by a newer agent version? "
+            "Upgrade, or restore from a backup"
+        )
+    rec.next_seq = max(rec.next_seq, seq + 1)
+
+
+def _write_checkpoint_file(f: Any, columns: dict[str, np.ndarray], meta: dict[str, Any]) -> int:
+    """`MAGIC | u32 header_len | JSON header | column bytes... | u64 xxh3-64 of all before`.
+    Columns start at 64-byte offsets so they load as zero-copy numpy views."""
+    layout, offset = [], 0
+    for name, col in columns.items():
+        col = np.ascontiguousarray(col)
+        layout.append({"name": name, "dtype": col.dtype.str, "count": len(col), "offset": offset})
+        offset += -(-col.nbytes // 64) * 64
+    header = json.dumps({"meta": meta, "columns": layout}).encode()
+    prefix = CHECKPOINT_MAGIC + struct.pack("<I", len(header)) + header
+    prefix += bytes(-len(prefix) % 64)
+    digest = xxhash.xxh3_64(prefix)
+    f.write(prefix)
+    for col in columns.values():
+        data = np.ascontiguousarray(col).tobytes()
+        data += bytes(-len(data) % 64)
+        digest.update(data)
+        f.write(data)
+    f.write(digest.digest())
+    return len(prefix) + offset + 8
+
+
+def _read_checkpoint_file(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    data = path.read_bytes()
+    if data[: len(CHECKPOINT_MAGIC)] != CHECKPOINT_MAGIC or len(data) < 80:
+        raise JournalError(f"{path} is not a checkpoint of this format; restore from a backup")
+    if xxhash.xxh3_64_digest(memoryview(data)[:-8]) != data[-8:]:
+        raise JournalError(f"{path} is corrupt (checksum mismatch); restore from a backup")
+    (header_len,) = struct.unpack_from("<I", data, len(CHECKPOINT_MAGIC))
+    start = len(CHECKPOINT_MAGIC) + 4
+    header = json.loads(data[start : start + header_len])
+    base = start + header_len + (-(start + header_len) % 64)
+    columns = {
+        c["name"]: np.frombuffer(data, np.dtype(c["dtype"]), c["count"], base + c["offset"])
+        for c in header["columns"]
+    }
+    return columns, header["meta"]
+
+
+def _lock_dir(directory: Path) -> int:
+    path = directory / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise JournalError(
+            f"journal {directory} is in use by another agent (pid {holder}); stop it, or give "
+            "this one another data_dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

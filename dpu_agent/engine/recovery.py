@@ -1,0 +1,265 @@
+"""Rebuilding the engine at start (checkpoint + WAL) and taking checkpoint snapshots.
+
+Restart is numpy work only (loading columns, rebuilding the slot table and the allocators,
+ordering the records for eviction). The eviction policies start empty: a recovered record
+joins its tier's policy when it is first used, and records never used since the restart are
+evicted first (see Tier.cold).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dpu_agent.engine.alloc import AllocError, ExtentAllocator
+from dpu_agent.engine.index import COLUMNS, NO_ROW, TENANT_MIX, RecordIndex
+from dpu_agent.engine.journal import (
+    CHECKPOINT_COLUMNS,
+    COMMIT_DTYPE,
+    DELETE_DTYPE,
+    JournalError,
+    Recovered,
+)
+from dpu_agent.engine.tiers import NVME
+from dpu_agent.log import get_logger
+
+ITEM_ROW_BITS = 32  # as dpu_agent.engine._core: policy item = seq << 32 | row
+BITMAP_BITS = 22  # 512 KiB prefilter for "does the WAL touch this checkpoint key"
+
+if TYPE_CHECKING:
+    from dpu_agent.engine._core import EngineCore
+
+__all__ = ["RecoveryReport", "recover", "snapshot"]
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecoveryReport:
+    records: int
+    checkpoint_records: int
+    wal_records: int
+    torn_segments: int
+    load_s: float  # reading the checkpoint and the WAL
+    index_s: float  # rebuilding the index and allocators
+    policy_s: float  # ordering the recovered records for eviction (cold lists)
+    total_s: float
+
+
+def recover(engine: EngineCore) -> RecoveryReport:
+    """Fill a new engine from its journal directory and open a fresh WAL segment."""
+    t0 = time.perf_counter()
+    rec = engine._journal.load()
+    t1 = time.perf_counter()
+    fields = _merge(rec)
+    for tid, name in sorted(rec.tenants.items()):
+        gens = np.unique(fields["generation"][fields["tenant"] == tid])
+        if len(gens) > 1:
+            raise JournalError(
+                f"tenant {name!r} has NVMe chunks under key generations {gens.tolist()}; one "
+                "device has one key: restore from a backup"
+            )
+        gen = int(gens[0]) if len(gens) else None
+        engine._build_tenant(name, tid, engine.config.tenants.get(name, 0), gen)
+    fields = _drop_out_of_range(engine, fields)
+    parents = (
+        fields.pop("pk0"),
+        fields.pop("pk1"),
+        fields.pop("hp").astype(bool),
+        fields.pop("pidx"),
+    )
+    rows = engine._index.insert_many(fields)
+    _link_parents(engine._index, rows, parents)
+    _rebuild_allocators(engine, rows, rec)
+    t2 = time.perf_counter()
+    _cold_lists(engine, rows)
+    t3 = time.perf_counter()
+    engine._seq = rec.next_seq
+    engine._journal.open_segment(engine._journal.segment)
+    report = RecoveryReport(
+        records=len(rows),
+        checkpoint_records=rec.checkpoint_records,
+        wal_records=rec.wal_records,
+        torn_segments=rec.torn_segments,
+        load_s=t1 - t0,
+        index_s=t2 - t1,
+        policy_s=t3 - t2,
+        total_s=time.perf_counter() - t0,
+    )
+    if report.records or report.wal_records:
+        log.info("engine.recovered", **{k: getattr(report, k) for k in report.__slots__})
+    return report
+
+
+def _cold_lists(engine: EngineCore, rows: np.ndarray) -> None:
+    """Per tenant: record counts, and the recovered rows in eviction order (leaves first, then
+    parents; oldest first within each) for the policy to take over as they are used."""
+    cols = engine._index.cols
+    is_parent = np.zeros(len(cols["parent"]), dtype=bool)
+    parents = cols["parent"][rows]
+    is_parent[parents[parents >= 0]] = True
+    for ts in engine._by_id.values():
+        tier = ts.tiers[NVME]
+        mine = rows[cols["tenant"][rows] == ts.tenant_id]
+        tier.records = len(mine)
+        tier.used_blocks_records = int(cols["block_count"][mine].sum())
+        rank = cols["seq"][mine] | (is_parent[mine].astype(np.uint64) << np.uint64(63))
+        order = mine[np.argsort(rank, kind="stable")]  # leaves first, oldest first
+        seq = cols["seq"][order].astype(np.uint64)
+        tier.cold = (seq << np.uint64(ITEM_ROW_BITS)) | order.astype(np.uint64)
+        tier.cold_pos = 0
+
+
+def _empty_fields() -> dict[str, np.ndarray]:
+    fields = {name: np.zeros(0, COLUMNS[name]) for name in CHECKPOINT_COLUMNS}
+    fields.update(pk0=np.zeros(0, "<u8"), pk1=np.zeros(0, "<u8"), hp=np.zeros(0, "u1"))
+    fields["pidx"] = np.zeros(0, np.int64)
+    return fields
+
+
+def _fingerprint(tenant: np.ndarray, k0: np.ndarray) -> np.ndarray:
+    return k0.astype(np.uint64) ^ (tenant.astype(np.uint64) * np.uint64(TENANT_MIX))
+
+
+def _merge(rec: Recovered) -> dict[str, np.ndarray]:
+    """Checkpoint rows whose key the WAL never touched, plus the WAL's winning commits (the
+    last op per key wins; a delete wins by removing the key)."""
+    base = dict(rec.columns) if rec.columns else _empty_fields()
+    if "pidx" not in base:
+        base["pidx"] = np.full(len(base["k0"]), -1, np.int64)
+    commits = np.concatenate(rec.wal_commits) if rec.wal_commits else np.zeros(0, COMMIT_DTYPE)
+    deletes = np.concatenate(rec.wal_deletes) if rec.wal_deletes else np.zeros(0, DELETE_DTYPE)
+    if len(commits) + len(deletes) == 0:
+        return base
+    cols = {n: np.concatenate((commits[n], deletes[n])) for n in ("tenant", "k0", "k1", "seq")}
+    order = np.lexsort((cols["seq"], cols["k1"], cols["k0"], cols["tenant"]))
+    t, k0, k1 = cols["tenant"][order], cols["k0"][order], cols["k1"][order]
+    last = np.ones(len(order), dtype=bool)
+    last[:-1] = (t[1:] != t[:-1]) | (k0[1:] != k0[:-1]) | (k1[1:] != k1[:-1])
+    winners = order[last]
+    final = commits[winners[winners < len(commits)]]
+    keep = _untouched(base, cols["tenant"][winners], cols["k0"][winners], cols["k1"][winners])
+    fields = _filter_rows(base, keep)
+    wal = {name: final[name] for name in fields if name != "pidx"}
+    wal["pidx"] = np.full(len(final), -1, np.int64)
+    return {
+        name: np.concatenate((fields[name], wal[name].astype(fields[name].dtype)))
+        for name in fields
+    }
+
+
+def _filter_rows(fields: dict[str, np.ndarray], keep: np.ndarray) -> dict[str, np.ndarray]:
+    """The rows where keep is True; parent positions are renumbered (-1 if the parent went)."""
+    if keep.all():
+        return fields
+    out = {name: col[keep] for name, col in fields.items()}
+    newpos = np.cumsum(keep) - 1
+    pidx = out["pidx"]
+    valid = pidx >= 0
+    valid[valid] = keep[pidx[valid]]
+    out["pidx"] = np.where(valid, newpos[np.where(valid, pidx, 0)], -1)
+    return out
+
+
+def _untouched(
+    base: dict[str, np.ndarray], t: np.ndarray, k0: np.ndarray, k1: np.ndarray
+) -> np.ndarray:
+    """Mask of checkpoint rows whose (tenant, key) is not among (t, k0, k1)."""
+    touched = np.sort(_fingerprint(t, k0))
+    fp = _fingerprint(base["tenant"], base["k0"])
+    bitmap = np.zeros(1 << BITMAP_BITS, dtype=bool)  # a cache-sized prefilter: few candidates
+    bitmap[touched & np.uint64((1 << BITMAP_BITS) - 1)] = True
+    cand = np.flatnonzero(bitmap[fp & np.uint64((1 << BITMAP_BITS) - 1)])
+    at = np.minimum(np.searchsorted(touched, fp[cand]), len(touched) - 1)
+    cand = cand[touched[at] == fp[cand]]
+    keep = np.ones(len(base["k0"]), dtype=bool)
+    if len(cand):
+        tmp = RecordIndex(len(t))
+        tmp.insert_many({"k0": k0, "k1": k1, "tenant": t})
+        hit = tmp.find_many(base["tenant"][cand], base["k0"][cand], base["k1"][cand]) != NO_ROW
+        keep[cand[hit]] = False
+    return keep
+
+
+def _drop_out_of_range(engine: EngineCore, fields: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Records outside their tenant's device (it shrank, or a tenant vanished) are dropped."""
+    keep = np.ones(len(fields["k0"]), dtype=bool)
+    for tid in np.unique(fields["tenant"]).tolist():
+        mine = fields["tenant"] == tid
+        ts = engine._by_id.get(tid)
+        if ts is None:
+            raise JournalError(f"journal has records of tenant id {tid} but no tenant record")
+        limit = ts.tiers[NVME].alloc.block_count
+        end = fields["lba"].astype(np.int64) + fields["block_count"]
+        bad = mine & ((end > limit) | (fields["tier"] != NVME))
+        if bad.any():
+            log.warning("engine.recovery_dropped", tenant=ts.name, records=int(bad.sum()))
+            keep &= ~bad
+    return _filter_rows(fields, keep)
+
+
+def _link_parents(index: RecordIndex, rows: np.ndarray, parents: tuple[np.ndarray, ...]) -> None:
+    """Checkpoint rows name their parent by position (no lookup); the rest by key."""
+    pk0, pk1, has, pidx = parents
+    by_pos = pidx >= 0
+    index.cols["parent"][rows[by_pos]] = rows[pidx[by_pos]].astype(np.int32)
+    by_key = has & ~by_pos
+    if by_key.any():
+        found = index.find_many(index.cols["tenant"][rows[by_key]], pk0[by_key], pk1[by_key])
+        index.cols["parent"][rows[by_key]] = found.astype(np.int32)
+
+
+def _rebuild_allocators(engine: EngineCore, rows: np.ndarray, rec: Recovered) -> None:
+    cols = engine._index.cols
+    for ts in engine._by_id.values():
+        tier = ts.tiers[NVME]
+        mine = rows[cols["tenant"][rows] == ts.tenant_id]
+        quarantined = [
+            (lba, n) for tid, t, lba, n in rec.quarantined if tid == ts.tenant_id and t == NVME
+        ]
+        q = np.array(quarantined, dtype=np.int64).reshape(-1, 2)
+        lbas = np.concatenate((cols["lba"][mine].astype(np.int64), q[:, 0]))
+        counts = np.concatenate((cols["block_count"][mine].astype(np.int64), q[:, 1]))
+        try:
+            tier.alloc = ExtentAllocator.from_used(tier.alloc.block_count, lbas, counts)
+        except AllocError as e:
+            raise JournalError(
+                f"journal of tenant {ts.name!r} is inconsistent ({e}); restore from a backup"
+            ) from e
+        tier.quarantined = dict(quarantined)
+
+
+def snapshot(engine: EngineCore) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Columns of the persistent records and the checkpoint's metadata; rotates the WAL, so
+    every record appended after this call lands in a segment the checkpoint does not cover."""
+    index = engine._index
+    cols = index.cols
+    live = index.live_rows()
+    sel = live[cols["tier"][live] == NVME]
+    columns = {name: cols[name][sel].copy() for name in CHECKPOINT_COLUMNS}
+    parent = cols["parent"][sel].astype(np.int64)
+    safe = np.where(parent >= 0, parent, 0)
+    has = (parent >= 0) & (cols["state"][safe] == 1) & (cols["tenant"][safe] == cols["tenant"][sel])
+    columns["pk0"] = np.where(has, cols["k0"][safe], 0).astype("<u8")
+    columns["pk1"] = np.where(has, cols["k1"][safe], 0).astype("<u8")
+    columns["hp"] = has.astype("u1")
+    position = np.full(len(cols["parent"]), -1, np.int64)
+    position[sel] = np.arange(len(sel))
+    columns["pidx"] = np.where(has, position[safe], -1)  # parent's position in this checkpoint
+    engine._journal.open_segment(engine._journal.segment + 1)
+    quarantined = [
+        [ts.tenant_id, NVME, lba, n]
+        for ts in engine._by_id.values()
+        for lba, n in ts.tiers[NVME].quarantined.items()
+    ]
+    meta = {
+        "tenants": {str(tid): ts.name for tid, ts in engine._by_id.items()},
+        "quarantined": quarantined,
+        "next_seq": engine._seq,
+        "segment": engine._journal.segment,
+        "created_unix": engine._wall(),
+    }
+    return columns, meta

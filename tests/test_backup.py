@@ -1,0 +1,105 @@
+"""Full + incremental backup, restored into a fresh agent that has the same key file."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dpu_agent.engine import ChecksumMismatch, Engine, EngineConfig, EngineError
+
+BS = 4096
+
+
+def cfg(data_dir: Path, key_file: Path | None = None) -> EngineConfig:
+    return EngineConfig(
+        data_dir=data_dir,
+        dram_bytes=16 * BS,
+        nvme_bytes=512 * BS,
+        key_file=key_file,
+        tenants={"acme": 0, "bravo": 0},
+    )
+
+
+def chunk(i: int, blocks: int = 8) -> tuple[bytes, bytes]:
+    return i.to_bytes(16, "big"), bytes([i % 256, 7]) * (blocks * BS // 2 - 5)
+
+
+def test_full_plus_incremental_restore_serves_the_same_chunks(tmp_path: Path) -> None:
+    src = Engine(cfg(tmp_path / "a"))
+    try:
+        for i in range(10):
+            src.put_chunk("acme", *chunk(i))
+            src.put_chunk("bravo", *chunk(100 + i))
+        full = src.backup(tmp_path / "b1")
+        assert full["kind"] == "full" and full["records"] == 20
+        src.delete("acme", chunk(3)[0])
+        src.put_chunk("acme", chunk(4)[0], b"replaced" * 3000)
+        src.put_chunk("acme", *chunk(20))
+        src.put_chunk("acme", chunk(40, blocks=1)[0], b"dram only")  # small: DRAM, not backed up
+        inc = src.backup(tmp_path / "b2", incremental=True)
+        assert inc["kind"] == "incremental" and inc["prev_seq"] == full["seq"]
+        assert inc["records"] == 2 and inc["deleted"] == 1
+        expected = {("acme", chunk(i)[0]): chunk(i)[1] for i in (0, 1, 2, 5, 6, 7, 8, 9, 20)}
+        expected[("acme", chunk(4)[0])] = b"replaced" * 3000
+        expected.update({("bravo", chunk(100 + i)[0]): chunk(100 + i)[1] for i in range(10)})
+    finally:
+        src.close()
+    dst = Engine(cfg(tmp_path / "c", key_file=tmp_path / "a" / "keys.json"))
+    try:
+        out = dst.restore([tmp_path / "b1", tmp_path / "b2"])
+        assert out["backups"] == 2
+        for (tenant, key), data in expected.items():
+            assert dst.get_chunk(tenant, key) == data
+        assert dst.get_chunk("acme", chunk(3)[0]) is None
+        assert dst.get_chunk("acme", chunk(40)[0]) is None
+        assert dst.stats()["records"] == len(expected)
+    finally:
+        dst.close()
+    again = Engine(cfg(tmp_path / "c", key_file=tmp_path / "a" / "keys.json"))
+    try:  # the restore is durable: journaled and checkpointed
+        assert all(again.get_chunk(t, k) == d for (t, k), d in expected.items())
+    finally:
+        again.close()
+
+
+def test_restore_with_another_key_file_is_a_checksum_mismatch(tmp_path: Path) -> None:
+    src = Engine(cfg(tmp_path / "a"))
+    src.put_chunk("acme", *chunk(1))
+    src.backup(tmp_path / "b1")
+    src.close()
+    dst = Engine(cfg(tmp_path / "c"))  # its own, different keys
+    try:
+        with pytest.raises(ChecksumMismatch, match="key file"):
+            dst.restore([tmp_path / "b1"])
+        assert dst.get_chunk("acme", chunk(1)[0]) is None
+    finally:
+        dst.close()
+
+
+def test_backup_chain_errors(tmp_path: Path) -> None:
+    src = Engine(cfg(tmp_path / "a"))
+    try:
+        with pytest.raises(EngineError, match="full backup first"):
+            src.backup(tmp_path / "x", incremental=True)
+        src.put_chunk("acme", *chunk(1))
+        src.backup(tmp_path / "b1")
+        with pytest.raises(EngineError, match="already holds a backup"):
+            src.backup(tmp_path / "b1")
+        src.backup(tmp_path / "b2", incremental=True)
+        src.put_chunk("acme", *chunk(2))
+        src.backup(tmp_path / "b3", incremental=True)
+    finally:
+        src.close()
+    dst = Engine(cfg(tmp_path / "c", key_file=tmp_path / "a" / "keys.json"))
+    try:
+        with pytest.raises(EngineError, match="restore starts from a full"):
+            dst.restore([tmp_path / "b2"])
+        with pytest.raises(EngineError, match="does not follow"):
+            dst.restore([tmp_path / "b1", tmp_path / "b3"])
+        shutil.rmtree(tmp_path / "b3")
+        with pytest.raises(EngineError, match=r"no manifest\.json"):
+            dst.restore([tmp_path / "b1", tmp_path / "b3"])
+    finally:
+        dst.close()

@@ -1,0 +1,19 @@
+"""`dpuctl bench recovery` restarts a real engine from a written checkpoint + WAL."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from dpu_agent.cli import cli
+
+
+def test_bench_recovery_json() -> None:
+    result = CliRunner().invoke(cli, ["bench", "recovery", "--records", "5000", "--json"])
+    assert result.exit_code == 0, result.output
+    line = [x for x in result.output.splitlines() if x.startswith('{"bench"')][-1]
+    (r,) = json.loads(line)["results"]
+    assert r["records"] == 5000
+    assert r["checkpoint_records"] == 4500 and r["wal_records"] == 500
+    assert r["restart_s"] > 0
