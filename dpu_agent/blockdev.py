@@ -82,6 +82,13 @@ class MemoryBlockDevice:
         start = lba * self._block_size
         self._view[start : start + len(data)] = data
 
+    def view(self, lba: int, block_count: int) -> memoryview:
+        """The device's own bytes for an extent: the NVMe/TCP target sends from and receives
+        into them with no copy. Callers hold a lease or reservation on the extent."""
+        check_range(self, lba, block_count * self._block_size)
+        start = lba * self._block_size
+        return self._view[start : start + block_count * self._block_size]
+
     def flush(self) -> None:
         pass
 

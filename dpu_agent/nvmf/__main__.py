@@ -1,0 +1,82 @@
+"""Run a standalone target: `python -m dpu_agent.nvmf --nqn NQN --blocks N [...]`.
+
+Serves one subsystem with namespace 1 on a memory device (or `--file`), encrypted when the
+environment holds a key (DPU_NVMF_XTS_KEY_HEX: 64 bytes as 128 hex digits; never on the
+command line, where other users could read it), and prints one JSON line `{"port": N}` on stdout
+once it listens. It stops on SIGTERM/SIGINT or when stdin closes (so a parent that dies takes
+it along). Tests and `dpuctl bench nvme` run the target in a separate process this way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import sys
+
+from dpu_agent.blockdev import BlockDevice, FileBlockDevice, MemoryBlockDevice
+from dpu_agent.crypto import CryptoBlockDevice, XtsCipher
+from dpu_agent.log import configure_logging
+from dpu_agent.nvmf._process import XTS_KEY_ENV
+from dpu_agent.nvmf._subsystem import Subsystem, TargetOptions
+from dpu_agent.nvmf._target import NvmeTcpTarget
+
+
+def _device(args: argparse.Namespace) -> BlockDevice:
+    dev: BlockDevice
+    if args.file:
+        dev = FileBlockDevice(args.file, block_count=args.blocks)
+    else:
+        dev = MemoryBlockDevice(args.blocks)
+    key_hex = os.environ.get(XTS_KEY_ENV, "")
+    if key_hex:
+        dev = CryptoBlockDevice(dev, XtsCipher(bytes.fromhex(key_hex)))
+    return dev
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    sub = Subsystem(
+        nqn=args.nqn,
+        allowed_hosts=set(args.allow_host),
+        allow_any_host=args.allow_any_host,
+        namespaces={1: _device(args)},
+    )
+    opts = TargetOptions(
+        max_io_size=args.max_io_size,
+        keep_alive_granularity_ms=args.keep_alive_granularity_ms,
+        io_workers=args.io_workers,
+    )
+    target = NvmeTcpTarget([sub], args.host, args.port, options=opts)
+    await target.start()
+    print(json.dumps({"port": target.port}), flush=True)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_reader(sys.stdin.fileno(), lambda: stop.set() if not sys.stdin.read(1) else None)
+    await stop.wait()
+    await target.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m dpu_agent.nvmf", description=__doc__)
+    p.add_argument("--nqn", required=True)
+    p.add_argument("--allow-host", action="append", default=[])
+    p.add_argument("--allow-any-host", action="store_true")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--blocks", type=int, default=16384)
+    p.add_argument("--file")
+    p.add_argument("--max-io-size", type=int, default=1 << 20)
+    p.add_argument("--keep-alive-granularity-ms", type=int, default=10000)
+    p.add_argument("--io-workers", type=int, default=4)
+    p.add_argument("--log-level", default="WARNING")
+    args = p.parse_args(argv)
+    configure_logging(level=args.log_level)
+    asyncio.run(_serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""TargetProcess: run `python -m dpu_agent.nvmf` in a child process (tests, benchmarks).
+
+A target in its own process has its own GIL, as a real deployment has, so measurements and
+cross-process tests see what a host would see.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterable
+
+__all__ = ["START_TIMEOUT_S", "XTS_KEY_ENV", "TargetProcess"]
+
+XTS_KEY_ENV = "DPU_NVMF_XTS_KEY_HEX"  # 64-byte AES-XTS key (hex) for namespace 1
+
+START_TIMEOUT_S = 30.0  # interpreter start plus imports on a loaded two-core machine
+STOP_TIMEOUT_S = 10.0
+
+
+class TargetProcess:
+    """A target serving subsystem `nqn` (namespace 1) on 127.0.0.1:<ephemeral `.port`>."""
+
+    def __init__(
+        self,
+        nqn: str,
+        *,
+        allow_hosts: Iterable[str] = (),
+        allow_any_host: bool = False,
+        blocks: int = 16384,
+        file: str | os.PathLike[str] | None = None,
+        xts_key: bytes | None = None,
+        max_io_size: int = 1 << 20,
+        keep_alive_granularity_ms: int = 10000,
+        log_level: str = "WARNING",
+    ) -> None:
+        args = [
+            sys.executable,
+            "-m",
+            "dpu_agent.nvmf",
+            "--nqn",
+            nqn,
+            "--blocks",
+            str(blocks),
+            "--max-io-size",
+            str(max_io_size),
+            "--log-level",
+            log_level,
+            "--keep-alive-granularity-ms",
+            str(keep_alive_granularity_ms),
+        ]
+        for h in allow_hosts:
+            args += ["--allow-host", h]
+        if allow_any_host:
+            args.append("--allow-any-host")
+        if file is not None:
+            args += ["--file", os.fspath(file)]
+        env = dict(os.environ)
+        if xts_key is not None:  # in the child's environment, not on its command line
+            env[XTS_KEY_ENV] = xts_key.hex()
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait(START_TIMEOUT_S)
+            raise RuntimeError(f"target process exited with {code} before listening")
+        self.port = int(json.loads(line)["port"])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> int:
+        """Stop the target (closing its stdin); returns its exit code."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            return self.proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def __enter__(self) -> TargetProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,301 @@
+"""NvmeTcpTarget: the embedded-mode NVMe/TCP target (asyncio), serving Subsystems.
+
+Control plane here (Connect, controllers, keep-alive, discovery, subsystems coming and going),
+logged in full; the data path lives in `_connection.py` and never logs per PDU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import ipaddress
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from dpu_agent.log import get_logger
+from dpu_agent.nvmf._connection import NvmfConnection
+from dpu_agent.nvmf._controller import CNTLID_MAX, CNTLID_MIN, Controller
+from dpu_agent.nvmf._subsystem import DISCOVERY_NQN, Subsystem, TargetOptions, check_namespace
+from kvproto.nvme import CONNECT_DATA_BYTES, ConnectData, ConnectDataError, Status
+from kvproto.nvme._structs import ADRFAM_IPV4, ADRFAM_IPV6, DiscoveryEntry, DiscoveryLog
+
+if TYPE_CHECKING:
+    from dpu_agent.nvmf._connection import _Cmd
+
+__all__ = ["CONNECTIONS_MAX", "NvmeTcpTarget"]
+
+log = get_logger("dpu_agent.nvmf")
+
+# Connections served at once; more are closed at accept. 1024 hosts x a few queues is beyond
+# what one DPU agent serves; the bound keeps a connection flood from exhausting descriptors.
+CONNECTIONS_MAX = 4096
+# Offsets for the Connect error's IPO (SPDK_NVMF_INVALID_CONNECT_DATA / _CMD).
+_IPO_CNTLID, _IPO_SUBNQN, _IPO_HOSTNQN = 16, 256, 512
+_IPO_QID, _IPO_SQSIZE = 42, 44
+
+
+class NvmeTcpTarget:
+    """Serve `subsystems` over NVMe/TCP on host:port (port 0: pick one, see `.port`)."""
+
+    def __init__(
+        self,
+        subsystems: Iterable[Subsystem] = (),
+        host: str = "127.0.0.1",
+        port: int = 4420,
+        *,
+        options: TargetOptions | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.options = options or TargetOptions()
+        self._clock = clock
+        self._subsystems: dict[str, Subsystem] = {}
+        for sub in subsystems:
+            self._add(sub)
+        self._controllers: dict[int, Controller] = {}
+        self._ctrl_conns: dict[int, set[NvmfConnection]] = {}
+        self._connections: set[NvmfConnection] = set()
+        self._next_cntlid = CNTLID_MIN
+        self._genctr = 0
+        self._server: asyncio.Server | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ka_task: asyncio.Task[None] | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        assert self._server is None, "target already started"
+        self._loop = asyncio.get_running_loop()
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.options.io_workers, thread_name_prefix="nvmf-io"
+        )
+        self._server = await self._loop.create_server(
+            lambda: NvmfConnection(self), self.host, self.port, reuse_address=True, backlog=128
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._ka_task = asyncio.create_task(self._keep_alive_loop(), name="nvmf-keep-alive")
+        log.info(
+            "nvmf_target_started",
+            host=self.host,
+            port=self.port,
+            subsystems=sorted(self._subsystems),
+            max_io_size=self.options.max_io_size,
+        )
+
+    async def stop(self) -> None:
+        if self._server is None:
+            return
+        self._server.close()
+        if self._ka_task is not None:
+            self._ka_task.cancel()
+        for conn in list(self._connections):
+            conn.close()
+        await self._server.wait_closed()
+        await asyncio.sleep(0)  # let connection_lost callbacks run
+        assert self._executor is not None
+        executor, self._executor = self._executor, None
+        await asyncio.get_running_loop().run_in_executor(None, executor.shutdown, True)
+        self._server = None
+        log.info("nvmf_target_stopped", host=self.host, port=self.port)
+
+    async def __aenter__(self) -> NvmeTcpTarget:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- subsystems -----------------------------------------------------------------------
+
+    @property
+    def subsystems(self) -> dict[str, Subsystem]:
+        return dict(self._subsystems)
+
+    def _add(self, sub: Subsystem) -> None:
+        if sub.nqn in self._subsystems:
+            raise ValueError(f"subsystem {sub.nqn} already exported; remove it first")
+        for nsid, dev in sub.namespaces.items():
+            check_namespace(nsid, dev)
+        self._subsystems[sub.nqn] = sub
+
+    def add_subsystem(self, sub: Subsystem) -> None:
+        """Export `sub` (allowed while running; hosts find it in the discovery log)."""
+        self._add(sub)
+        self._genctr += 1
+        log.info("nvmf_subsystem_added", nqn=sub.nqn, namespaces=sorted(sub.namespaces))
+
+    def remove_subsystem(self, nqn: str) -> Subsystem:
+        """Stop exporting `nqn` and disconnect its controllers."""
+        sub = self._subsystems.pop(nqn)
+        self._genctr += 1
+        for ctrl in [c for c in self._controllers.values() if c.subsystem is sub]:
+            self.destroy_controller(ctrl, reason="subsystem removed")
+        log.info("nvmf_subsystem_removed", nqn=nqn)
+        return sub
+
+    def discovery_log(self, hostnqn: str) -> bytes:
+        adrfam = ADRFAM_IPV6 if ipaddress.ip_address(self.host).version == 6 else ADRFAM_IPV4
+        entries = tuple(
+            DiscoveryEntry(
+                subnqn=s.nqn,
+                traddr=self.host,
+                trsvcid=str(self.port),
+                adrfam=adrfam,
+                asqsz=self.options.max_aq_depth,
+            )
+            for s in sorted(self._subsystems.values(), key=lambda s: s.nqn)
+            if s.host_allowed(hostnqn)
+        )
+        return DiscoveryLog(genctr=self._genctr, entries=entries).pack()
+
+    # -- device I/O -----------------------------------------------------------------------
+
+    def run_io(self, fn: Callable[..., None], *args: Any) -> asyncio.Future[None]:
+        assert self._loop is not None and self._executor is not None
+        return self._loop.run_in_executor(self._executor, fn, *args)
+
+    # -- connections and controllers ------------------------------------------------------
+
+    def connection_opened(self, conn: NvmfConnection) -> None:
+        if len(self._connections) >= CONNECTIONS_MAX:
+            log.warning("nvmf_connection_refused", peer=conn.peer, reason="CONNECTIONS_MAX")
+            conn.close()
+            return
+        self._connections.add(conn)
+
+    def connection_closed(self, conn: NvmfConnection) -> None:
+        self._connections.discard(conn)
+        ctrl = conn.ctrl
+        if ctrl is None:
+            return
+        conns = self._ctrl_conns.get(ctrl.cntlid)
+        if conns is not None:
+            conns.discard(conn)
+        if conn.qid == 0:
+            self.destroy_controller(ctrl, reason="admin queue closed")
+
+    def destroy_controller(self, ctrl: Controller, *, reason: str) -> None:
+        if ctrl.closed:
+            return
+        ctrl.closed = True
+        self._controllers.pop(ctrl.cntlid, None)
+        conns = self._ctrl_conns.pop(ctrl.cntlid, set())
+        for conn in conns:
+            conn.close()
+        log.info(
+            "nvmf_controller_destroyed",
+            cntlid=ctrl.cntlid,
+            subnqn=ctrl.subnqn,
+            hostnqn=ctrl.hostnqn,
+            reason=reason,
+        )
+
+    def reset_io_queues(self, ctrl: Controller) -> None:
+        """CC.EN 1 -> 0: the controller resets and its I/O queues go."""
+        for conn in list(self._ctrl_conns.get(ctrl.cntlid, ())):
+            if conn.qid:
+                conn.close()
+        ctrl.io_queue_count = 0
+
+    async def _keep_alive_loop(self) -> None:
+        period_s = min(1.0, max(0.05, self.options.keep_alive_granularity_ms / 4000))
+        while True:
+            await asyncio.sleep(period_s)
+            now = self._clock()
+            for ctrl in list(self._controllers.values()):
+                if ctrl.keep_alive_expired(now):
+                    self.destroy_controller(ctrl, reason=f"keep-alive timeout {ctrl.kato_ms} ms")
+
+    def _new_cntlid(self) -> int | None:
+        span = CNTLID_MAX - CNTLID_MIN + 1
+        for _ in range(span):
+            cntlid = self._next_cntlid
+            self._next_cntlid = CNTLID_MIN + (cntlid - CNTLID_MIN + 1) % span
+            if cntlid not in self._controllers:
+                return cntlid
+        return None
+
+    def connect(
+        self, conn: NvmfConnection, cmd: _Cmd, data: bytes | bytearray | memoryview
+    ) -> None:
+        """Fabrics Connect, with SPDK's status codes for each refusal."""
+        sqe = cmd.sqe
+        if conn.qid is not None:
+            return conn.connect_refused(cmd, Status.COMMAND_SEQUENCE_ERROR)
+        if sqe.cdw10 & 0xFFFF:
+            return conn.connect_refused(cmd, Status.CONNECT_INCOMPATIBLE_FORMAT)
+        if len(data) < CONNECT_DATA_BYTES:
+            return conn.connect_refused(cmd, Status.DATA_SGL_LENGTH_INVALID)
+        try:
+            cd = ConnectData.unpack(data)
+        except ConnectDataError as e:
+            return conn.connect_refused(cmd, Status.CONNECT_INVALID_PARAMETERS, 1, e.offset)
+        except ValueError:
+            return conn.connect_refused(cmd, Status.CONNECT_INVALID_PARAMETERS, 1, 0)
+        qid, sqsize = sqe.cdw10 >> 16, sqe.cdw11 & 0xFFFF
+        sub = self._subsystems.get(cd.subnqn)
+        if sub is None and cd.subnqn != DISCOVERY_NQN:
+            log.warning(
+                "nvmf_connect_refused", peer=conn.peer, subnqn=cd.subnqn, reason="unknown subsystem"
+            )
+            return conn.connect_refused(cmd, Status.CONNECT_INVALID_PARAMETERS, 1, _IPO_SUBNQN)
+        if sub is not None and not sub.host_allowed(cd.hostnqn):
+            log.warning(
+                "nvmf_connect_refused",
+                peer=conn.peer,
+                subnqn=cd.subnqn,
+                hostnqn=cd.hostnqn,
+                reason="host not allowed",
+            )
+            return conn.connect_refused(cmd, Status.CONNECT_INVALID_HOST)
+        depth_max = self.options.max_aq_depth if qid == 0 else self.options.max_queue_depth
+        if sqsize == 0 or sqsize >= depth_max:
+            return conn.connect_refused(cmd, Status.CONNECT_INVALID_PARAMETERS, 0, _IPO_SQSIZE)
+        if qid == 0:
+            return self._connect_admin(conn, cmd, cd, sub)
+        return self._connect_io(conn, cmd, cd, qid)
+
+    def _connect_admin(
+        self, conn: NvmfConnection, cmd: _Cmd, cd: ConnectData, sub: Subsystem | None
+    ) -> None:
+        if cd.cntlid != 0xFFFF:  # only the dynamic controller model
+            return conn.connect_refused(cmd, Status.CONNECT_INVALID_PARAMETERS, 1, _IPO_CNTLID)
+        cntlid = self._new_cntlid()
+        if cntlid is None:
+            return conn.connect_refused(cmd, Status.CONNECT_CONTROLLER_BUSY)
+        ctrl = Controller(
+            cntlid=cntlid,
+            subsystem=sub,
+            subnqn=cd.subnqn,
+            hostnqn=cd.hostnqn,
+            hostid=cd.hostid,
+            kato_ms=cmd.sqe.cdw12,
+            options=self.options,
+            discovery_log=self.discovery_log,
+            clock=self._clock,
+        )
+        self._controllers[cntlid] = ctrl
+        self._ctrl_conns[cntlid] = {conn}
+        log.info(
+            "nvmf_controller_created",
+            cntlid=cntlid,
+            subnqn=cd.subnqn,
+            hostnqn=cd.hostnqn,
+            peer=conn.peer,
+            kato_ms=ctrl.kato_ms,
+        )
+        conn.connect_done(cmd, ctrl, 0)
+
+    def _connect_io(self, conn: NvmfConnection, cmd: _Cmd, cd: ConnectData, qid: int) -> None:
+        ctrl = self._controllers.get(cd.cntlid)
+        if ctrl is None or ctrl.subnqn != cd.subnqn or ctrl.hostnqn != cd.hostnqn:
+            return conn.connect_refused(cmd, Status.CONNECT_INVALID_PARAMETERS, 1, _IPO_CNTLID)
+        taken = {c.qid for c in self._ctrl_conns.get(ctrl.cntlid, ())}
+        if ctrl.is_discovery or not ctrl.enabled or qid > ctrl.io_queues_granted or qid in taken:
+            return conn.connect_refused(cmd, Status.CONNECT_INVALID_PARAMETERS, 0, _IPO_QID)
+        ctrl.io_queue_count += 1
+        self._ctrl_conns[ctrl.cntlid].add(conn)
+        conn.connect_done(cmd, ctrl, qid)
