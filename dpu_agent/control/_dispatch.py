@@ -1,0 +1,377 @@
+"""Request dispatch: session state, authentication, tenant scoping, engine calls, error replies.
+
+Every engine call passes the session's authenticated tenant, never a tenant named in the
+request; leases and reservations are remembered per session, so one tenant cannot release or
+commit another's even by guessing ids. Operating errors become error replies with a code and a
+message saying what to do; a bug becomes an `internal` reply and a logged traceback, and the
+agent keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from dpu_agent.blockdev import BlockDeviceError
+from dpu_agent.control import _metrics as m
+from dpu_agent.control._auth import TenantRegistry
+from dpu_agent.engine import errors as engine_errors
+from dpu_agent.log import get_logger
+from kvproto.control import (
+    ADMIN_TENANT,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    RemoteProtocolError,
+    Reply,
+    Request,
+    SessionState,
+    next_session_state,
+    parse_request,
+)
+
+__all__ = ["ControlBackend", "Dispatcher", "Session"]
+
+log = get_logger("dpu_agent.control")
+
+# Outstanding leases / reservations one session may hold: a client pipelining a 1M-token
+# prompt holds 4096; 64 Ki leaves room for many such while bounding memory per connection.
+SESSION_LEASES_MAX = 1 << 16
+SESSION_RESERVATIONS_MAX = 1 << 16
+HELLO_FAILURES_MAX = 3  # then the connection is closed: no token guessing on one connection
+
+_ERROR_CODES: tuple[tuple[type[Exception], ErrorCode], ...] = (
+    (engine_errors.TierFull, ErrorCode.FULL),
+    (engine_errors.QuotaExceeded, ErrorCode.FULL),
+    (engine_errors.UnknownKey, ErrorCode.NOT_FOUND),
+    (engine_errors.LeaseExpired, ErrorCode.EXPIRED),
+    (engine_errors.ReservationExpired, ErrorCode.EXPIRED),
+    (engine_errors.ChecksumMismatch, ErrorCode.CHECKSUM),
+    (engine_errors.UnknownTenant, ErrorCode.AUTH),
+    (engine_errors.EngineError, ErrorCode.FAILED),
+    (BlockDeviceError, ErrorCode.FAILED),
+    (OSError, ErrorCode.FAILED),
+    (LookupError, ErrorCode.NOT_FOUND),  # admin ops: unknown tenant
+    (ValueError, ErrorCode.FAILED),  # admin ops: tenant exists, bad backup directory
+)
+
+
+class ControlBackend(Protocol):
+    """What the dispatcher needs from the agent (dpu_agent.service.Agent implements it)."""
+
+    engine: Any
+    lease_ttl_s: float
+
+    def hello_info(self, tenant: str, hostnqn: str | None, local_host: str) -> dict[str, Any]:
+        """`local_host`: the agent address the client reached (for wildcard NVMe/TCP binds)."""
+        ...
+
+    def members(self) -> list[dict[str, Any]]: ...
+
+    def tenants_list(self) -> list[dict[str, Any]]: ...
+
+    async def admin(self, op: str, fields: Mapping[str, Any]) -> dict[str, Any]: ...
+
+
+@dataclass(slots=True, kw_only=True)
+class Session:
+    peer: str
+    session_id: int
+    local_host: str = "127.0.0.1"  # the agent address this client connected to
+    state: SessionState = SessionState.AWAIT_HELLO
+    tenant: str = ""
+    admin: bool = False
+    hello_failures: int = 0
+    leases: dict[int, float] = field(default_factory=dict)  # lease_id -> expiry (monotonic)
+    reservations: dict[int, tuple[float, int]] = field(default_factory=dict)  # -> expiry, bytes
+
+    @property
+    def closing(self) -> bool:
+        return self.state is SessionState.CLOSED
+
+
+def plain(value: Any) -> Any:
+    """Engine results (dataclasses, tuples, numpy scalars) as msgpack-ready values."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    if isinstance(value, str | bytes | bool | int | float) or value is None:
+        return value
+    if hasattr(value, "item"):  # numpy scalar
+        return value.item()
+    return str(value)
+
+
+def _prune(table: dict[int, Any], limit: int, what: str) -> None:
+    """Forget expired entries; refuse when the session still holds `limit` of them."""
+    if len(table) < limit:
+        return
+    now = time.monotonic()
+    for k in [k for k, v in table.items() if (v[0] if isinstance(v, tuple) else v) < now]:
+        del table[k]
+    if len(table) >= limit:
+        raise engine_errors.LimitExceeded(
+            f"session holds {limit} {what}; release or commit some before asking for more"
+        )
+
+
+class Dispatcher:
+    """Turns one parsed message of one session into one Reply."""
+
+    def __init__(self, backend: ControlBackend, registry: TenantRegistry) -> None:
+        self.backend = backend
+        self.registry = registry
+        self._session_ids = itertools.count(1)
+        self._sync: dict[str, Callable[[Session, Mapping[str, Any]], dict[str, Any]]] = {
+            "lookup": self._lookup,
+            "release": self._release,
+            "reserve": self._reserve,
+            "commit": self._commit,
+            "abort": self._abort,
+            "delete": self._delete,
+            "pin": self._pin,
+            "unpin": self._unpin,
+            "stats": self._stats,
+            "members": self._members,
+            "tenants_list": self._tenants_list,
+        }
+
+    def new_session(self, peer: str, local_host: str = "127.0.0.1") -> Session:
+        return Session(peer=peer, session_id=next(self._session_ids), local_host=local_host)
+
+    def close_session(self, s: Session) -> None:
+        """Give back what the session still holds: its leases and uncommitted reservations."""
+        s.state = SessionState.CLOSED
+        engine = self.backend.engine
+        for lease_id in list(s.leases):
+            try:
+                engine.release(s.tenant, lease_id)
+            except engine_errors.EngineError:
+                pass  # expired or already gone: nothing to give back
+        for rid in list(s.reservations):
+            try:
+                engine.abort(s.tenant, rid)
+            except engine_errors.EngineError:
+                pass
+        s.leases.clear()
+        s.reservations.clear()
+
+    def handle(self, s: Session, msg: Mapping[str, Any]) -> Reply | Coroutine[Any, Any, Reply]:
+        """The reply now, or for admin ops (slow, run off the loop) a coroutine giving it."""
+        rid = msg.get("id")
+        rid = rid if isinstance(rid, int) and not isinstance(rid, bool) else 0
+        rid = rid if 0 <= rid < (1 << 32) else 0
+        op = str(msg.get("op", "?"))[:32]
+        t0 = time.perf_counter()
+        try:
+            req = parse_request(msg)
+            nxt = next_session_state(s.state, req.op, admin=s.admin)
+            if req.op == "hello":
+                result = self._hello(s, req.fields)
+            else:
+                self._check_tenant(s)
+                handler = self._sync.get(req.op)
+                if handler is None:
+                    return self._admin(s, req, nxt, t0)
+                result = handler(s, req.fields)
+            s.state = nxt if not s.closing else s.state
+            reply = Reply(id=req.id, ok=True, result=result)
+        except RemoteProtocolError as e:
+            reply = self._refused(s, rid, e)
+        except Exception as e:  # operating errors and bugs alike get a reply
+            reply = self._failed(s, rid, op, e)
+        if op in _KNOWN_OPS:
+            _observe(op, "ok" if reply.ok else reply.error, time.perf_counter() - t0)
+        return reply
+
+    async def _admin(self, s: Session, req: Request, nxt: SessionState, t0: float) -> Reply:
+        try:
+            result = await self.backend.admin(req.op, req.fields)
+            s.state = nxt if not s.closing else s.state
+            reply = Reply(id=req.id, ok=True, result=result)
+        except RemoteProtocolError as e:
+            reply = self._refused(s, req.id, e)
+        except Exception as e:
+            reply = self._failed(s, req.id, req.op, e)
+        _observe(req.op, "ok" if reply.ok else reply.error, time.perf_counter() - t0)
+        return reply
+
+    def _check_tenant(self, s: Session) -> None:
+        if not s.admin and s.tenant not in self.registry:
+            s.state = SessionState.CLOSED
+            raise RemoteProtocolError(f"tenant {s.tenant!r} was removed", ErrorCode.AUTH)
+
+    def _refused(self, s: Session, rid: int, e: RemoteProtocolError) -> Reply:
+        if e.code == ErrorCode.PROTOCOL:
+            m.PROTOCOL_ERRORS.inc()
+        elif e.code in (ErrorCode.AUTH, ErrorCode.FORBIDDEN, ErrorCode.VERSION):
+            m.AUTH_FAILURES.labels(str(e.code)).inc()
+        return Reply(id=rid, ok=False, error=str(e.code), message=str(e))
+
+    def _failed(self, s: Session, rid: int, op: str, e: Exception) -> Reply:
+        for cls, code in _ERROR_CODES:
+            if isinstance(e, cls):
+                return Reply(id=rid, ok=False, error=str(code), message=str(e) or cls.__name__)
+        log.exception("control_internal_error", op=op, tenant=s.tenant, peer=s.peer)
+        message = f"agent bug while handling {op}: {type(e).__name__}; see the agent log"
+        return Reply(id=rid, ok=False, error=str(ErrorCode.INTERNAL), message=message)
+
+    # --- session ---------------------------------------------------------------------------
+    def _hello(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
+        if f["version"] != PROTOCOL_VERSION:
+            raise RemoteProtocolError(
+                f"protocol version {f['version']} is not supported; this agent speaks "
+                f"version {PROTOCOL_VERSION}: upgrade the client or the agent",
+                ErrorCode.VERSION,
+            )
+        tenant = f["tenant"]
+        if not self.registry.authenticate(tenant, f["token"]):
+            s.hello_failures += 1
+            if s.hello_failures >= HELLO_FAILURES_MAX:
+                s.state = SessionState.CLOSED
+            log.warning("control_auth_refused", tenant=tenant, peer=s.peer)
+            raise RemoteProtocolError(
+                f"tenant {tenant!r} is unknown or the token is wrong; check the token file "
+                "(dpuctl tenants list)",
+                ErrorCode.AUTH,
+            )
+        s.tenant, s.admin = tenant, tenant == ADMIN_TENANT
+        info = {} if s.admin else self.backend.hello_info(tenant, f.get("hostnqn"), s.local_host)
+        log.info("control_session", tenant=tenant, peer=s.peer, session=s.session_id)
+        return {"version": PROTOCOL_VERSION, "session": s.session_id, "tenant": tenant, **info}
+
+    # --- tenant operations (always scoped to s.tenant) --------------------------------------
+    def _lookup(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
+        keys: list[bytes] = f["keys"]
+        if not keys:
+            return {"hits": [], "lease_id": 0, "lease_expires_s": 0.0}
+        _prune(s.leases, SESSION_LEASES_MAX, "leases")
+        res = self.backend.engine.lookup(s.tenant, keys)
+        hits = [[h.key, h.nsid, h.lba, h.block_count, h.length, h.checksum] for h in res.hits]
+        lease_id = int(res.lease_id or 0)
+        if lease_id and f.get("lease") is False:
+            self._release_soon(s.tenant, lease_id)
+            lease_id = 0
+        if hits and lease_id:
+            s.leases[lease_id] = time.monotonic() + self.backend.lease_ttl_s
+            m.LEASED_BYTES.labels(s.tenant).inc(sum(h.length for h in res.hits))
+        _count_lookup(s.tenant, len(hits), len(keys))
+        return {"hits": hits, "lease_id": lease_id, "lease_expires_s": res.lease_expires_s}
+
+    def _release_soon(self, tenant: str, lease_id: int) -> None:
+        """A probe's lease, released right after the reply is written (off its latency)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # called outside the server's loop (tests, tools)
+            self._release_quietly(tenant, lease_id)
+            return
+        loop.call_soon(self._release_quietly, tenant, lease_id)
+
+    def _release_quietly(self, tenant: str, lease_id: int) -> None:
+        try:
+            self.backend.engine.release(tenant, lease_id)
+        except engine_errors.EngineError:
+            pass  # expired already, or the tenant went away: nothing left to give back
+
+    def _release(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
+        lease_id = f["lease_id"]
+        if s.leases.pop(lease_id, None) is None:
+            raise engine_errors.UnknownKey(f"lease {lease_id} is not held by this session")
+        self.backend.engine.release(s.tenant, lease_id)
+        return {}
+
+    def _reserve(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
+        _prune(s.reservations, SESSION_RESERVATIONS_MAX, "reservations")
+        r = self.backend.engine.reserve(s.tenant, f["key"], f["length"], parent=f.get("parent"))
+        expiry = time.monotonic() + self.backend.lease_ttl_s
+        s.reservations[int(r.reservation_id)] = (expiry, int(f["length"]))
+        return {
+            "reservation_id": int(r.reservation_id),
+            "nsid": int(r.nsid),
+            "lba": int(r.lba),
+            "block_count": int(r.block_count),
+            "expires_s": float(r.expires_s),
+        }
+
+    def _commit(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
+        rid = f["reservation_id"]
+        held = s.reservations.pop(rid, None)
+        if held is None:
+            raise engine_errors.UnknownKey(
+                f"reservation {rid} is not held by this session; reserve again"
+            )
+        self.backend.engine.commit(s.tenant, rid, f["checksum"])
+        m.COMMITTED_BYTES.labels(s.tenant).inc(held[1])
+        return {}
+
+    def _abort(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
+        rid = f["reservation_id"]
+        if s.reservations.pop(rid, None) is None:
+            raise engine_errors.UnknownKey(f"reservation {rid} is not held by this session")
+        self.backend.engine.abort(s.tenant, rid)
+        return {}
+
+    def _delete(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
+        if f.get("corrupt"):
+            m.INTEGRITY_REPORTS.labels(s.tenant).inc()
+            log.warning("control_integrity_failure", tenant=s.tenant, key=f["key"].hex())
+        self.backend.engine.delete(s.tenant, f["key"])
+        return {}
+
+    def _pin(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
+        self.backend.engine.pin(s.tenant, f["key"])
+        return {}
+
+    def _unpin(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
+        self.backend.engine.unpin(s.tenant, f["key"])
+        return {}
+
+    def _stats(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
+        stats = self.backend.engine.stats(None if s.admin else s.tenant)
+        return {"stats": plain(stats)}
+
+    def _members(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
+        return {"members": plain(self.backend.members())}
+
+    def _tenants_list(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
+        return {"tenants": plain(self.backend.tenants_list())}
+
+
+_KNOWN_OPS = frozenset(
+    {"hello", "lookup", "release", "reserve", "commit", "abort", "delete", "pin", "unpin"}
+    | {"stats"}
+    | {"members", "tenants_list", "tenant_add", "tenant_remove", "evict", "checkpoint"}
+    | {"backup", "restore"}
+)
+
+
+_children: dict[tuple[str, str], tuple[Any, Any]] = {}  # (op, code) -> metric children
+
+
+def _observe(op: str, code: str, seconds: float) -> None:
+    """Count and time one request; label children are cached (labels() costs microseconds)."""
+    pair = _children.get((op, code))
+    if pair is None:  # bounded: _KNOWN_OPS x ErrorCode
+        pair = _children[(op, code)] = (m.REQUESTS.labels(op, code), m.REQUEST_SECONDS.labels(op))
+    pair[0].inc()
+    pair[1].observe(seconds)
+
+
+_lookup_totals: dict[str, tuple[list[int], Any]] = {}  # tenant -> [hits, asked], ratio gauge
+
+
+def _count_lookup(tenant: str, hit_count: int, key_count: int) -> None:
+    entry = _lookup_totals.get(tenant)
+    if entry is None:  # bounded by the tenant count
+        entry = _lookup_totals[tenant] = ([0, 0], m.HIT_RATIO.labels(tenant))
+    totals, gauge = entry
+    totals[0] += hit_count
+    totals[1] += key_count
+    gauge.set(totals[0] / totals[1])

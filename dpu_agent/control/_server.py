@@ -1,0 +1,235 @@
+"""The asyncio loop around the sans-I/O codec: TCP and Unix-socket listeners, one protocol
+object per client.
+
+Requests on one connection are answered in order (clients pipeline by sending ahead); a
+malformed frame gets an error reply with id 0 and the connection is closed; a bad request in a
+well-formed frame gets an error reply and the connection keeps going. Nothing one client sends
+can stop the server from serving the others: input is bounded by the decoder, reading pauses
+while a client leaves its replies unread or an admin op of its runs, and one connection gets
+at most REQUESTS_PER_TURN_MAX requests per event-loop turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from pathlib import Path
+
+from dpu_agent.control import _metrics as m
+from dpu_agent.control._auth import TenantRegistry
+from dpu_agent.control._dispatch import ControlBackend, Dispatcher, Session
+from dpu_agent.log import get_logger
+from kvproto.control import (
+    NEED_DATA,
+    ErrorCode,
+    FrameDecoder,
+    LocalProtocolError,
+    RemoteProtocolError,
+    Reply,
+    SessionState,
+    encode_reply,
+)
+
+__all__ = ["ControlServer"]
+
+log = get_logger("dpu_agent.control")
+
+CONNECTIONS_MAX_DEFAULT = 1024
+# Requests of one connection handled per event-loop turn: a client pipelining thousands of
+# requests delays the others by at most this many (~64 x 100 us).
+REQUESTS_PER_TURN_MAX = 64
+
+
+class ControlServer:
+    """Listens on TCP (`host`, `port`; port 0 picks one) and optionally a Unix socket."""
+
+    def __init__(
+        self,
+        backend: ControlBackend,
+        registry: TenantRegistry,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 7400,
+        unix_path: str | os.PathLike[str] | None = None,
+        connections_max: int = CONNECTIONS_MAX_DEFAULT,
+    ) -> None:
+        assert connections_max > 0, connections_max
+        self.dispatcher = Dispatcher(backend, registry)
+        self._host, self._port = host, port
+        self._unix_path = Path(unix_path) if unix_path else None
+        self.connections_max = connections_max
+        self._servers: list[asyncio.base_events.Server] = []
+        self.connections: set[_Connection] = set()
+        self.tcp_address: tuple[str, int] | None = None
+
+    @property
+    def unix_path(self) -> Path | None:
+        return self._unix_path
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        tcp = await loop.create_server(lambda: _Connection(self), self._host, self._port,
+                                       backlog=256)  # fmt: skip
+        self._servers.append(tcp)
+        sockname = tcp.sockets[0].getsockname()
+        self.tcp_address = (sockname[0], sockname[1])
+        if self._unix_path is not None:
+            self._unix_path.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                self._unix_path.unlink()  # a stale socket of a previous run
+            unix = await loop.create_unix_server(lambda: _Connection(self), str(self._unix_path))
+            os.chmod(self._unix_path, 0o600)  # tokens still required; this limits who may try
+            self._servers.append(unix)
+        log.info("control_listening", tcp=f"{self.tcp_address[0]}:{self.tcp_address[1]}",
+                 unix=str(self._unix_path) if self._unix_path else None)  # fmt: skip
+
+    async def stop(self) -> None:
+        for server in self._servers:
+            server.close()
+        for conn in list(self.connections):
+            conn.abort()
+        for server in self._servers:
+            await server.wait_closed()
+        await asyncio.sleep(0)  # let connection_lost callbacks run
+        self._servers.clear()
+        if self._unix_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self._unix_path.unlink()
+
+
+class _Connection(asyncio.Protocol):
+    """One client: frames in, replies out, in order. Reading pauses while an admin op runs or
+    while the client does not read its replies (the transport's write buffer is full)."""
+
+    def __init__(self, server: ControlServer) -> None:
+        self._server = server
+        self._dispatcher = server.dispatcher
+        self._decoder = FrameDecoder()
+        self._transport: asyncio.Transport | None = None
+        self._session: Session | None = None
+        self._pending: asyncio.Future[Reply] | None = None
+        self._write_paused = False
+        self._yielding = False  # a turn ended with requests left: reading waits for them
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        if len(self._server.connections) >= self._server.connections_max:
+            message = (f"agent has {self._server.connections_max} connections "
+                       "(control.connections_max); retry later")  # fmt: skip
+            transport.write(_encode(Reply(id=0, ok=False, error=str(ErrorCode.FAILED),
+                                          message=message)))  # fmt: skip
+            transport.close()
+            return
+        self._server.connections.add(self)
+        m.CONNECTIONS.inc()
+        peer = transport.get_extra_info("peername")
+        local = transport.get_extra_info("sockname")
+        local_host = local[0] if isinstance(local, tuple) else "127.0.0.1"  # unix: a path
+        self._session = self._dispatcher.new_session(str(peer) if peer else "unix", local_host)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._session is None:
+            return
+        self._server.connections.discard(self)
+        m.CONNECTIONS.dec()
+        if self._pending is not None:
+            self._pending.cancel()
+        self._dispatcher.close_session(self._session)
+        self._session = None
+
+    def abort(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._update_reading()
+
+    def _update_reading(self) -> None:
+        t = self._transport
+        if t is None or t.is_closing():
+            return
+        if self._write_paused or self._pending is not None or self._yielding:
+            t.pause_reading()
+        else:
+            t.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        if self._session is None or self._session.closing:
+            return
+        try:
+            self._decoder.receive_data(data)
+        except RemoteProtocolError as e:
+            self._send([self._bad_frame(e)])
+            return
+        self._process()
+
+    def _process(self) -> None:
+        s = self._session
+        assert s is not None and self._transport is not None
+        out: list[bytes] = []
+        self._yielding = False
+        while self._pending is None and not s.closing:
+            if len(out) >= REQUESTS_PER_TURN_MAX:  # let other clients in, then carry on
+                self._yielding = True
+                asyncio.get_running_loop().call_soon(self._continue)
+                break
+            try:
+                msg = self._decoder.next_message()
+            except RemoteProtocolError as e:
+                out.append(self._bad_frame(e))
+                break
+            if msg is NEED_DATA:
+                break
+            reply = self._dispatcher.handle(s, msg)
+            if isinstance(reply, Reply):
+                out.append(_encode(reply))
+            else:  # an admin op: later requests wait for it, in order
+                self._pending = asyncio.ensure_future(reply)
+                self._pending.add_done_callback(self._admin_done)
+                self._update_reading()
+        self._update_reading()
+        self._send(out)
+
+    def _continue(self) -> None:
+        if self._session is not None and self._transport is not None:
+            self._process()
+
+    def _admin_done(self, fut: asyncio.Future[Reply]) -> None:
+        self._pending = None
+        if fut.cancelled() or self._session is None:
+            return
+        self._send([_encode(fut.result())])
+        self._update_reading()
+        self._process()
+
+    def _bad_frame(self, e: RemoteProtocolError) -> bytes:
+        assert self._session is not None
+        m.PROTOCOL_ERRORS.inc()
+        log.info("control_bad_frame", peer=self._session.peer, error=str(e))
+        self._session.state = SessionState.CLOSED
+        return _encode(Reply(id=0, ok=False, error=str(e.code), message=str(e)))
+
+    def _send(self, frames: list[bytes]) -> None:
+        t = self._transport
+        assert t is not None
+        if frames and not t.is_closing():
+            t.write(b"".join(frames))
+        if self._session is not None and self._session.closing and self._pending is None:
+            t.close()  # after the queued replies are flushed
+
+
+def _encode(reply: Reply) -> bytes:
+    """A reply frame; a result too large for one frame becomes an error saying so."""
+    try:
+        return encode_reply(reply)
+    except LocalProtocolError as e:
+        too_big = Reply(id=reply.id, ok=False, error=str(ErrorCode.FAILED),
+                        message=f"reply too large: {e}; ask for less")  # fmt: skip
+        return encode_reply(too_big)

@@ -1,0 +1,509 @@
+"""The agent as a service: engine + NVMe/TCP target + control server + metrics + tick loop.
+
+`run_agent(cfg)` is what `dpuctl agent run` (and `make run`) calls: it starts everything in one
+asyncio loop, prints what it serves and how to try it, and on Ctrl-C or SIGTERM stops the
+listeners, then closes the engine (which checkpoints), so a restart keeps committed chunks.
+While running, the agent's addresses and pid are in the state file (var/agent.json), which
+`dpuctl` reads to find it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import ProcessCollector, start_http_server
+
+from dpu_agent.config import AgentConfig, TenantConfig
+from dpu_agent.control import (
+    LEASES_ACTIVE,
+    RESERVATIONS_ACTIVE,
+    ControlServer,
+    TenantRegistry,
+    plain,
+)
+from dpu_agent.engine import Engine, EngineConfig
+from dpu_agent.log import configure_logging, get_logger
+from dpu_agent.metrics import REGISTRY
+from dpu_agent.nvmf import NvmeTcpTarget, Subsystem, TargetOptions
+from kvproto.control import valid_tenant_name
+
+__all__ = ["Agent", "AgentProcess", "run_agent", "spawn_agent", "subsystem_nqn"]
+
+log = get_logger("dpu_agent.service")
+
+NQN_PREFIX = "nqn.2026-11.io.dpu-kvtier:tenant:"
+TENANTS_FILE = "tenants.json"  # tenants added or removed at run time (tokens in their own files)
+HOSTS_PER_TENANT_MAX = 4096  # host NQNs allowed per subsystem; a fleet of GPU servers
+TENANT_EVICT_ALL_BYTES = 1 << 62  # "everything": more than any tier holds
+
+
+# The agent process's CPU seconds, RSS and open files on /metrics (process_* series): on a
+# DPU this is the Arm cores' share the agent takes.
+ProcessCollector(registry=REGISTRY)
+
+
+def subsystem_nqn(tenant: str) -> str:
+    return NQN_PREFIX + tenant
+
+
+class Agent:
+    """One agent. Implements dpu_agent.control.ControlBackend for the control server."""
+
+    def __init__(self, cfg: AgentConfig) -> None:
+        assert cfg.admin_token, "call cfg.prepare() first"
+        self.cfg = cfg
+        self.lease_ttl_s = cfg.storage.lease_ttl_s
+        self._load_runtime_tenants()
+        self.registry = TenantRegistry(
+            cfg.admin_token, {name: t.token for name, t in cfg.tenants.items()}
+        )
+        self.engine: Any = None
+        self.target: Any = None
+        self.control: ControlServer | None = None
+        self._metrics_server: Any = None
+        self._tick_task: asyncio.Task[None] | None = None
+        self._admin_lock = asyncio.Lock()
+        self._subsystems: dict[str, Subsystem] = {}
+        self._hosts: dict[str, collections.OrderedDict[str, None]] = {}
+        self.started_at = time.time()
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.cfg
+        self.engine = Engine(self._engine_config())
+        subsystems = [self._subsystem(name) for name in self.cfg.tenants]
+        options = TargetOptions(
+            max_io_size=cfg.nvmf.max_io_size,
+            io_workers=cfg.nvmf.io_workers,
+            data_buffers_per_queue=cfg.nvmf.data_buffers_per_queue,
+        )
+        self.target = NvmeTcpTarget(subsystems, cfg.nvmf.host, cfg.nvmf.port, options=options)
+        await self.target.start()
+        self.control = ControlServer(
+            self,
+            self.registry,
+            host=cfg.control.host,
+            port=cfg.control.port,
+            unix_path=cfg.unix_socket_path,
+            connections_max=cfg.control.connections_max,
+        )
+        await self.control.start()
+        if cfg.metrics.enabled:
+            self._metrics_server, _ = start_http_server(
+                cfg.metrics.port, addr=cfg.metrics.host, registry=REGISTRY
+            )
+        self._tick_task = asyncio.create_task(self._tick_loop(), name="engine-tick")
+        self._write_state()
+        log.info("agent_started", **self.addresses())
+
+    async def stop(self) -> None:
+        if self._tick_task is not None:
+            self._tick_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._tick_task
+        if self.control is not None:
+            await self.control.stop()
+        if self.target is not None:
+            await self.target.stop()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+        if self.engine is not None:
+            async with self._admin_lock:  # a backup or restore in flight finishes first
+                await asyncio.to_thread(self.engine.close)  # checkpoints: restart finds all
+            self.engine = None
+        with contextlib.suppress(FileNotFoundError):
+            self.cfg.state_path.unlink()
+        log.info("agent_stopped")
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.agent.tick_interval_s)
+            try:
+                await asyncio.to_thread(self.engine.tick)  # may fsync or checkpoint
+                stats = self.engine.stats()
+                LEASES_ACTIVE.set(stats["leases"])
+                RESERVATIONS_ACTIVE.set(stats["reservations"])
+            except Exception:  # a failing tick must not stop serving; it is logged loudly
+                log.exception("engine_tick_failed")
+
+    def _engine_config(self) -> EngineConfig:
+        cfg, st = self.cfg, self.cfg.storage
+        return EngineConfig(
+            data_dir=cfg.data_dir,
+            dram_bytes=st.dram_bytes,
+            nvme_bytes=st.nvme_bytes,
+            eviction_policy=st.eviction_policy,
+            lease_ttl_s=st.lease_ttl_s,
+            reservation_ttl_s=st.reservation_ttl_s,
+            nvme_dir=cfg.path(st.nvme_dir),
+            journal_dir=cfg.path(st.journal_dir),
+            key_file=cfg.path(st.key_file),
+            tenants={name: t.quota_bytes for name, t in cfg.tenants.items()},
+        )
+
+    def _subsystem(self, tenant: str) -> Subsystem:
+        """The tenant's subsystem: its namespaces only, reachable only by hosts it said hello
+        from (hello_info adds each authenticated client's host NQN)."""
+        sub = Subsystem(nqn=subsystem_nqn(tenant), namespaces=self.engine.namespaces(tenant))
+        self._subsystems[tenant] = sub
+        self._hosts[tenant] = collections.OrderedDict()
+        return sub
+
+    # --- addresses ----------------------------------------------------------------------------
+    def addresses(self) -> dict[str, Any]:
+        assert self.control is not None and self.control.tcp_address is not None
+        host, port = self.control.tcp_address
+        unix = self.control.unix_path
+        out: dict[str, Any] = {
+            "control_tcp": f"tcp://{host}:{port}",
+            "control_unix": f"unix://{unix}" if unix else "",
+            "nvmf": f"{self.target.host}:{self.target.port}",
+            "metrics": "",
+        }
+        if self._metrics_server is not None:
+            mhost, mport = self._metrics_server.server_address[:2]
+            out["metrics"] = f"http://{mhost}:{mport}/metrics"
+        return out
+
+    def _write_state(self) -> None:
+        a = self.addresses()
+        state = {
+            "pid": os.getpid(),
+            "node": self.cfg.agent.node_name,
+            "control": {"tcp": a["control_tcp"], "unix": a["control_unix"]},
+            "nvmf": a["nvmf"],
+            "metrics": a["metrics"],
+            "started_at": self.started_at,
+        }
+        tmp = self.cfg.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=1) + "\n")
+        os.replace(tmp, self.cfg.state_path)
+
+    # --- ControlBackend -----------------------------------------------------------------------
+    def hello_info(self, tenant: str, hostnqn: str | None, local_host: str) -> dict[str, Any]:
+        """The data-path address for `tenant`; its host NQN is allowed on the subsystem."""
+        if hostnqn:
+            self._allow_host(tenant, hostnqn)
+        host, port = self.target.host, self.target.port
+        if host in ("0.0.0.0", "::", ""):  # a wildcard bind: the address the client reached
+            host = local_host
+        return {
+            "node": self.cfg.agent.node_name,
+            "nvme": {"host": host, "port": port, "subnqn": subsystem_nqn(tenant)},
+            "lease_ttl_s": self.lease_ttl_s,
+            "block_size": 4096,
+        }
+
+    def _allow_host(self, tenant: str, hostnqn: str) -> None:
+        """Add `hostnqn` to the tenant's allowlist, forgetting the longest-unseen host beyond
+        HOSTS_PER_TENANT_MAX (its open connections stay; a new one needs a new hello)."""
+        sub, hosts = self._subsystems[tenant], self._hosts[tenant]
+        hosts[hostnqn] = None
+        hosts.move_to_end(hostnqn)
+        sub.allowed_hosts.add(hostnqn)
+        while len(hosts) > HOSTS_PER_TENANT_MAX:
+            old, _ = hosts.popitem(last=False)
+            sub.allowed_hosts.discard(old)
+
+    def members(self) -> list[dict[str, Any]]:
+        a = self.addresses()
+        st = self.cfg.storage
+        return [
+            {
+                "name": self.cfg.agent.node_name,
+                "status": "alive",
+                "control": a["control_tcp"],
+                "control_unix": a["control_unix"],
+                "nvme": a["nvmf"],
+                "metrics": a["metrics"],
+                "capacity_bytes": (st.dram_bytes + st.nvme_bytes) * len(self.cfg.tenants),
+                "tenants": len(self.cfg.tenants),
+                "uptime_s": round(time.time() - self.started_at, 1),
+                "pid": os.getpid(),
+            }
+        ]
+
+    def tenants_list(self) -> list[dict[str, Any]]:
+        out = []
+        for name, t in sorted(self.cfg.tenants.items()):
+            row: dict[str, Any] = {"name": name, "quota_bytes": t.quota_bytes}
+            with contextlib.suppress(Exception):
+                row.update(_summary(plain(self.engine.stats(name))))
+            out.append(row)
+        return out
+
+    async def admin(self, op: str, fields: Mapping[str, Any]) -> dict[str, Any]:
+        """Admin ops one at a time; the slow ones (backup, restore) in a worker thread."""
+        async with self._admin_lock:
+            if op == "tenant_add":
+                return self._tenant_add(fields["tenant"], fields.get("token"))
+            if op == "tenant_remove":
+                return self._tenant_remove(fields["tenant"])
+            if op == "evict":
+                self._known(fields["tenant"])
+                return {"evicted": plain(self.engine.evict(fields["tenant"], fields["bytes"]))}
+            # The engine is thread-safe (one lock; data I/O outside it): slow ops off the loop.
+            if op == "checkpoint":
+                return {"checkpoint": plain(await asyncio.to_thread(self.engine.checkpoint))}
+            if op == "backup":
+                result = await asyncio.to_thread(
+                    self.engine.backup, fields["dir"], incremental=fields["incremental"]
+                )
+                return {"backup": plain(result)}
+            if op == "restore":
+                result = await asyncio.to_thread(self.engine.restore, list(fields["dirs"]))
+                return {"restore": plain(result)}
+        raise AssertionError(f"admin op {op} has no handler")
+
+    def _known(self, tenant: str) -> None:
+        if tenant not in self.cfg.tenants:
+            raise LookupError(f"no tenant {tenant!r}; see dpuctl tenants list")
+
+    # --- tenants at run time ------------------------------------------------------------------
+    def _tenant_add(self, name: str, token: str | None) -> dict[str, Any]:
+        assert valid_tenant_name(name), name
+        if name in self.cfg.tenants:
+            raise ValueError(f"tenant {name!r} exists; remove it first or pick another name")
+        t = TenantConfig(name=name, token=token or "")
+        if not token:
+            cfg = AgentConfig(agent=self.cfg.agent)
+            cfg.tenants = {name: t}
+            cfg.prepare()  # creates var/tenant-<name>.token (0600) without touching others
+            t = cfg.tenants[name]
+        self.engine.add_tenant(name, quota_bytes=t.quota_bytes)
+        self.target.add_subsystem(self._subsystem(name))
+        self.cfg.tenants[name] = t
+        self.registry.add(name, t.token)
+        self._save_runtime_tenants()
+        log.info("tenant_added", tenant=name)
+        return {"tenant": name, "token": t.token, "token_file": str(self.cfg.path(t.token_file))}
+
+    def _tenant_remove(self, name: str) -> dict[str, Any]:
+        self._known(name)
+        self.registry.remove(name)
+        self.target.remove_subsystem(subsystem_nqn(name))
+        self._subsystems.pop(name, None)
+        self._hosts.pop(name, None)
+        # The engine keeps a tenant's tiers; drop every chunk that is not leased right now, so
+        # a tenant added later under the same name starts empty.
+        freed = self.engine.evict(name, TENANT_EVICT_ALL_BYTES)
+        del self.cfg.tenants[name]
+        self._save_runtime_tenants(removed=name)
+        log.info("tenant_removed", tenant=name, freed_bytes=freed)
+        return {"tenant": name, "freed_bytes": freed}
+
+    def _runtime_tenants_path(self) -> Path:
+        return self.cfg.path(TENANTS_FILE)
+
+    def _load_runtime_tenants(self) -> None:
+        try:
+            doc = json.loads(self._runtime_tenants_path().read_text())
+        except FileNotFoundError:
+            return
+        for name, entry in doc.get("added", {}).items():
+            if valid_tenant_name(name) and name not in self.cfg.tenants:
+                t = TenantConfig(
+                    name=name,
+                    token_file=entry.get("token_file", ""),
+                    quota_bytes=int(entry.get("quota_bytes", 0)),
+                )
+                self.cfg.tenants[name] = t
+        for name in doc.get("removed", []):
+            self.cfg.tenants.pop(name, None)
+        self.cfg.prepare()  # loads the tokens of the tenants just added
+
+    def _save_runtime_tenants(self, removed: str | None = None) -> None:
+        path = self._runtime_tenants_path()
+        try:
+            doc = json.loads(path.read_text())
+        except FileNotFoundError:
+            doc = {"added": {}, "removed": []}
+        for name, t in self.cfg.tenants.items():
+            doc["added"][name] = {"token_file": t.token_file, "quota_bytes": t.quota_bytes}
+        if removed:
+            doc["added"].pop(removed, None)
+            doc["removed"] = sorted({*doc["removed"], removed})
+        doc["removed"] = [n for n in doc["removed"] if n not in self.cfg.tenants]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+
+
+def _summary(stats: Any) -> dict[str, Any]:
+    """The few per-tenant numbers `tenants list` shows."""
+    if not isinstance(stats, dict):
+        return {}
+    keep = ("records", "used_bytes", "hits", "misses", "evictions", "integrity_failures")
+    return {k: v for k, v in stats.items() if k in keep}
+
+
+def banner(cfg: AgentConfig, addr: Mapping[str, Any]) -> str:
+    tenant = "default" if "default" in cfg.tenants else next(iter(cfg.tenants), "default")
+    token_file = cfg.path(cfg.tenants[tenant].token_file) if tenant in cfg.tenants else "?"
+    # dpuctl in another terminal must find the same data directory (and so the agent)
+    env = "" if cfg.agent.data_dir == "./var" else f"DPUKV_AGENT_DATA_DIR={cfg.data_dir} "
+    opt = "" if cfg.source == "<defaults>" else f" --config {cfg.source}"
+    return f"""dpukv agent {cfg.agent.node_name} is serving (Ctrl-C stops it)
+  control   {addr["control_tcp"]}  {addr["control_unix"]}
+  NVMe/TCP  {addr["nvmf"]}  (subsystem {subsystem_nqn(tenant)})
+  metrics   {addr["metrics"] or "disabled"}
+  data      {cfg.data_dir}
+  tenant    {tenant}, token in {token_file}
+
+Try it (in another terminal):
+  {env}.venv/bin/dpuctl status{opt}
+  {env}.venv/bin/dpuctl stats --json{opt}
+  .venv/bin/python - <<'PY'
+import numpy as np
+from host_shim import KVClient
+from kvproto.keys import ChunkLayout
+L = ChunkLayout("demo", "float16", num_layers=2, num_kv_heads=2, head_dim=64, chunk_tokens=16)
+token = open("{token_file}").read().strip()
+c = KVClient("{addr["control_tcp"]}", "{tenant}", token, L, salt=b"my-tenant-salt-16b")
+tokens = list(range(64))
+print("put", c.put(tokens, [np.full(L.chunk_shape, i, np.float16) for i in range(4)]))
+out = [np.empty(L.chunk_shape, np.float16) for _ in range(4)]
+print("get", c.get(tokens, out), "chunks; first value of chunk 3:", out[3].flat[0])
+PY
+"""
+
+
+async def _serve(cfg: AgentConfig) -> int:
+    agent = Agent(cfg)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await agent.start()
+    except OSError as e:
+        print(f"error: cannot start the agent: {e}. Is another agent running "
+              "(dpuctl status)? Ports: [control] port, [nvmf] port, [metrics] port in the "
+              "config, or DPUKV_CONTROL_PORT / DPUKV_NVMF_PORT / DPUKV_METRICS_PORT "
+              "(0 picks a free one).", file=sys.stderr)  # fmt: skip
+        await agent.stop()
+        return 1
+    except Exception as e:  # key file, journal, devices: say what, not a traceback
+        print(f"error: cannot start the agent: {type(e).__name__}: {e}", file=sys.stderr)
+        await agent.stop()
+        return 1
+    print(banner(cfg, agent.addresses()), flush=True)
+    await stop.wait()
+    print("stopping: closing listeners, checkpointing the index ...", flush=True)
+    await agent.stop()
+    print("stopped", flush=True)
+    return 0
+
+
+def run_agent(cfg: AgentConfig) -> int:
+    """Run in the foreground until SIGINT/SIGTERM; returns the process exit code."""
+    configure_logging(level=cfg.agent.log_level, console=sys.stderr.isatty())
+    return asyncio.run(_serve(cfg))
+
+
+# --- an agent in a child process (tests, benchmarks, examples) ---------------------------------
+
+SPAWN_TIMEOUT_S = 60.0  # first start builds tiers and the journal; on a loaded 2-core box
+
+
+@dataclass(slots=True, kw_only=True)
+class AgentProcess:
+    """A `dpuctl agent run` child with its addresses (from its state file) and tokens."""
+
+    proc: subprocess.Popen[bytes]
+    data_dir: Path
+    state: dict[str, Any]
+    token: str = field(repr=False)
+    admin_token: str = field(repr=False)
+
+    @property
+    def control_url(self) -> str:
+        return str(self.state["control"]["tcp"])
+
+    @property
+    def unix_url(self) -> str:
+        return str(self.state["control"]["unix"])
+
+    @property
+    def metrics_url(self) -> str:
+        return str(self.state["metrics"])
+
+    def stop(self, sig: int = signal.SIGINT, timeout_s: float = 60.0) -> int:
+        """Signal the agent and wait; SIGKILL if it does not stop in time. Returns its code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                return self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait(timeout_s)
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+
+def _read_optional(path: Path) -> str:
+    """The default tenant's token; "" when a config without that tenant was used."""
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        return ""
+
+
+def spawn_agent(
+    data_dir: str | os.PathLike[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    config: str | os.PathLike[str] | None = None,
+    timeout_s: float = SPAWN_TIMEOUT_S,
+) -> AgentProcess:
+    """Start an agent on ephemeral loopback ports (unless `env` says otherwise) and wait for it."""
+    data = Path(data_dir).absolute()
+    data.mkdir(parents=True, exist_ok=True)
+    child_env = {
+        **os.environ,
+        "DPUKV_AGENT_DATA_DIR": str(data),
+        "DPUKV_CONTROL_PORT": "0",
+        "DPUKV_NVMF_PORT": "0",
+        "DPUKV_METRICS_PORT": "0",
+        **(env or {}),
+    }
+    state_path = data / "agent.json"
+    with contextlib.suppress(FileNotFoundError):
+        state_path.unlink()  # a stale one from a killed agent
+    args = [sys.executable, "-c", "from dpu_agent.cli import main; main()", "agent", "run"]
+    if config is not None:
+        args += ["--config", str(config)]
+    with open(data / "agent.log", "ab") as out:
+        proc = subprocess.Popen(args, env=child_env, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = (data / "agent.log").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"agent exited with {proc.returncode} while starting:\n{tail}")
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            state = json.loads(state_path.read_text())
+            if state.get("pid") == proc.pid:
+                return AgentProcess(
+                    proc=proc, data_dir=data, state=state,
+                    token=_read_optional(data / "tenant-default.token"),
+                    admin_token=(data / "admin.token").read_text().strip(),
+                )  # fmt: skip
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    raise RuntimeError(f"agent did not start within {timeout_s} s; see {data / 'agent.log'}")

@@ -1,0 +1,643 @@
+"""KVClient: the host shim's client of the context-memory tier, and the control channel under it.
+
+The control plane (kvproto.control frames over TCP or a Unix socket) finds chunks, leases them,
+reserves room and commits; the bytes move over NVMe/TCP (host_shim.nvme) straight between the
+agent's namespaces and the caller's buffers, several I/O queues at once. Every chunk read is
+checked against the checksum its writer committed (kvproto.checksum): a mismatch ends the
+prefix, it never hands back wrong KV. A lost agent is a miss, logged once, never an exception in
+the inference loop; the next call reconnects.
+
+    client = KVClient("tcp://127.0.0.1:7400", "default", token, layout, salt)
+    n = client.get(tokens, [np.empty(layout.chunk_shape, np.float16) for _ in range(8)])
+
+The control channel is also what `dpuctl` uses for admin commands. Transport failures raise
+AgentUnreachable; error replies raise ControlError with the agent's code and message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from host_shim.nvme import NvmeError, NvmeStatusError, NvmeTcpController
+from kvproto.checksum import chunk_checksum, verify_checksum
+from kvproto.control import (
+    NEED_DATA,
+    PROTOCOL_VERSION,
+    FrameDecoder,
+    ProtocolError,
+    Reply,
+    encode_request,
+    parse_reply,
+)
+from kvproto.keys import ChunkLayout, chunk_keys
+
+__all__ = [
+    "PIPELINE_BYTES_MAX",
+    "PIPELINE_DEPTH_MAX",
+    "AgentUnreachable",
+    "ControlChannel",
+    "ControlError",
+    "KVClient",
+    "byte_view",
+    "new_hostnqn",
+    "parse_control_url",
+]
+
+BLOCK_BYTES = 4096  # the namespaces' logical block size
+
+RECV_BYTES_MAX = 256 << 10
+# Requests sent ahead before reading replies: bounded so the agent's replies (small) never fill
+# both socket buffers while we are still sending.
+PIPELINE_DEPTH_MAX = 256
+PIPELINE_BYTES_MAX = 128 << 10  # well under loopback and LAN socket buffers
+
+
+class ControlError(Exception):
+    """The agent answered with an error; `code` is kvproto.control.ErrorCode's value."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class AgentUnreachable(ControlError):
+    """The agent cannot be reached or the connection broke (a miss, not a crash, for callers)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("unreachable", message)
+
+
+def parse_control_url(url: str) -> tuple[str, str | tuple[str, int]]:
+    """'tcp://host:port' -> ('tcp', (host, port)); 'unix:///path' -> ('unix', '/path')."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        path = parts.path or parts.netloc
+        if not path:
+            raise ValueError(f"control URL {url!r} has no socket path; use unix:///path")
+        return "unix", path
+    if parts.scheme == "tcp":
+        if not parts.hostname or parts.port is None:
+            raise ValueError(f"control URL {url!r} needs a host and port: tcp://127.0.0.1:7400")
+        return "tcp", (parts.hostname, parts.port)
+    raise ValueError(f"control URL {url!r}: scheme must be tcp:// or unix://")
+
+
+def new_hostnqn() -> str:
+    """A host NQN of the UUID form the NVMe base spec defines."""
+    return f"nqn.2014-08.org.nvmexpress:uuid:{uuid.uuid4()}"
+
+
+class ControlChannel:
+    """One authenticated session; thread-safe (calls are serialised by a lock)."""
+
+    def __init__(
+        self,
+        url: str,
+        tenant: str,
+        token: str,
+        *,
+        hostnqn: str | None = None,
+        timeout_s: float = 5.0,
+        client: str = "host_shim",
+    ) -> None:
+        self.kind, self.address = parse_control_url(url)
+        self.url, self.tenant = url, tenant
+        self._token = token
+        self.hostnqn = hostnqn or new_hostnqn()
+        self.timeout_s = timeout_s
+        self._client = client
+        self._sock: socket.socket | None = None
+        self._decoder = FrameDecoder()
+        self._next_id = 1
+        self._unread: list[int] = []  # ids of posted requests whose replies are not read yet
+        self._lock = threading.Lock()
+        self.hello: dict[str, Any] = {}
+
+    def __repr__(self) -> str:
+        return f"ControlChannel({self.url!r}, tenant={self.tenant!r})"
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def connect(self) -> dict[str, Any]:
+        """Open the socket and say hello; returns the hello result."""
+        with self._lock:
+            self._close_locked()
+            self._sock = self._open()
+            self._decoder = FrameDecoder()
+            fields = {
+                "version": PROTOCOL_VERSION,
+                "tenant": self.tenant,
+                "token": self._token,
+                "hostnqn": self.hostnqn,
+                "client": self._client,
+            }
+            try:
+                (reply,) = self._exchange(self._encode([("hello", fields)]))
+            except ControlError:
+                self._close_locked()
+                raise
+            if not reply.ok:
+                self._close_locked()
+                raise ControlError(reply.error, reply.message)
+            self.hello = dict(reply.result)
+            return self.hello
+
+    def _open(self) -> socket.socket:
+        family = socket.AF_UNIX if self.kind == "unix" else socket.AF_INET
+        if self.kind == "tcp" and ":" in self.address[0]:
+            family = socket.AF_INET6
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout_s)
+        try:
+            sock.connect(self.address)
+        except OSError as e:
+            sock.close()
+            raise AgentUnreachable(f"cannot connect to {self.url}: {e}") from None
+        if self.kind == "tcp":
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        """One request; the result map, or ControlError with the agent's code."""
+        (reply,) = self.pipeline([(op, fields)])
+        if not reply.ok:
+            raise ControlError(reply.error, reply.message)
+        return dict(reply.result)
+
+    def pipeline(self, requests: Sequence[tuple[str, dict[str, Any]]]) -> list[Reply]:
+        """Send requests ahead, then read their replies (in request order). Batches hold at
+        most PIPELINE_DEPTH_MAX requests and PIPELINE_BYTES_MAX bytes, so a batch always fits
+        the socket buffers while the agent answers: no deadlock with both sides writing."""
+        with self._lock:
+            if self._sock is None:
+                raise AgentUnreachable(f"not connected to {self.url}; call connect()")
+            frames = self._encode(requests)
+            out: list[Reply] = []
+            batch: list[tuple[int, bytes]] = []
+            size = 0
+            for frame in frames:
+                if batch and (len(batch) >= PIPELINE_DEPTH_MAX
+                              or size + len(frame[1]) > PIPELINE_BYTES_MAX):  # fmt: skip
+                    out += self._exchange(batch)
+                    batch, size = [], 0
+                batch.append(frame)
+                size += len(frame[1])
+            if batch or not out:
+                out += self._exchange(batch)
+            return out
+
+    def post(self, requests: Sequence[tuple[str, dict[str, Any]]]) -> None:
+        """Send requests whose replies nobody waits for (a release after a read): their replies
+        are read and dropped before the next call's, so posting costs no round trip."""
+        with self._lock:
+            if self._sock is None:
+                raise AgentUnreachable(f"not connected to {self.url}; call connect()")
+            if len(self._unread) + len(requests) > PIPELINE_DEPTH_MAX:
+                self._exchange([])  # collect what is outstanding first
+            self._unread += self._send(self._encode(requests))
+
+    def _encode(self, requests: Sequence[tuple[str, dict[str, Any]]]) -> list[tuple[int, bytes]]:
+        frames = []
+        for op, fields in requests:
+            rid = self._next_id
+            self._next_id = 1 if rid >= (1 << 32) - 1 else rid + 1
+            frames.append((rid, encode_request(rid, op, **fields)))
+        return frames
+
+    def _send(self, frames: Sequence[tuple[int, bytes]]) -> list[int]:
+        sock = self._sock
+        assert sock is not None
+        try:
+            sock.sendall(b"".join(f for _, f in frames))
+        except OSError as e:
+            self._close_locked()
+            raise AgentUnreachable(f"control connection to {self.url} broke: {e}") from None
+        return [rid for rid, _ in frames]
+
+    def _exchange(self, frames: Sequence[tuple[int, bytes]]) -> list[Reply]:
+        ids = self._send(frames)
+        sock = self._sock
+        assert sock is not None
+        ids, self._unread = self._unread + ids, []
+        try:
+            replies = [self._read_reply(sock) for _ in ids]
+        except (OSError, ProtocolError) as e:
+            self._close_locked()
+            raise AgentUnreachable(f"control connection to {self.url} broke: {e}") from None
+        for reply, rid in zip(replies, ids, strict=True):
+            if reply.id != rid:
+                self._close_locked()
+                if reply.id == 0 and not reply.ok:  # the agent refused the frame and closed
+                    raise ControlError(reply.error, reply.message)
+                raise AgentUnreachable(f"reply id {reply.id} for request {rid}: out of step")
+        return replies[len(replies) - len(frames) :]  # posted requests' replies dropped
+
+    def _read_reply(self, sock: socket.socket) -> Reply:
+        while (msg := self._decoder.next_message()) is NEED_DATA:
+            data = sock.recv(RECV_BYTES_MAX)
+            if not data:
+                raise ConnectionResetError("agent closed the connection")
+            self._decoder.receive_data(data)
+        return parse_reply(msg)
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
+        self._unread = []
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            finally:
+                self._sock = None
+
+    def __enter__(self) -> ControlChannel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --- KVClient -------------------------------------------------------------------------------
+
+log = logging.getLogger("host_shim.client")
+
+# Bytes one data-path I/O moves: a 32 MiB chunk is split into this many-byte segments spread
+# over the I/O queues, so decryption on the agent and the socket copies overlap.
+SEGMENT_BYTES = 4 << 20
+IO_QUEUES_MAX = 32  # one connection (and one agent thread) each; beyond this the DPU saturates
+CHUNKS_PER_CALL_MAX = 4096  # kvproto.control.LOOKUP_KEYS_MAX
+# After a failed connect, calls return misses at once for this long instead of each waiting
+# for a connect timeout: the inference loop never stalls on a dead agent.
+RECONNECT_BACKOFF_S = 0.5
+
+
+def byte_view(buf: Any, nbytes: int, *, writable: bool) -> memoryview:
+    """A flat, C-contiguous uint8 view of `buf` (numpy, bytearray, memoryview, torch CPU tensor).
+
+    Objects without the buffer protocol (torch tensors) go through `.numpy()`, or a uint8
+    `.view()` for dtypes numpy lacks (bfloat16); torch itself is never imported here.
+    """
+    obj = buf
+    if not isinstance(obj, np.ndarray | bytes | bytearray | memoryview) and hasattr(obj, "numpy"):
+        if getattr(obj, "device", None) is not None and str(obj.device) != "cpu":
+            raise ValueError(f"buffer on {obj.device}: give a CPU tensor (GPU memory needs gpu.py)")
+        try:
+            obj = obj.numpy()
+        except (TypeError, RuntimeError):  # e.g. bfloat16 has no numpy dtype
+            torch = sys.modules["torch"]
+            obj = obj.view(torch.uint8).numpy()
+    if isinstance(obj, np.ndarray):
+        if not obj.flags.c_contiguous:
+            raise ValueError(f"buffer of shape {obj.shape} is not C-contiguous")
+        view = obj.reshape(-1).view(np.uint8).data
+    else:
+        view = memoryview(obj)
+        if not view.c_contiguous:
+            raise ValueError("buffer is not C-contiguous")
+        view = view.cast("B") if (view.format != "B" or view.ndim != 1) else view
+    if writable and view.readonly:
+        raise ValueError(f"buffer of type {type(buf).__name__} is read-only; get() writes into it")
+    if view.nbytes != nbytes:
+        raise ValueError(f"buffer holds {view.nbytes} bytes; a chunk of this layout is {nbytes}")
+    return view
+
+
+class KVClient:
+    """The inference side of the tier: lookup, get, put and prefetch of KV chunks.
+
+    `control` is ``tcp://host:port`` or ``unix:///path``; the NVMe/TCP address and subsystem
+    come from the agent's hello. Calls are thread-safe. When the agent is lost, calls return
+    0 (misses) and log once; the next call reconnects.
+    """
+
+    def __init__(
+        self,
+        control: str,
+        tenant: str,
+        token: str,
+        layout: ChunkLayout,
+        salt: bytes,
+        *,
+        io_queues: int = 4,
+        timeout_s: float = 5.0,
+        hostnqn: str | None = None,
+    ) -> None:
+        assert 1 <= io_queues <= IO_QUEUES_MAX, io_queues
+        self.layout = layout
+        self._salt = bytes(salt)
+        self._channel = ControlChannel(control, tenant, token, hostnqn=hostnqn, timeout_s=timeout_s)
+        self._io_queues = io_queues
+        self._timeout_s = timeout_s
+        self._nvme: NvmeTcpController | None = None
+        self._pool = ThreadPoolExecutor(max_workers=io_queues, thread_name_prefix="kvclient-io")
+        self._lock = threading.RLock()
+        self._lost_logged = False
+        self._retry_at = 0.0  # monotonic time before which a lost agent is not retried
+        self._closed = False
+        chunk_keys(
+            np.zeros(0, dtype=np.uint32),
+            salt=self._salt,
+            layout_id=layout.layout_id,
+            chunk_tokens=layout.chunk_tokens,
+        )  # validates the salt now, not mid-inference
+
+    def __repr__(self) -> str:
+        return f"KVClient({self._channel.url!r}, tenant={self._channel.tenant!r})"
+
+    def __enter__(self) -> KVClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- keys and connection ----------------------------------------------------------------
+    def keys(self, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
+        """One 16-byte key per full chunk of `tokens`."""
+        return chunk_keys(
+            tokens,
+            salt=self._salt,
+            layout_id=self.layout.layout_id,
+            chunk_tokens=self.layout.chunk_tokens,
+        )[:CHUNKS_PER_CALL_MAX]
+
+    def _ensure(self) -> NvmeTcpController:
+        assert not self._closed, "KVClient used after close()"
+        if self._nvme is not None and self._channel.connected:
+            return self._nvme
+        wait_s = self._retry_at - time.monotonic()
+        if wait_s > 0:  # the agent was lost a moment ago: a miss now, not a stall per call
+            raise AgentUnreachable(f"agent {self._channel.url} lost; retrying in {wait_s:.2f} s")
+        self._retry_at = time.monotonic() + RECONNECT_BACKOFF_S
+        self._drop()
+        hello = self._channel.connect()
+        nv = hello["nvme"]
+        try:
+            self._nvme = NvmeTcpController.connect(
+                nv["host"],
+                int(nv["port"]),
+                subnqn=nv["subnqn"],
+                hostnqn=self._channel.hostnqn,
+                io_queues=self._io_queues,
+            )
+        except (OSError, NvmeError) as e:
+            self._channel.close()
+            raise AgentUnreachable(f"NVMe/TCP {nv['host']}:{nv['port']}: {e}") from None
+        if self._lost_logged:
+            log.warning("kvclient: agent %s is back", self._channel.url)
+        self._lost_logged = False
+        self._retry_at = 0.0
+        return self._nvme
+
+    def _drop(self) -> None:
+        if self._nvme is not None:
+            with contextlib.suppress(Exception):
+                self._nvme.close()
+            self._nvme = None
+
+    def _lost(self, e: Exception) -> int:
+        """The agent is gone or the data path broke: a miss, logged once per outage."""
+        self._drop()
+        self._channel.close()
+        if not self._lost_logged:
+            reason = e.message if isinstance(e, ControlError) else f"{type(e).__name__}: {e}"
+            log.warning("kvclient: agent lost (%s); serving misses until it is back", reason)
+            self._lost_logged = True
+        return 0
+
+    # --- public calls -----------------------------------------------------------------------
+    def lookup(self, tokens: Sequence[int] | np.ndarray) -> int:
+        """How many leading full chunks of `tokens` the tier holds."""
+        keys = self.keys(tokens)
+        if not keys:
+            return 0
+        with self._lock:
+            try:
+                self._ensure()
+                return len(self._channel.call("lookup", keys=keys, lease=False)["hits"])
+            except (AgentUnreachable, OSError, NvmeError) as e:
+                return self._lost(e)
+
+    def get(self, tokens: Sequence[int] | np.ndarray, into: Sequence[Any]) -> int:
+        """Load the cached prefix into `into[0..]`; returns how many leading chunks were loaded.
+
+        Each buffer holds layout.chunk_bytes; every chunk's checksum is verified, and the first
+        failure or missing chunk ends the prefix.
+        """
+        keys = self.keys(tokens)[: len(into)]
+        if not keys:
+            return 0
+        views = [byte_view(b, self.layout.chunk_bytes, writable=True) for b in into[: len(keys)]]
+        with self._lock:
+            try:
+                nvme = self._ensure()
+                res = self._channel.call("lookup", keys=keys)
+                hits = res["hits"]
+                loaded = 0
+                try:
+                    ok = self._parallel(nvme, [(h, views[i]) for i, h in enumerate(hits)], False)
+                    loaded = _leading(ok)
+                finally:
+                    after: list[tuple[str, dict[str, Any]]] = []
+                    if res["lease_id"]:
+                        after.append(("release", {"lease_id": res["lease_id"]}))
+                    if loaded < len(hits):  # failed verification: never serve it again
+                        log.warning("kvclient: chunk %s failed verification", hits[loaded][0].hex())
+                        after.append(("delete", {"key": hits[loaded][0], "corrupt": True}))
+                    self._channel.post(after)  # no round trip: the next call reads the replies
+            except (AgentUnreachable, OSError, NvmeError) as e:
+                return self._lost(e)
+        return loaded
+
+    def put(self, tokens: Sequence[int] | np.ndarray, chunks: Sequence[Any]) -> int:
+        """Store chunks of `tokens` (skipping those already cached); returns how many leading
+        chunks the tier holds afterwards."""
+        keys = self.keys(tokens)[: len(chunks)]
+        if not keys:
+            return 0
+        views = [byte_view(c, self.layout.chunk_bytes, writable=False) for c in chunks[: len(keys)]]
+        with self._lock:
+            try:
+                self._ensure()
+                cached = len(self._channel.call("lookup", keys=keys, lease=False)["hits"])
+                return cached + self._write(keys, views, cached)
+            except (AgentUnreachable, OSError, NvmeError) as e:
+                return self._lost(e)
+
+    def delete(self, tokens: Sequence[int] | np.ndarray) -> int:
+        """Drop the chunks of `tokens`; returns how many were there."""
+        keys = self.keys(tokens)
+        if not keys:
+            return 0
+        with self._lock:
+            try:
+                self._ensure()
+                replies = self._channel.pipeline([("delete", {"key": k}) for k in keys])
+            except (AgentUnreachable, OSError, NvmeError) as e:
+                return self._lost(e)
+        return sum(1 for r in replies if r.ok)
+
+    @property
+    def channel(self) -> ControlChannel:
+        """The control channel (stats, members, raw calls); connected on first use."""
+        with self._lock:
+            self._ensure()
+        return self._channel
+
+    async def prefetch(self, tokens: Sequence[int] | np.ndarray) -> int:
+        """Touch the cached prefix (the agent promotes it) without blocking the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self.lookup, tokens)
+
+    def close(self) -> None:
+        # The pool first and outside the lock: a running prefetch may be waiting for the lock.
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            if self._closed:
+                return
+            self._drop()
+            self._channel.close()
+            self._closed = True
+
+    # --- data path --------------------------------------------------------------------------
+    def _write(self, keys: list[bytes], views: list[memoryview], first: int) -> int:
+        reqs = [
+            (
+                "reserve",
+                {"key": keys[i], "length": len(views[i]), "parent": keys[i - 1] if i else None},
+            )
+            for i in range(first, len(keys))
+        ]
+        replies = self._channel.pipeline(reqs)
+        granted: list[tuple[int, dict[str, Any]]] = []
+        drop: list[int] = []  # reservations past the prefix: given back, not left to expire
+        for i, reply in zip(range(first, len(keys)), replies, strict=True):
+            if reply.ok and len(granted) == i - first:
+                granted.append((i, dict(reply.result)))
+            elif reply.ok:
+                drop.append(reply.result["reservation_id"])
+        nvme = self._nvme
+        assert nvme is not None
+        jobs = [
+            ([keys[i], r["nsid"], r["lba"], r["block_count"], len(views[i]), b""], views[i])
+            for i, r in granted
+        ]
+        sums = self._parallel(nvme, jobs, True)
+        commits: list[tuple[str, dict[str, Any]]] = []
+        for n, ((_, r), checksum) in enumerate(zip(granted, sums, strict=True)):
+            if checksum and len(commits) == n:  # still a prefix of written chunks
+                commits.append(("commit", {"reservation_id": r["reservation_id"],
+                                           "checksum": checksum}))  # fmt: skip
+            else:  # a failed write ends the prefix; what follows is given back
+                drop.append(r["reservation_id"])
+        aborts = [("abort", {"reservation_id": rid}) for rid in drop]
+        done = self._channel.pipeline(commits + aborts)
+        return _leading([bool(c.ok) for c in done[: len(commits)]])
+
+    def _parallel(
+        self, nvme: NvmeTcpController, jobs: list[tuple[list[Any], memoryview]], write: bool
+    ) -> list[Any]:
+        """Run every chunk's segments over the I/O queues; per chunk: ok/checksum or False.
+
+        Writes hash each chunk in the pool while its bytes go out (xxh3 releases the GIL);
+        reads verify each chunk here while later chunks are still arriving. Nothing is left
+        running when this returns or raises: no I/O may touch a caller's buffer afterwards.
+        """
+        segments: list[list[Future[bool]]] = []
+        sums: list[Future[bytes] | None] = []
+        for hit, view in jobs:
+            nsid, lba, length = int(hit[1]), int(hit[2]), int(hit[4])
+            if length != len(view):  # a chunk of another size under this key: not ours
+                segments.append([])
+                sums.append(None)
+                continue
+            segments.append([self._pool.submit(_segment_io, nvme, nsid, lba, view, off, write)
+                             for off in range(0, length, SEGMENT_BYTES)])  # fmt: skip
+            sums.append(self._pool.submit(chunk_checksum, hit[0], view) if write else None)
+        try:
+            return [
+                _outcome(hit, view, segs, csum, write)
+                for (hit, view), segs, csum in zip(jobs, segments, sums, strict=True)
+            ]
+        except BaseException:
+            pending: list[Future[Any]] = [f for segs in segments for f in segs]
+            wait(pending + [f for f in sums if f is not None])
+            raise
+
+
+def _outcome(
+    hit: list[Any],
+    view: memoryview,
+    segs: list[Future[bool]],
+    csum: Future[bytes] | None,
+    write: bool,
+) -> Any:
+    """The checksum of a written chunk, whether a read chunk verified, or False."""
+    oks = [f.result() for f in segs]  # every segment settled, failed or not
+    good = bool(oks) and all(oks)
+    if write:
+        checksum = csum.result() if csum is not None else b""
+        return checksum if good else False
+    return good and verify_checksum(hit[0], view, hit[5])
+
+
+def _segment_io(
+    nvme: NvmeTcpController, nsid: int, lba: int, view: memoryview, offset: int, write: bool
+) -> bool:
+    """One segment of a chunk: False when the target failed the command (that chunk is a
+    miss); a broken connection raises NvmeTransportError (the agent is lost)."""
+    try:
+        _segment_io_raw(nvme, nsid, lba, view, offset, write)
+    except NvmeStatusError:
+        return False
+    return True
+
+
+def _segment_io_raw(
+    nvme: NvmeTcpController, nsid: int, lba: int, view: memoryview, offset: int, write: bool
+) -> None:
+    """The partial last block goes through a zero-padded bounce buffer."""
+    end = min(offset + SEGMENT_BYTES, len(view))
+    seg_lba = lba + offset // BLOCK_BYTES
+    whole = (end - offset) // BLOCK_BYTES * BLOCK_BYTES
+    if whole:
+        if write:
+            nvme.write(nsid, seg_lba, view[offset : offset + whole])
+        else:
+            nvme.read(nsid, seg_lba, view[offset : offset + whole])
+    tail = end - offset - whole
+    if tail:
+        bounce = bytearray(BLOCK_BYTES)
+        tail_lba = seg_lba + whole // BLOCK_BYTES
+        if write:
+            bounce[:tail] = view[offset + whole : end]
+            nvme.write(nsid, tail_lba, bounce)
+        else:
+            nvme.read(nsid, tail_lba, memoryview(bounce))
+            view[offset + whole : end] = bounce[:tail]
+
+
+def _leading(flags: Sequence[Any]) -> int:
+    n = 0
+    for flag in flags:
+        if not flag:
+            break
+        n += 1
+    return n

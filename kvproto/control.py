@@ -1,0 +1,440 @@
+"""Control-plane frames: sans-I/O codec and message schema shared by the agent and the shim.
+
+Frame layout::
+
+    +-------------------+---------------------------------------------+
+    | length: u32 BE    | msgpack map of `length` bytes               |
+    +-------------------+---------------------------------------------+
+
+`length` counts the msgpack body only and is at most CONTROL_FRAME_BYTES_MAX. A request is
+``{"id": u32, "op": str, ...fields}``; a reply is ``{"id": u32, "ok": true, "result": map}`` or
+``{"id": u32, "ok": false, "error": code, "message": str}``. Replies carry the request's id, so
+a client may pipeline: send several requests, then read the replies (the server answers in
+order per connection). Binary values (keys, checksums) are msgpack ``bin``; strings are UTF-8.
+
+Operations (fields; every connection starts with ``hello``):
+
+- ``hello``: version, tenant, token, [hostnqn], [client] -> session, node, version, nvme
+  {host, port, subnqn}, lease_ttl_s. A version mismatch is refused with code ``version``.
+- ``lookup``: keys (list of 16-byte keys), [lease] -> hits (list of [key, nsid, lba,
+  block_count, length, checksum], the longest cached prefix), lease_id, lease_expires_s. With
+  ``lease: false`` the agent releases the lease before answering (a probe, not a read).
+- ``release``: lease_id.  ``reserve``: key, length, [parent] -> reservation_id, nsid, lba,
+  block_count, expires_s.  ``commit``: reservation_id, checksum.  ``abort``: reservation_id
+  (give back a reservation that will not be committed).
+- ``delete`` / ``pin`` / ``unpin``: key (``delete`` with ``corrupt: true`` when the reader's
+  checksum check failed: the agent counts and logs an integrity failure).
+- ``stats`` -> the tenant's stats.  ``members`` -> members (list of {name, control, nvme,
+  capacity_bytes}).
+- Admin (a session opened with tenant ``_admin`` and the admin token): ``tenants_list``,
+  ``tenant_add`` (tenant, [token]), ``tenant_remove`` (tenant), ``evict`` (tenant, bytes),
+  ``checkpoint``, ``backup`` (dir, incremental), ``restore`` (dirs), ``stats`` over all tenants.
+
+Parsing never trusts the peer: anything malformed raises RemoteProtocolError (the server then
+replies with an error or closes the connection); a bad call on our side raises
+LocalProtocolError.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import struct
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, NoReturn
+
+import msgpack
+
+__all__ = [
+    "ADMIN_OPS",
+    "ADMIN_TENANT",
+    "CONTROL_FRAME_BYTES_MAX",
+    "KEY_BYTES",
+    "LOOKUP_KEYS_MAX",
+    "NEED_DATA",
+    "OPS",
+    "PROTOCOL_VERSION",
+    "ErrorCode",
+    "FrameDecoder",
+    "LocalProtocolError",
+    "ProtocolError",
+    "RemoteProtocolError",
+    "Reply",
+    "Request",
+    "SessionState",
+    "encode_frame",
+    "encode_reply",
+    "encode_request",
+    "next_session_state",
+    "parse_reply",
+    "parse_request",
+    "valid_tenant_name",
+]
+
+PROTOCOL_VERSION: Final = 1
+# A lookup of LOOKUP_KEYS_MAX keys answers with that many hits of ~60 bytes each: 4096 keys is a
+# 1M-token prompt at 256 tokens a chunk, and its reply (~250 KiB) fits the frame limit with room.
+LOOKUP_KEYS_MAX: Final = 4096
+# 1 MiB bounds what one peer can make us buffer per connection; no control message needs more.
+CONTROL_FRAME_BYTES_MAX: Final = 1 << 20
+KEY_BYTES: Final = 16
+CHECKSUM_BYTES: Final = 16
+REQUEST_ID_MAX: Final = (1 << 32) - 1
+STRING_BYTES_MAX: Final = 4096  # paths, tokens, names; longer is a bug or an attack
+RESTORE_DIRS_MAX: Final = 1024  # one full backup plus its incrementals
+ADMIN_TENANT: Final = "_admin"
+
+_LENGTH = struct.Struct(">I")
+_TENANT_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+
+
+class ProtocolError(Exception):
+    """Base of both protocol errors; `code` is the ErrorCode the peer is told."""
+
+    def __init__(self, message: str, code: str = "protocol") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class LocalProtocolError(ProtocolError):
+    """We were about to send something invalid: a programming error on our side."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent something invalid; tell it `code` and the message, or close."""
+
+
+class ErrorCode(enum.StrEnum):
+    PROTOCOL = "protocol"  # malformed frame or request
+    VERSION = "version"  # hello with another protocol version
+    AUTH = "auth"  # no session, wrong token or unknown tenant
+    FORBIDDEN = "forbidden"  # admin op from a tenant session
+    NOT_FOUND = "not_found"  # unknown key, lease or reservation
+    EXPIRED = "expired"  # lease or reservation expired
+    FULL = "full"  # no room even after eviction
+    CHECKSUM = "checksum"  # integrity failure
+    FAILED = "failed"  # the operation failed for another operating reason
+    INTERNAL = "internal"  # a bug in the agent; it keeps serving
+
+
+class SessionState(enum.Enum):
+    AWAIT_HELLO = "await_hello"
+    READY = "ready"
+    CLOSED = "closed"
+
+
+class _NeedData(enum.Enum):
+    NEED_DATA = "need_data"
+
+
+NEED_DATA: Final = _NeedData.NEED_DATA
+
+
+def valid_tenant_name(name: str) -> bool:
+    """Tenant names go into NVMe NQNs: lowercase letters, digits and '-', at most 63."""
+    return bool(_TENANT_RE.fullmatch(name))
+
+
+# --- field validators: each returns an error string or None -------------------------------
+
+
+def _int(v: Any) -> str | None:
+    ok = isinstance(v, int) and not isinstance(v, bool) and 0 <= v < (1 << 63)
+    return None if ok else "a non-negative integer"
+
+
+def _posint(v: Any) -> str | None:
+    return "a positive integer" if _int(v) or v == 0 else None
+
+
+def _str(v: Any) -> str | None:
+    ok = isinstance(v, str) and len(v) <= STRING_BYTES_MAX
+    return None if ok else f"a string of at most {STRING_BYTES_MAX} characters"
+
+
+def _bool(v: Any) -> str | None:
+    return None if isinstance(v, bool) else "a boolean"
+
+
+def _key(v: Any) -> str | None:
+    return None if isinstance(v, bytes) and len(v) == KEY_BYTES else f"{KEY_BYTES} bytes"
+
+
+def _checksum(v: Any) -> str | None:
+    ok = isinstance(v, bytes) and len(v) == CHECKSUM_BYTES
+    return None if ok else f"{CHECKSUM_BYTES} bytes"
+
+
+def _keys(v: Any) -> str | None:
+    if not isinstance(v, list) or len(v) > LOOKUP_KEYS_MAX:
+        return f"a list of at most {LOOKUP_KEYS_MAX} keys"
+    # The hot path of every lookup, in C: join() refuses anything but bytes-like items (msgpack
+    # decodes bin to bytes only), then every item must be KEY_BYTES long.
+    try:
+        b"".join(v)
+    except TypeError:
+        return f"a list of {KEY_BYTES}-byte keys"
+    return None if set(map(len, v)) <= {KEY_BYTES} else f"a list of {KEY_BYTES}-byte keys"
+
+
+def _tenant(v: Any) -> str | None:
+    ok = isinstance(v, str) and (v == ADMIN_TENANT or valid_tenant_name(v))
+    return None if ok else "a tenant name ([a-z0-9][a-z0-9-]{0,62})"
+
+
+def _dirs(v: Any) -> str | None:
+    if not isinstance(v, list) or not 0 < len(v) <= RESTORE_DIRS_MAX:
+        return f"a list of 1 to {RESTORE_DIRS_MAX} directories"
+    return next(("a list of directory strings" for d in v if _str(d)), None)
+
+
+def _optional(check: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
+    def opt(v: Any) -> str | None:
+        return None if v is None else check(v)
+
+    return opt
+
+
+_Schema = dict[str, tuple[Callable[[Any], str | None], bool]]  # field -> (check, required)
+
+OPS: Final[dict[str, _Schema]] = {
+    "hello": {
+        "version": (_int, True),
+        "tenant": (_tenant, True),
+        "token": (_str, True),
+        "hostnqn": (_optional(_str), False),
+        "client": (_optional(_str), False),
+    },
+    "lookup": {"keys": (_keys, True), "lease": (_optional(_bool), False)},
+    "release": {"lease_id": (_int, True)},
+    "reserve": {"key": (_key, True), "length": (_posint, True), "parent": (_optional(_key), False)},
+    "commit": {"reservation_id": (_int, True), "checksum": (_checksum, True)},
+    "abort": {"reservation_id": (_int, True)},
+    "delete": {"key": (_key, True), "corrupt": (_optional(_bool), False)},
+    "pin": {"key": (_key, True)},
+    "unpin": {"key": (_key, True)},
+    "stats": {},
+    "members": {},
+    "tenants_list": {},
+    "tenant_add": {"tenant": (_tenant, True), "token": (_optional(_str), False)},
+    "tenant_remove": {"tenant": (_tenant, True)},
+    "evict": {"tenant": (_tenant, True), "bytes": (_int, True)},
+    "checkpoint": {},
+    "backup": {"dir": (_str, True), "incremental": (_bool, True)},
+    "restore": {"dirs": (_dirs, True)},
+}
+ADMIN_OPS: Final = frozenset(
+    {"tenants_list", "tenant_add", "tenant_remove", "evict", "checkpoint", "backup", "restore"}
+)
+# Ops an admin session may also send (stats over all tenants, members).
+_ADMIN_ALSO: Final = frozenset({"stats", "members"})
+
+# The session's state table: (state, op) -> next state; a pair missing here is refused.
+_TRANSITIONS: Final[dict[tuple[SessionState, str], SessionState]] = {
+    (SessionState.AWAIT_HELLO, "hello"): SessionState.READY,
+    **{(SessionState.READY, op): SessionState.READY for op in OPS if op != "hello"},
+}
+
+
+def next_session_state(state: SessionState, op: str, *, admin: bool) -> SessionState:
+    """The state after `op`; RemoteProtocolError when the op is not allowed now."""
+    nxt = _TRANSITIONS.get((state, op))
+    if nxt is None:
+        if state is SessionState.AWAIT_HELLO:
+            raise RemoteProtocolError(f"'{op}' before hello; send hello first", ErrorCode.AUTH)
+        raise RemoteProtocolError(f"'{op}' not allowed in state {state.value}")
+    if state is SessionState.READY:
+        if admin and op not in ADMIN_OPS and op not in _ADMIN_ALSO:
+            raise RemoteProtocolError(
+                f"'{op}' needs a tenant session, not an admin one", ErrorCode.FORBIDDEN
+            )
+        if not admin and op in ADMIN_OPS:
+            raise RemoteProtocolError(
+                f"'{op}' is an admin operation; connect as {ADMIN_TENANT} with the admin token",
+                ErrorCode.FORBIDDEN,
+            )
+    return nxt
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Request:
+    id: int
+    op: str
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.id <= REQUEST_ID_MAX, self.id
+        assert self.op in OPS, self.op
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reply:
+    id: int
+    ok: bool
+    result: Mapping[str, Any] = field(default_factory=dict)
+    error: str = ""
+    message: str = ""
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.id <= REQUEST_ID_MAX, self.id
+        assert self.ok or self.error, "an error reply needs a code"
+
+
+# --- encoding -------------------------------------------------------------------------------
+
+
+def encode_frame(msg: Mapping[str, Any]) -> bytes:
+    """One frame for `msg`; LocalProtocolError when it is over CONTROL_FRAME_BYTES_MAX."""
+    body = msgpack.packb(msg, use_bin_type=True)
+    if len(body) > CONTROL_FRAME_BYTES_MAX:
+        raise LocalProtocolError(
+            f"frame of {len(body)} bytes over CONTROL_FRAME_BYTES_MAX={CONTROL_FRAME_BYTES_MAX}; "
+            "split the request"
+        )
+    return _LENGTH.pack(len(body)) + body
+
+
+def encode_request(req_id: int, op: str, **fields: Any) -> bytes:
+    """A request frame; fields are validated as the server will (LocalProtocolError)."""
+    fields = {k: v for k, v in fields.items() if v is not None}
+    msg = {"id": req_id, "op": op, **fields}
+    try:
+        parse_request(msg)
+    except RemoteProtocolError as e:
+        raise LocalProtocolError(str(e), e.code) from None
+    return encode_frame(msg)
+
+
+def encode_reply(reply: Reply) -> bytes:
+    if reply.ok:
+        return encode_frame({"id": reply.id, "ok": True, "result": dict(reply.result)})
+    msg = {"id": reply.id, "ok": False, "error": reply.error, "message": reply.message}
+    return encode_frame(msg)
+
+
+# --- decoding -------------------------------------------------------------------------------
+
+
+def _request_id(msg: Mapping[str, Any]) -> int:
+    rid = msg.get("id")
+    if not isinstance(rid, int) or isinstance(rid, bool) or not 0 <= rid <= REQUEST_ID_MAX:
+        raise RemoteProtocolError(f"request id must be a u32, got {rid!r:.40}")
+    return rid
+
+
+def parse_request(msg: Any) -> Request:
+    """Validate a decoded message as a request (RemoteProtocolError with the reason)."""
+    if not isinstance(msg, dict):
+        raise RemoteProtocolError(f"a request is a map, got {type(msg).__name__}")
+    rid = _request_id(msg)
+    op = msg.get("op")
+    if not isinstance(op, str) or op not in OPS:
+        raise RemoteProtocolError(f"unknown op {op!r:.40}; known: {', '.join(sorted(OPS))}")
+    schema = OPS[op]
+    extra = set(msg) - set(schema) - {"id", "op"}
+    if extra:
+        raise RemoteProtocolError(f"{op}: unknown fields {sorted(map(str, extra))}")
+    for name, (check, required) in schema.items():
+        if name not in msg:
+            if required:
+                raise RemoteProtocolError(f"{op}: missing field '{name}'")
+            continue
+        problem = check(msg[name])
+        if problem:
+            raise RemoteProtocolError(f"{op}: field '{name}' must be {problem}")
+    fields = {k: v for k, v in msg.items() if k not in ("id", "op")}
+    return Request(id=rid, op=op, fields=fields)
+
+
+def parse_reply(msg: Any) -> Reply:
+    """Validate a decoded message as a reply (RemoteProtocolError with the reason)."""
+    if not isinstance(msg, dict):
+        raise RemoteProtocolError(f"a reply is a map, got {type(msg).__name__}")
+    rid = _request_id(msg)
+    ok = msg.get("ok")
+    if ok is True:
+        result = msg.get("result")
+        if not isinstance(result, dict):
+            raise RemoteProtocolError("reply: 'result' must be a map")
+        return Reply(id=rid, ok=True, result=result)
+    if ok is False:
+        error, message = msg.get("error"), msg.get("message")
+        if not isinstance(error, str) or not error or not isinstance(message, str):
+            raise RemoteProtocolError("error reply: 'error' and 'message' must be strings")
+        return Reply(id=rid, ok=False, error=error, message=message)
+    raise RemoteProtocolError(f"reply: 'ok' must be a boolean, got {ok!r:.40}")
+
+
+class FrameDecoder:
+    """Bytes in, decoded msgpack maps out; no I/O. After an error every call raises again.
+
+    ``dec.receive_data(buf); while (msg := dec.next_message()) is not NEED_DATA: ...``
+    """
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._error: RemoteProtocolError | None = None
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        if self._error is not None:
+            raise self._error
+        self._buf += data
+        # One frame plus its header is the most a well-behaved peer leaves unread.
+        if len(self._buf) > 2 * (CONTROL_FRAME_BYTES_MAX + _LENGTH.size):
+            self._fail("peer sent more than two frames ahead without reading replies")
+
+    @property
+    def buffered_bytes(self) -> int:
+        return len(self._buf)
+
+    def _fail(self, message: str) -> NoReturn:
+        self._error = RemoteProtocolError(message)
+        self._buf.clear()
+        raise self._error
+
+    def next_message(self) -> dict[str, Any] | _NeedData:
+        if self._error is not None:
+            raise self._error
+        if len(self._buf) < _LENGTH.size:
+            return NEED_DATA
+        (length,) = _LENGTH.unpack_from(self._buf)
+        if length > CONTROL_FRAME_BYTES_MAX:
+            self._fail(f"frame of {length} bytes over CONTROL_FRAME_BYTES_MAX")
+        if length == 0:
+            self._fail("empty frame")
+        end = _LENGTH.size + length
+        if len(self._buf) < end:
+            return NEED_DATA
+        body = bytes(self._buf[_LENGTH.size : end])
+        del self._buf[:end]
+        try:
+            msg = _unpack_one(body)
+        except RemoteProtocolError as e:
+            self._fail(str(e))
+        if not isinstance(msg, dict):
+            self._fail(f"frame body must be a msgpack map, got {type(msg).__name__}")
+        return msg
+
+
+def _unpack_one(body: bytes) -> Any:
+    unpacker = msgpack.Unpacker(
+        raw=False,
+        use_list=True,
+        strict_map_key=True,
+        max_buffer_size=CONTROL_FRAME_BYTES_MAX,
+        max_str_len=CONTROL_FRAME_BYTES_MAX,
+        max_bin_len=CONTROL_FRAME_BYTES_MAX,
+        max_array_len=LOOKUP_KEYS_MAX + 16,
+        max_map_len=1024,
+        max_ext_len=0,
+    )
+    try:
+        unpacker.feed(body)
+        msg = unpacker.unpack()
+        extra = unpacker.tell() != len(body)
+    except Exception as e:  # msgpack raises many types (ValueError, StackError, ...)
+        raise RemoteProtocolError(f"bad msgpack in frame: {type(e).__name__}: {e}"[:200]) from None
+    if extra:
+        raise RemoteProtocolError(f"trailing bytes after the msgpack map ({len(body)}-byte frame)")
+    return msg

@@ -1,0 +1,109 @@
+"""dpuctl operator commands: --json output, exit codes (0 ok, 1 failed, 2 usage, 3 unreachable,
+4 bad config), against a real agent child where one is needed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dpu_agent.cli import cli
+from dpu_agent.service import AgentProcess, spawn_agent
+
+
+def dpuctl(data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DPUKV_AGENT_DATA_DIR": str(data_dir)}
+    return subprocess.run(
+        [sys.executable, "-c", "from dpu_agent.cli import main; main()", *args],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
+    a = spawn_agent(tmp_path_factory.mktemp("cli") / "var")
+    yield a
+    a.stop()
+
+
+def test_config_show_json_is_redacted(tmp_path: Path) -> None:
+    r = CliRunner().invoke(
+        cli, ["config", "show", "--json"], env={"DPUKV_AGENT_DATA_DIR": str(tmp_path)}
+    )
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    token = (tmp_path / "tenant-default.token").read_text().strip()
+    assert token not in r.output and doc["tenants"]["default"]["token"] == "<redacted>"
+    assert doc["control"]["port"] == 7400 and doc["admin_token"] == "<redacted>"
+
+
+def test_bad_config_exits_4(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[control]\nport = 'x'\n")
+    r = CliRunner().invoke(cli, ["config", "show", "--json", "--config", str(bad)])
+    assert r.exit_code == 4 and json.loads(r.output)["ok"] is False
+
+
+def test_usage_error_exits_2() -> None:
+    assert CliRunner().invoke(cli, ["evict", "--json", "not-a-number"]).exit_code == 2
+
+
+def test_unreachable_agent_exits_3(tmp_path: Path) -> None:
+    env = {"DPUKV_AGENT_DATA_DIR": str(tmp_path), "DPUKV_CONTROL_PORT": "1",
+           "DPUKV_CONTROL_UNIX_SOCKET": ""}  # fmt: skip
+    r = CliRunner().invoke(cli, ["status", "--json"], env=env)
+    assert r.exit_code == 3, r.output
+    assert "unreachable" in json.loads(r.output)["error"] or "connect" in r.output
+
+
+def test_doctor_json_reports_every_probe() -> None:
+    r = CliRunner().invoke(cli, ["doctor", "--json"])
+    assert r.exit_code in (0, 1), r.output
+    rows = json.loads(r.output)
+    checks = {row["check"]: row for row in rows}
+    for name in ("rdma", "hugepages", "spdk", "aes", "gpu", "nvme-tcp", "serf", "redis-server"):
+        assert checks[name]["status"] in ("ok", "fallback", "missing"), checks[name]
+    assert r.exit_code == (1 if any(x["status"] == "missing" for x in rows) else 0)
+
+
+def test_status_stats_tenants_checkpoint_backup(agent: AgentProcess, tmp_path: Path) -> None:
+    d = agent.data_dir
+    r = dpuctl(d, "status", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["members"][0]["control"] == agent.control_url
+    r = dpuctl(d, "stats", "--json")
+    assert r.returncode == 0 and "default" in json.loads(r.stdout)["stats"]["tenants"]
+    r = dpuctl(d, "tenants", "add", "acme", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["token"] == (d / "tenant-acme.token").read_text().strip()
+    assert dpuctl(d, "tenants", "add", "acme", "--json").returncode == 1  # exists
+    names = [
+        t["name"] for t in json.loads(dpuctl(d, "tenants", "list", "--json").stdout)["tenants"]
+    ]
+    assert names == ["acme", "default"]
+    assert dpuctl(d, "evict", "--tenant", "acme", "4096", "--json").returncode == 0
+    assert dpuctl(d, "evict", "--tenant", "nobody", "4096", "--json").returncode == 1
+    assert dpuctl(d, "tenants", "remove", "acme", "--json").returncode == 0
+    assert dpuctl(d, "checkpoint", "--json").returncode == 0
+    r = dpuctl(d, "backup", "create", str(tmp_path / "b1"), "--json")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "b1" / "manifest.json").exists()
+    r = dpuctl(d, "status")  # the human table
+    assert r.returncode == 0 and "members" in r.stdout
+
+
+def test_stale_state_file_of_a_killed_agent_is_ignored(tmp_path: Path) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (tmp_path / "agent.json").write_text(json.dumps(
+        {"pid": gone.pid, "control": {"tcp": "tcp://127.0.0.1:9", "unix": ""}}))  # fmt: skip
+    env = {"DPUKV_AGENT_DATA_DIR": str(tmp_path), "DPUKV_CONTROL_PORT": "1",
+           "DPUKV_CONTROL_UNIX_SOCKET": ""}  # fmt: skip
+    r = CliRunner().invoke(cli, ["status", "--json"], env=env)
+    assert r.exit_code == 3 and "127.0.0.1:1" in json.loads(r.output)["error"], r.output

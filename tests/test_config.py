@@ -1,0 +1,85 @@
+"""Agent configuration: defaults, TOML, DPUKV_* overrides, generated 0600 secrets, redaction."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from dpu_agent.config import ConfigError, load_config
+
+
+def test_defaults_are_the_embedded_mode(tmp_path: Path) -> None:
+    cfg = load_config(environ={})
+    assert cfg.control.port == 7400 and cfg.nvmf.port == 4420 and cfg.metrics.port == 9400
+    assert cfg.control.host == cfg.nvmf.host == cfg.metrics.host == "127.0.0.1"
+    assert cfg.agent.data_dir == "./var"
+
+
+def test_prepare_generates_0600_tokens_once(tmp_path: Path) -> None:
+    cfg = load_config(environ={"DPUKV_AGENT_DATA_DIR": str(tmp_path / "var")})
+    cfg.prepare()
+    token_file = tmp_path / "var" / "tenant-default.token"
+    admin_file = tmp_path / "var" / "admin.token"
+    for f in (token_file, admin_file):
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600
+    assert cfg.tenants["default"].token == token_file.read_text().strip()
+    again = load_config(environ={"DPUKV_AGENT_DATA_DIR": str(tmp_path / "var")})
+    again.prepare()
+    assert again.tenants["default"].token == cfg.tenants["default"].token
+    assert again.admin_token == cfg.admin_token != cfg.tenants["default"].token
+
+
+def test_toml_then_env_override(tmp_path: Path) -> None:
+    f = tmp_path / "agent.toml"
+    f.write_text(
+        "[control]\nport = 7500\n[storage]\ndram_bytes = 8388608\n"
+        '[tenants.acme]\ntoken = "s3cret-acme"\nquota_bytes = 4096\n'
+    )
+    cfg = load_config(f, environ={"DPUKV_CONTROL_PORT": "7600", "DPUKV_METRICS_ENABLED": "false"})
+    assert cfg.control.port == 7600
+    assert cfg.storage.dram_bytes == 8 << 20
+    assert cfg.metrics.enabled is False
+    assert cfg.tenants["acme"].token == "s3cret-acme" and cfg.tenants["acme"].quota_bytes == 4096
+
+
+def test_redacted_hides_every_secret(tmp_path: Path) -> None:
+    f = tmp_path / "agent.toml"
+    f.write_text(f'[agent]\ndata_dir = "{tmp_path}"\n[tenants.acme]\ntoken = "s3cret-acme"\n')
+    cfg = load_config(f, environ={})
+    cfg.prepare()
+    text = json.dumps(cfg.redacted())
+    assert "s3cret-acme" not in text and cfg.admin_token not in text
+    assert cfg.redacted()["tenants"]["acme"]["token"] == "<redacted>"
+    assert "s3cret" not in repr(cfg)
+
+
+@pytest.mark.parametrize(
+    ("toml", "env", "match"),
+    [
+        ("[control]\nprot = 1\n", {}, "unknown key"),
+        ("[nope]\nx = 1\n", {}, "unknown section"),
+        ("[control]\nport = 'x'\n", {}, "must be a int"),
+        ("[tenants.Bad_Name]\ntoken = 'x'\n", {}, "tenant name"),
+        ("", {"DPUKV_CONTROL_PORT": "-1"}, "negative"),
+        ("", {"DPUKV_METRICS_ENABLED": "maybe"}, "boolean"),
+        ("[control\n", {}, "not valid TOML"),
+    ],
+)
+def test_bad_config_says_what_and_where(tmp_path: Path, toml: str, env: dict, match: str) -> None:
+    f = tmp_path / "agent.toml"
+    f.write_text(toml)
+    with pytest.raises(ConfigError, match=match):
+        load_config(f, environ=env)
+
+
+def test_group_readable_token_refused(tmp_path: Path) -> None:
+    cfg = load_config(environ={"DPUKV_AGENT_DATA_DIR": str(tmp_path)})
+    cfg.prepare()
+    os.chmod(tmp_path / "admin.token", 0o644)
+    cfg2 = load_config(environ={"DPUKV_AGENT_DATA_DIR": str(tmp_path)})
+    with pytest.raises(ConfigError, match="chmod 600"):
+        cfg2.prepare()
