@@ -103,3 +103,23 @@ def test_backup_chain_errors(tmp_path: Path) -> None:
             dst.restore([tmp_path / "b1", tmp_path / "b3"])
     finally:
         dst.close()
+
+
+def test_incremental_backup_holds_the_first_commit_after_the_full_one(tmp_path: Path) -> None:
+    """Regression: the manifest's seq is the next sequence number, so `>` skipped one record."""
+    src = Engine(cfg(tmp_path / "a"))
+    try:
+        src.put_chunk("acme", *chunk(1))
+        src.backup(tmp_path / "b1")
+        src.put_chunk("acme", *chunk(2))  # the very next sequence number after the backup
+        inc = src.backup(tmp_path / "b2", incremental=True)
+        assert inc["records"] == 1
+    finally:
+        src.close()
+    dst = Engine(cfg(tmp_path / "c", key_file=tmp_path / "a" / "keys.json"))
+    try:
+        dst.restore([tmp_path / "b1", tmp_path / "b2"])
+        assert dst.get_chunk("acme", chunk(1)[0]) == chunk(1)[1]
+        assert dst.get_chunk("acme", chunk(2)[0]) == chunk(2)[1]
+    finally:
+        dst.close()

@@ -119,7 +119,9 @@ def _select(
     cols = index.cols
     live = index.live_rows()
     persistent = live[cols["tier"][live] == NVME]
-    sel = persistent[cols["seq"][persistent] > prev_seq] if incremental else persistent
+    # `seq` in a manifest is the engine's next sequence number at backup time: every record with
+    # seq >= it came later
+    sel = persistent[cols["seq"][persistent] >= prev_seq] if incremental else persistent
     live_keys = {
         "tenant": cols["tenant"][persistent].copy(),
         "k0": cols["k0"][persistent].copy(),
