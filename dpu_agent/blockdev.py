@@ -23,7 +23,7 @@ class BlockDeviceError(Exception):
 
 @runtime_checkable
 class BlockDevice(Protocol):
-    """`read_into` fills `buf` (len a multiple of block_size) from `lba` on; `write` stores `data`."""
+    """`read_into` fills `buf` (a multiple of block_size) from `lba` on; `write` stores `data`."""
 
     @property
     def block_size(self) -> int: ...
@@ -112,8 +112,12 @@ class FileBlockDevice:
     at QD1 (../shared/MEASURED.md). A full disk surfaces as BlockDeviceError(ENOSPC).
     """
 
-    def __init__(self, path: str | os.PathLike[str], block_count: int | None = None,
-                 block_size: int = BLOCK_SIZE) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        block_count: int | None = None,
+        block_size: int = BLOCK_SIZE,
+    ) -> None:
         self._block_size = block_size
         self.path = os.fspath(path)
         try:

@@ -44,12 +44,12 @@ from spdk_plugins.tiers import TierTarget, agent_tiers
 
 __all__ = [
     "ENV_PREFIX",
+    "MODES",
     "AgentConfig",
     "AgentSection",
     "ConfigError",
     "ControlSection",
     "MetricsSection",
-    "MODES",
     "NvmfSection",
     "StorageSection",
     "TenantConfig",
@@ -371,7 +371,7 @@ def _check_mode(cfg: AgentConfig) -> None:
     if not have:
         raise ConfigError(
             f"{where}: no [[spdk.subsystems]] has a tenant and namespaces with a tier; give "
-            "each tenant's subsystem nsid 1 tier = \"dram\" and nsid 2 tier = \"nvme\""
+            'each tenant\'s subsystem nsid 1 tier = "dram" and nsid 2 tier = "nvme"'
         )
     for name in cfg.tenants or have:  # no [tenants]: the agent serves every SPDK tenant
         missing = {"dram", "nvme"} - have.get(name, set())
@@ -379,5 +379,5 @@ def _check_mode(cfg: AgentConfig) -> None:
             raise ConfigError(
                 f"{cfg.source}: tenant {name!r} has no SPDK namespace for tier "
                 f"{', '.join(sorted(missing))}; add a [[spdk.subsystems]] with tenant = "
-                f"{name!r} and namespaces nsid 1 tier = \"dram\", nsid 2 tier = \"nvme\""
+                f'{name!r} and namespaces nsid 1 tier = "dram", nsid 2 tier = "nvme"'
             )

@@ -19,7 +19,9 @@ def configure_logging(*, level: str = "INFO", console: bool = False) -> None:
     global _configured
     numeric_level = logging.getLevelNamesMapping()[level.upper()]
     renderer: structlog.typing.Processor = (
-        structlog.dev.ConsoleRenderer(colors=False) if console else structlog.processors.JSONRenderer()
+        structlog.dev.ConsoleRenderer(colors=False)
+        if console
+        else structlog.processors.JSONRenderer()
     )
     structlog.configure(
         processors=[

@@ -1,5 +1,9 @@
 """The agent as a service: engine + NVMe/TCP target + control server + metrics + tick loop.
 
+In SPDK mode (`[agent] mode = "spdk"`) there is no NVMe/TCP target here: the tiers are SPDK's
+namespaces, reached through the agent's own initiator (dpu_agent.spdk_mode), and hello points
+hosts at SPDK's listener for their tenant's subsystem.
+
 `run_agent(cfg)` is what `dpuctl agent run` (and `make run`) calls: it starts everything in one
 asyncio loop, prints what it serves and how to try it, and on Ctrl-C or SIGTERM stops the
 listeners, then closes the engine (which checkpoints), so a restart keeps committed chunks.
@@ -33,10 +37,12 @@ from dpu_agent.control import (
     TenantRegistry,
     plain,
 )
+from dpu_agent.crypto import KeyStore
 from dpu_agent.engine import Engine, EngineConfig
 from dpu_agent.log import configure_logging, get_logger
 from dpu_agent.metrics import REGISTRY
 from dpu_agent.nvmf import NvmeTcpTarget, Subsystem, TargetOptions
+from dpu_agent.spdk_mode import SpdkDevices, check_spdk, listener_for
 from kvproto.control import valid_tenant_name
 
 __all__ = ["Agent", "AgentProcess", "run_agent", "spawn_agent", "subsystem_nqn"]
@@ -77,20 +83,24 @@ class Agent:
         self._admin_lock = asyncio.Lock()
         self._subsystems: dict[str, Subsystem] = {}
         self._hosts: dict[str, collections.OrderedDict[str, None]] = {}
+        self._spdk_devices: SpdkDevices | None = None
         self.started_at = time.time()
 
     # --- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.cfg
-        self.engine = Engine(self._engine_config())
-        subsystems = [self._subsystem(name) for name in self.cfg.tenants]
-        options = TargetOptions(
-            max_io_size=cfg.nvmf.max_io_size,
-            io_workers=cfg.nvmf.io_workers,
-            data_buffers_per_queue=cfg.nvmf.data_buffers_per_queue,
-        )
-        self.target = NvmeTcpTarget(subsystems, cfg.nvmf.host, cfg.nvmf.port, options=options)
-        await self.target.start()
+        if cfg.spdk_mode:
+            self.engine = await asyncio.to_thread(self._start_spdk)
+        else:
+            self.engine = Engine(self._engine_config())
+            subsystems = [self._subsystem(name) for name in self.cfg.tenants]
+            options = TargetOptions(
+                max_io_size=cfg.nvmf.max_io_size,
+                io_workers=cfg.nvmf.io_workers,
+                data_buffers_per_queue=cfg.nvmf.data_buffers_per_queue,
+            )
+            self.target = NvmeTcpTarget(subsystems, cfg.nvmf.host, cfg.nvmf.port, options=options)
+            await self.target.start()
         self.control = ControlServer(
             self,
             self.registry,
@@ -108,6 +118,17 @@ class Agent:
         self._write_state()
         log.info("agent_started", **self.addresses())
 
+    def _start_spdk(self) -> Engine:
+        """Check SPDK against [spdk] (plan, or apply), connect each tier, build the engine."""
+        cfg = self.cfg
+        assert cfg.spdk is not None, "load_config checks SPDK mode has [spdk]"
+        keystore = KeyStore(cfg.path(cfg.storage.key_file))  # SPDK's crypto keys come from it
+        apply_on_start = cfg.agent.spdk_apply_on_start
+        check_spdk(cfg.spdk, keystore, apply_on_start=apply_on_start, source=cfg.source)
+        tiers = [t for t in cfg.spdk_tiers() if t.tenant in cfg.tenants]
+        self._spdk_devices = SpdkDevices.connect(tiers)
+        return Engine(self._engine_config(), device_factory=self._spdk_devices)
+
     async def stop(self) -> None:
         if self._tick_task is not None:
             self._tick_task.cancel()
@@ -124,6 +145,9 @@ class Agent:
             async with self._admin_lock:  # a backup or restore in flight finishes first
                 await asyncio.to_thread(self.engine.close)  # checkpoints: restart finds all
             self.engine = None
+        if self._spdk_devices is not None:  # after the engine: its close demotes through them
+            self._spdk_devices.close()
+            self._spdk_devices = None
         with contextlib.suppress(FileNotFoundError):
             self.cfg.state_path.unlink()
         log.info("agent_stopped")
@@ -170,13 +194,21 @@ class Agent:
         out: dict[str, Any] = {
             "control_tcp": f"tcp://{host}:{port}",
             "control_unix": f"unix://{unix}" if unix else "",
-            "nvmf": f"{self.target.host}:{self.target.port}",
+            "nvmf": self._nvmf_address(),
             "metrics": "",
         }
         if self._metrics_server is not None:
             mhost, mport = self._metrics_server.server_address[:2]
             out["metrics"] = f"http://{mhost}:{mport}/metrics"
         return out
+
+    def _nvmf_address(self) -> str:
+        if self.target is not None:
+            return f"{self.target.host}:{self.target.port}"
+        assert self.cfg.spdk is not None, "SPDK mode"
+        first = next(iter(self.cfg.tenants), "")
+        nv = listener_for(self.cfg.spdk, first, "")  # SPDK's listener for the hosts
+        return f"{nv['host']}:{nv['port']}" if nv else ""
 
     def _write_state(self) -> None:
         a = self.addresses()
@@ -195,6 +227,8 @@ class Agent:
     # --- ControlBackend -----------------------------------------------------------------------
     def hello_info(self, tenant: str, hostnqn: str | None, local_host: str) -> dict[str, Any]:
         """The data-path address for `tenant`; its host NQN is allowed on the subsystem."""
+        if self.cfg.spdk is not None and self.cfg.spdk_mode:
+            return self._spdk_hello(tenant, local_host)
         if hostnqn:
             self._allow_host(tenant, hostnqn)
         host, port = self.target.host, self.target.port
@@ -203,6 +237,19 @@ class Agent:
         return {
             "node": self.cfg.agent.node_name,
             "nvme": {"host": host, "port": port, "subnqn": subsystem_nqn(tenant)},
+            "lease_ttl_s": self.lease_ttl_s,
+            "block_size": 4096,
+        }
+
+    def _spdk_hello(self, tenant: str, local_host: str) -> dict[str, Any]:
+        """SPDK's listener and the tenant's subsystem. The allowlist is [spdk]'s `hosts` (plan
+        reconciles it), so hello adds nothing: an unlisted host NQN is refused at connect."""
+        assert self.cfg.spdk is not None
+        nv = listener_for(self.cfg.spdk, tenant, local_host)
+        assert nv is not None, f"load_config checks tenant {tenant} has an SPDK subsystem"
+        return {
+            "node": self.cfg.agent.node_name,
+            "nvme": nv,
             "lease_ttl_s": self.lease_ttl_s,
             "block_size": 4096,
         }
@@ -258,6 +305,12 @@ class Agent:
             # The engine is thread-safe (one lock; data I/O outside it): slow ops off the loop.
             if op == "checkpoint":
                 return {"checkpoint": plain(await asyncio.to_thread(self.engine.checkpoint))}
+            if op in ("backup", "restore") and self.cfg.spdk_mode:
+                # the agent sees plaintext through SPDK's crypto vbdev: a backup would hold it
+                raise ValueError(
+                    f"{op} is not available in SPDK mode (the agent reads plaintext through "
+                    "SPDK's crypto vbdev); back up the lvols with SPDK's snapshots instead"
+                )
             if op == "backup":
                 result = await asyncio.to_thread(
                     self.engine.backup, fields["dir"], incremental=fields["incremental"]
@@ -277,6 +330,11 @@ class Agent:
         assert valid_tenant_name(name), name
         if name in self.cfg.tenants:
             raise ValueError(f"tenant {name!r} exists; remove it first or pick another name")
+        if self.cfg.spdk_mode:  # its tiers are SPDK namespaces, connected at start
+            raise ValueError(
+                f"SPDK mode: add tenant {name!r} to [tenants] and its [[spdk.subsystems]] in "
+                f"{self.cfg.source}, then restart the agent"
+            )
         t = TenantConfig(name=name, token=token or "")
         if not token:
             cfg = AgentConfig(agent=self.cfg.agent)
@@ -294,7 +352,8 @@ class Agent:
     def _tenant_remove(self, name: str) -> dict[str, Any]:
         self._known(name)
         self.registry.remove(name)
-        self.target.remove_subsystem(subsystem_nqn(name))
+        if self.target is not None:  # SPDK mode: the subsystem is SPDK's, kept
+            self.target.remove_subsystem(subsystem_nqn(name))
         self._subsystems.pop(name, None)
         self._hosts.pop(name, None)
         # The engine keeps a tenant's tiers; drop every chunk that is not leased right now, so
@@ -357,9 +416,11 @@ def banner(cfg: AgentConfig, addr: Mapping[str, Any]) -> str:
     # dpuctl in another terminal must find the same data directory (and so the agent)
     env = "" if cfg.agent.data_dir == "./var" else f"DPUKV_AGENT_DATA_DIR={cfg.data_dir} "
     opt = "" if cfg.source == "<defaults>" else f" --config {cfg.source}"
+    nv = listener_for(cfg.spdk, tenant, "") if cfg.spdk is not None and cfg.spdk_mode else None
+    nqn = nv["subnqn"] if nv else subsystem_nqn(tenant)
     return f"""dpukv agent {cfg.agent.node_name} is serving (Ctrl-C stops it)
   control   {addr["control_tcp"]}  {addr["control_unix"]}
-  NVMe/TCP  {addr["nvmf"]}  (subsystem {subsystem_nqn(tenant)})
+  NVMe/TCP  {addr["nvmf"]}  (subsystem {nqn})
   metrics   {addr["metrics"] or "disabled"}
   data      {cfg.data_dir}
   tenant    {tenant}, token in {token_file}

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from dpu_agent.blockdev import BLOCK_SIZE
+from dpu_agent.blockdev import BLOCK_SIZE, BlockDeviceError
 from dpu_agent.crypto import KeyStore
 from dpu_agent.engine import backup as backup_mod
 from dpu_agent.engine import recovery
@@ -305,7 +305,14 @@ class Engine(EngineCore):
                 job = self._start_demotion()
             if job is None:
                 break
-            ok = self._copy_demotion(job)
+            try:
+                ok = self._copy_demotion(job)
+            except BlockDeviceError as e:  # a tier's device failed (SPDK mode: a lost link)
+                with self._lock:
+                    self._unlease(job.lease)
+                    job.ts.tiers[NVME].alloc.free(job.dst, job.block_count)
+                log.warning("engine.demotion_failed", tenant=job.ts.name, error=str(e))
+                break  # the chunk stays in DRAM; the next tick tries again
             copied += job.block_count * BLOCK_SIZE
             with self._lock:
                 moved += self._finish_demotion(job, ok)
@@ -414,8 +421,15 @@ class Engine(EngineCore):
         with self._lock:
             if self._closed:
                 return
-            moved = self._demote_all_dram()
-        self.checkpoint()
+            try:
+                moved = self._demote_all_dram()
+            except BlockDeviceError as e:  # a lost tier device: DRAM chunks not moved are lost
+                moved = 0
+                log.warning("engine.close_demotion_failed", error=str(e))
+        try:
+            self.checkpoint()
+        except BlockDeviceError as e:  # no checkpoint: the WAL keeps every commit, restart replays
+            log.warning("engine.close_checkpoint_failed", error=str(e))
         with self._lock:
             self._journal.close()
             for ts in self._tenants.values():
