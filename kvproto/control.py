@@ -18,7 +18,7 @@ Operations (fields; every connection starts with ``hello``):
   {host, port, subnqn}, lease_ttl_s. A version mismatch is refused with code ``version``.
 - ``lookup``: keys (list of 16-byte keys), [lease] -> hits (list of [key, nsid, lba,
   block_count, length, checksum], the longest cached prefix), lease_id, lease_expires_s. With
-  ``lease: false`` the agent releases the lease before answering (a probe, not a read).
+  ``lease: false`` the agent takes no lease (a probe, not a read: lease_id 0).
 - ``release``: lease_id.  ``reserve``: key, length, [parent] -> reservation_id, nsid, lba,
   block_count, expires_s.  ``commit``: reservation_id, checksum.  ``abort``: reservation_id
   (give back a reservation that will not be committed).
@@ -224,6 +224,8 @@ OPS: Final[dict[str, _Schema]] = {
     "backup": {"dir": (_str, True), "incremental": (_bool, True)},
     "restore": {"dirs": (_dirs, True)},
 }
+# The names a request of each op may carry: its fields plus id and op (checked per request).
+_NAMES: Final = {op: frozenset(schema) | {"id", "op"} for op, schema in OPS.items()}
 ADMIN_OPS: Final = frozenset(
     {"tenants_list", "tenant_add", "tenant_remove", "evict", "checkpoint", "backup", "restore"}
 )
@@ -297,10 +299,10 @@ def encode_frame(msg: Mapping[str, Any]) -> bytes:
 
 def encode_request(req_id: int, op: str, **fields: Any) -> bytes:
     """A request frame; fields are validated as the server will (LocalProtocolError)."""
-    fields = {k: v for k, v in fields.items() if v is not None}
-    msg = {"id": req_id, "op": op, **fields}
+    msg = {"id": req_id, "op": op}
+    msg.update((k, v) for k, v in fields.items() if v is not None)
     try:
-        parse_request(msg)
+        _check_request(msg)
     except RemoteProtocolError as e:
         raise LocalProtocolError(str(e), e.code) from None
     return encode_frame(msg)
@@ -308,7 +310,8 @@ def encode_request(req_id: int, op: str, **fields: Any) -> bytes:
 
 def encode_reply(reply: Reply) -> bytes:
     if reply.ok:
-        return encode_frame({"id": reply.id, "ok": True, "result": dict(reply.result)})
+        result = reply.result if type(reply.result) is dict else dict(reply.result)
+        return encode_frame({"id": reply.id, "ok": True, "result": result})
     msg = {"id": reply.id, "ok": False, "error": reply.error, "message": reply.message}
     return encode_frame(msg)
 
@@ -325,6 +328,14 @@ def _request_id(msg: Mapping[str, Any]) -> int:
 
 def parse_request(msg: Any) -> Request:
     """Validate a decoded message as a request (RemoteProtocolError with the reason)."""
+    rid, op = _check_request(msg)
+    fields = msg.copy()
+    del fields["id"], fields["op"]
+    return Request(id=rid, op=op, fields=fields)
+
+
+def _check_request(msg: Any) -> tuple[int, str]:
+    """The request's id and op once every field passed its check (RemoteProtocolError)."""
     if not isinstance(msg, dict):
         raise RemoteProtocolError(f"a request is a map, got {type(msg).__name__}")
     rid = _request_id(msg)
@@ -332,8 +343,8 @@ def parse_request(msg: Any) -> Request:
     if not isinstance(op, str) or op not in OPS:
         raise RemoteProtocolError(f"unknown op {op!r:.40}; known: {', '.join(sorted(OPS))}")
     schema = OPS[op]
-    extra = set(msg) - set(schema) - {"id", "op"}
-    if extra:
+    if not msg.keys() <= _NAMES[op]:
+        extra = set(msg) - _NAMES[op]
         raise RemoteProtocolError(f"{op}: unknown fields {sorted(map(str, extra))}")
     for name, (check, required) in schema.items():
         if name not in msg:
@@ -343,8 +354,7 @@ def parse_request(msg: Any) -> Request:
         problem = check(msg[name])
         if problem:
             raise RemoteProtocolError(f"{op}: field '{name}' must be {problem}")
-    fields = {k: v for k, v in msg.items() if k not in ("id", "op")}
-    return Request(id=rid, op=op, fields=fields)
+    return rid, op
 
 
 def parse_reply(msg: Any) -> Reply:
@@ -406,7 +416,7 @@ class FrameDecoder:
         end = _LENGTH.size + length
         if len(self._buf) < end:
             return NEED_DATA
-        body = bytes(self._buf[_LENGTH.size : end])
+        body = self._buf[_LENGTH.size : end]  # a copy (bytearray): the buffer moves on
         del self._buf[:end]
         try:
             msg = _unpack_one(body)
@@ -417,24 +427,26 @@ class FrameDecoder:
         return msg
 
 
-def _unpack_one(body: bytes) -> Any:
-    unpacker = msgpack.Unpacker(
-        raw=False,
-        use_list=True,
-        strict_map_key=True,
-        max_buffer_size=CONTROL_FRAME_BYTES_MAX,
-        max_str_len=CONTROL_FRAME_BYTES_MAX,
-        max_bin_len=CONTROL_FRAME_BYTES_MAX,
-        max_array_len=LOOKUP_KEYS_MAX + 16,
-        max_map_len=1024,
-        max_ext_len=0,
-    )
+def _unpack_one(body: bytes | bytearray) -> Any:
+    """One msgpack object filling `body` exactly (which is at most CONTROL_FRAME_BYTES_MAX)."""
     try:
-        unpacker.feed(body)
-        msg = unpacker.unpack()
-        extra = unpacker.tell() != len(body)
+        return msgpack.unpackb(body, **_UNPACK_LIMITS)
+    except msgpack.ExtraData:
+        raise RemoteProtocolError(
+            f"trailing bytes after the msgpack map ({len(body)}-byte frame)"
+        ) from None
     except Exception as e:  # msgpack raises many types (ValueError, StackError, ...)
         raise RemoteProtocolError(f"bad msgpack in frame: {type(e).__name__}: {e}"[:200]) from None
-    if extra:
-        raise RemoteProtocolError(f"trailing bytes after the msgpack map ({len(body)}-byte frame)")
-    return msg
+
+
+# Options of every unpack, passed explicitly (the body is already bounded by the frame limit).
+_UNPACK_LIMITS: Final[dict[str, Any]] = {
+    "raw": False,
+    "use_list": True,
+    "strict_map_key": True,
+    "max_str_len": CONTROL_FRAME_BYTES_MAX,
+    "max_bin_len": CONTROL_FRAME_BYTES_MAX,
+    "max_array_len": LOOKUP_KEYS_MAX + 16,
+    "max_map_len": 1024,
+    "max_ext_len": 0,
+}

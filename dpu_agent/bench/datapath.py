@@ -17,6 +17,9 @@ In one run on one machine (figures move 2-3x between runs, ../shared/MEASURED.md
 Agent, Redis and the socket take turns within each round (so the machine's load hits all three
 alike); one unmeasured warm-up round; GB/s is the median of the measured rounds.
 
+`--lookup-only` measures only the lookup latencies and the echo floor (no put/get rounds, no
+Redis): `dpuctl bench datapath --lookup-only --json`, a few seconds, for control-plane work.
+
 GB/s = 10^9 bytes/s. Every get is checked byte-exact against what was put.
 """
 
@@ -43,7 +46,14 @@ from dpu_agent.service import spawn_agent
 from host_shim.client import ControlChannel, KVClient
 from kvproto.keys import ChunkLayout
 
-__all__ = ["datapath", "redis_server", "run_datapath", "socket_ceiling", "socket_xproc"]
+__all__ = [
+    "datapath",
+    "redis_server",
+    "run_datapath",
+    "run_lookup",
+    "socket_ceiling",
+    "socket_xproc",
+]
 
 LAYOUT = ChunkLayout("bench-llama3-8b", "float16", 32, 8, 128, chunk_tokens=256)  # 32 MiB
 ROUNDS_MAX = 10  # each round moves chunks x 32 MiB both ways; bounded run time
@@ -286,6 +296,22 @@ def _lookup_latency(client: KVClient, unix_url: str, token: str, count: int) -> 
             "lookup_keys": len(keys)}  # fmt: skip
 
 
+@contextlib.contextmanager
+def _agent_client(io_queues: int) -> Iterator[tuple[Any, KVClient]]:
+    """A fresh agent child (DRAM tier sized for the largest run, metrics off) and a client."""
+    with tempfile.TemporaryDirectory(prefix="dpukv-bench-") as tmp:
+        env = {"DPUKV_STORAGE_DRAM_BYTES": str(2 * CHUNKS_MAX * LAYOUT.chunk_bytes),
+               "DPUKV_METRICS_ENABLED": "false"}  # fmt: skip
+        agent = spawn_agent(Path(tmp) / "var", env=env)
+        try:
+            salt = b"bench-salt-0123456789"
+            with KVClient(agent.control_url, "default", agent.token, LAYOUT, salt,
+                          io_queues=io_queues) as client:  # fmt: skip
+                yield agent, client
+        finally:
+            agent.stop()
+
+
 def run_datapath(
     *, chunks: int = 8, rounds: int = 3, io_queues: int = 4, lookups: int = 2000
 ) -> dict[str, Any]:
@@ -296,20 +322,20 @@ def run_datapath(
             for _ in range(chunks)]  # fmt: skip
     report: dict[str, Any] = {"chunk_bytes": LAYOUT.chunk_bytes, "chunks": chunks,
                               "rounds": rounds, "io_queues": io_queues}  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="dpukv-bench-") as tmp:
-        env = {"DPUKV_STORAGE_DRAM_BYTES": str(2 * CHUNKS_MAX * LAYOUT.chunk_bytes),
-               "DPUKV_METRICS_ENABLED": "false"}  # fmt: skip
-        agent = spawn_agent(Path(tmp) / "var", env=env)
-        try:
-            salt = b"bench-salt-0123456789"
-            with KVClient(agent.control_url, "default", agent.token, LAYOUT, salt,
-                          io_queues=io_queues) as client, redis_server() as r:  # fmt: skip
-                report |= _interleaved(client, r, data, rounds)
-                report |= _lookup_latency(client, agent.unix_url, agent.token, lookups)
-                report["rtt_floor_p50_us"] = rtt_floor_us(lookups)
-        finally:
-            agent.stop()
+    with _agent_client(io_queues) as (agent, client), redis_server() as r:
+        report |= _interleaved(client, r, data, rounds)
+        report |= _lookup_latency(client, agent.unix_url, agent.token, lookups)
+        report["rtt_floor_p50_us"] = rtt_floor_us(lookups)
     return report | _ratios(report)
+
+
+def run_lookup(*, lookups: int = 2000) -> dict[str, Any]:
+    """Only the lookup figures of run_datapath (same agent, keys and hits) and the echo floor."""
+    assert 1 <= lookups <= LOOKUPS_MAX, lookups
+    with _agent_client(io_queues=1) as (agent, client):
+        report = _lookup_latency(client, agent.unix_url, agent.token, lookups)
+        report["rtt_floor_p50_us"] = rtt_floor_us(lookups)  # with the agent up, as run_datapath
+    return report
 
 
 def _ratios(r: dict[str, Any]) -> dict[str, float]:
@@ -322,6 +348,15 @@ def _ratios(r: dict[str, Any]) -> dict[str, float]:
         "put_vs_socket_ceiling": ratio("put_gbps", "socket_ceiling_gbps"),
         "get_vs_socket_ceiling": ratio("get_gbps", "socket_ceiling_gbps"),
     }
+
+
+def _print_lookup(r: dict[str, Any]) -> None:
+    from rich.console import Console
+
+    lookup = (f"p50 {r['lookup_p50_us']} us, p99 {r['lookup_p99_us']} us "
+              f"(Unix socket p50 {r['lookup_unix_p50_us']} us)")  # fmt: skip
+    Console().print(f"lookup of {r['lookup_keys']} keys: {lookup}; bare echo round trip "
+                    f"{r['rtt_floor_p50_us']} us")  # fmt: skip
 
 
 def _print_table(r: dict[str, Any]) -> None:
@@ -341,17 +376,24 @@ def _print_table(r: dict[str, Any]) -> None:
     table.add_row("same, receiver in another process", str(r["socket_xproc_gbps"]),
                   str(r["socket_xproc_gbps"]))  # fmt: skip
     Console().print(table)
-    lookup = (f"p50 {r['lookup_p50_us']} us, p99 {r['lookup_p99_us']} us "
-              f"(Unix socket p50 {r['lookup_unix_p50_us']} us)")  # fmt: skip
-    Console().print(f"lookup of {r['lookup_keys']} keys: {lookup}; bare echo round trip "
-                    f"{r['rtt_floor_p50_us']} us")  # fmt: skip
+    _print_lookup(r)
 
 
 @click.command("datapath", help="Put/get GB/s through a real agent vs Redis and a socket.")
 @click.option("--chunks", default=8, type=click.IntRange(1, CHUNKS_MAX), help="32 MiB chunks.")
 @click.option("--rounds", default=3, type=click.IntRange(1, ROUNDS_MAX), help="Median of.")
 @click.option("--io-queues", default=4, type=click.IntRange(1, 32))
+@click.option("--lookups", default=2000, type=click.IntRange(1, LOOKUPS_MAX),
+              help="64-key lookups timed (each way).")  # fmt: skip
+@click.option("--lookup-only", is_flag=True,
+              help="Only lookup latencies and the echo floor: no put/get, no Redis.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report.")
-def datapath(chunks: int, rounds: int, io_queues: int, as_json: bool) -> None:
-    r = run_datapath(chunks=chunks, rounds=rounds, io_queues=io_queues)
+def datapath(
+    chunks: int, rounds: int, io_queues: int, lookups: int, lookup_only: bool, as_json: bool
+) -> None:
+    if lookup_only:
+        r = run_lookup(lookups=lookups)
+        click.echo(json.dumps(r, indent=1)) if as_json else _print_lookup(r)
+        return
+    r = run_datapath(chunks=chunks, rounds=rounds, io_queues=io_queues, lookups=lookups)
     click.echo(json.dumps(r, indent=1)) if as_json else _print_table(r)

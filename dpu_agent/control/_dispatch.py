@@ -9,7 +9,6 @@ agent keeps serving.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import time
@@ -253,32 +252,17 @@ class Dispatcher:
         if not keys:
             return {"hits": [], "lease_id": 0, "lease_expires_s": 0.0}
         _prune(s.leases, SESSION_LEASES_MAX, "leases")
-        res = self.backend.engine.lookup(s.tenant, keys)
-        hits = [[h.key, h.nsid, h.lba, h.block_count, h.length, h.checksum] for h in res.hits]
-        lease_id = int(res.lease_id or 0)
-        if lease_id and f.get("lease") is False:
-            self._release_soon(s.tenant, lease_id)
-            lease_id = 0
-        if hits and lease_id:
+        probe = f.get("lease") is False  # a probe takes no lease: nothing to release after
+        # hits as [key, nsid, lba, block_count, length, checksum], the reply's shape
+        hits, held, expires_s = self.backend.engine.lookup_lists(s.tenant, keys, lease=not probe)
+        lease_id = int(held or 0)
+        if lease_id:
             s.leases[lease_id] = time.monotonic() + self.backend.lease_ttl_s
-            m.LEASED_BYTES.labels(s.tenant).inc(sum(h.length for h in res.hits))
+            _leased_bytes(s.tenant).inc(sum(h[4] for h in hits))
+        elif hits:  # a probe's reply says what a read's lease would last, as it always has
+            expires_s = self.backend.lease_ttl_s
         _count_lookup(s.tenant, len(hits), len(keys))
-        return {"hits": hits, "lease_id": lease_id, "lease_expires_s": res.lease_expires_s}
-
-    def _release_soon(self, tenant: str, lease_id: int) -> None:
-        """A probe's lease, released right after the reply is written (off its latency)."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # called outside the server's loop (tests, tools)
-            self._release_quietly(tenant, lease_id)
-            return
-        loop.call_soon(self._release_quietly, tenant, lease_id)
-
-    def _release_quietly(self, tenant: str, lease_id: int) -> None:
-        try:
-            self.backend.engine.release(tenant, lease_id)
-        except engine_errors.EngineError:
-            pass  # expired already, or the tenant went away: nothing left to give back
+        return {"hits": hits, "lease_id": lease_id, "lease_expires_s": expires_s}
 
     def _release(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
         lease_id = f["lease_id"]
@@ -364,14 +348,23 @@ def _observe(op: str, code: str, seconds: float) -> None:
     pair[1].observe(seconds)
 
 
-_lookup_totals: dict[str, tuple[list[int], Any]] = {}  # tenant -> [hits, asked], ratio gauge
+_leased: dict[str, Any] = {}  # tenant -> LEASED_BYTES child
+
+
+def _leased_bytes(tenant: str) -> Any:
+    child = _leased.get(tenant)
+    if child is None:  # bounded by the tenant count
+        child = _leased[tenant] = m.LEASED_BYTES.labels(tenant)
+    return child
+
+
+_lookup_totals: dict[str, list[int]] = {}  # tenant -> [hits, asked]
 
 
 def _count_lookup(tenant: str, hit_count: int, key_count: int) -> None:
-    entry = _lookup_totals.get(tenant)
-    if entry is None:  # bounded by the tenant count
-        entry = _lookup_totals[tenant] = ([0, 0], m.HIT_RATIO.labels(tenant))
-    totals, gauge = entry
+    totals = _lookup_totals.get(tenant)
+    if totals is None:  # bounded by the tenant count; the gauge reads the totals when scraped
+        totals = _lookup_totals[tenant] = [0, 0]
+        m.HIT_RATIO.labels(tenant).set_function(lambda: totals[0] / totals[1] if totals[1] else 0)
     totals[0] += hit_count
     totals[1] += key_count
-    gauge.set(totals[0] / totals[1])

@@ -34,6 +34,7 @@ log = get_logger(__name__)
 
 ITEM_ROW_BITS = 32  # policy item = seq << 32 | row: unique forever, so never confused
 ROW_MASK = (1 << ITEM_ROW_BITS) - 1
+UNLEASE_SCALAR_MAX = 16  # leases of up to this many extents are undone row by row
 EXPIRED_REMEMBERED_MAX = 4096  # expired lease/reservation ids kept for precise error messages
 
 _INTEGRITY = Counter(
@@ -86,14 +87,23 @@ class RecordBookkeeping:
     def _unlease(self, lease: Lease) -> None:
         cols = self._index.cols
         ts = self._by_id[lease.tenant_id]
-        if lease.extents:
+        if len(lease.extents) > UNLEASE_SCALAR_MAX:
             # rows that still hold the leased extent (not deleted, moved or reused since)
             tiers, lbas, _counts, rows = (np.array(v) for v in zip(*lease.extents, strict=True))
             same = (cols["state"][rows] == STATE_LIVE) & (cols["tenant"][rows] == lease.tenant_id)
             same &= (cols["tier"][rows] == tiers) & (cols["lba"][rows] == lbas.astype(np.uint64))
             held = rows[same]
             assert (cols["lease"][held] > 0).all(), lease.lease_id
-            cols["lease"][held] -= 1
+            cols["lease"][held] -= 1  # numpy subtracts once per distinct row
+        elif lease.extents:  # the same, row by row through memoryviews (cheaper for a few)
+            v = self._index.col_views
+            state_v, tenant_v, tier_v, lba_v = v["state"], v["tenant"], v["tier"], v["lba"]
+            lease_v = v["lease"]
+            for tier, lba, _count, row in {e[3]: e for e in lease.extents}.values():
+                if (state_v[row] == STATE_LIVE and tenant_v[row] == lease.tenant_id
+                        and tier_v[row] == tier and lba_v[row] == lba):  # fmt: skip
+                    assert lease_v[row] > 0, lease.lease_id
+                    lease_v[row] -= 1
         for tier, lba, _count, _row in lease.extents:
             k = (lease.tenant_id, tier, lba)
             left = self._extent_leases[k] - 1

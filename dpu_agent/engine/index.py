@@ -11,17 +11,20 @@ so 10M records fit in about 1.1 GB of DPU DRAM.
   vectorised) when the load passes `LOAD_MAX`.
 - Keys are 16-byte cryptographic hashes (BLAKE2b-128, salted per tenant), so their first 8 bytes
   are already uniform: the home slot is those bits mixed with the tenant id, no rehashing.
-- `find_many` probes a whole batch of keys with numpy, one probe step per round.
+- `find_many` probes a whole batch of keys with numpy, one probe step per round;
+  `find_prefix` (a lookup's question: the longest present prefix) probes the first keys one by
+  one and hands the rest to `find_many` only when they all hit.
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-__all__ = ["COLUMNS", "NO_ROW", "RecordIndex", "split_keys"]
+__all__ = ["COLUMNS", "NO_ROW", "PREFIX_HEAD_MAX", "PREFIX_SCALAR_MAX", "RecordIndex", "split_keys"]
 
 NO_ROW = -1
 LOAD_MAX = 0.7  # linear probing: expected probe length is still about 2 at this load
@@ -32,6 +35,15 @@ MASK64 = (1 << 64) - 1
 _KEY = struct.Struct("<QQ")
 STATE_FREE = 0
 STATE_LIVE = 1
+# find_prefix probes keys one at a time (~0.75 us each on a loaded 2-vCPU machine) and stops at
+# the first miss; find_many costs ~40 us for up to ~64 keys, ~140 us for 2048. So a request of
+# up to PREFIX_SCALAR_MAX keys is probed key by key; a longer one key by key for its first
+# PREFIX_HEAD_MAX keys, then (all of those hit) the rest in one batch.
+PREFIX_SCALAR_MAX = 64
+PREFIX_HEAD_MAX = 16
+# find_many finishes with scalar probes once this few keys are left: a numpy round costs ~15
+# scalar probes, and the last keys (misses, long probe runs) would take several rounds.
+MANY_TAIL_MAX = 8
 
 # One numpy column per field. 88 bytes per row.
 COLUMNS: dict[str, np.dtype] = {
@@ -103,9 +115,12 @@ class RecordIndex:
     def find(self, tenant: int, key: bytes) -> int:
         """Row of (tenant, key), or NO_ROW."""
         k0, k1 = _KEY.unpack(key)
+        return self._find_words(tenant, (tenant * TENANT_MIX) & MASK64, k0, k1)
+
+    def _find_words(self, tenant: int, mix: int, k0: int, k1: int) -> int:
         slots, c0, c1, ct = self._views
         mask = self._mask
-        s = (k0 ^ ((tenant * TENANT_MIX) & MASK64)) & mask
+        s = (k0 ^ mix) & mask
         for _ in range(mask + 1):
             row = slots[s]
             if row < 0:
@@ -115,25 +130,66 @@ class RecordIndex:
             s = (s + 1) & mask
         raise AssertionError("slot table has no empty slot")
 
+    def find_prefix(self, tenant: int, blob: bytes) -> list[int]:
+        """Rows of the longest present prefix of the keys packed in `blob` (16 bytes each),
+        probed one by one up to the first miss; past PREFIX_SCALAR_MAX keys, only the first
+        PREFIX_HEAD_MAX are, and (when they all hit) the rest go to `find_many` in one batch."""
+        assert len(blob) % 16 == 0, len(blob)
+        count = len(blob) // 16
+        head = count if count <= PREFIX_SCALAR_MAX else PREFIX_HEAD_MAX
+        mix = (tenant * TENANT_MIX) & MASK64
+        rows: list[int] = []
+        for k0, k1 in _KEY.iter_unpack(blob[: 16 * head]):
+            row = self._find_words(tenant, mix, k0, k1)
+            if row == NO_ROW:
+                return rows
+            rows.append(row)
+        if count > head:
+            words = np.frombuffer(blob, dtype="<u8", offset=16 * head)
+            rest = self.find_many(tenant, words[0::2], words[1::2])
+            missing = np.flatnonzero(rest < 0)
+            rows += (rest[: int(missing[0])] if len(missing) else rest).tolist()
+        return rows
+
     def find_many(self, tenant: int | np.ndarray, k0: np.ndarray, k1: np.ndarray) -> np.ndarray:
-        """Rows of a batch of keys (NO_ROW for misses), probed with numpy one step per round."""
-        n = len(k0)
-        tenants = np.broadcast_to(np.asarray(tenant, dtype=np.uint16), (n,))
-        out = np.full(n, NO_ROW, dtype=np.int64)
-        pos = _home(k0, tenants, self._mask)
-        todo = np.arange(n)
+        """Rows of a batch of keys (NO_ROW for misses), probed with numpy one step per round.
+        `tenant` is one tenant id for all keys, or an array of one per key."""
+        n, mask = len(k0), self._mask
         c0, c1, ct = self.cols["k0"], self.cols["k1"], self.cols["tenant"]
-        for _ in range(self._mask + 1):
-            if len(todo) == 0:
-                return out
+        tid, per_key = 0, None
+        if np.ndim(tenant) == 0:
+            tid = int(tenant)
+            mix = np.uint64((tid * TENANT_MIX) & MASK64)
+            pos = ((k0 ^ mix) & np.uint64(mask)).astype(np.int64)
+        else:
+            per_key = np.asarray(tenant, dtype=np.uint16)
+            assert per_key.shape == (n,), (per_key.shape, n)
+            pos = _home(k0, per_key, mask)
+        out = np.full(n, NO_ROW, dtype=np.int64)
+        todo = None  # the first round probes every key: no index array needed yet
+        for _ in range(mask + 1):
             rows = self._slots[pos].astype(np.int64)
             empty = rows < 0
             safe = np.where(empty, 0, rows)
-            hit = ~empty & (c0[safe] == k0[todo]) & (c1[safe] == k1[todo])
-            hit &= ct[safe] == tenants[todo]
-            out[todo[hit]] = rows[hit]
+            if todo is None:
+                want0, want1, want_t = k0, k1, (tid if per_key is None else per_key)
+            else:
+                want0, want1 = k0[todo], k1[todo]
+                want_t = tid if per_key is None else per_key[todo]
+            hit = ~empty & (c0[safe] == want0) & (c1[safe] == want1) & (ct[safe] == want_t)
             again = ~empty & ~hit
-            todo, pos = todo[again], (pos[again] + 1) & self._mask
+            if todo is None:
+                out[hit] = rows[hit]
+                todo = np.flatnonzero(again)
+            else:
+                out[todo[hit]] = rows[hit]
+                todo = todo[again]
+            if len(todo) <= MANY_TAIL_MAX:
+                for i in todo.tolist():  # from the home slot again: a few probes repeated
+                    t = tid if per_key is None else int(per_key[i])
+                    out[i] = self._find_words(t, (t * TENANT_MIX) & MASK64, int(k0[i]), int(k1[i]))
+                return out
+            pos = (pos[again] + 1) & mask
         raise AssertionError("slot table has no empty slot")
 
     def key_of(self, row: int) -> bytes:
@@ -254,13 +310,16 @@ class RecordIndex:
             self._refresh_views()
 
     def _refresh_views(self) -> None:
-        """memoryviews index to plain ints, several times faster than numpy scalars: find()."""
+        """memoryviews index to plain ints, several times faster than numpy scalars: find(),
+        and the engine's reads and writes of a few rows (`col_views`, same names as `cols`)."""
         self._views = (
             self._slots.data,
             self.cols["k0"].data,
             self.cols["k1"].data,
             self.cols["tenant"].data,
         )
+        # memoryviews; Any because typeshed types item writes as int, and f4 columns take floats
+        self.col_views: dict[str, Any] = {k: c.data for k, c in self.cols.items()}
 
     def _slot_size_for(self, count: int) -> int:
         size = len(self._slots)
