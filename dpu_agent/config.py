@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dpu_agent.eviction import DEFAULT_POLICY
 from kvproto.control import valid_tenant_name
 from spdk_plugins.desired import DesiredStateError, SpdkDesired, parse_desired
 from spdk_plugins.tiers import TierTarget, agent_tiers
@@ -116,7 +117,7 @@ class StorageSection:
     nvme_dir: str = "nvme"  # file-backed NVMe tier: one file per tenant under here
     key_file: str = "keys.json"
     journal_dir: str = "journal"
-    eviction_policy: str = "prefix"
+    eviction_policy: str = DEFAULT_POLICY
     lease_ttl_s: float = 30.0
     reservation_ttl_s: float = 30.0
 

@@ -15,6 +15,7 @@ from dpu_agent.eviction import (
     EvictionPolicy,
     Lru2Policy,
     PrefixPolicy,
+    RunAwarePrefixPolicy,
     S3FifoPolicy,
     make_policy,
 )
@@ -36,8 +37,8 @@ def filled(name: str, items: list[int], capacity: int = 100) -> EvictionPolicy:
 
 
 def test_make_policy_names_and_default() -> None:
-    assert set(POLICY_NAMES) >= {"lru", "lru2", "clock", "s3fifo", "arc", "prefix"}
-    assert DEFAULT_POLICY == "prefix"
+    assert set(POLICY_NAMES) >= {"lru", "lru2", "clock", "s3fifo", "arc", "prefix", "prefix-run"}
+    assert DEFAULT_POLICY == "prefix-run"
     for name in POLICY_NAMES:
         assert make_policy(name, 10).name == name
 
@@ -222,9 +223,10 @@ def test_prefix_keeps_parent_of_pinned_child_while_other_leaves_exist() -> None:
     assert policy.victim(lambda i: i in {1, 2}) == 2
 
 
-def test_prefix_never_evicts_parent_with_evictable_child_random() -> None:
+@pytest.mark.parametrize("name", ["prefix", "prefix-run"])
+def test_prefix_never_evicts_parent_with_evictable_child_random(name: str) -> None:
     rng = random.Random(7)
-    policy, parents = PrefixPolicy(64), dict[int, int | None]()
+    policy, parents = make_policy(name, 64), dict[int, int | None]()
     for step in range(2000):
         item = step
         parent = rng.choice(sorted(parents)) if parents and rng.random() < 0.7 else None
@@ -311,9 +313,73 @@ def hits_with_hint(policy: EvictionPolicy, capacity: int, trace: list[tuple[int,
     return hits
 
 
-def test_prefix_split_does_not_depend_on_the_capacity_hint() -> None:
+@pytest.mark.parametrize("name", ["prefix", "prefix-run"])
+def test_prefix_split_does_not_depend_on_the_capacity_hint(name: str) -> None:
     """Tiers pass their block count (several blocks per chunk): the learnt split must hold."""
     trace = [r.hash_ids for r in generate_trace("docs", 600, seed=1)]
-    exact = hits_with_hint(PrefixPolicy(300), 300, trace)
+    exact = hits_with_hint(make_policy(name, 300), 300, trace)
     assert exact > 0
-    assert hits_with_hint(PrefixPolicy(300 * 64), 300, trace) == exact
+    assert hits_with_hint(make_policy(name, 300 * 64), 300, trace) == exact
+
+
+# --- prefix-run: new blocks deep in a run of misses are predicted to return late ---------------
+
+
+def test_prefix_run_deep_new_blocks_go_before_an_older_conversation_tail() -> None:
+    policy = RunAwarePrefixPolicy(100)
+    chain(policy, [1, 2], 0.0)  # the newest turn of a conversation: a short run
+    chain(policy, list(range(10, 22)), 1.0)  # then a one-off document: a run of 12 new blocks
+    assert policy.victim(always) == 21  # newer, but deep in a long run
+    plain = PrefixPolicy(100)
+    chain(plain, [1, 2], 0.0)
+    chain(plain, list(range(10, 22)), 1.0)
+    assert plain.victim(always) == 2  # `prefix` goes by recency alone
+
+
+def test_prefix_run_short_runs_and_their_first_blocks_keep_recency() -> None:
+    policy = RunAwarePrefixPolicy(100)
+    chain(policy, [1, 2], 0.0)
+    chain(policy, [10, 11, 12, 13], 1.0)  # a run of 4: not penalised
+    assert policy.victim(always) == 2
+    policy.remove(2)
+    policy.remove(1)
+    chain(policy, list(range(20, 30)), 2.0)  # blocks 20-23 start the run, 24-29 are deep in it
+    order = []
+    for _ in range(8):
+        victim = policy.victim(always)
+        assert victim is not None
+        order.append(victim)
+        policy.remove(victim)
+    assert order == [29, 28, 27, 26, 25, 24, 13, 12]  # deep tail first, then plain recency
+
+
+def test_prefix_run_blocks_seen_before_are_not_new() -> None:
+    """The sketch remembers ids after the ghost lists have dropped them."""
+    policy = RunAwarePrefixPolicy(100)
+    doc = list(range(10, 22))
+    chain(policy, doc, 0.0)
+    for item in reversed(doc):
+        policy.remove(item)
+    chain(policy, [1], 1.0)  # trims the ghost lists to the one item held: the ids are gone
+    chain(policy, doc, 2.0)  # the document again: a run of misses, but not new
+    assert policy.victim(always) == 1
+
+
+def test_prefix_run_a_hit_makes_a_penalised_block_ordinary() -> None:
+    policy = RunAwarePrefixPolicy(100)
+    chain(policy, [1, 2], 0.0)
+    chain(policy, list(range(10, 16)), 1.0)  # 14 and 15 are deep in the run
+    for item in range(10, 16):
+        policy.access(item, 2.0)  # the document is read again: protected, fresh
+    assert policy.victim(always) == 2
+
+
+def test_prefix_run_honours_evictable_and_remove() -> None:
+    policy = RunAwarePrefixPolicy(100)
+    chain(policy, [1, 2], 0.0)
+    chain(policy, list(range(10, 20)), 1.0)
+    assert policy.victim(lambda i: i != 19) == 2  # the penalised leaf is pinned: next leaf
+    policy.remove(19)  # the tier evicted it anyway (demotion): its parent is now a leaf
+    assert policy.victim(always) == 18
+    assert policy.victim(lambda i: i in {10, 11}) == 11  # no leaf evictable: deepest parent
+    assert 19 not in policy and len(policy) == 11

@@ -21,7 +21,7 @@ from dpu_agent.bench.replay import (
     replay_policy,
     write_trace,
 )
-from dpu_agent.eviction import POLICY_NAMES
+from dpu_agent.eviction import DEFAULT_POLICY, POLICY_NAMES
 
 
 def trace_of(*requests: list[int]) -> list[Request]:
@@ -114,7 +114,7 @@ def test_cli_prints_json_report(tmp_path: Path) -> None:
     result = CliRunner().invoke(replay_command, [*args, "--json", "--plot", str(plot)])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
-    assert report["trace"] == str(path) and report["policy"] == "prefix"
+    assert report["trace"] == str(path) and report["policy"] == DEFAULT_POLICY
     assert [r["capacity_fraction"] for r in report["results"]] == [0.02, 0.1]
     for row in report["results"]:
         for key in ("capacity_blocks", "hit_rate", "lru_hit_rate", "opt_hit_rate", "gap_closed"):
@@ -129,7 +129,14 @@ def test_cli_synthetic_table() -> None:
     result = CliRunner().invoke(replay_command, args)
     assert result.exit_code == 0, result.output
     head, row = result.output.strip().splitlines()
-    assert head.split(" | ") == ["capacity", "prefix", "lru", "A0 oracle", "belady", "gap closed"]
+    assert head.split(" | ") == [
+        "capacity",
+        DEFAULT_POLICY,
+        "lru",
+        "A0 oracle",
+        "belady",
+        "gap closed",
+    ]
     assert row.startswith("5% (")
 
 

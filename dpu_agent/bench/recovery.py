@@ -23,6 +23,7 @@ from dpu_agent.crypto import KeyStore
 from dpu_agent.engine import Engine, EngineConfig
 from dpu_agent.engine.index import COLUMNS
 from dpu_agent.engine.journal import CHECKPOINT_COLUMNS, Journal, pack_commit
+from dpu_agent.eviction import DEFAULT_POLICY
 
 __all__ = ["recovery_cmd", "run_recovery_bench"]
 
@@ -156,7 +157,9 @@ def _table(report: dict[str, Any]) -> str:
     show_default=True,
     help="Share of the records replayed from the WAL (the rest from the checkpoint).",
 )
-@click.option("--policy", default="prefix", show_default=True, help="Eviction policy to fill.")
+@click.option(
+    "--policy", default=DEFAULT_POLICY, show_default=True, help="Eviction policy to fill."
+)
 def recovery_cmd(as_json: bool, records: tuple[int, ...], wal_fraction: float, policy: str) -> None:
     """Agent restart time from a checkpoint plus a WAL tail."""
     report = run_recovery_bench(list(records), wal_fraction, policy)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dpu_agent.engine.tiers import Tier
+from dpu_agent.eviction import DEFAULT_POLICY
 
 __all__ = [
     "ChunkLocation",
@@ -25,7 +26,7 @@ class EngineConfig:
     data_dir: Path
     dram_bytes: int = 256 << 20
     nvme_bytes: int = 2 << 30
-    eviction_policy: str = "prefix"
+    eviction_policy: str = DEFAULT_POLICY
     lease_ttl_s: float = 30.0
     reservation_ttl_s: float = 30.0
     fsync_interval_s: float = 1.0  # group commit: WAL and NVMe tier fsynced this often by tick()

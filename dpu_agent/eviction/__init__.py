@@ -9,6 +9,7 @@ from dpu_agent.eviction._clock import ClockPolicy
 from dpu_agent.eviction._lru import Lru2Policy, LruPolicy
 from dpu_agent.eviction._policy import CAPACITY_ITEMS_MAX, Evictable, EvictionPolicy
 from dpu_agent.eviction._prefix import PrefixPolicy
+from dpu_agent.eviction._prefix_run import RunAwarePrefixPolicy
 from dpu_agent.eviction._registry import DEFAULT_POLICY, POLICY_NAMES, make_policy
 from dpu_agent.eviction._s3fifo import S3FifoPolicy
 
@@ -23,6 +24,7 @@ __all__ = [
     "Lru2Policy",
     "LruPolicy",
     "PrefixPolicy",
+    "RunAwarePrefixPolicy",
     "S3FifoPolicy",
     "make_policy",
 ]

@@ -32,7 +32,7 @@ _Entry = tuple[float, int, int, int]  # (last access, -depth, seq, item)
 
 
 class _Node:
-    __slots__ = ("children", "depth", "last", "parent", "parent_node", "protected", "seq")
+    __slots__ = ("children", "depth", "last", "parent", "parent_node", "protected", "run", "seq")
 
     def __init__(
         self, parent: int | None, parent_node: _Node | None, now: float, protected: bool
@@ -46,6 +46,7 @@ class _Node:
         self.protected = protected
         self.children = 0
         self.seq = 0
+        self.run = 0  # RunAwarePrefixPolicy: blocks missed in a row up to this one
 
 
 class PrefixPolicy(EvictionPolicy):

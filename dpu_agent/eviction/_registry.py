@@ -9,11 +9,12 @@ from dpu_agent.eviction._clock import ClockPolicy
 from dpu_agent.eviction._lru import Lru2Policy, LruPolicy
 from dpu_agent.eviction._policy import CAPACITY_ITEMS_MAX, EvictionPolicy
 from dpu_agent.eviction._prefix import PrefixPolicy
+from dpu_agent.eviction._prefix_run import RunAwarePrefixPolicy
 from dpu_agent.eviction._s3fifo import S3FifoPolicy
 
 __all__ = ["DEFAULT_POLICY", "POLICY_NAMES", "make_policy"]
 
-DEFAULT_POLICY = "prefix"
+DEFAULT_POLICY = "prefix-run"
 
 _FACTORIES: dict[str, Callable[[int], EvictionPolicy]] = {
     "lru": LruPolicy,
@@ -22,6 +23,7 @@ _FACTORIES: dict[str, Callable[[int], EvictionPolicy]] = {
     "s3fifo": S3FifoPolicy,
     "arc": ArcPolicy,
     "prefix": PrefixPolicy,
+    "prefix-run": RunAwarePrefixPolicy,
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
 
