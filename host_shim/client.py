@@ -42,7 +42,7 @@ from kvproto.control import (
     encode_request,
     parse_reply,
 )
-from kvproto.keys import ChunkLayout, chunk_keys
+from kvproto.keys import KEY_BYTES, ChunkLayout, chunk_keys
 
 __all__ = [
     "PIPELINE_BYTES_MAX",
@@ -293,6 +293,8 @@ CHUNKS_PER_CALL_MAX = 4096  # kvproto.control.LOOKUP_KEYS_MAX
 # After a failed connect, calls return misses at once for this long instead of each waiting
 # for a connect timeout: the inference loop never stalls on a dead agent.
 RECONNECT_BACKOFF_S = 0.5
+# What a lost agent or a broken data path raises: a miss for the caller, never an exception.
+_LOST = (AgentUnreachable, OSError, NvmeError)
 
 
 def byte_view(buf: Any, nbytes: int, *, writable: bool) -> memoryview:
@@ -431,15 +433,7 @@ class KVClient:
     # --- public calls -----------------------------------------------------------------------
     def lookup(self, tokens: Sequence[int] | np.ndarray) -> int:
         """How many leading full chunks of `tokens` the tier holds."""
-        keys = self.keys(tokens)
-        if not keys:
-            return 0
-        with self._lock:
-            try:
-                self._ensure()
-                return len(self._channel.call("lookup", keys=keys, lease=False)["hits"])
-            except (AgentUnreachable, OSError, NvmeError) as e:
-                return self._lost(e)
+        return self.lookup_keys(self.keys(tokens))
 
     def get(self, tokens: Sequence[int] | np.ndarray, into: Sequence[Any]) -> int:
         """Load the cached prefix into `into[0..]`; returns how many leading chunks were loaded.
@@ -447,44 +441,85 @@ class KVClient:
         Each buffer holds layout.chunk_bytes; every chunk's checksum is verified, and the first
         failure or missing chunk ends the prefix.
         """
-        keys = self.keys(tokens)[: len(into)]
-        if not keys:
-            return 0
-        views = [byte_view(b, self.layout.chunk_bytes, writable=True) for b in into[: len(keys)]]
-        with self._lock:
-            try:
-                nvme = self._ensure()
-                res = self._channel.call("lookup", keys=keys)
-                hits = res["hits"]
-                loaded = 0
-                try:
-                    ok = self._parallel(nvme, [(h, views[i]) for i, h in enumerate(hits)], False)
-                    loaded = _leading(ok)
-                finally:
-                    after: list[tuple[str, dict[str, Any]]] = []
-                    if res["lease_id"]:
-                        after.append(("release", {"lease_id": res["lease_id"]}))
-                    if loaded < len(hits):  # failed verification: never serve it again
-                        log.warning("kvclient: chunk %s failed verification", hits[loaded][0].hex())
-                        after.append(("delete", {"key": hits[loaded][0], "corrupt": True}))
-                    self._channel.post(after)  # no round trip: the next call reads the replies
-            except (AgentUnreachable, OSError, NvmeError) as e:
-                return self._lost(e)
-        return loaded
+        return self.get_keys(self.keys(tokens), into)
 
     def put(self, tokens: Sequence[int] | np.ndarray, chunks: Sequence[Any]) -> int:
         """Store chunks of `tokens` (skipping those already cached); returns how many leading
         chunks the tier holds afterwards."""
-        keys = self.keys(tokens)[: len(chunks)]
+        return self.put_keys(self.keys(tokens), chunks)
+
+    # --- key-level calls: for engines that name chunks themselves (LMCache) ------------------
+    def lookup_keys(self, keys: Sequence[bytes]) -> int:
+        """How many leading chunks of `keys` the tier holds."""
+        return len(self.lookup_lengths(keys))
+
+    def lookup_lengths(self, keys: Sequence[bytes]) -> list[int]:
+        """The byte length of each leading cached chunk of `keys`: a buffer for get_keys()
+        when chunks are not all layout.chunk_bytes long (LMCache objects)."""
+        keys = _checked_keys(keys, "keys")
+        if not keys:
+            return []
+        with self._lock:
+            try:
+                self._ensure()
+                hits = self._channel.call("lookup", keys=keys, lease=False)["hits"]
+            except _LOST as e:
+                self._lost(e)
+                return []
+        return [int(h[4]) for h in hits]
+
+    def get_keys(
+        self, keys: Sequence[bytes], into: Sequence[Any], *, chunk_bytes: int | None = None
+    ) -> int:
+        """get() by key: load the cached prefix of `keys[:len(into)]` into `into[0..]`.
+
+        Each buffer holds `chunk_bytes` (default layout.chunk_bytes); a stored chunk of another
+        length is a miss. Checksums are verified as in get().
+        """
+        keys = _checked_keys(keys, "keys")[: len(into)]
         if not keys:
             return 0
-        views = [byte_view(c, self.layout.chunk_bytes, writable=False) for c in chunks[: len(keys)]]
+        nbytes = self.layout.chunk_bytes if chunk_bytes is None else chunk_bytes
+        views = [byte_view(b, nbytes, writable=True) for b in into[: len(keys)]]
+        with self._lock:
+            try:
+                return self._read(self._ensure(), keys, views)
+            except _LOST as e:
+                return self._lost(e)
+
+    def put_keys(
+        self,
+        keys: Sequence[bytes],
+        chunks: Sequence[Any],
+        parents: Sequence[bytes | None] | None = None,
+        *,
+        chunk_bytes: int | None = None,
+    ) -> int:
+        """put() by key: store `chunks` under `keys[:len(chunks)]` (skipping those already
+        cached); returns how many leading chunks the tier holds afterwards.
+
+        `parents[i]` is the key chunk i extends (the agent evicts children first); by default
+        the previous key, None for the first. Each chunk holds `chunk_bytes` (default
+        layout.chunk_bytes).
+        """
+        keys = _checked_keys(keys, "keys")
+        if parents is None:
+            parents = [None, *keys[:-1]]
+        elif len(parents) != len(keys):
+            raise ValueError(f"{len(parents)} parents for {len(keys)} keys: give one per key")
+        else:
+            _checked_keys([p for p in parents if p is not None], "parents")
+        keys = keys[: len(chunks)]
+        if not keys:
+            return 0
+        nbytes = self.layout.chunk_bytes if chunk_bytes is None else chunk_bytes
+        views = [byte_view(c, nbytes, writable=False) for c in chunks[: len(keys)]]
         with self._lock:
             try:
                 self._ensure()
                 cached = len(self._channel.call("lookup", keys=keys, lease=False)["hits"])
-                return cached + self._write(keys, views, cached)
-            except (AgentUnreachable, OSError, NvmeError) as e:
+                return cached + self._write(keys, parents[: len(keys)], views, cached)
+            except _LOST as e:
                 return self._lost(e)
 
     def delete(self, tokens: Sequence[int] | np.ndarray) -> int:
@@ -496,7 +531,7 @@ class KVClient:
             try:
                 self._ensure()
                 replies = self._channel.pipeline([("delete", {"key": k}) for k in keys])
-            except (AgentUnreachable, OSError, NvmeError) as e:
+            except _LOST as e:
                 return self._lost(e)
         return sum(1 for r in replies if r.ok)
 
@@ -523,12 +558,34 @@ class KVClient:
             self._closed = True
 
     # --- data path --------------------------------------------------------------------------
-    def _write(self, keys: list[bytes], views: list[memoryview], first: int) -> int:
+    def _read(self, nvme: NvmeTcpController, keys: list[bytes], views: list[memoryview]) -> int:
+        """Lease, read and verify the cached prefix of `keys`; the lease is released (and a
+        chunk that failed verification deleted) without waiting for the replies."""
+        res = self._channel.call("lookup", keys=keys)
+        hits = res["hits"]
+        loaded = 0
+        try:
+            ok = self._parallel(nvme, [(h, views[i]) for i, h in enumerate(hits)], False)
+            loaded = _leading(ok)
+        finally:
+            after: list[tuple[str, dict[str, Any]]] = []
+            if res["lease_id"]:
+                after.append(("release", {"lease_id": res["lease_id"]}))
+            if loaded < len(hits):  # failed verification: never serve it again
+                log.warning("kvclient: chunk %s failed verification", hits[loaded][0].hex())
+                after.append(("delete", {"key": hits[loaded][0], "corrupt": True}))
+            self._channel.post(after)  # no round trip: the next call reads the replies
+        return loaded
+
+    def _write(
+        self,
+        keys: list[bytes],
+        parents: Sequence[bytes | None],
+        views: list[memoryview],
+        first: int,
+    ) -> int:
         reqs = [
-            (
-                "reserve",
-                {"key": keys[i], "length": len(views[i]), "parent": keys[i - 1] if i else None},
-            )
+            ("reserve", {"key": keys[i], "length": len(views[i]), "parent": parents[i]})
             for i in range(first, len(keys))
         ]
         replies = self._channel.pipeline(reqs)
@@ -638,6 +695,21 @@ def _segment_io_raw(
         else:
             nvme.read(nsid, tail_lba, memoryview(bounce))
             view[offset + whole : end] = bounce[:tail]
+
+
+def _checked_keys(keys: Sequence[bytes], what: str) -> list[bytes]:
+    """`keys` as a list, or ValueError naming the first key that is not a 16-byte tier key."""
+    if len(keys) > CHUNKS_PER_CALL_MAX:
+        raise ValueError(
+            f"{len(keys)} {what} in one call; at most {CHUNKS_PER_CALL_MAX}: split the call"
+        )
+    for i, key in enumerate(keys):
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            raise ValueError(
+                f"{what}[{i}] is {key!r:.60}, not {KEY_BYTES} bytes; tier keys come from "
+                "KVClient.keys() or a 16-byte hash of the engine's own key"
+            )
+    return list(keys)
 
 
 def _leading(flags: Sequence[Any]) -> int:

@@ -84,3 +84,60 @@ def test_corrupted_chunk_ends_the_prefix(agent: AgentProcess, tmp_path: Path) ->
         assert c.get(tokens, out) == 1
         assert np.array_equal(out[0], chunks[0])
         assert c.lookup(tokens) == 1  # the bad chunk was dropped, not served again
+
+
+def test_key_level_calls_round_trip_byte_exact(agent: AgentProcess) -> None:
+    """put_keys/get_keys are what put/get run on: the same chunks either way, bit for bit."""
+    rng = np.random.default_rng(7)
+    n = LAYOUT.chunk_bytes
+    src = [rng.integers(0, 256, n, dtype=np.uint8) for _ in range(3)]
+    tokens = np.arange(3 * LAYOUT.chunk_tokens, dtype=np.uint32) + 9000
+    with KVClient(agent.control_url, "default", agent.token, LAYOUT, SALT) as c:
+        keys = c.keys(tokens)
+        assert c.lookup_keys(keys) == 0 and c.lookup_lengths(keys) == []
+        assert c.put_keys(keys, src) == 3
+        assert c.lookup_keys(keys) == c.lookup(tokens) == 3
+        assert c.lookup_lengths(keys) == [n, n, n]
+        by_key = [bytearray(n) for _ in range(3)]
+        assert c.get_keys(keys, by_key) == 3
+        by_token = [np.empty(n, np.uint8) for _ in range(3)]
+        assert c.get(tokens, by_token) == 3
+        for want, a, b in zip(src, by_key, by_token, strict=True):
+            assert bytes(a) == want.tobytes() == b.tobytes()
+        assert c.get_keys(keys, by_key[:2]) == 2  # as get(): no more than the buffers given
+
+        own = [bytes([i]) * 16 for i in (1, 2)]  # keys the engine named itself, explicit parents
+        blobs = [rng.bytes(10_000), rng.bytes(10_000)]
+        assert c.put_keys(own, blobs, [keys[0], own[0]], chunk_bytes=10_000) == 2
+        out = [bytearray(10_000), bytearray(10_000)]
+        assert c.get_keys(own, out, chunk_bytes=10_000) == 2
+        assert [bytes(b) for b in out] == blobs
+        assert c.get_keys(own, [bytearray(n), bytearray(n)]) == 0  # another length: a miss
+
+
+def test_key_level_calls_refuse_wrong_length_keys(agent: AgentProcess) -> None:
+    good, short = bytes(16), b"\x01" * 15
+    chunk = bytearray(LAYOUT.chunk_bytes)
+    with KVClient(agent.control_url, "default", agent.token, LAYOUT, SALT) as c:
+        with pytest.raises(ValueError, match=r"keys\[1\] .* not 16 bytes"):
+            c.lookup_keys([good, short])
+        with pytest.raises(ValueError, match="not 16 bytes"):
+            c.get_keys([short], [chunk])
+        with pytest.raises(ValueError, match="not 16 bytes"):
+            c.put_keys([good.hex()], [chunk])  # type: ignore[list-item]
+        with pytest.raises(ValueError, match=r"parents\[0\] .* not 16 bytes"):
+            c.put_keys([good], [chunk], [short])
+        with pytest.raises(ValueError, match="2 parents for 1 keys"):
+            c.put_keys([good], [chunk], [None, None])
+
+
+def test_key_level_calls_lost_agent_is_a_miss(caplog: pytest.LogCaptureFixture) -> None:
+    keys = [bytes(16)]
+    chunk = bytearray(LAYOUT.chunk_bytes)
+    with KVClient("tcp://127.0.0.1:1", "default", "t", LAYOUT, SALT, timeout_s=0.5) as c:
+        with caplog.at_level("WARNING", logger="host_shim.client"):
+            assert c.lookup_keys(keys) == 0
+            assert c.lookup_lengths(keys) == []
+            assert c.get_keys(keys, [chunk]) == 0
+            assert c.put_keys(keys, [chunk]) == 0
+    assert sum("agent lost" in r.getMessage() for r in caplog.records) == 1

@@ -18,7 +18,8 @@ the connector opaque keys, not tokens, so this connector stores each LMCache obj
 ``BLAKE2b-128(key=salt, data=key.to_string())`` as one tier object: a small header (shape,
 dtype, memory format, payload length) followed by LMCache's bytes. Objects are written with
 the same reserve / write / commit (checksum) and read with the same lookup (lease) / read /
-verify / release as `KVClient`'s chunks, through `KeyedChunks`.
+verify / release as `KVClient`'s chunks, through `KeyedChunks` over KVClient's key-level calls
+(`lookup_keys`, `lookup_lengths`, `get_keys`, `put_keys`).
 
 `DpuKVConnectorAdapter` and `DpuKVRemoteConnector` live in `_lmcache_connector` (which imports
 LMCache) and are imported on first access, so this module imports without LMCache.
@@ -34,8 +35,7 @@ from urllib.parse import urlsplit
 
 import msgpack
 
-from host_shim.client import AgentUnreachable
-from host_shim.nvme import NvmeError
+from host_shim.client import KVClient
 from kvproto.keys import KEY_BYTES
 
 __all__ = [
@@ -51,7 +51,6 @@ SCHEME = "dpukv://"
 HEADER_BYTES_MAX = 4096  # shape, dtype and format names: a few dozen bytes in practice
 _HEADER_LEN = struct.Struct("<I")
 _PERSON = b"dpukv-lmcache-v1"  # BLAKE2b personalization (<= 16 bytes): LMCache keys only
-_MISS = (AgentUnreachable, OSError, NvmeError)  # the agent is gone: a miss, as for KVClient
 
 
 def tier_key(salt: bytes, lmcache_key: str) -> bytes:
@@ -96,53 +95,33 @@ def unpack_object(data: bytes | memoryview) -> tuple[list[int], str, int, memory
 
 
 class KeyedChunks:
-    """Objects by 16-byte key through a KVClient's control channel and NVMe/TCP queues.
+    """Objects by 16-byte key, through KVClient's key-level calls.
 
-    Uses the client's data path (`_ensure`, `_parallel`, `_write`): the same reserve, write,
-    commit-with-checksum and lookup, read, verify, release as its token-keyed calls. A lost
-    agent is a miss (False / None), as for KVClient.
+    The same reserve, write, commit-with-checksum and lookup, read, verify, release as its
+    token-keyed calls; each object is one chunk of its own length. A lost agent is a miss
+    (False / None), as for KVClient.
     """
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: KVClient) -> None:
         self.client = client
 
     def exists(self, key: bytes) -> bool:
-        with self.client._lock:
-            try:
-                self.client._ensure()
-                res = self.client._channel.call("lookup", keys=[key], lease=False)
-            except _MISS as e:
-                self.client._lost(e)
-                return False
-        return bool(res["hits"])
+        return self.client.lookup_keys([key]) > 0
 
     def read(self, key: bytes) -> bytes | None:
-        with self.client._lock:
-            try:
-                nvme = self.client._ensure()
-                res = self.client._channel.call("lookup", keys=[key])
-                try:
-                    if not res["hits"]:
-                        return None
-                    hit = res["hits"][0]
-                    buf = bytearray(int(hit[4]))
-                    (ok,) = self.client._parallel(nvme, [(hit, memoryview(buf))], False)
-                finally:
-                    if res["lease_id"]:
-                        self.client._channel.call("release", lease_id=res["lease_id"])
-            except _MISS as e:
-                self.client._lost(e)
-                return None
-        return bytes(buf) if ok else None
+        lengths = self.client.lookup_lengths([key])
+        if not lengths:
+            return None
+        buf = bytearray(lengths[0])
+        # replaced by an object of another length in between: a miss, like any other
+        if not self.client.get_keys([key], [buf], chunk_bytes=len(buf)):
+            return None
+        return bytes(buf)
 
     def write(self, key: bytes, data: bytes) -> bool:
-        with self.client._lock:
-            try:
-                self.client._ensure()
-                return bool(self.client._write([key], [memoryview(data)], 0))
-            except _MISS as e:
-                self.client._lost(e)
-                return False
+        """Store `data` under `key`; True when the tier holds it (an object already stored
+        under the key is kept: LMCache keys name their content)."""
+        return self.client.put_keys([key], [data], [None], chunk_bytes=len(data)) > 0
 
 
 def __getattr__(name: str) -> Any:
