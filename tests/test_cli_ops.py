@@ -94,8 +94,9 @@ def test_status_stats_tenants_checkpoint_backup(agent: AgentProcess, tmp_path: P
     r = dpuctl(d, "backup", "create", str(tmp_path / "b1"), "--json")
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "b1" / "manifest.json").exists()
-    r = dpuctl(d, "status")  # the human table
+    r = dpuctl(d, "status")  # the human table, piped: not cut to 80 columns
     assert r.returncode == 0 and "members" in r.stdout
+    assert "…" not in r.stdout and agent.control_url.removeprefix("tcp://") in r.stdout
 
 
 def test_stale_state_file_of_a_killed_agent_is_ignored(tmp_path: Path) -> None:

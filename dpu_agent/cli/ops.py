@@ -42,7 +42,10 @@ __all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_OK", "EXIT_UNREACHABLE", "agent_g
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_CONFIG = 0, 1, 2, 3, 4
 ADMIN_TIMEOUT_S = 3600.0  # backups of a large NVMe tier take minutes; still bounded
 F = TypeVar("F", bound=Callable[..., Any])
-_out = Console()
+# Piped output (not a terminal) would be cut to rich's default 80 columns: tables are for people,
+# so give them room; scripts use --json
+PIPED_WIDTH_COLUMNS = 200
+_out = Console(width=None if sys.stdout.isatty() else PIPED_WIDTH_COLUMNS)
 _err = Console(stderr=True)
 
 
