@@ -13,22 +13,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from spdk_plugins.desired import (
-    AioBdev,
-    KeyProvider,
-    MallocBdev,
-    NvmeBdev,
-    SpdkDesired,
-    UringBdev,
-    check_key_material,
+from spdk_plugins.calls import (
+    Call,
+    base_bdev_call,
+    crypto_call,
+    host_call,
+    key_create_call,
+    listener_call,
+    mlx5_scan_call,
+    ns_call,
+    subsystem_call,
+    transport_call,
 )
+from spdk_plugins.desired import KeyProvider, SpdkDesired, check_key_material
 from spdk_plugins.rpc import REDACTED
 
 __all__ = ["boot_config"]
 
 
-def _entry(method: str, **params: Any) -> dict[str, Any]:
-    return {"method": method, "params": {k: v for k, v in params.items() if v is not None}}
+def _entry(c: Call) -> dict[str, Any]:
+    method, params = c
+    return {"method": method, "params": params}
 
 
 def boot_config(
@@ -47,82 +52,16 @@ def boot_config(
 
 
 def _accel(d: SpdkDesired, key_provider: KeyProvider | None) -> list[dict[str, Any]]:
-    out = []
-    if d.accel.module == "mlx5":
-        a = d.accel
-        devs = ",".join(a.allowed_devs) if a.allowed_devs else None
-        out.append(
-            _entry(
-                "mlx5_scan_accel_module",
-                qp_size=a.qp_size,
-                num_requests=a.num_requests,
-                allowed_devs=devs,
-                crypto_split_blocks=a.crypto_split_blocks,
-                enable_driver=a.enable_driver,
-            )
-        )
+    out = [_entry(mlx5_scan_call(d.accel))] if d.accel.module == "mlx5" else []
     for k in d.keys:
         key, key2 = key_provider(k.name) if key_provider is not None else (REDACTED, REDACTED)
-        out.append(
-            _entry(
-                "accel_crypto_key_create",
-                name=k.name,
-                cipher=k.cipher,
-                key=key,
-                key2=key2,
-                tweak_mode=k.tweak_mode,
-            )
-        )
+        out.append(_entry(key_create_call(k, key, key2)))
     return out
 
 
 def _bdev(d: SpdkDesired) -> list[dict[str, Any]]:
-    out = [
-        _entry(
-            "bdev_crypto_create", base_bdev_name=c.base_bdev_name, name=c.name, key_name=c.key_name
-        )
-        for c in d.crypto
-    ]
-    for b in d.bdevs:
-        if isinstance(b, NvmeBdev):
-            out.append(
-                _entry(
-                    "bdev_nvme_attach_controller",
-                    name=b.name,
-                    trtype=b.trtype,
-                    traddr=b.traddr,
-                    adrfam=b.adrfam,
-                    trsvcid=b.trsvcid,
-                    subnqn=b.subnqn,
-                    hostnqn=b.hostnqn,
-                )
-            )
-        elif isinstance(b, MallocBdev):
-            out.append(
-                _entry(
-                    "bdev_malloc_create",
-                    name=b.name,
-                    num_blocks=b.num_blocks,
-                    block_size=b.block_size,
-                    uuid=b.uuid,
-                )
-            )
-        elif isinstance(b, AioBdev):
-            out.append(
-                _entry(
-                    "bdev_aio_create",
-                    name=b.name,
-                    filename=b.filename,
-                    block_size=b.block_size,
-                    readonly=b.readonly,
-                )
-            )
-        elif isinstance(b, UringBdev):
-            out.append(
-                _entry(
-                    "bdev_uring_create", name=b.name, filename=b.filename, block_size=b.block_size
-                )
-            )
+    out = [_entry(crypto_call(c)) for c in d.crypto]
+    out += [_entry(base_bdev_call(b)) for b in d.bdevs]
     out.append({"method": "bdev_wait_for_examine"})
     return out
 
@@ -138,29 +77,14 @@ def _on_lvol(d: SpdkDesired, bdev_name: str) -> bool:
 
 
 def _nvmf(d: SpdkDesired, provisioned: bool) -> list[dict[str, Any]]:
-    out = [_entry("nvmf_create_transport", trtype=t.trtype, **dict(t.tuning)) for t in d.transports]
+    out = [_entry(transport_call(t)) for t in d.transports]
     for s in d.subsystems:
-        out.append(
-            _entry(
-                "nvmf_create_subsystem",
-                nqn=s.nqn,
-                allow_any_host=s.allow_any_host,
-                serial_number=s.serial_number,
-                model_number=s.model_number,
-                max_namespaces=s.max_namespaces,
-            )
-        )
-        for ns in s.namespaces:
-            if provisioned or not _on_lvol(d, ns.bdev_name):
-                out.append(
-                    _entry(
-                        "nvmf_subsystem_add_ns",
-                        nqn=s.nqn,
-                        namespace={"nsid": ns.nsid, "bdev_name": ns.bdev_name},
-                    )
-                )
-        for x in s.listeners:
-            out.append(_entry("nvmf_subsystem_add_listener", nqn=s.nqn, listen_address=x.address()))
-        for h in s.hosts:
-            out.append(_entry("nvmf_subsystem_add_host", nqn=s.nqn, host=h))
+        out.append(_entry(subsystem_call(s)))
+        out += [
+            _entry(ns_call(s.nqn, ns))
+            for ns in s.namespaces
+            if provisioned or not _on_lvol(d, ns.bdev_name)
+        ]
+        out += [_entry(listener_call(s.nqn, x)) for x in s.listeners]
+        out += [_entry(host_call(s.nqn, h)) for h in s.hosts]
     return out

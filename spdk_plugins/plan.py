@@ -19,6 +19,21 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from spdk_plugins.calls import (
+    Call,
+    base_bdev_call,
+    call,
+    crypto_call,
+    host_call,
+    key_create_call,
+    listener_call,
+    lvol_call,
+    lvstore_call,
+    mlx5_scan_call,
+    ns_call,
+    subsystem_call,
+    transport_call,
+)
 from spdk_plugins.desired import (
     AioBdev,
     KeyProvider,
@@ -142,10 +157,18 @@ class _Builder:
         self.unmanaged: list[str] = []
 
     def add(self, phase: str, method: str, why: str, **params: Any) -> None:
-        self.create[phase].append(Step(method=method, params=_clean(params), why=why))
+        self.add_call(phase, why, call(method, **params))
+
+    def add_call(self, phase: str, why: str, c: Call, secret_ref: str | None = None) -> None:
+        """Create an object with the call `spdk_plugins.calls` builds for it."""
+        method, params = c
+        self.create[phase].append(
+            Step(method=method, params=params, why=why, secret_ref=secret_ref)
+        )
 
     def remove(self, phase: str, method: str, why: str, **params: Any) -> None:
-        self.delete[phase].append(Step(method=method, params=_clean(params), why=why))
+        method, params = call(method, **params)
+        self.delete[phase].append(Step(method=method, params=params, why=why))
 
     def build(self) -> Plan:
         """Deletions (reverse order) then creations; the bdev stack ordered by real depth."""
@@ -173,10 +196,6 @@ class _Builder:
         return Plan(
             steps=tuple(steps), conflicts=tuple(self.conflicts), unmanaged=tuple(self.unmanaged)
         )
-
-
-def _clean(params: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in params.items() if v is not None}
 
 
 def plan(
@@ -242,17 +261,7 @@ def _plan_accel(b: _Builder, d: SpdkDesired, live: LiveState) -> None:
             "(--json) or with --wait-for-rpc and apply again"
         )
     elif wants_mlx5:
-        devs = ",".join(acc.allowed_devs) if acc.allowed_devs else None
-        b.add(
-            "accel",
-            "mlx5_scan_accel_module",
-            "load the mlx5 accel module (crypto offload)",
-            qp_size=acc.qp_size,
-            num_requests=acc.num_requests,
-            allowed_devs=devs,
-            crypto_split_blocks=acc.crypto_split_blocks,
-            enable_driver=acc.enable_driver,
-        )
+        b.add_call("accel", "load the mlx5 accel module (crypto offload)", mlx5_scan_call(acc))
     if not live.started:
         b.add("accel", "framework_start_init", "target waits for RPC (--wait-for-rpc): start it")
 
@@ -261,20 +270,8 @@ def _plan_keys(b: _Builder, d: SpdkDesired, live: LiveState, mismatched: set[str
     for i, k in enumerate(d.keys):
         have = live.keys.get(k.name)
         if have is None:
-            b.create["key"].append(
-                Step(
-                    method="accel_crypto_key_create",
-                    params={
-                        "cipher": k.cipher,
-                        "key": REDACTED,
-                        "key2": REDACTED,
-                        "tweak_mode": k.tweak_mode,
-                        "name": k.name,
-                    },
-                    why=f"key {k.name} missing",
-                    secret_ref=k.name,
-                )
-            )
+            call = key_create_call(k, REDACTED, REDACTED)
+            b.add_call("key", f"key {k.name} missing", call, secret_ref=k.name)
         elif (have.get("cipher"), have.get("tweak_mode")) != (k.cipher, k.tweak_mode):
             b.conflicts.append(
                 f"spdk.keys[{i}]: key {k.name} is {have.get('cipher')}/{have.get('tweak_mode')} "
@@ -295,7 +292,7 @@ def _plan_base(b: _Builder, d: SpdkDesired, live: LiveState) -> None:
             continue
         have = live.bdevs.get(bdev.name)
         if have is None:
-            _create_base(b, bdev)
+            b.add_call("base", f"bdev {bdev.name} missing", base_bdev_call(bdev))
             continue
         want: dict[str, Any] = {}
         if isinstance(bdev, MallocBdev):
@@ -329,39 +326,6 @@ def _compare(
             )
 
 
-def _create_base(b: _Builder, bdev: MallocBdev | AioBdev | UringBdev) -> None:
-    why = f"bdev {bdev.name} missing"
-    if isinstance(bdev, MallocBdev):
-        b.add(
-            "base",
-            "bdev_malloc_create",
-            why,
-            name=bdev.name,
-            block_size=bdev.block_size,
-            num_blocks=bdev.num_blocks,
-            uuid=bdev.uuid,
-        )
-    elif isinstance(bdev, AioBdev):
-        b.add(
-            "base",
-            "bdev_aio_create",
-            why,
-            name=bdev.name,
-            filename=bdev.filename,
-            block_size=bdev.block_size,
-            readonly=bdev.readonly,
-        )
-    else:
-        b.add(
-            "base",
-            "bdev_uring_create",
-            why,
-            name=bdev.name,
-            filename=bdev.filename,
-            block_size=bdev.block_size,
-        )
-
-
 def _plan_nvme(b: _Builder, n: NvmeBdev, live: LiveState, path: str) -> None:
     present = [name for name in n.bdev_names if name in live.bdevs]
     if len(present) == len(n.bdev_names):
@@ -372,18 +336,7 @@ def _plan_nvme(b: _Builder, n: NvmeBdev, live: LiveState, path: str) -> None:
     if present:
         b.conflicts.append(f"{path}: controller {n.name} has only {present}; detach it first")
         return
-    b.add(
-        "base",
-        "bdev_nvme_attach_controller",
-        f"controller {n.name} missing",
-        name=n.name,
-        trtype=n.trtype,
-        traddr=n.traddr,
-        adrfam=n.adrfam,
-        trsvcid=n.trsvcid,
-        subnqn=n.subnqn,
-        hostnqn=n.hostnqn,
-    )
+    b.add_call("base", f"controller {n.name} missing", base_bdev_call(n))
 
 
 def _plan_crypto(b: _Builder, d: SpdkDesired, live: LiveState) -> None:
@@ -400,14 +353,7 @@ def _plan_crypto(b: _Builder, d: SpdkDesired, live: LiveState) -> None:
             )
             continue
         if have is None:
-            b.add(
-                "crypto",
-                "bdev_crypto_create",
-                f"crypto vbdev {c.name} missing",
-                base_bdev_name=c.base_bdev_name,
-                name=c.name,
-                key_name=c.key_name,
-            )
+            b.add_call("crypto", f"crypto vbdev {c.name} missing", crypto_call(c))
             continue
         got = have.get("driver_specific", {}).get("crypto", {})
         _compare(
@@ -422,15 +368,7 @@ def _plan_lvol(b: _Builder, d: SpdkDesired, live: LiveState) -> None:
     for i, s in enumerate(d.lvstores):
         have = live.lvstores.get(s.lvs_name)
         if have is None:
-            b.add(
-                "lvstore",
-                "bdev_lvol_create_lvstore",
-                f"lvstore {s.lvs_name} missing",
-                bdev_name=s.bdev_name,
-                lvs_name=s.lvs_name,
-                cluster_sz=s.cluster_sz,
-                clear_method=s.clear_method,
-            )
+            b.add_call("lvstore", f"lvstore {s.lvs_name} missing", lvstore_call(s))
             continue
         base = live.resolve(s.bdev_name)
         base_name = base["name"] if base else s.bdev_name
@@ -440,16 +378,7 @@ def _plan_lvol(b: _Builder, d: SpdkDesired, live: LiveState) -> None:
     for i, v in enumerate(d.lvols):
         have = live.resolve(v.alias)
         if have is None:
-            b.add(
-                "lvol",
-                "bdev_lvol_create",
-                f"lvol {v.alias} missing",
-                lvol_name=v.lvol_name,
-                size_in_mib=v.size_in_mib,
-                thin_provision=v.thin_provision,
-                lvs_name=v.lvs_name,
-                clear_method=v.clear_method,
-            )
+            b.add_call("lvol", f"lvol {v.alias} missing", lvol_call(v))
             continue
         lvs = live.lvstores.get(v.lvs_name, {})
         cluster = lvs.get("cluster_size", MIB)
@@ -470,13 +399,7 @@ def _plan_transports(b: _Builder, d: SpdkDesired, live: LiveState) -> None:
     for i, t in enumerate(d.transports):
         have = live.transports.get(t.trtype)
         if have is None:
-            b.add(
-                "transport",
-                "nvmf_create_transport",
-                f"{t.trtype} transport missing",
-                trtype=t.trtype,
-                **dict(t.tuning),
-            )
+            b.add_call("transport", f"{t.trtype} transport missing", transport_call(t))
             continue
         shown = {k: v for k, v in t.tuning if k in have}  # v26.05 hides some (io_unit_size)
         _compare(b, f"spdk.transports[{i}]", have, shown, _FIX_RESTART)
@@ -494,16 +417,7 @@ def _listen_key(a: dict[str, Any]) -> tuple[str, str, str, str]:
 def _plan_subsystem(b: _Builder, s: Subsystem, live: LiveState) -> None:
     have = live.subsystems.get(s.nqn)
     if have is None:
-        b.add(
-            "subsystem",
-            "nvmf_create_subsystem",
-            f"subsystem {s.nqn} missing",
-            nqn=s.nqn,
-            serial_number=s.serial_number,
-            model_number=s.model_number,
-            max_namespaces=s.max_namespaces,
-            allow_any_host=s.allow_any_host,
-        )
+        b.add_call("subsystem", f"subsystem {s.nqn} missing", subsystem_call(s))
         have = {
             "namespaces": [],
             "listen_addresses": [],
@@ -522,13 +436,8 @@ def _plan_subsystem(b: _Builder, s: Subsystem, live: LiveState) -> None:
     present = {_listen_key(a): a for a in have["listen_addresses"]}
     for key, x in wanted.items():
         if key not in present:
-            b.add(
-                "listener",
-                "nvmf_subsystem_add_listener",
-                f"{s.nqn} listener {x.trtype} {x.traddr}:{x.trsvcid} missing",
-                nqn=s.nqn,
-                listen_address=x.address(),
-            )
+            why = f"{s.nqn} listener {x.trtype} {x.traddr}:{x.trsvcid} missing"
+            b.add_call("listener", why, listener_call(s.nqn, x))
     for key, a in present.items():
         if key not in wanted:
             b.remove(
@@ -541,7 +450,7 @@ def _plan_subsystem(b: _Builder, s: Subsystem, live: LiveState) -> None:
     hosts = {h["nqn"] for h in have["hosts"]}
     for h in s.hosts:
         if h not in hosts:
-            b.add("host", "nvmf_subsystem_add_host", f"{s.nqn} host {h} missing", nqn=s.nqn, host=h)
+            b.add_call("host", f"{s.nqn} host {h} missing", host_call(s.nqn, h))
     for h in sorted(hosts - set(s.hosts)):
         why = f"{s.nqn} host {h} not desired"
         b.remove("host", "nvmf_subsystem_remove_host", why, nqn=s.nqn, host=h)
@@ -572,13 +481,7 @@ def _plan_namespaces(b: _Builder, s: Subsystem, have: dict[str, Any], live: Live
                 nqn=s.nqn,
                 nsid=ns.nsid,
             )
-        b.add(
-            "ns",
-            "nvmf_subsystem_add_ns",
-            f"{s.nqn} nsid {ns.nsid} -> {ns.bdev_name} missing",
-            nqn=s.nqn,
-            namespace={"bdev_name": ns.bdev_name, "nsid": ns.nsid},
-        )
+        b.add_call("ns", f"{s.nqn} nsid {ns.nsid} -> {ns.bdev_name} missing", ns_call(s.nqn, ns))
     desired_nsids = {ns.nsid for ns in s.namespaces}
     for nsid in sorted(set(live_ns) - desired_nsids):
         why = f"{s.nqn} nsid {nsid} not desired"

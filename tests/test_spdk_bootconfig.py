@@ -137,3 +137,25 @@ def test_recorded_layout_boot_config_is_save_config_subset(tmp_path: Path) -> No
                 and all(e.get("params", {}).get(k) == v for k, v in params.items())
             ]
             assert match, entry
+
+
+def test_boot_config_sends_the_same_create_calls_as_a_plan_from_empty(tmp_path: Path) -> None:
+    """Both come from spdk_plugins.calls: a field added to one cannot be missing in the other."""
+    example = load_desired(EXAMPLE)
+    nvme = {"0000:03:00.0": NvmeDevice(num_blocks=1 << 26)}
+    with (
+        SpdkSimulator(
+            tmp_path / "s.sock", features=frozenset({"mlx5"}), wait_for_rpc=True, nvme_devices=nvme
+        ) as sim,
+        SpdkClient(sim.socket_path) as c,
+    ):
+        steps = plan(example, c).steps
+    planned = [(s.method, json.dumps(s.params, sort_keys=True)) for s in steps]
+    doc = boot_config(example, provisioned=True)
+    booted = [
+        (e["method"], json.dumps(e["params"], sort_keys=True))
+        for sub in doc["subsystems"]
+        for e in sub["config"]
+        if e["method"] != "bdev_wait_for_examine"
+    ]
+    assert booted and all(entry in planned for entry in booted), set(booted) - set(planned)
