@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dpu_agent.eviction import DEFAULT_POLICY
+from dpu_agent.eviction import DEFAULT_POLICY, POLICY_NAMES
+from dpu_agent.units import SizeError, parse_size
 from kvproto.control import valid_tenant_name
 from spdk_plugins.desired import DesiredStateError, SpdkDesired, parse_desired
 from spdk_plugins.tiers import TierTarget, agent_tiers
@@ -58,6 +59,9 @@ __all__ = [
 ]
 
 ENV_PREFIX = "DPUKV_"
+# Where the agent keeps its data when no config says: DPUKV_DATA_DIR (what dpuctl reads to find a
+# running agent too); DPUKV_AGENT_DATA_DIR, the generic form of [agent] data_dir, wins over it
+DATA_DIR_ENV = "DPUKV_DATA_DIR"
 REDACTED = "<redacted>"
 TOKEN_BYTES = 32  # 256-bit random tokens, URL-safe base64
 CONFIG_BYTES_MAX = 1 << 20  # a config file bigger than this is a mistake
@@ -180,11 +184,15 @@ class AgentConfig:
         return self.path(self.agent.state_file)
 
     # --- secrets ---------------------------------------------------------------------------
-    def prepare(self) -> None:
-        """Create the data directory and any missing token files (0600); load the tokens."""
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.data_dir, 0o700)
-        self.admin_token = _read_or_create_token(self.path(self.agent.admin_token_file))
+    def prepare(self, *, create: bool = True) -> None:
+        """Load the tokens. `create`: also make the data directory and any missing token file
+        (0600), as the agent does at start; without it (what read-only commands use) nothing is
+        written and a missing token stays empty."""
+        if create:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            os.chmod(self.data_dir, 0o700)
+        load = _read_or_create_token if create else _read_token_if_any
+        self.admin_token = load(self.path(self.agent.admin_token_file))
         if not self.tenants:
             # SPDK mode: the tenants the [spdk] subsystems name; embedded: one "default"
             names = sorted({t.tenant for t in self.spdk_tiers()}) if self.spdk_mode else []
@@ -194,7 +202,7 @@ class AgentConfig:
             if t.token:
                 continue
             t.token_file = t.token_file or f"tenant-{t.name}.token"
-            t.token = _read_or_create_token(self.path(t.token_file))
+            t.token = load(self.path(t.token_file))
 
     def redacted(self) -> dict[str, Any]:
         """The effective configuration as a plain dict with every secret replaced."""
@@ -227,6 +235,13 @@ def _read_or_create_token(path: Path) -> str:
     return token
 
 
+def _read_token_if_any(path: Path) -> str:
+    try:
+        return _read_secret(path)
+    except FileNotFoundError:
+        return ""
+
+
 def _read_secret(path: Path) -> str:
     st = path.stat()
     if st.st_mode & 0o077:
@@ -240,8 +255,14 @@ def _read_secret(path: Path) -> str:
 
 
 def _coerce(section: str, key: str, value: Any, default: Any, source: str) -> Any:
-    """`value` converted to the type of `default` (strings from the environment included)."""
+    """`value` converted to the type of `default` (strings from the environment included);
+    ``*_bytes`` and ``*_size`` keys also take sizes such as ``"4GiB"``."""
     where = f"{source}: [{section}] {key}={value!r}"
+    if key.endswith(("_bytes", "_size")) and isinstance(default, int) and isinstance(value, str):
+        try:
+            return parse_size(value)
+        except SizeError as e:
+            raise ConfigError(f"{where}: {e}") from None
     if isinstance(default, bool):
         if isinstance(value, bool):
             return value
@@ -339,9 +360,62 @@ def load_config(
             else:
                 known = ", ".join([*_SECTIONS, "tenants", "spdk"])
                 raise ConfigError(f"{p}: unknown section [{section}]; known: {known}")
-    _env_overrides(cfg, os.environ if environ is None else environ)
+    env = os.environ if environ is None else environ
+    if env.get(DATA_DIR_ENV):
+        cfg.agent.data_dir = _coerce("agent", "data_dir", env[DATA_DIR_ENV], "", DATA_DIR_ENV)
+    _env_overrides(cfg, env)
+    _check_values(cfg)
     _check_mode(cfg)
     return cfg
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+PORT_MAX = 65535
+TICK_INTERVAL_S_MIN = 0.01  # the tick fsyncs and expires leases; 0 would spin a core
+TICK_INTERVAL_S_MAX = 60.0  # leases and reservations expire on ticks: keep them timely
+IO_SIZE_MAX = 64 << 20  # one command's buffer; KV chunks are a few MiB
+IO_WORKERS_MAX = 256
+BLOCK_BYTES = 4096  # the tiers' logical block (one AES-XTS data unit)
+
+
+def _check_values(cfg: AgentConfig) -> None:
+    """Every value that would only fail at `agent run` fails here, at load (exit 4)."""
+    src = cfg.source
+
+    def bad(section: str, key: str, value: Any, why: str) -> ConfigError:
+        return ConfigError(f"{src}: [{section}] {key}={value!r} {why}")
+
+    for section in ("control", "nvmf", "metrics"):
+        port = getattr(cfg, section).port
+        if not 0 <= port <= PORT_MAX:
+            raise bad(section, "port", port, f"must be 0..{PORT_MAX} (0 picks a free port)")
+    a, st, nv = cfg.agent, cfg.storage, cfg.nvmf
+    if a.log_level.upper() not in LOG_LEVELS:
+        raise bad("agent", "log_level", a.log_level, f"must be one of {', '.join(LOG_LEVELS)}")
+    if not TICK_INTERVAL_S_MIN <= a.tick_interval_s <= TICK_INTERVAL_S_MAX:
+        raise bad("agent", "tick_interval_s", a.tick_interval_s,
+                  f"must be {TICK_INTERVAL_S_MIN}..{TICK_INTERVAL_S_MAX} seconds")  # fmt: skip
+    if not a.node_name.strip():
+        raise bad("agent", "node_name", a.node_name, "must not be empty")
+    if st.eviction_policy not in POLICY_NAMES:
+        raise bad("storage", "eviction_policy", st.eviction_policy,
+                  f"is unknown; choose one of {', '.join(POLICY_NAMES)}")  # fmt: skip
+    for key in ("dram_bytes", "nvme_bytes"):
+        value = getattr(st, key)
+        if value < BLOCK_BYTES:
+            raise bad("storage", key, value, f"must be at least {BLOCK_BYTES} (one block)")
+    for key in ("lease_ttl_s", "reservation_ttl_s"):
+        if getattr(st, key) <= 0:
+            raise bad("storage", key, getattr(st, key), "must be more than 0 seconds")
+    if not 1 <= nv.io_workers <= IO_WORKERS_MAX:
+        raise bad("nvmf", "io_workers", nv.io_workers, f"must be 1..{IO_WORKERS_MAX}")
+    if nv.data_buffers_per_queue < 1:
+        raise bad("nvmf", "data_buffers_per_queue", nv.data_buffers_per_queue, "must be >= 1")
+    if not BLOCK_BYTES <= nv.max_io_size <= IO_SIZE_MAX or nv.max_io_size % BLOCK_BYTES:
+        raise bad("nvmf", "max_io_size", nv.max_io_size,
+                  f"must be a multiple of {BLOCK_BYTES} up to {IO_SIZE_MAX}")  # fmt: skip
+    if cfg.control.connections_max < 1:
+        raise bad("control", "connections_max", cfg.control.connections_max, "must be >= 1")
 
 
 def _apply_spdk(cfg: AgentConfig, doc: dict[str, Any], source: str) -> None:

@@ -39,6 +39,7 @@ from dpu_agent.control import (
 )
 from dpu_agent.crypto import KeyStore
 from dpu_agent.engine import Engine, EngineConfig
+from dpu_agent.engine.engine import CHUNKS_PAGE_MAX
 from dpu_agent.log import configure_logging, get_logger
 from dpu_agent.metrics import REGISTRY
 from dpu_agent.nvmf import NvmeTcpTarget, Subsystem, TargetOptions
@@ -148,9 +149,19 @@ class Agent:
         if self._spdk_devices is not None:  # after the engine: its close demotes through them
             self._spdk_devices.close()
             self._spdk_devices = None
-        with contextlib.suppress(FileNotFoundError):
-            self.cfg.state_path.unlink()
+        self._remove_state()
         log.info("agent_stopped")
+
+    def _remove_state(self) -> None:
+        """Remove the state file only if this process wrote it: an agent refused at start (the
+        data dir is in use) must not hide the one that runs."""
+        try:
+            mine = json.loads(self.cfg.state_path.read_text()).get("pid") == os.getpid()
+        except (OSError, ValueError, AttributeError):
+            return
+        if mine:
+            with contextlib.suppress(FileNotFoundError):
+                self.cfg.state_path.unlink()
 
     async def _tick_loop(self) -> None:
         while True:
@@ -296,9 +307,19 @@ class Agent:
         """Admin ops one at a time; the slow ones (backup, restore) in a worker thread."""
         async with self._admin_lock:
             if op == "tenant_add":
-                return self._tenant_add(fields["tenant"], fields.get("token"))
+                return self._tenant_add(
+                    fields["tenant"], fields.get("token"), fields.get("quota_bytes") or 0
+                )
             if op == "tenant_remove":
                 return self._tenant_remove(fields["tenant"])
+            if op == "chunks_list":
+                self._known(fields["tenant"])
+                limit = min(fields["limit"], CHUNKS_PAGE_MAX)
+                after = fields.get("after") or b""
+                return {"chunks": self.engine.chunks(fields["tenant"], limit=limit, after=after)}
+            if op == "chunk_inspect":
+                self._known(fields["tenant"])
+                return {"chunk": self.engine.chunk(fields["tenant"], fields["key"])}
             if op == "evict":
                 self._known(fields["tenant"])
                 return {"evicted": plain(self.engine.evict(fields["tenant"], fields["bytes"]))}
@@ -326,7 +347,7 @@ class Agent:
             raise LookupError(f"no tenant {tenant!r}; see dpuctl tenants list")
 
     # --- tenants at run time ------------------------------------------------------------------
-    def _tenant_add(self, name: str, token: str | None) -> dict[str, Any]:
+    def _tenant_add(self, name: str, token: str | None, quota_bytes: int = 0) -> dict[str, Any]:
         assert valid_tenant_name(name), name
         if name in self.cfg.tenants:
             raise ValueError(f"tenant {name!r} exists; remove it first or pick another name")
@@ -335,7 +356,7 @@ class Agent:
                 f"SPDK mode: add tenant {name!r} to [tenants] and its [[spdk.subsystems]] in "
                 f"{self.cfg.source}, then restart the agent"
             )
-        t = TenantConfig(name=name, token=token or "")
+        t = TenantConfig(name=name, token=token or "", quota_bytes=quota_bytes)
         if not token:
             cfg = AgentConfig(agent=self.cfg.agent)
             cfg.tenants = {name: t}

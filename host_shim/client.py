@@ -378,13 +378,14 @@ class KVClient:
 
     # --- keys and connection ----------------------------------------------------------------
     def keys(self, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
-        """One 16-byte key per full chunk of `tokens`."""
-        return chunk_keys(
-            tokens,
-            salt=self._salt,
-            layout_id=self.layout.layout_id,
-            chunk_tokens=self.layout.chunk_tokens,
-        )[:CHUNKS_PER_CALL_MAX]
+        """One 16-byte key per full chunk of `tokens` (at most CHUNKS_PER_CALL_MAX chunks)."""
+        n = self.layout.chunk_tokens
+        if len(tokens) // n > CHUNKS_PER_CALL_MAX:
+            raise ValueError(
+                f"{len(tokens)} tokens make {len(tokens) // n} chunks of {n}; one call takes at "
+                f"most {CHUNKS_PER_CALL_MAX} ({CHUNKS_PER_CALL_MAX * n} tokens): split the call"
+            )
+        return chunk_keys(tokens, salt=self._salt, layout_id=self.layout.layout_id, chunk_tokens=n)
 
     def _ensure(self) -> NvmeTcpController:
         assert not self._closed, "KVClient used after close()"
@@ -445,8 +446,16 @@ class KVClient:
 
     def put(self, tokens: Sequence[int] | np.ndarray, chunks: Sequence[Any]) -> int:
         """Store chunks of `tokens` (skipping those already cached); returns how many leading
-        chunks the tier holds afterwards."""
-        return self.put_keys(self.keys(tokens), chunks)
+        chunks the tier holds afterwards. One chunk buffer per full chunk of `tokens` (the
+        partial last chunk is not stored)."""
+        keys = self.keys(tokens)
+        if len(chunks) != len(keys):
+            raise ValueError(
+                f"{len(tokens)} tokens make {len(keys)} full chunks of "
+                f"{self.layout.chunk_tokens}, but {len(chunks)} chunk buffers were given: give "
+                "one per full chunk (put_keys() stores a subset by key)"
+            )
+        return self.put_keys(keys, chunks)
 
     # --- key-level calls: for engines that name chunks themselves (LMCache) ------------------
     def lookup_keys(self, keys: Sequence[bytes]) -> int:

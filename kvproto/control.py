@@ -27,8 +27,10 @@ Operations (fields; every connection starts with ``hello``):
 - ``stats`` -> the tenant's stats.  ``members`` -> members (list of {name, control, nvme,
   capacity_bytes}).
 - Admin (a session opened with tenant ``_admin`` and the admin token): ``tenants_list``,
-  ``tenant_add`` (tenant, [token]), ``tenant_remove`` (tenant), ``evict`` (tenant, bytes),
-  ``checkpoint``, ``backup`` (dir, incremental), ``restore`` (dirs), ``stats`` over all tenants.
+  ``tenant_add`` (tenant, [token], [quota_bytes]), ``tenant_remove`` (tenant), ``evict``
+  (tenant, bytes), ``checkpoint``, ``backup`` (dir, incremental), ``restore`` (dirs), ``stats``
+  over all tenants, ``chunks_list`` (tenant, limit, [after]: a page of the tenant's chunks in
+  key order after key `after`), ``chunk_inspect`` (tenant, key).
 
 Parsing never trusts the peer: anything malformed raises RemoteProtocolError (the server then
 replies with an error or closes the connection); a bad call on our side raises
@@ -217,17 +219,28 @@ OPS: Final[dict[str, _Schema]] = {
     "stats": {},
     "members": {},
     "tenants_list": {},
-    "tenant_add": {"tenant": (_tenant, True), "token": (_optional(_str), False)},
+    "tenant_add": {
+        "tenant": (_tenant, True),
+        "token": (_optional(_str), False),
+        "quota_bytes": (_optional(_int), False),
+    },
     "tenant_remove": {"tenant": (_tenant, True)},
     "evict": {"tenant": (_tenant, True), "bytes": (_int, True)},
     "checkpoint": {},
     "backup": {"dir": (_str, True), "incremental": (_bool, True)},
     "restore": {"dirs": (_dirs, True)},
+    "chunks_list": {
+        "tenant": (_tenant, True),
+        "limit": (_posint, True),
+        "after": (_optional(_key), False),
+    },
+    "chunk_inspect": {"tenant": (_tenant, True), "key": (_key, True)},
 }
 # The names a request of each op may carry: its fields plus id and op (checked per request).
 _NAMES: Final = {op: frozenset(schema) | {"id", "op"} for op, schema in OPS.items()}
 ADMIN_OPS: Final = frozenset(
     {"tenants_list", "tenant_add", "tenant_remove", "evict", "checkpoint", "backup", "restore"}
+    | {"chunks_list", "chunk_inspect"}
 )
 # Ops an admin session may also send (stats over all tenants, members).
 _ADMIN_ALSO: Final = frozenset({"stats", "members"})

@@ -32,7 +32,16 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
     a.stop()
 
 
+def _admin_token(data_dir: Path) -> None:
+    """What a started agent leaves: an admin token (0600)."""
+    (data_dir / "admin.token").write_text("t0ken\n")
+    (data_dir / "admin.token").chmod(0o600)
+
+
 def test_config_show_json_is_redacted(tmp_path: Path) -> None:
+    (tmp_path / "tenant-default.token").write_text("s3cret-token\n")
+    (tmp_path / "tenant-default.token").chmod(0o600)
+    _admin_token(tmp_path)
     r = CliRunner().invoke(
         cli, ["config", "show", "--json"], env={"DPUKV_AGENT_DATA_DIR": str(tmp_path)}
     )
@@ -67,7 +76,8 @@ def test_doctor_json_reports_every_probe() -> None:
     assert r.exit_code in (0, 1), r.output
     rows = json.loads(r.output)
     checks = {row["check"]: row for row in rows}
-    for name in ("rdma", "hugepages", "spdk", "aes", "gpu", "nvme-tcp", "serf", "redis-server"):
+    for name in ("rdma", "hugepages", "spdk", "aes", "gpu", "gpudirect", "bluefield-crypto",
+                 "mlxconfig", "nvme-tcp", "serf", "redis-server"):  # fmt: skip
         assert checks[name]["status"] in ("ok", "fallback", "missing"), checks[name]
     assert r.exit_code == (1 if any(x["status"] == "missing" for x in rows) else 0)
 
@@ -89,17 +99,18 @@ def test_status_stats_tenants_checkpoint_backup(agent: AgentProcess, tmp_path: P
     assert names == ["acme", "default"]
     assert dpuctl(d, "evict", "--tenant", "acme", "4096", "--json").returncode == 0
     assert dpuctl(d, "evict", "--tenant", "nobody", "4096", "--json").returncode == 1
-    assert dpuctl(d, "tenants", "remove", "acme", "--json").returncode == 0
+    assert dpuctl(d, "tenants", "remove", "acme", "--yes", "--json").returncode == 0
     assert dpuctl(d, "checkpoint", "--json").returncode == 0
     r = dpuctl(d, "backup", "create", str(tmp_path / "b1"), "--json")
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "b1" / "manifest.json").exists()
     r = dpuctl(d, "status")  # the human table, piped: not cut to 80 columns
-    assert r.returncode == 0 and "members" in r.stdout
+    assert r.returncode == 0 and f"dpukv agent {agent.state['node']}" in r.stdout
     assert "…" not in r.stdout and agent.control_url.removeprefix("tcp://") in r.stdout
 
 
 def test_stale_state_file_of_a_killed_agent_is_ignored(tmp_path: Path) -> None:
+    _admin_token(tmp_path)
     gone = subprocess.Popen(["true"])
     gone.wait()
     (tmp_path / "agent.json").write_text(json.dumps(

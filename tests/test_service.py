@@ -194,7 +194,7 @@ def restore_and_check(root: Path, name: str, dirs: list[str], expect: list[tuple
     shutil.copy2(root / "a" / "keys.json", fresh / "keys.json")  # same XTS keys
     b = spawn_agent(fresh, env=SMALL_DRAM)
     try:
-        r = dpuctl(fresh, "restore", *(str(root / d) for d in dirs))
+        r = dpuctl(fresh, "backup", "restore", "--yes", *(str(root / d) for d in dirs))
         assert r.returncode == 0, r.stdout + r.stderr
         with client(b) as c:
             for data, tokens in expect:

@@ -6,6 +6,9 @@ Each area registers its commands below; commands stay one to three lines (parse,
 
 from __future__ import annotations
 
+import json
+import sys
+
 import click
 
 from dpu_agent import __version__
@@ -47,4 +50,21 @@ bench.add_command(recovery_cmd)
 
 
 def main() -> None:
-    cli()
+    """dpuctl's entry point: click's own handling, except that under --json a usage error is
+    printed as JSON too (exit 2), so scripts always get JSON back."""
+    try:
+        rv = cli.main(standalone_mode=False)
+    except click.UsageError as e:
+        if "--json" in sys.argv[1:]:
+            error = {"ok": False, "error": e.format_message(), "exit_code": e.exit_code}
+            click.echo(json.dumps(error))
+            sys.exit(e.exit_code)
+        e.show()
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.Abort:
+        click.echo("Aborted!", err=True)
+        sys.exit(1)
+    sys.exit(rv if isinstance(rv, int) else 0)

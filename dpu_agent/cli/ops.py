@@ -30,12 +30,14 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from dpu_agent.config import AgentConfig, ConfigError, load_config
+from dpu_agent.config import DATA_DIR_ENV, AgentConfig, ConfigError, load_config
+from dpu_agent.units import SizeError, format_duration, format_size, format_timestamp, parse_size
 from host_shim.client import AgentUnreachable, ControlChannel, ControlError
-from kvproto.control import ADMIN_TENANT
+from kvproto.control import ADMIN_TENANT, KEY_BYTES, LocalProtocolError, valid_tenant_name
 
 __all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_OK", "EXIT_UNREACHABLE", "agent_group", "register"]
 
@@ -52,12 +54,55 @@ _err = Console(stderr=True)
 # --- shared plumbing ----------------------------------------------------------------------
 
 
+# Where an agent installed as a service keeps its data (scripts/ and the systemd unit use it)
+SYSTEM_DATA_DIR = Path("/var/lib/dpukv")
+
+
 def _fail(code: int, message: str, as_json: bool) -> NoReturn:
     if as_json:
         click.echo(json.dumps({"ok": False, "error": message, "exit_code": code}))
-    else:
-        _err.print(f"[red]error:[/red] {message}", highlight=False)
+    else:  # escape: a message naming "[storage] key" is text, not rich markup
+        _err.print(f"[red]error:[/red] {escape(message)}", highlight=False)
     sys.exit(code)
+
+
+class SizeParam(click.ParamType):
+    """A size in bytes, written as people do: 4096, 512MiB, 10GiB, 2TB."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        try:
+            return parse_size(value)
+        except SizeError as e:
+            self.fail(str(e), param, ctx)
+
+
+SIZE = SizeParam()
+
+
+def _check_tenant(name: str, as_json: bool) -> None:
+    if not valid_tenant_name(name):
+        _fail(
+            EXIT_USAGE,
+            f"tenant name {name!r} must match [a-z0-9][a-z0-9-]{{0,62}} "
+            "(lowercase letters, digits, '-'; it becomes part of an NVMe NQN)",
+            as_json,
+        )
+
+
+def _confirm(what: str, yes: bool, as_json: bool) -> None:
+    """Destructive commands ask first; --yes answers for scripts (no terminal: --yes needed)."""
+    if yes:
+        return
+    if not sys.stdin.isatty():
+        _fail(EXIT_USAGE, f"{what}: add --yes to confirm (no terminal to ask on)", as_json)
+    if not click.confirm(f"{what}?", default=False, err=True):
+        _fail(EXIT_FAILED, f"{what}: not confirmed", as_json)
+
+
+def yes_option(fn: F) -> F:
+    return click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")(fn)
 
 
 def common(fn: F) -> F:
@@ -73,13 +118,58 @@ def common(fn: F) -> F:
     )(fn)
 
 
-def config_of(config_path: str | None, as_json: bool = False) -> AgentConfig:
+def config_of(
+    config_path: str | None, as_json: bool = False, *, create: bool = True
+) -> AgentConfig:
+    """The configuration; `create` (the agent's start) also makes the data dir and tokens, read
+    commands pass False and write nothing."""
     try:
         cfg = load_config(config_path)
-        cfg.prepare()
+        cfg.prepare(create=create)
     except (ConfigError, OSError) as e:
         _fail(EXIT_CONFIG, str(e), as_json)
     return cfg
+
+
+def _live_state(cfg: AgentConfig) -> bool:
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        pid = int(json.loads(cfg.state_path.read_text())["pid"])
+        try:
+            os.kill(pid, 0)
+        except PermissionError:
+            return True  # alive, another user's process
+        return True
+    return False
+
+
+def find_agent(config_path: str | None, as_json: bool) -> AgentConfig:
+    """The configuration of the agent to talk to, with its admin token; nothing is created.
+
+    Where it looks: the data dir that --config / DPUKV_CONFIG, DPUKV_DATA_DIR or
+    DPUKV_AGENT_DATA_DIR name; else ./var, then /var/lib/dpukv (an agent installed as a
+    service): the first with a running agent, else the first with an admin token."""
+    explicit = bool(config_path or os.environ.get(DATA_DIR_ENV)
+                    or os.environ.get("DPUKV_AGENT_DATA_DIR"))  # fmt: skip
+    first = config_of(config_path, as_json, create=False)
+    candidates = [first]
+    if not explicit:
+        system = config_of(config_path, as_json, create=False)
+        system.agent.data_dir = str(SYSTEM_DATA_DIR)
+        system.tenants.clear()
+        system.prepare(create=False)
+        candidates.append(system)
+    chosen = next((c for c in candidates if _live_state(c)), None)
+    chosen = chosen or next((c for c in candidates if c.admin_token), None)
+    if chosen is None or not chosen.admin_token:
+        looked = ", ".join(str(c.data_dir) for c in candidates)
+        _fail(
+            EXIT_UNREACHABLE,
+            f"agent unreachable: no agent data found (looked in {looked}: "
+            "no agent.json of a running agent, no admin.token); start one with 'dpuctl agent "
+            f"run', or name its data dir with --config or {DATA_DIR_ENV}=DIR",
+            as_json,
+        )
+    return chosen
 
 
 def control_url(cfg: AgentConfig) -> str:
@@ -101,7 +191,7 @@ def admin_call(
     config_path: str | None, as_json: bool, op: str, progress: str = "", **fields: Any
 ) -> dict[str, Any]:
     """One admin request to the running agent; exits with 3 or 1 on failure."""
-    cfg = config_of(config_path, as_json)
+    cfg = find_agent(config_path, as_json)
     url = control_url(cfg)
     try:
         with ControlChannel(
@@ -120,7 +210,14 @@ def admin_call(
                 bar.add_task(progress, total=None)
                 return ch.call(op, **fields)
     except AgentUnreachable as e:
-        _fail(EXIT_UNREACHABLE, f"{e.message}; is the agent running? (dpuctl agent run)", as_json)
+        _fail(
+            EXIT_UNREACHABLE,
+            f"{e.message} ({url}, data dir {cfg.data_dir}); is the agent "
+            "running? (dpuctl agent run)",
+            as_json,
+        )
+    except LocalProtocolError as e:  # a value the protocol refuses before sending: usage
+        _fail(EXIT_USAGE, str(e), as_json)
     except ControlError as e:
         _fail(EXIT_FAILED, f"{op}: {e}", as_json)
 
@@ -138,13 +235,30 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
+TIMESTAMP_KEYS = ("started_at", "created", "created_at", "timestamp", "time")
+
+
+def human(key: str, value: Any) -> str:
+    """A value as a person reads it, by what its key says it is (--json keeps the raw one)."""
+    name = key.rsplit(".", 1)[-1]
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if number and (name.endswith("_bytes") or name == "bytes"):
+        return format_size(value) if abs(value) >= 1024 else f"{value} B"
+    if number and name.endswith("_s"):
+        return format_duration(float(value))
+    if number and name in TIMESTAMP_KEYS and value > 1e9:  # a unix time, not a counter
+        return format_timestamp(float(value))
+    if isinstance(value, dict | list):
+        return json.dumps(value, default=_json_default)
+    return str(value)
+
+
 def _kv_table(title: str, rows: dict[str, Any]) -> None:
-    table = Table(title=title, show_header=False)
+    table = Table(title=escape(title), show_header=False)
+    table.add_column(overflow="fold")
+    table.add_column(overflow="fold")  # addresses and keys wrap, never cut with "..."
     for key, value in rows.items():
-        shown = value
-        if isinstance(value, dict | list):
-            shown = json.dumps(value, default=_json_default)
-        table.add_row(str(key), str(shown))
+        table.add_row(escape(str(key)), escape(human(str(key), value)))
     _out.print(table)
 
 
@@ -161,17 +275,19 @@ def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rows_table(title: str, rows: list[dict[str, Any]]) -> None:
-    table = Table(title=title)
+    table = Table(title=escape(title))
     columns = list(dict.fromkeys(k for row in rows for k in row))
     for col in columns:
-        table.add_column(col)
+        table.add_column(escape(col), overflow="fold")
     for row in rows:
-        table.add_row(*(str(row.get(c, "")) for c in columns))
+        table.add_row(*(escape(human(c, row[c])) if c in row else "" for c in columns))
     _out.print(table)
 
 
 def show_status(data: dict[str, Any]) -> None:
-    _rows_table("dpukv agent: members", data.get("members", []))
+    # one small table per member: ten columns of addresses do not fit a terminal side by side
+    for member in data.get("members", []):
+        _kv_table(f"dpukv agent {member.get('name', '?')}", member)
 
 
 def show_stats(data: dict[str, Any]) -> None:
@@ -305,6 +421,59 @@ def _probe_crypto() -> tuple[str, str]:
     return "ok", "AES-XTS sector loop (dpu_agent.crypto) built"
 
 
+BLUEFIELD_DEVICE_IDS = {"0xa2d6": "BlueField-2", "0xa2dc": "BlueField-3", "0xa2df": "BlueField-4"}
+MELLANOX_VENDOR = "0x15b3"
+
+
+def _mellanox_devices() -> dict[str, str]:
+    """PCI address -> device id of every NVIDIA/Mellanox function (sysfs, no tool needed)."""
+    found = {}
+    for dev in sorted(Path("/sys/bus/pci/devices").glob("*")):
+        with contextlib.suppress(OSError):
+            if (dev / "vendor").read_text().strip() == MELLANOX_VENDOR:
+                found[dev.name] = (dev / "device").read_text().strip()
+    return found
+
+
+def _probe_bluefield() -> tuple[str, str]:
+    devs = _mellanox_devices()
+    bf = {a: BLUEFIELD_DEVICE_IDS[d] for a, d in devs.items() if d in BLUEFIELD_DEVICE_IDS}
+    if bf:
+        first = next(iter(bf.items()))
+        return "ok", f"{first[1]} at {first[0]}: SPDK's mlx5 accel module can run AES-XTS " + (
+            "(crypto-enabled SKU and DATA_CRYPTO_ENGINE=ENABLED needed: dpuctl doctor cannot "
+            "tell the SKU; check mlxconfig query)"
+        )
+    return "fallback", (
+        "no BlueField (no PCI function 15b3:a2d6/a2dc/a2df): AES-XTS runs in software here; "
+        "on a DPU the crypto vbdev offloads it to the NIC's crypto engine"
+    )
+
+
+def _probe_mlxconfig() -> tuple[str, str]:
+    tool = shutil.which("mlxconfig") or shutil.which("mstconfig")
+    devs = _mellanox_devices()
+    if tool is None:
+        return "fallback", (
+            "no mlxconfig/mstconfig (apt-get install mstflint): firmware profiles cannot be "
+            "read or applied here"
+        )
+    if not devs:
+        return "fallback", f"{tool} present, but no NVIDIA/Mellanox device to configure"
+    return "ok", f"{tool}; devices: {', '.join(devs)}"
+
+
+def _probe_gpudirect() -> tuple[str, str]:
+    if Path("/sys/module/nvidia_peermem").exists():
+        return "ok", "nvidia-peermem loaded: GPU memory registers with the NIC (GPUDirect RDMA)"
+    if glob.glob("/dev/nvidia[0-9]*"):
+        return "fallback", (
+            "GPU present, nvidia-peermem not loaded: GPU memory registers by dma-buf "
+            "(pyverbs DmaBufMR) where the RDMA driver supports it"
+        )
+    return "fallback", "no GPU: no GPUDirect RDMA; chunks land in host memory"
+
+
 def doctor_report() -> list[dict[str, str]]:
     probes: list[tuple[str, Callable[[], tuple[str, str]]]] = [
         ("rdma", _probe_rdma),
@@ -313,6 +482,9 @@ def doctor_report() -> list[dict[str, str]]:
         ("aes", _probe_aesni),
         ("crypto", _probe_crypto),
         ("gpu", _probe_gpu),
+        ("gpudirect", _probe_gpudirect),
+        ("bluefield-crypto", _probe_bluefield),
+        ("mlxconfig", _probe_mlxconfig),
         ("nvme-tcp", _probe_nvme_tcp),
         ("serf", functools.partial(_probe_binary, "serf", ["version"], "cluster membership")),
         (
@@ -387,19 +559,24 @@ def tenants_list(config_path: str | None, as_json: bool) -> None:
 
 @tenants.command("add", help="Add a tenant; prints its token once (stored 0600 in the data dir).")
 @click.argument("name")
+@click.option("--quota", type=SIZE, default=None, help="Most bytes it may hold: 512MiB, 10GiB.")
 @common
-def tenants_add(name: str, config_path: str | None, as_json: bool) -> None:
+def tenants_add(name: str, quota: int | None, config_path: str | None, as_json: bool) -> None:
+    _check_tenant(name, as_json)
     emit(
-        admin_call(config_path, as_json, "tenant_add", tenant=name),
+        admin_call(config_path, as_json, "tenant_add", tenant=name, quota_bytes=quota),
         as_json,
         show_done(f"tenant {name} added"),
     )
 
 
-@tenants.command("remove", help="Remove a tenant and drop its chunks.")
+@tenants.command("remove", help="Remove a tenant: its token, sessions, key and chunks go.")
 @click.argument("name")
+@yes_option
 @common
-def tenants_remove(name: str, config_path: str | None, as_json: bool) -> None:
+def tenants_remove(name: str, yes: bool, config_path: str | None, as_json: bool) -> None:
+    _check_tenant(name, as_json)
+    _confirm(f"remove tenant {name} and all its chunks", yes, as_json)
     emit(
         admin_call(config_path, as_json, "tenant_remove", tenant=name),
         as_json,
@@ -407,16 +584,78 @@ def tenants_remove(name: str, config_path: str | None, as_json: bool) -> None:
     )
 
 
-@click.command("evict", help="Evict at least BYTES of a tenant's chunks (coldest first).")
+@click.command("evict", help="Evict at least SIZE of a tenant's chunks, coldest first "
+               "(bytes, or 512MiB, 10GiB).")  # fmt: skip
 @click.option("--tenant", required=True)
-@click.argument("nbytes", type=click.IntRange(min=1))
+@click.argument("nbytes", metavar="SIZE", type=SIZE)
 @common
 def evict(tenant: str, nbytes: int, config_path: str | None, as_json: bool) -> None:
+    _check_tenant(tenant, as_json)
+    if nbytes < 1:
+        _fail(EXIT_USAGE, "SIZE must be at least 1 byte", as_json)
     emit(
         admin_call(config_path, as_json, "evict", tenant=tenant, bytes=nbytes),
         as_json,
         show_done("evicted"),
     )
+
+
+@click.group("chunks", help="What is cached: list and inspect a tenant's chunks.")
+def chunks() -> None:
+    pass
+
+
+def _key_arg(text: str, as_json: bool) -> bytes:
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        key = b""
+    if len(key) != KEY_BYTES:
+        _fail(
+            EXIT_USAGE,
+            f"key {text!r} must be {2 * KEY_BYTES} hex digits (as dpuctl chunks ls prints it)",
+            as_json,
+        )
+    return key
+
+
+@chunks.command("ls", help="A tenant's chunks in key order: key, tier, size, idle time, uses.")
+@click.option("--tenant", required=True)
+@click.option("--limit", type=click.IntRange(1, 100_000), default=100, show_default=True,
+              help="At most this many chunks.")  # fmt: skip
+@click.option("--after", default=None, metavar="KEY", help="Start after this key (paging).")
+@common
+def chunks_ls(
+    tenant: str, limit: int, after: str | None, config_path: str | None, as_json: bool
+) -> None:
+    _check_tenant(tenant, as_json)
+    start = _key_arg(after, as_json) if after else None
+    rows: list[dict[str, Any]] = []
+    while len(rows) < limit:  # pages of at most the agent's page size, bounded by --limit
+        page = admin_call(config_path, as_json, "chunks_list", tenant=tenant,
+                          limit=limit - len(rows), after=start)["chunks"]  # fmt: skip
+        rows += page
+        if not page:
+            break
+        start = bytes.fromhex(page[-1]["key"])
+    emit({"tenant": tenant, "chunks": rows}, as_json, _show_chunks)
+
+
+def _show_chunks(data: dict[str, Any]) -> None:
+    cols = ("key", "tier", "length_bytes", "idle_s", "access_count", "pins", "leases")
+    _rows_table(f"chunks of {data['tenant']} ({len(data['chunks'])})",
+                [{c: r[c] for c in cols} for r in data["chunks"]])  # fmt: skip
+
+
+@chunks.command("inspect", help="One chunk's record: tier, extent, checksum, times, uses.")
+@click.option("--tenant", required=True)
+@click.argument("key")
+@common
+def chunks_inspect(tenant: str, key: str, config_path: str | None, as_json: bool) -> None:
+    _check_tenant(tenant, as_json)
+    raw = _key_arg(key, as_json)
+    result = admin_call(config_path, as_json, "chunk_inspect", tenant=tenant, key=raw)
+    emit(result, as_json, lambda d: _kv_table(f"chunk {key}", d["chunk"]))
 
 
 @click.command("checkpoint", help="Write an index checkpoint now (truncates the journal).")
@@ -429,7 +668,7 @@ def checkpoint(config_path: str | None, as_json: bool) -> None:
     )
 
 
-@click.group("backup", help="Full and incremental backups.")
+@click.group("backup", help="Full and incremental backups, and restoring them.")
 def backup() -> None:
     pass
 
@@ -455,10 +694,15 @@ def backup_create(
     )
 
 
-@click.command("restore", help="Restore a full backup DIR then its incrementals, in order.")
+@backup.command("restore", help="Restore a full backup DIR then its incrementals, in order, "
+                "into an agent that holds no chunks yet.")  # fmt: skip
 @click.argument("directories", nargs=-1, required=True, type=click.Path(file_okay=False))
+@yes_option
 @common
-def restore(directories: tuple[str, ...], config_path: str | None, as_json: bool) -> None:
+def backup_restore(
+    directories: tuple[str, ...], yes: bool, config_path: str | None, as_json: bool
+) -> None:
+    _confirm(f"restore {len(directories)} backup(s) into the running agent", yes, as_json)
     emit(
         admin_call(
             config_path,
@@ -481,7 +725,7 @@ def config_group() -> None:
 @common
 def config_show(config_path: str | None, as_json: bool) -> None:
     emit(
-        config_of(config_path, as_json).redacted(),
+        config_of(config_path, as_json, create=False).redacted(),
         as_json,
         lambda d: _kv_table("effective configuration", _flatten("", d, {})),
     )
@@ -504,7 +748,7 @@ def register(cli: click.Group) -> None:
         evict,
         checkpoint,
         backup,
-        restore,
+        chunks,
         config_group,
         doctor,
     ):

@@ -15,6 +15,7 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
+from dpu_agent.crypto import KeyStoreError
 from spdk_plugins import ops
 from spdk_plugins.apply import ApplyError, PlanConflict
 from spdk_plugins.desired import DesiredStateError
@@ -43,7 +44,7 @@ def _errors(fn: F) -> F:
         as_json = bool(kwargs.get("as_json"))
         try:
             return fn(*args, **kwargs)
-        except (DesiredStateError, OSError, ValueError) as e:
+        except (DesiredStateError, KeyStoreError, OSError, ValueError) as e:
             _fail(EXIT_CONFIG, str(e), as_json)
         except PlanConflict as e:
             _fail(EXIT_FAILED, f"plan has conflicts: {e}", as_json, conflicts=list(e.conflicts))

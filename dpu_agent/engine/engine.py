@@ -35,10 +35,11 @@ from dpu_agent.engine.types import ChunkLocation, EngineConfig, Lease, TenantSta
 from dpu_agent.log import get_logger
 from kvproto.checksum import chunk_checksum
 
-__all__ = ["Engine"]
+__all__ = ["CHUNKS_PAGE_MAX", "Engine"]
 
 log = get_logger(__name__)
 
+CHUNKS_PAGE_MAX = 1000  # rows of `dpuctl chunks ls` per request: ~150 KB, well under a frame
 DEMOTIONS_PER_TICK_MAX = 256  # bounds one tick's work; the next tick goes on
 DEMOTION_BYTES_PER_TICK_MAX = 256 << 20  # ~0.1-0.2 s of copying (XTS + checksum) per tick
 
@@ -260,6 +261,56 @@ class Engine(EngineCore):
                 1 for r in self._reservations.values() if r.tenant_id == ts.tenant_id
             ),
             "tiers": tiers,
+        }
+
+    # --- what is cached (dpuctl chunks) --------------------------------------------------
+    def chunks(self, tenant: str, *, limit: int, after: bytes = b"") -> list[dict[str, Any]]:
+        """A page of the tenant's chunks in key order, those after key `after` (b"": from the
+        start): key, tier, size, checksum, times, use counts."""
+        assert 0 < limit <= CHUNKS_PAGE_MAX, limit
+        with self._lock:
+            ts = self._tenant(tenant)
+            cols = self._index.cols
+            live = self._index.live_rows()
+            rows = live[cols["tenant"][live] == ts.tenant_id]
+            # key order = the bytes' order: compare the little-endian words byte-swapped
+            hi, lo = cols["k0"][rows].byteswap(), cols["k1"][rows].byteswap()
+            rows = rows[np.lexsort((lo, hi))]
+            if after:
+                a_hi = int.from_bytes(after[:8], "big")
+                a_lo = int.from_bytes(after[8:16], "big")
+                hi, lo = cols["k0"][rows].byteswap(), cols["k1"][rows].byteswap()
+                rows = rows[(hi > a_hi) | ((hi == a_hi) & (lo > a_lo))]
+            return [self._chunk_row(ts, int(r)) for r in rows[:limit]]
+
+    def chunk(self, tenant: str, key: bytes) -> dict[str, Any]:
+        """One chunk's record; UnknownKey when the tenant has no chunk under `key`."""
+        _check_key(key)
+        with self._lock:
+            ts = self._tenant(tenant)
+            row = self._index.find(ts.tenant_id, key)
+            if row == NO_ROW:
+                raise UnknownKey(f"tenant {tenant!r} has no chunk {key.hex()}")
+            return self._chunk_row(ts, row)
+
+    def _chunk_row(self, ts: TenantState, row: int) -> dict[str, Any]:
+        c = self._index.cols
+        tier = ts.tiers[int(c["tier"][row])]
+        checksum = int(c["c0"][row]).to_bytes(8, "little") + int(c["c1"][row]).to_bytes(8, "little")
+        idle_s = max(0.0, self._clock() - self._epoch - float(c["last_access"][row]))
+        return {
+            "key": self._index.key_of(row).hex(),
+            "tier": tier.spec.name,
+            "length_bytes": int(c["length"][row]),
+            "block_count": int(c["block_count"][row]),
+            "lba": int(c["lba"][row]),
+            "checksum": checksum.hex(),
+            "generation": int(c["generation"][row]),
+            "created": int(c["created"][row]),
+            "idle_s": round(idle_s, 3),
+            "access_count": int(c["access_count"][row]),
+            "pins": int(c["pin"][row]),
+            "leases": int(c["lease"][row]),
         }
 
     def _update_gauges(self) -> None:

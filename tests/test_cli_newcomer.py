@@ -1,0 +1,224 @@
+"""What a new user of dpuctl tripped over (issue 11): tracebacks for bad names, a refused second
+agent hiding the first, read commands creating state in the wrong directory, markup eating
+`[storage]`, raw numbers in tables, config values failing only at `agent run`, no way to see
+what is cached, no confirmation before removing a tenant."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from dpu_agent.cli import cli
+from dpu_agent.config import load_config
+from dpu_agent.service import AgentProcess, spawn_agent
+from dpu_agent.units import SizeError, format_duration, format_size, parse_size
+from host_shim import KVClient
+from kvproto.keys import ChunkLayout
+
+REPO = Path(__file__).resolve().parents[1]
+LAYOUT = ChunkLayout("cli", "float16", num_layers=1, num_kv_heads=1, head_dim=64, chunk_tokens=16)
+# Variables that would point dpuctl at some agent: removed so a test says where it looks
+_LOCATING = ("DPUKV_DATA_DIR", "DPUKV_AGENT_DATA_DIR", "DPUKV_CONFIG")
+
+
+def run(*args: str, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+    """dpuctl as a user runs it: its own process, main() (JSON usage errors live there)."""
+    base = {k: v for k, v in os.environ.items() if k not in _LOCATING}
+    return subprocess.run(
+        [sys.executable, "-c", "from dpu_agent.cli import main; main()", *args],
+        env={**base, "PYTHONPATH": str(REPO), **env}, cwd=cwd, capture_output=True, text=True,
+        stdin=subprocess.DEVNULL, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
+    a = spawn_agent(tmp_path_factory.mktemp("newcomer") / "var")
+    yield a
+    a.stop()
+
+
+def at(agent: AgentProcess, *args: str) -> subprocess.CompletedProcess[str]:
+    return run(*args, DPUKV_DATA_DIR=str(agent.data_dir))
+
+
+@pytest.mark.parametrize("name", ["bad name/..", "", "Alice", "Bad!"])
+@pytest.mark.parametrize("verb", ["add", "remove"])
+def test_bad_tenant_name_is_a_usage_error_not_a_traceback(
+    verb: str, name: str, tmp_path: Path
+) -> None:
+    r = run("tenants", verb, name, "--yes" if verb == "remove" else "--json", "--json",
+            DPUKV_DATA_DIR=str(tmp_path))  # fmt: skip
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["ok"] is False and doc["exit_code"] == 2 and "[a-z0-9]" in doc["error"]
+
+
+def test_usage_error_under_json_is_json() -> None:
+    r = run("evict", "--tenant", "default", "10Q", "--json")
+    assert r.returncode == 2
+    assert "is not a size" in json.loads(r.stdout)["error"]
+
+
+def test_refused_second_agent_keeps_the_running_agents_state_file(agent: AgentProcess) -> None:
+    r = run("agent", "run", DPUKV_AGENT_DATA_DIR=str(agent.data_dir), DPUKV_CONTROL_PORT="0",
+            DPUKV_NVMF_PORT="0", DPUKV_METRICS_PORT="0")  # fmt: skip
+    assert r.returncode == 1 and "in use by another agent" in r.stderr, r.stderr
+    state = json.loads((agent.data_dir / "agent.json").read_text())
+    assert state["pid"] == agent.proc.pid
+    assert at(agent, "status", "--json").returncode == 0
+
+
+@pytest.mark.skipif(Path("/var/lib/dpukv").exists(), reason="an agent is installed here")
+def test_read_commands_elsewhere_create_nothing_and_say_where_they_looked(tmp_path: Path) -> None:
+    for args in (["status"], ["stats", "--json"], ["config", "show", "--json"]):
+        r = run(*args, cwd=tmp_path)
+        assert not (tmp_path / "var").exists(), args
+    r = run("status", "--json", cwd=tmp_path)
+    err = json.loads(r.stdout)["error"]
+    assert r.returncode == 3 and str(tmp_path / "var") in err and "/var/lib/dpukv" in err
+
+
+def test_data_dir_variable_finds_the_agent_from_any_directory(
+    agent: AgentProcess, tmp_path: Path
+) -> None:
+    r = run("status", "--json", cwd=tmp_path, DPUKV_DATA_DIR=str(agent.data_dir))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert json.loads(r.stdout)["members"][0]["pid"] == agent.proc.pid
+    assert not (tmp_path / "var").exists()
+
+
+def test_error_message_keeps_bracketed_section_names(tmp_path: Path) -> None:
+    bad = tmp_path / "agent.toml"
+    bad.write_text('[storage]\ndram_bytes = "lots"\n')
+    r = run("config", "show", "--config", str(bad))
+    assert r.returncode == 4 and "[storage] dram_bytes" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(
+    ("toml", "names"),
+    [
+        ("[control]\nport = 70000\n", "[control] port"),
+        ('[storage]\neviction_policy = "fifo"\n', "eviction_policy"),
+        ('[agent]\nlog_level = "LOUD"\n', "log_level"),
+        ("[storage]\nnvme_bytes = 0\n", "nvme_bytes"),
+        ("[nvmf]\nio_workers = 0\n", "io_workers"),
+        ("[agent]\ntick_interval_s = 0\n", "tick_interval_s"),
+        ("[nvmf]\nmax_io_size = 1000\n", "max_io_size"),
+        ("[storage]\nlease_ttl_s = 0\n", "lease_ttl_s"),
+    ],
+)
+def test_config_value_failing_at_run_fails_at_load(tmp_path: Path, toml: str, names: str) -> None:
+    path = tmp_path / "agent.toml"
+    path.write_text(toml)
+    r = CliRunner().invoke(cli, ["config", "show", "--json", "--config", str(path)])
+    assert r.exit_code == 4, r.output
+    assert names in json.loads(r.output)["error"]
+
+
+def test_sizes_in_config_and_commands(agent: AgentProcess, tmp_path: Path) -> None:
+    path = tmp_path / "agent.toml"
+    path.write_text('[storage]\ndram_bytes = "512MiB"\nnvme_bytes = "10GiB"\n')
+    cfg = load_config(path, environ={})
+    assert (cfg.storage.dram_bytes, cfg.storage.nvme_bytes) == (512 << 20, 10 << 30)
+    r = at(agent, "tenants", "add", "sized", "--quota", "1GiB", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    stats = json.loads(at(agent, "stats", "--json").stdout)["stats"]
+    assert stats["tenants"]["sized"]["quota_bytes"] == 1 << 30
+    assert at(agent, "evict", "--tenant", "sized", "1MiB", "--json").returncode == 0
+
+
+def test_tables_show_sizes_and_durations_for_people(agent: AgentProcess) -> None:
+    r = at(agent, "status")
+    assert r.returncode == 0, r.stderr
+    assert "GiB" in r.stdout
+    assert re.search(r"uptime_s\s*\S\s*[\d.]+ s|uptime_s\s*\S\s*\d+m \d+s", r.stdout), r.stdout
+    member = json.loads(at(agent, "status", "--json").stdout)["members"][0]
+    assert str(member["capacity_bytes"]) not in r.stdout  # raw bytes only under --json
+
+
+def test_tenant_removal_asks_for_yes_without_a_terminal(agent: AgentProcess) -> None:
+    assert at(agent, "tenants", "add", "keepme", "--json").returncode == 0
+    r = at(agent, "tenants", "remove", "keepme", "--json")
+    assert r.returncode == 2 and "--yes" in json.loads(r.stdout)["error"]
+    listed = json.loads(at(agent, "tenants", "list", "--json").stdout)["tenants"]
+    assert "keepme" in [t["name"] for t in listed]
+    assert at(agent, "tenants", "remove", "keepme", "--yes", "--json").returncode == 0
+
+
+def test_chunks_ls_and_inspect_show_what_is_cached(agent: AgentProcess) -> None:
+    tokens = list(range(4 * LAYOUT.chunk_tokens))
+    data = [np.full(LAYOUT.chunk_shape, i, np.float16) for i in range(4)]
+    with KVClient(agent.control_url, "default", agent.token, LAYOUT, salt=b"s" * 16) as c:
+        assert c.put(tokens, data) == 4
+        keys = [k.hex() for k in c.keys(tokens)]
+    r = at(agent, "chunks", "ls", "--tenant", "default", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["chunks"]
+    assert sorted(keys) == sorted(row["key"] for row in rows if row["key"] in keys)
+    assert [row["key"] for row in rows] == sorted(row["key"] for row in rows)  # key order
+    assert all(row["length_bytes"] == LAYOUT.chunk_bytes for row in rows if row["key"] in keys)
+    first = json.loads(at(agent, "chunks", "ls", "--tenant", "default", "--limit", "2",
+                          "--json").stdout)["chunks"]  # fmt: skip
+    rest = json.loads(at(agent, "chunks", "ls", "--tenant", "default", "--after",
+                         first[-1]["key"], "--json").stdout)["chunks"]  # fmt: skip
+    assert [x["key"] for x in first + rest] == [x["key"] for x in rows]
+    r = at(agent, "chunks", "inspect", "--tenant", "default", keys[2], "--json")
+    chunk = json.loads(r.stdout)["chunk"]
+    assert chunk["key"] == keys[2] and chunk["tier"] in ("dram", "nvme") and chunk["lba"] >= 0
+    assert at(agent, "chunks", "inspect", "--tenant", "default", "zz", "--json").returncode == 2
+    missing = at(agent, "chunks", "inspect", "--tenant", "default", "00" * 16, "--json")
+    assert missing.returncode == 1 and "no chunk" in json.loads(missing.stdout)["error"]
+
+
+def test_restore_lives_beside_backup() -> None:
+    r = CliRunner().invoke(cli, ["backup", "--help"])
+    assert "create" in r.output and "restore" in r.output
+    assert CliRunner().invoke(cli, ["restore", "x"]).exit_code == 2  # no second way
+
+
+def test_kvclient_put_with_fewer_chunks_than_the_tokens_make_raises() -> None:
+    c = KVClient("tcp://127.0.0.1:9", "default", "t", LAYOUT, salt=b"s" * 16)
+    try:
+        with pytest.raises(ValueError, match="4 full chunks"):
+            c.put(list(range(4 * 16)), [np.zeros(LAYOUT.chunk_shape, np.float16)])
+        with pytest.raises(ValueError, match="split the call"):
+            c.keys(list(range(4097 * 16)))
+        assert len(c.keys(list(range(4096 * 16 + 5)))) == 4096
+    finally:
+        c.close()
+
+
+def test_example_embedded_config_loads() -> None:
+    cfg = load_config(REPO / "docs" / "examples" / "agent.toml", environ={})
+    assert cfg.agent.mode == "embedded" and cfg.storage.dram_bytes > 0
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("4096", 4096), ("10GiB", 10 << 30), ("10G", 10 << 30), ("512MiB", 512 << 20),
+     ("2TB", 2 * 10**12), ("1.5KiB", 1536), ("7 B", 7)],
+)  # fmt: skip
+def test_parse_size(text: str, value: int) -> None:
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "x", "10Q", "3Ki", "-1", "1e3"])
+def test_parse_size_refuses(text: str) -> None:
+    with pytest.raises(SizeError):
+        parse_size(text)
+
+
+def test_format_size_and_duration() -> None:
+    assert format_size(2415919104) == "2.2 GiB" and format_size(100) == "100 B"
+    assert format_duration(4.9) == "4.9 s" and format_duration(3725) == "1h 2m 5s"
