@@ -222,3 +222,8 @@ def test_parse_size_refuses(text: str) -> None:
 def test_format_size_and_duration() -> None:
     assert format_size(2415919104) == "2.2 GiB" and format_size(100) == "100 B"
     assert format_duration(4.9) == "4.9 s" and format_duration(3725) == "1h 2m 5s"
+
+
+def test_shell_completion_completes_commands() -> None:
+    r = run(COMP_WORDS="dpuctl ch", COMP_CWORD="1", _DPUCTL_COMPLETE="bash_complete")
+    assert r.returncode == 0 and "chunks" in r.stdout and "checkpoint" in r.stdout, r.stdout

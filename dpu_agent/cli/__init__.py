@@ -53,7 +53,7 @@ def main() -> None:
     """dpuctl's entry point: click's own handling, except that under --json a usage error is
     printed as JSON too (exit 2), so scripts always get JSON back."""
     try:
-        rv = cli.main(standalone_mode=False)
+        rv = cli.main(prog_name="dpuctl", standalone_mode=False)
     except click.UsageError as e:
         if "--json" in sys.argv[1:]:
             error = {"ok": False, "error": e.format_message(), "exit_code": e.exit_code}
