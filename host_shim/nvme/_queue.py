@@ -58,7 +58,7 @@ Buffer = bytes | bytearray | memoryview
 class Request:
     """One command to run: `make(cid)` builds its SQE; data goes out of or into the views."""
 
-    __slots__ = ("bad", "cqe", "data_in", "data_out", "make", "received", "what")
+    __slots__ = ("bad", "cqe", "data_in", "data_out", "make", "partial_ok", "received", "what")
 
     def __init__(
         self,
@@ -75,6 +75,7 @@ class Request:
         self.cqe: Cqe | None = None
         self.received = 0
         self.bad = False
+        self.partial_ok = False  # fewer bytes than data_in is fine (Authentication Receive)
 
 
 class QueuePairSocket:
@@ -239,7 +240,12 @@ class QueuePairSocket:
             )
         if req.bad and cqe.ok:
             cqe = Cqe.error(cid=cid, status=Status.TRANSIENT_TRANSPORT_ERROR, dnr=False)
-        elif cqe.ok and req.data_in is not None and req.received != len(req.data_in):
+        elif (
+            cqe.ok
+            and req.data_in is not None
+            and req.received != len(req.data_in)
+            and not req.partial_ok
+        ):
             # success without all the data: never hand back a half-filled buffer as read
             cqe = Cqe.error(cid=cid, status=Status.DATA_TRANSFER_ERROR, cdw0=req.received)
         req.cqe = cqe
