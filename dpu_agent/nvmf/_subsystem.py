@@ -88,6 +88,7 @@ class Subsystem:
     # (a host without a key cannot), see docs/NVME_AUTH.md
     host_keys: dict[str, HostKeys] = field(default_factory=dict)
     require_auth: bool = False
+    secure_channel: bool = False  # hosts must come over TLS (a secure_channel target)
 
     def __post_init__(self) -> None:
         raw = self.nqn.encode()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import socket
 import threading
 import time
 import uuid
@@ -22,6 +23,7 @@ from typing import Any
 from host_shim.nvme._auth import DhchapOptions, authenticate, needs_auth
 from host_shim.nvme._errors import NvmeError, NvmeStatusError, NvmeTransportError
 from host_shim.nvme._queue import QueuePairSocket, Request
+from host_shim.nvme._tls import tls_wrapper
 from kvproto.nvme import (
     CONNECT_DATA_BYTES,
     DISCOVERY_ENTRY_BYTES,
@@ -95,6 +97,7 @@ class NvmeTcpController:
         self._closed = threading.Event()
         self._ka_thread: threading.Thread | None = None
         self.dhchap: DhchapOptions | None = None  # DH-HMAC-CHAP keys (docs/NVME_AUTH.md)
+        self._tls: Callable[[socket.socket], Any] | None = None  # secure channel wrapper
 
     # -- connect / close ------------------------------------------------------------------
 
@@ -120,13 +123,16 @@ class NvmeTcpController:
         dhchap_ctrlr_key: Any = None,
         dhchap_hashes: Sequence[Any] | None = None,
         dhchap_dhgroups: Sequence[Any] | None = None,
+        psk: Any = None,
     ) -> NvmeTcpController:
         """Connect to `subnqn` at host:port with `io_queues` I/O queues of `queue_depth`.
 
         `max_transfer_bytes` caps the bytes per command below the controller's MDTS.
         `dhchap_key`/`dhchap_ctrlr_key` (DhchapSecret or `DHHC-1:` string): DH-HMAC-CHAP on
         every queue, bidirectional with a controller key (docs/NVME_AUTH.md).
+        `psk` (TlsPsk or `NVMeTLSkey-1:` string): every queue over TLS 1.3 (secure channel).
         """
+        tls = None
         dhchap = (
             DhchapOptions.build(dhchap_key, dhchap_ctrlr_key, dhchap_hashes, dhchap_dhgroups)
             if dhchap_key is not None or dhchap_ctrlr_key is not None
@@ -136,6 +142,8 @@ class NvmeTcpController:
             raise ValueError("queue depths must be >= 2 (SQSIZE is 0's based and must be >= 1)")
         hostnqn = hostnqn or default_hostnqn()
         hostid = hostid or uuid.uuid5(uuid.NAMESPACE_URL, hostnqn).bytes
+        if psk is not None:
+            tls = tls_wrapper(psk, hostnqn, subnqn)
         admin = QueuePairSocket(
             host,
             port,
@@ -144,6 +152,7 @@ class NvmeTcpController:
             timeout_s=timeout_s,
             hdgst=hdgst,
             ddgst=ddgst,
+            tls=tls,
         )
         ctrl = cls(
             admin=admin,
@@ -154,6 +163,7 @@ class NvmeTcpController:
             max_transfer_bytes=max_transfer_bytes,
         )
         ctrl.dhchap = dhchap
+        ctrl._tls = tls
         try:
             ctrl._start_admin(timeout_s)
             if subnqn != DISCOVERY_NQN and io_queues:
@@ -203,7 +213,14 @@ class NvmeTcpController:
         icd = max(0, self.ident.ioccsz * 16 - 64) if self.ident.ioccsz else 0
         for qid in range(1, granted + 1):
             q = QueuePairSocket(
-                host, port, qid=qid, depth=depth, timeout_s=timeout_s, hdgst=hdgst, ddgst=ddgst
+                host,
+                port,
+                qid=qid,
+                depth=depth,
+                timeout_s=timeout_s,
+                hdgst=hdgst,
+                ddgst=ddgst,
+                tls=self._tls,
             )
             self._io.append(q)
             q.icd_bytes = icd

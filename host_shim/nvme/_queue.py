@@ -17,6 +17,7 @@ import socket
 import struct
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from host_shim.nvme._errors import NvmeTransportError
 from kvproto.nvme import (
@@ -91,7 +92,9 @@ class QueuePairSocket:
         timeout_s: float,
         hdgst: bool = False,
         ddgst: bool = False,
+        tls: Callable[[socket.socket], Any] | None = None,
     ) -> None:
+        """`tls`: wraps the connected socket (a TLS 1.3 secure channel, host_shim/nvme/_tls.py)."""
         assert 1 <= depth <= 65536, depth
         self.qid = qid
         self.depth = depth
@@ -114,6 +117,8 @@ class QueuePairSocket:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
             self._sock.settimeout(None)
+            if tls is not None:
+                self._sock = tls(self._sock)
         except OSError as e:
             raise NvmeTransportError(f"cannot connect to {host}:{port}: {e}") from e
         self.peer = f"{host}:{port}"
