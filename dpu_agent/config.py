@@ -101,6 +101,11 @@ class NvmfSection:
     max_io_size: int = 4 << 20
     io_workers: int = 4  # threads doing device I/O and AES-XTS (the GIL is released)
     data_buffers_per_queue: int = 4  # x max_io_size: at most 16 MiB of buffers per I/O queue
+    # Every host must pass DH-HMAC-CHAP on each queue; the agent issues each host's secret
+    # (hello, `dpuctl hosts add`) and a host without it is refused (docs/NVME_AUTH.md).
+    require_auth: bool = False
+    # The listener speaks only TLS 1.3 with per-host PSKs the agent issues (TP 8011).
+    secure_channel: bool = False
 
 
 @dataclass(slots=True, kw_only=True)

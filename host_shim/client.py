@@ -404,6 +404,8 @@ class KVClient:
                 subnqn=nv["subnqn"],
                 hostnqn=self._channel.hostnqn,
                 io_queues=self._io_queues,
+                dhchap_key=nv.get("dhchap_key"),  # issued by the agent (docs/NVME_AUTH.md)
+                psk=nv.get("psk"),
             )
         except (OSError, NvmeError) as e:
             self._channel.close()

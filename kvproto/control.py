@@ -219,6 +219,7 @@ OPS: Final[dict[str, _Schema]] = {
     "tenants_list": {},
     "tenant_add": {"tenant": (_tenant, True), "token": (_optional(_str), False)},
     "tenant_remove": {"tenant": (_tenant, True)},
+    "host_add": {"tenant": (_tenant, True), "nqn": (_str, True)},
     "evict": {"tenant": (_tenant, True), "bytes": (_int, True)},
     "checkpoint": {},
     "backup": {"dir": (_str, True), "incremental": (_bool, True)},
@@ -228,6 +229,7 @@ OPS: Final[dict[str, _Schema]] = {
 _NAMES: Final = {op: frozenset(schema) | {"id", "op"} for op, schema in OPS.items()}
 ADMIN_OPS: Final = frozenset(
     {"tenants_list", "tenant_add", "tenant_remove", "evict", "checkpoint", "backup", "restore"}
+    | {"host_add"}
 )
 # Ops an admin session may also send (stats over all tenants, members).
 _ADMIN_ALSO: Final = frozenset({"stats", "members"})
