@@ -13,11 +13,13 @@ subsystem of the identity (`tls_identity` on the connection, checked in `check_s
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dpu_agent.log import get_logger
 from dpu_agent.nvmf._auth import nqn_hash
+from dpu_agent.nvmf._connection import SOCKET_BUFFER_BYTES
 from kvproto.nvme import DhchapHash, SecretFormatError, parse_identity
 from kvproto.nvme._openssl import TlsEngine, TlsError, TlsWantRead
 
@@ -113,6 +115,11 @@ class TlsServerProtocol(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # as NvmfConnection does for plaintext (it never sees this socket)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
         peer = transport.get_extra_info("peername")
         self._peer = f"{peer[0]}:{peer[1]}" if peer else "?"
 

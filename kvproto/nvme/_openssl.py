@@ -25,7 +25,6 @@ import cffi
 __all__ = ["TLS_RECORD_BYTES_MAX", "PskLookup", "TlsEngine", "TlsError", "TlsWantRead"]
 
 TLS_RECORD_BYTES_MAX = 16384  # a TLS record's plaintext (RFC 8446 5.1)
-OUTGOING_CHUNK_BYTES = 256 << 10  # ciphertext drained from the write BIO per BIO_read
 
 _CDEF = """
 typedef ... SSL_CTX; typedef ... SSL; typedef ... SSL_METHOD; typedef ... SSL_SESSION;
@@ -73,6 +72,7 @@ void ERR_clear_error(void);
 
 _SSL_CTRL_SET_MIN_PROTO_VERSION = 123
 _SSL_CTRL_SET_MAX_PROTO_VERSION = 124
+_SSL_CTRL_SET_READ_AHEAD = 41
 _TLS1_3_VERSION = 0x0304
 _SSL_OP_NO_TICKET = 1 << 14
 _BIO_C_SET_BUF_MEM_EOF_RETURN = 130
@@ -116,6 +116,8 @@ def _new_ctx(cipher_suites: str) -> Any:
     lib.SSL_CTX_ctrl(ctx, _SSL_CTRL_SET_MAX_PROTO_VERSION, _TLS1_3_VERSION, ffi.NULL)
     lib.SSL_CTX_set_options(ctx, _SSL_OP_NO_TICKET)
     lib.SSL_CTX_set_num_tickets(ctx, 0)
+    # read ahead: one recv() takes several records instead of a header and a body each
+    lib.SSL_CTX_ctrl(ctx, _SSL_CTRL_SET_READ_AHEAD, 1, ffi.NULL)
     if lib.SSL_CTX_set_ciphersuites(ctx, cipher_suites.encode()) != 1:
         raise TlsError(f"cipher suites {cipher_suites}: {_errors()}")
     return ctx
@@ -228,7 +230,6 @@ class TlsEngine:
         self._key = int(ffi.cast("uintptr_t", self._ssl))
         with _ENGINES_LOCK:
             _ENGINES[self._key] = self
-        self._out = ffi.new("unsigned char[]", OUTGOING_CHUNK_BYTES)
         self._n = ffi.new("size_t *")
 
     def close(self) -> None:
@@ -276,16 +277,15 @@ class TlsEngine:
                 raise TlsError("BIO_write failed")
             view = view[n:]
 
-    def outgoing(self) -> bytes:
-        """Ciphertext waiting to be sent (memory-BIO mode)."""
+    def outgoing(self) -> bytearray:
+        """Ciphertext waiting to be sent (memory-BIO mode), in one buffer (one copy)."""
         assert self._wbio is not None
-        parts = []
-        while lib.BIO_ctrl(self._wbio, _BIO_CTRL_PENDING, 0, ffi.NULL) > 0:
-            n = lib.BIO_read(self._wbio, self._out, OUTGOING_CHUNK_BYTES)
-            if n <= 0:
-                break
-            parts.append(bytes(ffi.buffer(self._out, n)))
-        return b"".join(parts)
+        pending = int(lib.BIO_ctrl(self._wbio, _BIO_CTRL_PENDING, 0, ffi.NULL))
+        out = bytearray(pending)
+        if pending:
+            n = lib.BIO_read(self._wbio, ffi.from_buffer(out), pending)
+            assert n == pending, (n, pending)
+        return out
 
     # -- both modes -----------------------------------------------------------------------
 
