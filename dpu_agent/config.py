@@ -89,6 +89,11 @@ class ControlSection:
     port: int = 7400
     unix_socket: str = "control.sock"  # "" disables the Unix socket
     connections_max: int = 1024
+    # TLS on the TCP listener (docs/NVME_AUTH.md): PEM server certificate and key; with
+    # tls_client_ca, clients (hosts, other agents) must present a certificate it signed.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
 
 
 @dataclass(slots=True, kw_only=True)

@@ -37,6 +37,7 @@ from dpu_agent.control import (
     TenantRegistry,
     plain,
 )
+from dpu_agent.control_tls import exposure_warning, server_context
 from dpu_agent.crypto import KeyStore
 from dpu_agent.engine import Engine, EngineConfig
 from dpu_agent.log import configure_logging, get_logger
@@ -119,6 +120,7 @@ class Agent:
             port=cfg.control.port,
             unix_path=cfg.unix_socket_path,
             connections_max=cfg.control.connections_max,
+            ssl_context=server_context(cfg),  # [control] tls_cert (dpu_agent/control_tls.py)
         )
         await self.control.start()
         if cfg.metrics.enabled:
@@ -206,7 +208,7 @@ class Agent:
         host, port = self.control.tcp_address
         unix = self.control.unix_path
         out: dict[str, Any] = {
-            "control_tcp": f"tcp://{host}:{port}",
+            "control_tcp": f"{'tls' if self.cfg.control.tls_cert else 'tcp'}://{host}:{port}",
             "control_unix": f"unix://{unix}" if unix else "",
             "nvmf": self._nvmf_address(),
             "metrics": "",
@@ -497,6 +499,9 @@ async def _serve(cfg: AgentConfig) -> int:
         await agent.stop()
         return 1
     print(banner(cfg, agent.addresses()), flush=True)
+    if warning := exposure_warning(cfg):
+        print(f"WARNING: {warning}", file=sys.stderr, flush=True)
+        log.warning("control_plane_exposed", host=cfg.control.host, port=cfg.control.port)
     await stop.wait()
     print("stopping: closing listeners, checkpointing the index ...", flush=True)
     await agent.stop()
