@@ -93,18 +93,20 @@ def spdk_target(workdir: Path, config: dict[str, Any], port: int) -> Iterator[Pa
 
 
 def bdevperf(
-    workdir: Path, attach: dict[str, Any], keys: dict[str, Path], *, seconds: int = 2
+    workdir: Path,
+    attach: dict[str, Any],
+    keys: dict[str, Path],
+    *,
+    seconds: int = 2,
+    options: dict[str, Any] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """SPDK's bdevperf attached by `bdev_nvme_attach_controller(**attach)`, `-w verify`."""
-    cfg = {
-        "subsystems": [
-            keyring_config(keys),
-            {
-                "subsystem": "bdev",
-                "config": [{"method": "bdev_nvme_attach_controller", "params": attach}],
-            },
-        ]
-    }
+    """SPDK's bdevperf attached by `bdev_nvme_attach_controller(**attach)`, `-w verify`;
+    `options` go to `bdev_nvme_set_options` first (dhchap_digests, dhchap_dhgroups)."""
+    bdev: list[dict[str, Any]] = []
+    if options:
+        bdev.append({"method": "bdev_nvme_set_options", "params": options})
+    bdev.append({"method": "bdev_nvme_attach_controller", "params": attach})
+    cfg = {"subsystems": [keyring_config(keys), {"subsystem": "bdev", "config": bdev}]}
     path = workdir / f"bdevperf-{attach['name']}.json"
     path.write_text(json.dumps(cfg))
     exe = str(Path(SPDK_BIN) / "bdevperf")

@@ -187,6 +187,18 @@ def test_spdk_initiator_unidirectional_verify(
     assert "Uni" in out.stdout and "Fail/s" in out.stdout
 
 
+@pytest.mark.parametrize("group", ["null", "ffdhe2048"])
+@pytest.mark.parametrize("digest", ["sha256", "sha384", "sha512"])
+def test_spdk_initiator_each_hash_and_group(
+    auth_target: TargetProcess, key_files: dict[str, Path], tmp_path: Path, digest: str, group: str
+) -> None:
+    # SPDK offers only this digest and group, so our target (strongest common) must use them
+    opts = {"dhchap_digests": [digest], "dhchap_dhgroups": [group]}
+    attach = _attach(auth_target.port, H_UNI, f"H{digest}{group}", dhchap_key="key0")
+    out = bdevperf(tmp_path, attach, key_files, seconds=1, options=opts)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+
+
 def test_spdk_initiator_bidirectional_verify(
     auth_target: TargetProcess, key_files: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -11,6 +11,7 @@ or anything of the key.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -51,6 +52,10 @@ __all__ = [
 log = get_logger("dpu_agent.nvmf")
 
 ATR_BIT = 1 << 17  # Connect response dword 0, AUTHREQ bit 1: authentication required
+# After AUTH_Failure1 the host must read it before the connection goes: closing at once races
+# with what the host still sends (SPDK's host then sees a reset, not the refusal). The queue
+# answers Authentication Required meanwhile; a host that lingers is closed after this.
+AUTH_FAILED_CLOSE_S = 2.0
 _EXEMPT = frozenset({FabricsType.AUTH_SEND, FabricsType.AUTH_RECV, FabricsType.DISCONNECT})
 
 
@@ -188,4 +193,4 @@ def _refused(conn: NvmfConnection, ctrl: Controller, auth: ControllerAuth, why: 
         peer=conn.peer,
         reason=why,
     )
-    conn.close()
+    asyncio.get_running_loop().call_later(AUTH_FAILED_CLOSE_S, conn.close)
