@@ -20,7 +20,7 @@ import pytest
 
 from dpu_agent.service import AgentProcess, spawn_agent, subsystem_nqn
 from host_shim.client import ControlChannel, KVClient
-from host_shim.nvme import NvmeAuthError, NvmeStatusError, NvmeTcpController
+from host_shim.nvme import NvmeAuthError, NvmeError, NvmeStatusError, NvmeTcpController
 from kvproto.control import ADMIN_TENANT
 from kvproto.keys import ChunkLayout
 from kvproto.nvme import DhchapSecret, Status
@@ -141,3 +141,31 @@ def test_dpuctl_hosts_add_issues_a_key(agent: AgentProcess) -> None:
     )
     assert missing.returncode != 0 and "Traceback" not in missing.stderr
     assert "error" in missing.stdout.lower() or "error" in missing.stderr.lower()
+
+
+def test_agent_with_secure_channel_and_auth_issues_both_keys(tmp_path: Path) -> None:
+    env = {"DPUKV_NVMF_REQUIRE_AUTH": "true", "DPUKV_NVMF_SECURE_CHANNEL": "true"}
+    a = spawn_agent(tmp_path / "var", env=env)
+    try:
+        host = f"nqn.2014-08.org.nvmexpress:uuid:{uuid.uuid4()}"
+        nv = _hello(a, "default", a.token, host)
+        assert str(nv["psk"]).startswith("NVMeTLSkey-1:01:") and "dhchap_key" in nv
+        addr, port = _nvme_addr(nv)
+        sub = str(nv["subnqn"])
+        with NvmeTcpController.connect(
+            addr, port, sub, host, psk=str(nv["psk"]), dhchap_key=str(nv["dhchap_key"])
+        ) as c:
+            assert c.active_namespaces()
+        with pytest.raises(NvmeError):  # plaintext to the TLS listener
+            NvmeTcpController.connect(
+                addr, port, sub, host, dhchap_key=str(nv["dhchap_key"]), timeout_s=5
+            )
+        rng = np.random.default_rng(2)
+        tokens = rng.integers(0, 50000, size=LAYOUT.chunk_tokens, dtype=np.int64)
+        data = [rng.standard_normal(LAYOUT.chunk_shape).astype(np.float16)]
+        with KVClient(a.control_url, "default", a.token, LAYOUT, SALT) as c:
+            assert c.put(tokens, data) == 1
+            out = [np.empty(LAYOUT.chunk_shape, np.float16)]
+            assert c.get(tokens, out) == 1 and np.array_equal(out[0], data[0])
+    finally:
+        a.stop()
