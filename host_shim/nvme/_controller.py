@@ -237,7 +237,7 @@ class NvmeTcpController:
     def reauthenticate(self) -> None:
         """A new DH-HMAC-CHAP transaction on every queue (NVMe 8.13.5.8 re-authentication).
         Raises NvmeAuthError if the controller refuses, NvmeStatusError if it does not
-        support re-authentication (SPDK's target answers Command Sequence Error)."""
+        support re-authentication (older SPDK targets answer Command Sequence Error)."""
         for q in [self._admin, *self._io]:
             with q.lock:
                 pass  # wait for the queue's current user; execute() takes the lock again
