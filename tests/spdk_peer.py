@@ -114,3 +114,54 @@ def bdevperf(
     args += ["-r", str(workdir / f"bdevperf-{attach['name']}.sock"), "--json", str(path)]
     args += ["-q", "8", "-o", "4096", "-w", "verify", "-t", str(seconds)]
     return subprocess.run(args, capture_output=True, text=True, timeout=seconds + 60)
+
+
+@contextmanager
+def bdevperf_waiting(
+    workdir: Path,
+    attach: dict[str, Any],
+    keys: dict[str, Path],
+    *,
+    seconds: int = 1,
+) -> Iterator[Any]:
+    """bdevperf -z (waits for RPCs), attached; yields a JSON-RPC client on its socket."""
+    from spdk.rpc.client import JSONRPCClient
+
+    cfg = {
+        "subsystems": [
+            keyring_config(keys),
+            {
+                "subsystem": "bdev",
+                "config": [{"method": "bdev_nvme_attach_controller", "params": attach}],
+            },
+        ]
+    }
+    path = workdir / f"bdevperf-z-{attach['name']}.json"
+    path.write_text(json.dumps(cfg))
+    sock = workdir / f"bdevperf-z-{attach['name']}.sock"
+    log = workdir / f"bdevperf-z-{attach['name']}.log"
+    args = [str(Path(SPDK_BIN) / "bdevperf"), "--no-huge", "-s", "512", "--no-pci"]
+    args += ["--disable-cpumask-locks", "-r", str(sock), "--json", str(path), "-z"]
+    args += ["-q", "8", "-o", "4096", "-w", "verify", "-t", str(seconds)]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        client = None
+        while client is None:
+            try:
+                client = JSONRPCClient(str(sock), timeout=60.0)
+                client.call("bdev_get_bdevs")
+            except Exception:
+                client = None
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"bdevperf did not come up:\n{log.read_text()[-2000:]}")
+                time.sleep(0.2)
+        yield client
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -220,3 +220,46 @@ def test_spdk_initiator_missing_key_refused(
 ) -> None:
     out = bdevperf(tmp_path, _attach(auth_target.port, H_UNI, "NoKey"), key_files)
     assert out.returncode != 0
+
+
+def test_spdk_initiator_reauthenticates(key_files: dict[str, Path], tmp_path: Path) -> None:
+    """bdev_nvme_set_keys makes SPDK's host re-authenticate every queue on our target."""
+    import subprocess
+    import sys
+
+    from spdk.rpc.client import JSONRPCException
+    from spdk_peer import bdevperf_waiting
+
+    keys = {H_BI: host_keys_to_dict(HostKeys(dhchap_key=BI_KEY, dhchap_ctrlr_key=CTRL_KEY))}
+    path = write_key(tmp_path, "hosts.json", json.dumps(keys))
+    log = tmp_path / "target.log"
+    with log.open("wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dpu_agent.nvmf", "--nqn", NQN, "--allow-host", H_BI,
+             "--blocks", "4096", "--host-keys", str(path), "--require-auth", "--log-level", "INFO"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+        )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        port = json.loads(proc.stdout.readline())["port"]
+        attach = _attach(port, H_BI, "Reauth", dhchap_key="key1", dhchap_ctrlr_key="ckey1")
+        with bdevperf_waiting(tmp_path, attach, key_files) as rpc:
+            before = log.read_text().count("nvmf_auth_ok")
+            assert before >= 2  # admin + I/O queue(s) authenticated at attach
+            rpc.call(
+                "bdev_nvme_set_keys",
+                {"name": "Reauth", "dhchap_key": "key1", "dhchap_ctrlr_key": "ckey1"},
+            )
+            after = log.read_text().count("nvmf_auth_ok")
+            assert after >= 2 * before - 1, (before, after)  # every queue again
+            rpc.call("perform_tests")  # -w verify after re-authentication
+            with pytest.raises(JSONRPCException):  # re-authenticating with a wrong key fails
+                rpc.call(
+                    "bdev_nvme_set_keys",
+                    {"name": "Reauth", "dhchap_key": "bad", "dhchap_ctrlr_key": "ckey1"},
+                )
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait(30)
+    assert "nvmf_auth_refused" in log.read_text()

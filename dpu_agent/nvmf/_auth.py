@@ -161,6 +161,8 @@ def handle_auth(conn: NvmfConnection, cmd: _Cmd, data: bytes | bytearray | memor
         conn._complete(cmd)
         if auth.state is ControllerAuthState.ERROR:  # the host sent AUTH_Failure2
             _refused(conn, ctrl, auth, "host refused the controller")
+        elif auth.state is ControllerAuthState.COMPLETED:  # Success2 (bidirectional)
+            _authenticated(conn, ctrl, auth)
         return None
     if sqe.sgl.type != SglType.TRANSPORT_DATA_BLOCK or sqe.sgl.length < sqe.cdw11:
         return conn._complete(cmd, Status.DATA_SGL_LENGTH_INVALID)
@@ -171,17 +173,21 @@ def handle_auth(conn: NvmfConnection, cmd: _Cmd, data: bytes | bytearray | memor
     conn._send_data(cmd, msg)
     if auth.state is ControllerAuthState.ERROR:
         _refused(conn, ctrl, auth, auth.fail_reason.name.lower())
-    elif auth.state is ControllerAuthState.COMPLETED:
-        log.info(
-            "nvmf_auth_ok",
-            host=nqn_hash(ctrl.hostnqn),
-            subnqn=ctrl.subnqn,
-            qid=conn.qid,
-            hash=auth.hash.name,
-            dhgroup=auth.dhgroup.name,
-            bidirectional=auth.ctrl_key is not None,
-        )
+    elif auth.state is ControllerAuthState.COMPLETED:  # Success1 (unidirectional)
+        _authenticated(conn, ctrl, auth)
     return None
+
+
+def _authenticated(conn: NvmfConnection, ctrl: Controller, auth: ControllerAuth) -> None:
+    log.info(
+        "nvmf_auth_ok",
+        host=nqn_hash(ctrl.hostnqn),
+        subnqn=ctrl.subnqn,
+        qid=conn.qid,
+        hash=auth.hash.name,
+        dhgroup=auth.dhgroup.name,
+        transactions=auth.transactions,
+    )
 
 
 def _refused(conn: NvmfConnection, ctrl: Controller, auth: ControllerAuth, why: str) -> None:
