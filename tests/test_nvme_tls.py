@@ -224,3 +224,26 @@ def test_spdk_plaintext_initiator_refused_by_our_target(
 ) -> None:
     out = bdevperf(tmp_path, _attach(our_secure_target.port, "Plain", HOST), spdk_keys)
     assert out.returncode != 0
+
+
+def test_silent_connection_to_secure_target_is_closed_after_the_handshake_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import asyncio
+
+    from dpu_agent.nvmf import NvmeTcpTarget, Subsystem, _tls
+
+    monkeypatch.setattr(_tls, "HANDSHAKE_TIMEOUT_S", 0.3)
+
+    async def run() -> bytes:
+        target = NvmeTcpTarget([Subsystem(NQN, {HOST})], port=0, secure_channel=True)
+        await target.start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", target.port)
+            data = await asyncio.wait_for(reader.read(100), 5)  # EOF when the target closes
+            writer.close()
+            return data
+        finally:
+            await target.stop()
+
+    assert asyncio.run(run()) == b""

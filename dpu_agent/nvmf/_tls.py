@@ -33,6 +33,9 @@ log = get_logger("dpu_agent.nvmf")
 
 CIPHERTEXT_BUFFER_BYTES = 1 << 20  # one receive of ciphertext (a few TLS records of a PDU)
 PLAINTEXT_READS_MAX = 4096  # records decrypted per receive: bounded, each <= 16 KiB
+# A connection that has not finished its TLS handshake by then is closed: it holds no NVMe
+# state yet and does not count against CONNECTIONS_MAX, so it must not linger.
+HANDSHAKE_TIMEOUT_S = 10.0
 
 
 def psk_lookup(subsystems: Callable[[], dict[str, Subsystem]]) -> Callable[[str], Any]:
@@ -112,6 +115,7 @@ class TlsServerProtocol(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self._buf = bytearray(CIPHERTEXT_BUFFER_BYTES)
         self._peer = "?"
+        self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -122,6 +126,12 @@ class TlsServerProtocol(asyncio.BufferedProtocol):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
         peer = transport.get_extra_info("peername")
         self._peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self._timer = asyncio.get_running_loop().call_later(HANDSHAKE_TIMEOUT_S, self._expire)
+
+    def _expire(self) -> None:
+        if not self.engine.handshake_done and not self.transport.is_closing():
+            log.warning("nvmf_tls_refused", peer=self._peer, host="", reason="handshake timeout")
+            self.transport.close()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return memoryview(self._buf)
@@ -136,6 +146,8 @@ class TlsServerProtocol(asyncio.BufferedProtocol):
             self.transport.write(self.engine.outgoing())
             if not done:
                 return
+            if self._timer is not None:
+                self._timer.cancel()
             _, hostnqn, subnqn = parse_identity(self.engine.identity or "")
             self.inner.tls_identity = (hostnqn, subnqn)  # type: ignore[attr-defined]
             self.inner.connection_made(_TlsTransport(self))
@@ -182,6 +194,8 @@ class TlsServerProtocol(asyncio.BufferedProtocol):
             self.inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         self.engine.close()
         if self.engine.handshake_done:
             self.inner.connection_lost(exc)
