@@ -351,6 +351,7 @@ def load_config(
                 raise ConfigError(f"{p}: unknown section [{section}]; known: {known}")
     _env_overrides(cfg, os.environ if environ is None else environ)
     _check_mode(cfg)
+    _check_security(cfg)
     return cfg
 
 
@@ -361,6 +362,18 @@ def _apply_spdk(cfg: AgentConfig, doc: dict[str, Any], source: str) -> None:
     except DesiredStateError as e:
         raise ConfigError(f"{source}: [spdk] is invalid: {e}") from None
     cfg.spdk_doc = doc["spdk"]
+
+
+def _check_security(cfg: AgentConfig) -> None:
+    """[nvmf] require_auth / secure_channel are the embedded target's (docs/NVME_AUTH.md)."""
+    if cfg.spdk_mode and (cfg.nvmf.require_auth or cfg.nvmf.secure_channel):
+        raise ConfigError(
+            f"{cfg.source}: [nvmf] require_auth/secure_channel apply to the embedded target; in "
+            "SPDK mode SPDK's subsystems authenticate (nvmf_subsystem_add_host --dhchap-key, "
+            "--psk with keyring_file_add_key)"
+        )
+    if (cfg.control.tls_key or cfg.control.tls_client_ca) and not cfg.control.tls_cert:
+        raise ConfigError(f"{cfg.source}: [control] tls_key/tls_client_ca need tls_cert")
 
 
 def _check_mode(cfg: AgentConfig) -> None:

@@ -155,3 +155,26 @@ def test_exposure_warning() -> None:
     assert exposure_warning(cfg) is None
     cfg.control.host = "dpu0.example"
     assert exposure_warning(cfg) is not None  # a name may resolve beyond loopback
+
+
+def test_config_refuses_tls_key_without_cert_and_auth_in_spdk_mode(tmp_path: Path) -> None:
+    from dpu_agent.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="tls_cert"):
+        load_config(None, {"DPUKV_CONTROL_TLS_KEY": "k.pem", "DPUKV_AGENT_DATA_DIR": str(tmp_path)})
+    cfg = load_config(
+        None, {"DPUKV_NVMF_REQUIRE_AUTH": "true", "DPUKV_AGENT_DATA_DIR": str(tmp_path)}
+    )
+    assert cfg.nvmf.require_auth and not cfg.nvmf.secure_channel
+
+
+def test_config_refuses_embedded_auth_in_spdk_mode(tmp_path: Path) -> None:
+    from spdk_sim.fixtures import config_text
+
+    from dpu_agent.config import ConfigError, load_config
+
+    path = tmp_path / "agent.toml"
+    path.write_text(config_text(str(tmp_path / "d.img")))
+    env = {"DPUKV_AGENT_MODE": "spdk", "DPUKV_NVMF_REQUIRE_AUTH": "true"}
+    with pytest.raises(ConfigError, match="nvmf_subsystem_add_host --dhchap-key"):
+        load_config(path, environ=env)
