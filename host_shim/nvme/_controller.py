@@ -238,9 +238,7 @@ class NvmeTcpController:
         """A new DH-HMAC-CHAP transaction on every queue (NVMe 8.13.5.8 re-authentication).
         Raises NvmeAuthError if the controller refuses, NvmeStatusError if it does not
         support re-authentication (older SPDK targets answer Command Sequence Error)."""
-        for q in [self._admin, *self._io]:
-            with q.lock:
-                pass  # wait for the queue's current user; execute() takes the lock again
+        for q in [self._admin, *self._io]:  # I/O may continue meanwhile (the spec allows it)
             self._authenticate(q, Cqe(cid=0), force=True)
 
     def _enable(self, timeout_s: float) -> None:
