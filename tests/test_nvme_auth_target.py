@@ -263,3 +263,32 @@ def test_spdk_initiator_reauthenticates(key_files: dict[str, Path], tmp_path: Pa
         proc.stdin.close()
         proc.wait(30)
     assert "nvmf_auth_refused" in log.read_text()
+
+
+def test_garbage_auth_messages_get_failure1_and_others_keep_working(
+    auth_target: TargetProcess,
+) -> None:
+    """Random AUTH_Send payloads on a live queue: the target answers AUTH_Failure1 (never
+    crashes or authenticates), and an honest host authenticates meanwhile."""
+    import random
+
+    from host_shim.nvme._auth import _recv, _send
+    from host_shim.nvme._controller import _connect_queue
+    from host_shim.nvme._queue import QueuePairSocket
+    from kvproto.nvme import AuthFailure, ConnectData, parse_auth_message
+
+    rng = random.Random(15)
+    for _ in range(5):
+        q = QueuePairSocket("127.0.0.1", auth_target.port, qid=0, depth=8, timeout_s=10)
+        try:
+            cd = ConnectData(hostid=uuid.uuid4().bytes, cntlid=0xFFFF, subnqn=NQN, hostnqn=H_UNI)
+            _connect_queue(q, cd, 0)
+            _send(q, rng.randbytes(rng.randrange(1, 300)))
+            reply = parse_auth_message(_recv(q))
+            assert isinstance(reply, AuthFailure) and reply.from_controller
+        finally:
+            q.close()
+        with NvmeTcpController.connect(
+            "127.0.0.1", auth_target.port, NQN, H_UNI, dhchap_key=KEY
+        ) as c:
+            assert c.active_namespaces() == [1]
