@@ -81,10 +81,27 @@ _SSL_ERROR_SSL, _SSL_ERROR_WANT_READ, _SSL_ERROR_WANT_WRITE = 1, 2, 3
 _SSL_ERROR_SYSCALL, _SSL_ERROR_ZERO_RETURN = 5, 6
 _CIPHER_IDS = {"TLS_AES_128_GCM_SHA256": b"\x13\x01", "TLS_AES_256_GCM_SHA384": b"\x13\x02"}
 
-ffi = cffi.FFI()
-ffi.cdef(_CDEF)
-_libname = ctypes.util.find_library("ssl") or "libssl.so.3"
-lib: Any = ffi.dlopen(_libname)
+# Bound on first use (`_load`): parsing the declarations costs ~0.1 s, which every import of
+# the initiator or the target (and so every dpuctl command) would otherwise pay.
+ffi: Any = None
+lib: Any = None
+_use_session: Any = None
+_find_session: Any = None
+_LOAD_LOCK = threading.Lock()
+
+
+def _load() -> None:
+    global ffi, lib, _use_session, _find_session
+    with _LOAD_LOCK:
+        if lib is not None:
+            return
+        f = cffi.FFI()
+        f.cdef(_CDEF)
+        loaded = f.dlopen(ctypes.util.find_library("ssl") or "libssl.so.3")
+        _use_session = f.callback(_USE_SIG)(_use_session_py)
+        _find_session = f.callback(_FIND_SIG)(_find_session_py)
+        ffi, lib = f, loaded
+
 
 # PskLookup(identity) -> (tls_psk, cipher suite name) or None (unknown identity: refused)
 PskLookup = Callable[[str], "tuple[bytes, str] | None"]
@@ -148,8 +165,11 @@ def _session(ssl: Any, key: bytes, cipher: str) -> Any:
     return sess
 
 
-@ffi.callback("int(SSL *, const EVP_MD *, const unsigned char **, size_t *, SSL_SESSION **)")
-def _use_session(ssl: Any, md: Any, idp: Any, idlen: Any, sessp: Any) -> int:
+_USE_SIG = "int(SSL *, const EVP_MD *, const unsigned char **, size_t *, SSL_SESSION **)"
+_FIND_SIG = "int(SSL *, const unsigned char *, size_t, SSL_SESSION **)"
+
+
+def _use_session_py(ssl: Any, md: Any, idp: Any, idlen: Any, sessp: Any) -> int:
     eng = _engine_of(ssl)
     if eng is None or eng._client_psk is None:
         return 0
@@ -163,8 +183,7 @@ def _use_session(ssl: Any, md: Any, idp: Any, idlen: Any, sessp: Any) -> int:
     return 1
 
 
-@ffi.callback("int(SSL *, const unsigned char *, size_t, SSL_SESSION **)")
-def _find_session(ssl: Any, identity: Any, identity_len: int, sessp: Any) -> int:
+def _find_session_py(ssl: Any, identity: Any, identity_len: int, sessp: Any) -> int:
     sessp[0] = ffi.NULL
     eng = _engine_of(ssl)
     if eng is None or eng._lookup is None:
@@ -199,6 +218,7 @@ class TlsEngine:
         """Client: `client_psk` = (identity, TLS PSK, cipher suite). Server: `lookup`.
         `fd`: the engine does its own socket I/O; else memory BIOs (feed/outgoing)."""
         assert server == (lookup is not None) and server != (client_psk is not None)
+        _load()
         suites = client_psk[2] if client_psk else ":".join(_CIPHER_IDS)
         self._ctx = _new_ctx(suites)
         ssl = lib.SSL_new(self._ctx)
