@@ -93,6 +93,11 @@ class ControlSection:
     port: int = 7400
     unix_socket: str = "control.sock"  # "" disables the Unix socket
     connections_max: int = 1024
+    # TLS on the TCP listener (docs/NVME_AUTH.md): PEM server certificate and key; with
+    # tls_client_ca, clients (hosts, other agents) must present a certificate it signed.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -105,6 +110,11 @@ class NvmfSection:
     max_io_size: int = 4 << 20
     io_workers: int = 4  # threads doing device I/O and AES-XTS (the GIL is released)
     data_buffers_per_queue: int = 4  # x max_io_size: at most 16 MiB of buffers per I/O queue
+    # Every host must pass DH-HMAC-CHAP on each queue; the agent issues each host's secret
+    # (hello, `dpuctl hosts add`) and a host without it is refused (docs/NVME_AUTH.md).
+    require_auth: bool = False
+    # The listener speaks only TLS 1.3 with per-host PSKs the agent issues (TP 8011).
+    secure_channel: bool = False
 
 
 @dataclass(slots=True, kw_only=True)
@@ -366,6 +376,7 @@ def load_config(
     _env_overrides(cfg, env)
     _check_values(cfg)
     _check_mode(cfg)
+    _check_security(cfg)
     return cfg
 
 
@@ -425,6 +436,18 @@ def _apply_spdk(cfg: AgentConfig, doc: dict[str, Any], source: str) -> None:
     except DesiredStateError as e:
         raise ConfigError(f"{source}: [spdk] is invalid: {e}") from None
     cfg.spdk_doc = doc["spdk"]
+
+
+def _check_security(cfg: AgentConfig) -> None:
+    """[nvmf] require_auth / secure_channel are the embedded target's (docs/NVME_AUTH.md)."""
+    if cfg.spdk_mode and (cfg.nvmf.require_auth or cfg.nvmf.secure_channel):
+        raise ConfigError(
+            f"{cfg.source}: [nvmf] require_auth/secure_channel apply to the embedded target; in "
+            "SPDK mode SPDK's subsystems authenticate (nvmf_subsystem_add_host --dhchap-key, "
+            "--psk with keyring_file_add_key)"
+        )
+    if (cfg.control.tls_key or cfg.control.tls_client_ca) and not cfg.control.tls_cert:
+        raise ConfigError(f"{cfg.source}: [control] tls_key/tls_client_ca need tls_cert")
 
 
 def _check_mode(cfg: AgentConfig) -> None:

@@ -37,14 +37,17 @@ from dpu_agent.control import (
     TenantRegistry,
     plain,
 )
+from dpu_agent.control_tls import exposure_warning, server_context
 from dpu_agent.crypto import KeyStore
 from dpu_agent.engine import Engine, EngineConfig
 from dpu_agent.engine.engine import CHUNKS_PAGE_MAX
 from dpu_agent.log import configure_logging, get_logger
 from dpu_agent.metrics import REGISTRY
 from dpu_agent.nvmf import NvmeTcpTarget, Subsystem, TargetOptions
+from dpu_agent.nvmf._keys import HOST_KEYS_FILE, HostKeyIssuer, hello_keys
 from dpu_agent.spdk_mode import SpdkDevices, check_spdk, listener_for
 from kvproto.control import valid_tenant_name
+from kvproto.nvme import NQN_BYTES_MAX
 
 __all__ = ["Agent", "AgentProcess", "run_agent", "spawn_agent", "subsystem_nqn"]
 
@@ -86,6 +89,9 @@ class Agent:
         self._hosts: dict[str, collections.OrderedDict[str, None]] = {}
         self._spdk_devices: SpdkDevices | None = None
         self.started_at = time.time()
+        self.host_keys = HostKeyIssuer(  # issued DH-HMAC-CHAP secrets / TLS PSKs per host
+            cfg.path(HOST_KEYS_FILE), dhchap=cfg.nvmf.require_auth, psk=cfg.nvmf.secure_channel
+        )
 
     # --- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -100,7 +106,13 @@ class Agent:
                 io_workers=cfg.nvmf.io_workers,
                 data_buffers_per_queue=cfg.nvmf.data_buffers_per_queue,
             )
-            self.target = NvmeTcpTarget(subsystems, cfg.nvmf.host, cfg.nvmf.port, options=options)
+            self.target = NvmeTcpTarget(
+                subsystems,
+                cfg.nvmf.host,
+                cfg.nvmf.port,
+                options=options,
+                secure_channel=cfg.nvmf.secure_channel,
+            )
             await self.target.start()
         self.control = ControlServer(
             self,
@@ -109,6 +121,7 @@ class Agent:
             port=cfg.control.port,
             unix_path=cfg.unix_socket_path,
             connections_max=cfg.control.connections_max,
+            ssl_context=server_context(cfg),  # [control] tls_cert (dpu_agent/control_tls.py)
         )
         await self.control.start()
         if cfg.metrics.enabled:
@@ -193,6 +206,9 @@ class Agent:
         """The tenant's subsystem: its namespaces only, reachable only by hosts it said hello
         from (hello_info adds each authenticated client's host NQN)."""
         sub = Subsystem(nqn=subsystem_nqn(tenant), namespaces=self.engine.namespaces(tenant))
+        sub.require_auth = self.cfg.nvmf.require_auth
+        sub.secure_channel = self.cfg.nvmf.secure_channel
+        self.host_keys.bind(tenant, sub)
         self._subsystems[tenant] = sub
         self._hosts[tenant] = collections.OrderedDict()
         return sub
@@ -203,7 +219,7 @@ class Agent:
         host, port = self.control.tcp_address
         unix = self.control.unix_path
         out: dict[str, Any] = {
-            "control_tcp": f"tcp://{host}:{port}",
+            "control_tcp": f"{'tls' if self.cfg.control.tls_cert else 'tcp'}://{host}:{port}",
             "control_unix": f"unix://{unix}" if unix else "",
             "nvmf": self._nvmf_address(),
             "metrics": "",
@@ -245,9 +261,12 @@ class Agent:
         host, port = self.target.host, self.target.port
         if host in ("0.0.0.0", "::", ""):  # a wildcard bind: the address the client reached
             host = local_host
+        nvme: dict[str, Any] = {"host": host, "port": port, "subnqn": subsystem_nqn(tenant)}
+        if hostnqn and self.host_keys.enabled:  # keys are issued, not invented
+            nvme.update(hello_keys(self.host_keys.issue(tenant, self._subsystems[tenant], hostnqn)))
         return {
             "node": self.cfg.agent.node_name,
-            "nvme": {"host": host, "port": port, "subnqn": subsystem_nqn(tenant)},
+            "nvme": nvme,
             "lease_ttl_s": self.lease_ttl_s,
             "block_size": 4096,
         }
@@ -320,6 +339,8 @@ class Agent:
             if op == "chunk_inspect":
                 self._known(fields["tenant"])
                 return {"chunk": self.engine.chunk(fields["tenant"], fields["key"])}
+            if op == "host_add":
+                return self._host_add(fields["tenant"], fields["nqn"])
             if op == "evict":
                 self._known(fields["tenant"])
                 return {"evicted": plain(self.engine.evict(fields["tenant"], fields["bytes"]))}
@@ -370,6 +391,20 @@ class Agent:
         log.info("tenant_added", tenant=name)
         return {"tenant": name, "token": t.token, "token_file": str(self.cfg.path(t.token_file))}
 
+    def _host_add(self, tenant: str, nqn: str) -> dict[str, Any]:
+        """`dpuctl hosts add`: allow host `nqn` on the tenant's subsystem with issued keys."""
+        self._known(tenant)
+        if not nqn.startswith("nqn.") or len(nqn.encode()) > NQN_BYTES_MAX or " " in nqn:
+            raise ValueError(f"host NQN {nqn[:64]!r}: must start with 'nqn.', <= 223 bytes")
+        if self.target is None:
+            raise ValueError("SPDK mode: hosts and their keys are [spdk]'s (keyring files)")
+        self._allow_host(tenant, nqn)
+        keys = {}
+        if self.host_keys.enabled:
+            keys = hello_keys(self.host_keys.issue(tenant, self._subsystems[tenant], nqn))
+        log.info("host_added", tenant=tenant, keys=sorted(keys))
+        return {"tenant": tenant, "hostnqn": nqn, "subnqn": subsystem_nqn(tenant), **keys}
+
     def _tenant_remove(self, name: str) -> dict[str, Any]:
         self._known(name)
         self.registry.remove(name)
@@ -377,6 +412,7 @@ class Agent:
             self.target.remove_subsystem(subsystem_nqn(name))
         self._subsystems.pop(name, None)
         self._hosts.pop(name, None)
+        self.host_keys.forget_tenant(name)
         # The engine keeps a tenant's tiers; drop every chunk that is not leased right now, so
         # a tenant added later under the same name starts empty.
         freed = self.engine.evict(name, TENANT_EVICT_ALL_BYTES)
@@ -484,6 +520,9 @@ async def _serve(cfg: AgentConfig) -> int:
         await agent.stop()
         return 1
     print(banner(cfg, agent.addresses()), flush=True)
+    if warning := exposure_warning(cfg):
+        print(f"WARNING: {warning}", file=sys.stderr, flush=True)
+        log.warning("control_plane_exposed", host=cfg.control.host, port=cfg.control.port)
     await stop.wait()
     print("stopping: closing listeners, checkpointing the index ...", flush=True)
     await agent.stop()

@@ -19,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -89,11 +91,21 @@ def parse_control_url(url: str) -> tuple[str, str | tuple[str, int]]:
         if not path:
             raise ValueError(f"control URL {url!r} has no socket path; use unix:///path")
         return "unix", path
-    if parts.scheme == "tcp":
+    if parts.scheme in ("tcp", "tls"):  # tls://: the agent's [control] tls_cert is set
         if not parts.hostname or parts.port is None:
             raise ValueError(f"control URL {url!r} needs a host and port: tcp://127.0.0.1:7400")
-        return "tcp", (parts.hostname, parts.port)
-    raise ValueError(f"control URL {url!r}: scheme must be tcp:// or unix://")
+        return parts.scheme, (parts.hostname, parts.port)
+    raise ValueError(f"control URL {url!r}: scheme must be tcp://, tls:// or unix://")
+
+
+def client_tls_context() -> ssl.SSLContext:
+    """TLS for tls:// control URLs from the environment: DPUKV_CONTROL_TLS_CA (verify the
+    agent against it; the system's CAs when unset), DPUKV_CONTROL_TLS_CERT/_KEY (ours)."""
+    ctx = ssl.create_default_context(cafile=os.environ.get("DPUKV_CONTROL_TLS_CA") or None)
+    cert = os.environ.get("DPUKV_CONTROL_TLS_CERT")
+    if cert:
+        ctx.load_cert_chain(cert, os.environ.get("DPUKV_CONTROL_TLS_KEY") or None)
+    return ctx
 
 
 def new_hostnqn() -> str:
@@ -113,8 +125,13 @@ class ControlChannel:
         hostnqn: str | None = None,
         timeout_s: float = 5.0,
         client: str = "host_shim",
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
+        """`ssl_context` for tls:// URLs; by default one from DPUKV_CONTROL_TLS_CA (the CA or
+        the agent's self-signed certificate) and DPUKV_CONTROL_TLS_CERT/_KEY (a client
+        certificate, for agents that require one)."""
         self.kind, self.address = parse_control_url(url)
+        self._ssl = ssl_context
         self.url, self.tenant = url, tenant
         self._token = token
         self.hostnqn = hostnqn or new_hostnqn()
@@ -161,7 +178,7 @@ class ControlChannel:
 
     def _open(self) -> socket.socket:
         family = socket.AF_UNIX if self.kind == "unix" else socket.AF_INET
-        if self.kind == "tcp" and ":" in self.address[0]:
+        if self.kind != "unix" and ":" in self.address[0]:
             family = socket.AF_INET6
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.settimeout(self.timeout_s)
@@ -170,8 +187,15 @@ class ControlChannel:
         except OSError as e:
             sock.close()
             raise AgentUnreachable(f"cannot connect to {self.url}: {e}") from None
-        if self.kind == "tcp":
+        if self.kind != "unix":
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.kind == "tls":
+            try:
+                ctx = self._ssl or client_tls_context()
+                sock = ctx.wrap_socket(sock, server_hostname=self.address[0])
+            except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+                sock.close()
+                raise AgentUnreachable(f"TLS to {self.url} failed: {e}") from None
         return sock
 
     def call(self, op: str, **fields: Any) -> dict[str, Any]:
@@ -405,6 +429,8 @@ class KVClient:
                 subnqn=nv["subnqn"],
                 hostnqn=self._channel.hostnqn,
                 io_queues=self._io_queues,
+                dhchap_key=nv.get("dhchap_key"),  # issued by the agent (docs/NVME_AUTH.md)
+                psk=nv.get("psk"),
             )
         except (OSError, NvmeError) as e:
             self._channel.close()

@@ -225,6 +225,7 @@ OPS: Final[dict[str, _Schema]] = {
         "quota_bytes": (_optional(_int), False),
     },
     "tenant_remove": {"tenant": (_tenant, True)},
+    "host_add": {"tenant": (_tenant, True), "nqn": (_str, True)},
     "evict": {"tenant": (_tenant, True), "bytes": (_int, True)},
     "checkpoint": {},
     "backup": {"dir": (_str, True), "incremental": (_bool, True)},
@@ -240,7 +241,7 @@ OPS: Final[dict[str, _Schema]] = {
 _NAMES: Final = {op: frozenset(schema) | {"id", "op"} for op, schema in OPS.items()}
 ADMIN_OPS: Final = frozenset(
     {"tenants_list", "tenant_add", "tenant_remove", "evict", "checkpoint", "backup", "restore"}
-    | {"chunks_list", "chunk_inspect"}
+    | {"chunks_list", "chunk_inspect", "host_add"}
 )
 # Ops an admin session may also send (stats over all tenants, members).
 _ADMIN_ALSO: Final = frozenset({"stats", "members"})

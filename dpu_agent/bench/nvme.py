@@ -29,6 +29,7 @@ from typing import Any
 
 import click
 
+from dpu_agent.bench.nvme_security import print_rows, security_rows
 from dpu_agent.nvmf import TargetProcess
 from host_shim.nvme import NvmeTcpController
 
@@ -210,8 +211,11 @@ def _rows(
 @click.option("--json", "as_json", is_flag=True, help="print the JSON report")
 @click.option("--seconds", default=1.0, show_default=True, help="seconds per row (max 30)")
 @click.option("--no-encrypted", is_flag=True, help="skip the CryptoBlockDevice rows")
-def nvme(as_json: bool, seconds: float, no_encrypted: bool) -> None:
+@click.option("--security", is_flag=True, help="add the auth/tls rows (1 MiB QD8, vs plain)")
+def nvme(as_json: bool, seconds: float, no_encrypted: bool, security: bool) -> None:
     report = run_bench(seconds=seconds, encrypted=(False,) if no_encrypted else (False, True))
+    if security:  # DH-HMAC-CHAP / TLS cost (dpu_agent/bench/nvme_security.py)
+        report["security"] = security_rows(seconds)
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
@@ -221,3 +225,5 @@ def nvme(as_json: bool, seconds: float, no_encrypted: bool) -> None:
             f"{r['op']:5} {r['io_kib']:5} KiB QD{r['qd']:<2} "
             f"{'enc' if r['encrypted'] else 'plain':5} {r['gbps']:6.2f} GB/s  {r['ratio']:.2f}"
         )
+    if security:
+        print_rows(report["security"], click.echo)

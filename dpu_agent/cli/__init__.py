@@ -20,6 +20,7 @@ from dpu_agent.bench.recovery import recovery_cmd
 from dpu_agent.bench.replay import replay_command
 from dpu_agent.bench.ttft import ttft_cmd
 from dpu_agent.cli import ops
+from dpu_agent.cli.hosts import hosts
 from dpu_agent.cli.spdk import spdk_group
 
 
@@ -60,6 +61,7 @@ bench.add_command(ttft_cmd)
 cli.add_command(spdk_group)
 bench.add_command(crypto_cmd)
 ops.register(cli)
+cli.add_command(hosts)
 bench.add_command(datapath)
 bench.add_command(replay_command)
 bench.add_command(nvme_bench)

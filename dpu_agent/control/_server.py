@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import os
 from pathlib import Path
+from typing import Any
 
 from dpu_agent.control import _metrics as m
 from dpu_agent.control._auth import TenantRegistry
@@ -57,7 +58,10 @@ class ControlServer:
         port: int = 7400,
         unix_path: str | os.PathLike[str] | None = None,
         connections_max: int = CONNECTIONS_MAX_DEFAULT,
+        ssl_context: Any = None,
     ) -> None:
+        """`ssl_context`: TLS on the TCP listener (dpu_agent/control_tls.py); Unix stays local."""
+        self._ssl = ssl_context
         assert connections_max > 0, connections_max
         self.dispatcher = Dispatcher(backend, registry)
         self._host, self._port = host, port
@@ -74,7 +78,7 @@ class ControlServer:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         tcp = await loop.create_server(lambda: _Connection(self), self._host, self._port,
-                                       backlog=256)  # fmt: skip
+                                       backlog=256, ssl=self._ssl)  # fmt: skip
         self._servers.append(tcp)
         sockname = tcp.sockets[0].getsockname()
         self.tcp_address = (sockname[0], sockname[1])

@@ -5,6 +5,7 @@ namespaces itself, so hosts (the shim's initiator, Linux nvme-tcp, SPDK's initia
 same thing either way.
 """
 
+from dpu_agent.nvmf._auth import HostKeys, load_host_keys, nqn_hash
 from dpu_agent.nvmf._connection import ADMIN_ICD_BYTES, MAXH2CDATA, MemoryViewDevice
 from dpu_agent.nvmf._controller import Controller
 from dpu_agent.nvmf._process import TargetProcess
@@ -24,10 +25,13 @@ __all__ = [
     "MAXH2CDATA",
     "TENANT_NQN_PREFIX",
     "Controller",
+    "HostKeys",
     "MemoryViewDevice",
     "NvmeTcpTarget",
     "Subsystem",
     "TargetOptions",
     "TargetProcess",
+    "load_host_keys",
+    "nqn_hash",
     "tenant_nqn",
 ]

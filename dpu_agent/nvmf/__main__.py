@@ -19,6 +19,7 @@ import sys
 from dpu_agent.blockdev import BlockDevice, FileBlockDevice, MemoryBlockDevice
 from dpu_agent.crypto import CryptoBlockDevice, XtsCipher
 from dpu_agent.log import configure_logging
+from dpu_agent.nvmf._auth import load_host_keys
 from dpu_agent.nvmf._process import XTS_KEY_ENV
 from dpu_agent.nvmf._subsystem import Subsystem, TargetOptions
 from dpu_agent.nvmf._target import NvmeTcpTarget
@@ -42,13 +43,18 @@ async def _serve(args: argparse.Namespace) -> None:
         allowed_hosts=set(args.allow_host),
         allow_any_host=args.allow_any_host,
         namespaces={1: _device(args)},
+        host_keys=load_host_keys(args.host_keys) if args.host_keys else {},
+        require_auth=args.require_auth,
+        secure_channel=args.secure_channel,
     )
     opts = TargetOptions(
         max_io_size=args.max_io_size,
         keep_alive_granularity_ms=args.keep_alive_granularity_ms,
         io_workers=args.io_workers,
     )
-    target = NvmeTcpTarget([sub], args.host, args.port, options=opts)
+    target = NvmeTcpTarget(
+        [sub], args.host, args.port, options=opts, secure_channel=args.secure_channel
+    )
     await target.start()
     print(json.dumps({"port": target.port}), flush=True)
     loop = asyncio.get_running_loop()
@@ -73,6 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--keep-alive-granularity-ms", type=int, default=10000)
     p.add_argument("--io-workers", type=int, default=4)
     p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--host-keys", help="JSON file (mode 0600): {hostnqn: {dhchap_key, ...}}")
+    p.add_argument("--require-auth", action="store_true", help="every host must authenticate")
+    p.add_argument("--secure-channel", action="store_true", help="TLS 1.3 PSK listener only")
     args = p.parse_args(argv)
     configure_logging(level=args.log_level)
     asyncio.run(_serve(args))

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 from dpu_agent.blockdev import BlockDevice, BlockDeviceError, MemoryBlockDevice
 from dpu_agent.log import get_logger
+from dpu_agent.nvmf._auth import ATR_BIT, auth_exempt, handle_auth, queue_auth
 from dpu_agent.nvmf._controller import Completion, Controller
 from kvproto.nvme import (
     R2T,
@@ -28,6 +29,7 @@ from kvproto.nvme import (
     C2HData,
     CapsuleCmd,
     CapsuleResp,
+    ControllerAuth,
     Cqe,
     FabricsType,
     H2CData,
@@ -159,6 +161,7 @@ class NvmfConnection(asyncio.BufferedProtocol):
         self.peer = ""
         self.ctrl: Controller | None = None
         self.qid: int | None = None
+        self.auth: ControllerAuth | None = None  # DH-HMAC-CHAP state of this queue (_auth.py)
         self.depth = self.opts.max_aq_depth
         self.icd_limit = ADMIN_ICD_BYTES
         self.closed = False
@@ -429,6 +432,8 @@ class NvmfConnection(asyncio.BufferedProtocol):
             return self._complete(cmd, Status.TRANSIENT_TRANSPORT_ERROR, dnr=False)
         if len(ev.data) > self.icd_limit or (ev.data and len(ev.data) != sqe.sgl.length):
             return self._complete(cmd, Status.DATA_SGL_LENGTH_INVALID)
+        if self.auth is not None and not self.auth.authenticated and not auth_exempt(sqe):
+            return self._complete(cmd, Status.AUTHENTICATION_REQUIRED)
         if sqe.opcode == AdminOpcode.FABRICS:
             return self._fabrics(cmd, ev.data)
         if self.qid is None or self.ctrl is None:
@@ -455,6 +460,8 @@ class NvmfConnection(asyncio.BufferedProtocol):
         fctype = cmd.sqe.fctype
         if fctype == FabricsType.CONNECT:
             return self.target.connect(self, cmd, data)
+        if fctype in (FabricsType.AUTH_SEND, FabricsType.AUTH_RECV):
+            return handle_auth(self, cmd, data)
         if self.ctrl is None:
             return self._complete(cmd, Status.COMMAND_SEQUENCE_ERROR)
         if fctype in (FabricsType.PROPERTY_GET, FabricsType.PROPERTY_SET) and self.qid == 0:
@@ -474,7 +481,8 @@ class NvmfConnection(asyncio.BufferedProtocol):
         self._sqhd = 0
         if qid:
             self.icd_limit = self.opts.in_capsule_data_size
-        self._complete(cmd, cdw0=ctrl.cntlid)
+        self.auth = queue_auth(ctrl)
+        self._complete(cmd, cdw0=ctrl.cntlid | (ATR_BIT if self.auth else 0))
 
     def connect_refused(self, cmd: _Cmd, status: Status, iattr: int = 0, ipo: int = 0) -> None:
         self._complete(cmd, status, cdw0=iattr | ipo << 16)

@@ -35,6 +35,9 @@ class TargetProcess:
         max_io_size: int = 1 << 20,
         keep_alive_granularity_ms: int = 10000,
         log_level: str = "WARNING",
+        host_keys_file: str | os.PathLike[str] | None = None,
+        require_auth: bool = False,
+        extra_args: Iterable[str] = (),
     ) -> None:
         args = [
             sys.executable,
@@ -57,6 +60,11 @@ class TargetProcess:
             args.append("--allow-any-host")
         if file is not None:
             args += ["--file", os.fspath(file)]
+        if host_keys_file is not None:  # DH-HMAC-CHAP/TLS keys (docs/NVME_AUTH.md)
+            args += ["--host-keys", os.fspath(host_keys_file)]
+        if require_auth:
+            args.append("--require-auth")
+        args += list(extra_args)
         env = dict(os.environ)
         if xts_key is not None:  # in the child's environment, not on its command line
             env[XTS_KEY_ENV] = xts_key.hex()

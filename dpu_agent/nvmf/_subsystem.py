@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from dpu_agent.blockdev import BlockDevice
+from dpu_agent.nvmf._auth import HostKeys
 from kvproto.nvme import DISCOVERY_NQN, NQN_BYTES_MAX
 
 __all__ = [
@@ -83,6 +84,11 @@ class Subsystem:
     allow_any_host: bool = False
     serial: str = ""
     model: str = MODEL_DEFAULT
+    # DH-HMAC-CHAP / TLS keys per host NQN; with require_auth every host must authenticate
+    # (a host without a key cannot), see docs/NVME_AUTH.md
+    host_keys: dict[str, HostKeys] = field(default_factory=dict)
+    require_auth: bool = False
+    secure_channel: bool = False  # hosts must come over TLS (a secure_channel target)
 
     def __post_init__(self) -> None:
         raw = self.nqn.encode()

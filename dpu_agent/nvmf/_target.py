@@ -14,9 +14,11 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from dpu_agent.log import get_logger
+from dpu_agent.nvmf._auth import nqn_hash
 from dpu_agent.nvmf._connection import NvmfConnection
 from dpu_agent.nvmf._controller import CNTLID_MAX, CNTLID_MIN, Controller
 from dpu_agent.nvmf._subsystem import DISCOVERY_NQN, Subsystem, TargetOptions, check_namespace
+from dpu_agent.nvmf._tls import TlsServerProtocol, check_secure, psk_lookup
 from kvproto.nvme import CONNECT_DATA_BYTES, ConnectData, ConnectDataError, Status
 from kvproto.nvme._structs import ADRFAM_IPV4, ADRFAM_IPV6, DiscoveryEntry, DiscoveryLog
 
@@ -46,7 +48,10 @@ class NvmeTcpTarget:
         *,
         options: TargetOptions | None = None,
         clock: Callable[[], float] = time.monotonic,
+        secure_channel: bool = False,
     ) -> None:
+        """`secure_channel`: the listener speaks TLS 1.3 with PSKs only (docs/NVME_AUTH.md)."""
+        self.secure_channel = secure_channel
         self.host = host
         self.port = port
         self.options = options or TargetOptions()
@@ -73,7 +78,7 @@ class NvmeTcpTarget:
             max_workers=self.options.io_workers, thread_name_prefix="nvmf-io"
         )
         self._server = await self._loop.create_server(
-            lambda: NvmfConnection(self), self.host, self.port, reuse_address=True, backlog=128
+            self._protocol_factory(), self.host, self.port, reuse_address=True, backlog=128
         )
         self.port = self._server.sockets[0].getsockname()[1]
         self._ka_task = asyncio.create_task(self._keep_alive_loop(), name="nvmf-keep-alive")
@@ -84,6 +89,12 @@ class NvmeTcpTarget:
             subsystems=sorted(self._subsystems),
             max_io_size=self.options.max_io_size,
         )
+
+    def _protocol_factory(self) -> Callable[[], asyncio.BaseProtocol]:
+        if not self.secure_channel:
+            return lambda: NvmfConnection(self)
+        lookup = psk_lookup(lambda: self._subsystems)
+        return lambda: TlsServerProtocol(NvmfConnection(self), lookup)
 
     async def stop(self) -> None:
         if self._server is None:
@@ -249,6 +260,15 @@ class NvmeTcpTarget:
                 subnqn=cd.subnqn,
                 hostnqn=cd.hostnqn,
                 reason="host not allowed",
+            )
+            return conn.connect_refused(cmd, Status.CONNECT_INVALID_HOST)
+        if not check_secure(conn, sub, cd.subnqn, cd.hostnqn):
+            log.warning(
+                "nvmf_connect_refused",
+                peer=conn.peer,
+                host=nqn_hash(cd.hostnqn),
+                subnqn=cd.subnqn,
+                reason="not the TLS identity or no secure channel",
             )
             return conn.connect_refused(cmd, Status.CONNECT_INVALID_HOST)
         depth_max = self.options.max_aq_depth if qid == 0 else self.options.max_queue_depth

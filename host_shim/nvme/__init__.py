@@ -4,6 +4,7 @@ Works against the agent's embedded target (`dpu_agent.nvmf`) and SPDK's nvmf tar
 See docs/NVME_TCP.md.
 """
 
+from host_shim.nvme._auth import DhchapOptions, NvmeAuthError
 from host_shim.nvme._blockdev import NvmeTcpBlockDevice
 from host_shim.nvme._controller import NvmeTcpController, default_hostnqn, discover
 from host_shim.nvme._errors import NvmeError, NvmeStatusError, NvmeTransportError
@@ -11,6 +12,8 @@ from host_shim.nvme._queue import C2H_PDU_BYTES_MAX, QueuePairSocket, Request
 
 __all__ = [
     "C2H_PDU_BYTES_MAX",
+    "DhchapOptions",
+    "NvmeAuthError",
     "NvmeError",
     "NvmeStatusError",
     "NvmeTcpBlockDevice",

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from host_shim.nvme._auth import DhchapOptions, authenticate, needs_auth
 from host_shim.nvme._errors import NvmeError, NvmeStatusError, NvmeTransportError
 from host_shim.nvme._queue import QueuePairSocket, Request
+from host_shim.nvme._tls import tls_wrapper
 from kvproto.nvme import (
     CONNECT_DATA_BYTES,
     DISCOVERY_ENTRY_BYTES,
@@ -93,6 +96,8 @@ class NvmeTcpController:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = threading.Event()
         self._ka_thread: threading.Thread | None = None
+        self.dhchap: DhchapOptions | None = None  # DH-HMAC-CHAP keys (docs/NVME_AUTH.md)
+        self._tls: Callable[[socket.socket], Any] | None = None  # secure channel wrapper
 
     # -- connect / close ------------------------------------------------------------------
 
@@ -114,15 +119,31 @@ class NvmeTcpController:
         timeout_s: float = 30.0,
         max_transfer_bytes: int | None = None,
         hostid: bytes | None = None,
+        dhchap_key: Any = None,
+        dhchap_ctrlr_key: Any = None,
+        dhchap_hashes: Sequence[Any] | None = None,
+        dhchap_dhgroups: Sequence[Any] | None = None,
+        psk: Any = None,
     ) -> NvmeTcpController:
         """Connect to `subnqn` at host:port with `io_queues` I/O queues of `queue_depth`.
 
         `max_transfer_bytes` caps the bytes per command below the controller's MDTS.
+        `dhchap_key`/`dhchap_ctrlr_key` (DhchapSecret or `DHHC-1:` string): DH-HMAC-CHAP on
+        every queue, bidirectional with a controller key (docs/NVME_AUTH.md).
+        `psk` (TlsPsk or `NVMeTLSkey-1:` string): every queue over TLS 1.3 (secure channel).
         """
+        tls = None
+        dhchap = (
+            DhchapOptions.build(dhchap_key, dhchap_ctrlr_key, dhchap_hashes, dhchap_dhgroups)
+            if dhchap_key is not None or dhchap_ctrlr_key is not None
+            else None
+        )
         if queue_depth < 2 or admin_queue_depth < 2:
             raise ValueError("queue depths must be >= 2 (SQSIZE is 0's based and must be >= 1)")
         hostnqn = hostnqn or default_hostnqn()
         hostid = hostid or uuid.uuid5(uuid.NAMESPACE_URL, hostnqn).bytes
+        if psk is not None:
+            tls = tls_wrapper(psk, hostnqn, subnqn)
         admin = QueuePairSocket(
             host,
             port,
@@ -131,6 +152,7 @@ class NvmeTcpController:
             timeout_s=timeout_s,
             hdgst=hdgst,
             ddgst=ddgst,
+            tls=tls,
         )
         ctrl = cls(
             admin=admin,
@@ -140,6 +162,8 @@ class NvmeTcpController:
             kato_ms=kato_ms,
             max_transfer_bytes=max_transfer_bytes,
         )
+        ctrl.dhchap = dhchap
+        ctrl._tls = tls
         try:
             ctrl._start_admin(timeout_s)
             if subnqn != DISCOVERY_NQN and io_queues:
@@ -161,6 +185,7 @@ class NvmeTcpController:
         """Connect the admin queue, enable the controller, learn its limits."""
         cqe = _connect_queue(self._admin, self._connect_data(0xFFFF), self.kato_ms)
         self.cntlid = cqe.cdw0 & 0xFFFF
+        self._authenticate(self._admin, cqe)
         self._enable(timeout_s)
         self.ident = ident = self.identify_controller()
         limit = 4096 << ident.mdts if ident.mdts else TRANSFER_BYTES_DEFAULT_MAX
@@ -188,15 +213,33 @@ class NvmeTcpController:
         icd = max(0, self.ident.ioccsz * 16 - 64) if self.ident.ioccsz else 0
         for qid in range(1, granted + 1):
             q = QueuePairSocket(
-                host, port, qid=qid, depth=depth, timeout_s=timeout_s, hdgst=hdgst, ddgst=ddgst
+                host,
+                port,
+                qid=qid,
+                depth=depth,
+                timeout_s=timeout_s,
+                hdgst=hdgst,
+                ddgst=ddgst,
+                tls=self._tls,
             )
             self._io.append(q)
             q.icd_bytes = icd
-            _connect_queue(q, self._connect_data(self.cntlid), 0)
+            self._authenticate(q, _connect_queue(q, self._connect_data(self.cntlid), 0))
         if len(self._io) > 1:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 len(self._io), thread_name_prefix="nvme-tcp"
             )
+
+    def _authenticate(self, q: QueuePairSocket, cqe: Cqe, *, force: bool = False) -> None:
+        if force or needs_auth(cqe, self.dhchap):
+            authenticate(q, self.dhchap, hostnqn=self.hostnqn, subnqn=self.subnqn)
+
+    def reauthenticate(self) -> None:
+        """A new DH-HMAC-CHAP transaction on every queue (NVMe 8.13.5.8 re-authentication).
+        Raises NvmeAuthError if the controller refuses, NvmeStatusError if it does not
+        support re-authentication (older SPDK targets answer Command Sequence Error)."""
+        for q in [self._admin, *self._io]:  # I/O may continue meanwhile (the spec allows it)
+            self._authenticate(q, Cqe(cid=0), force=True)
 
     def _enable(self, timeout_s: float) -> None:
         cap = self.property_get(Property.CAP)

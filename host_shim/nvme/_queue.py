@@ -17,6 +17,7 @@ import socket
 import struct
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from host_shim.nvme._errors import NvmeTransportError
 from kvproto.nvme import (
@@ -58,7 +59,7 @@ Buffer = bytes | bytearray | memoryview
 class Request:
     """One command to run: `make(cid)` builds its SQE; data goes out of or into the views."""
 
-    __slots__ = ("bad", "cqe", "data_in", "data_out", "make", "received", "what")
+    __slots__ = ("bad", "cqe", "data_in", "data_out", "make", "partial_ok", "received", "what")
 
     def __init__(
         self,
@@ -75,6 +76,7 @@ class Request:
         self.cqe: Cqe | None = None
         self.received = 0
         self.bad = False
+        self.partial_ok = False  # fewer bytes than data_in is fine (Authentication Receive)
 
 
 class QueuePairSocket:
@@ -90,7 +92,9 @@ class QueuePairSocket:
         timeout_s: float,
         hdgst: bool = False,
         ddgst: bool = False,
+        tls: Callable[[socket.socket], Any] | None = None,
     ) -> None:
+        """`tls`: wraps the connected socket (a TLS 1.3 secure channel, host_shim/nvme/_tls.py)."""
         assert 1 <= depth <= 65536, depth
         self.qid = qid
         self.depth = depth
@@ -113,6 +117,8 @@ class QueuePairSocket:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
             self._sock.settimeout(None)
+            if tls is not None:
+                self._sock = tls(self._sock)
         except OSError as e:
             raise NvmeTransportError(f"cannot connect to {host}:{port}: {e}") from e
         self.peer = f"{host}:{port}"
@@ -239,7 +245,12 @@ class QueuePairSocket:
             )
         if req.bad and cqe.ok:
             cqe = Cqe.error(cid=cid, status=Status.TRANSIENT_TRANSPORT_ERROR, dnr=False)
-        elif cqe.ok and req.data_in is not None and req.received != len(req.data_in):
+        elif (
+            cqe.ok
+            and req.data_in is not None
+            and req.received != len(req.data_in)
+            and not req.partial_ok
+        ):
             # success without all the data: never hand back a half-filled buffer as read
             cqe = Cqe.error(cid=cid, status=Status.DATA_TRANSFER_ERROR, cdw0=req.received)
         req.cqe = cqe

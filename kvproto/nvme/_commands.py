@@ -77,6 +77,8 @@ class FabricsType(enum.IntEnum):
     PROPERTY_SET = 0x00
     CONNECT = 0x01
     PROPERTY_GET = 0x04
+    AUTH_SEND = 0x05
+    AUTH_RECV = 0x06
     DISCONNECT = 0x08
 
 

@@ -72,6 +72,7 @@ class Status(enum.IntEnum):
     CONNECT_CONTROLLER_BUSY = 0x181
     CONNECT_INVALID_PARAMETERS = 0x182
     CONNECT_INVALID_HOST = 0x184
+    AUTHENTICATION_REQUIRED = 0x191  # a command before DH-HMAC-CHAP completed on the queue
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

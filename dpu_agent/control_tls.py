@@ -1,0 +1,55 @@
+"""TLS for the control plane: the agent's server context and the exposure warning.
+
+Tokens and the NVMe keys the agent issues (hello) travel on the control plane, so beyond
+loopback it must be TLS: `[control] tls_cert` / `tls_key` (PEM) turn it on for the TCP
+listener (the Unix socket stays local, mode 0600); `tls_client_ca` makes client certificates
+mandatory (mutual TLS: hosts and other agents of the cluster present a certificate that CA
+signed). Clients use `tls://host:port` URLs (host_shim.client). Python's `ssl` does this part:
+certificates, no external PSK.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import ssl
+
+from dpu_agent.config import AgentConfig
+
+__all__ = ["exposure_warning", "server_context"]
+
+
+def server_context(cfg: AgentConfig) -> ssl.SSLContext | None:
+    """The control listener's TLS context, or None when [control] has no certificate."""
+    c = cfg.control
+    if not c.tls_cert:
+        if c.tls_key or c.tls_client_ca:
+            raise ValueError("[control] tls_key/tls_client_ca need tls_cert")
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cfg.path(c.tls_cert), cfg.path(c.tls_key) if c.tls_key else None)
+    if c.tls_client_ca:
+        ctx.load_verify_locations(cfg.path(c.tls_client_ca))
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def _loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
+
+
+def exposure_warning(cfg: AgentConfig) -> str | None:
+    """What `dpuctl agent run` warns about: a control plane beyond loopback without TLS."""
+    c = cfg.control
+    if c.tls_cert or _loopback(c.host):
+        return None
+    return (
+        f"the control plane listens on {c.host}:{c.port} beyond loopback WITHOUT TLS: tenant "
+        "tokens and the NVMe keys the agent issues cross the network in the clear; set "
+        "[control] tls_cert and tls_key (and tls_client_ca for client certificates)"
+    )

@@ -1,0 +1,202 @@
+"""In-band authentication (DH-HMAC-CHAP) on the target: keys per host, the queue's state.
+
+A subsystem holds `HostKeys` per host NQN (`Subsystem.host_keys`). A host with a DH-HMAC-CHAP
+key there, or any host of a subsystem with `require_auth`, must authenticate each queue after
+its Connect (the Connect response sets AUTHREQ.ATR); until it has, every command other than
+Authentication Send/Receive and Disconnect completes with Authentication Required (SCT 1,
+SC 0x91), as SPDK does. A wrong or missing key gets AUTH_Failure1 ("authentication failed")
+and the connection closes. Refusals are logged with a hash of the host NQN, never the NQN
+or anything of the key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from dpu_agent.log import get_logger
+from kvproto.nvme import (
+    AUTH_DATA_BYTES_MAX,
+    AdminOpcode,
+    ControllerAuth,
+    ControllerAuthState,
+    DhchapSecret,
+    FabricsType,
+    SglType,
+    Sqe,
+    Status,
+    TlsPsk,
+    auth_command_ok,
+)
+
+if TYPE_CHECKING:
+    from dpu_agent.nvmf._connection import NvmfConnection, _Cmd
+    from dpu_agent.nvmf._controller import Controller
+
+__all__ = [
+    "ATR_BIT",
+    "HostKeys",
+    "auth_exempt",
+    "handle_auth",
+    "host_keys_from_dict",
+    "host_keys_to_dict",
+    "load_host_keys",
+    "nqn_hash",
+    "queue_auth",
+]
+
+log = get_logger("dpu_agent.nvmf")
+
+ATR_BIT = 1 << 17  # Connect response dword 0, AUTHREQ bit 1: authentication required
+# After AUTH_Failure1 the host must read it before the connection goes: closing at once races
+# with what the host still sends (SPDK's host then sees a reset, not the refusal). The queue
+# answers Authentication Required meanwhile; a host that lingers is closed after this.
+AUTH_FAILED_CLOSE_S = 2.0
+_EXEMPT = frozenset({FabricsType.AUTH_SEND, FabricsType.AUTH_RECV, FabricsType.DISCONNECT})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostKeys:
+    """What a host must prove on a subsystem: DH-HMAC-CHAP key, optional controller key
+    (bidirectional authentication), optional TLS PSK (secure channel)."""
+
+    dhchap_key: DhchapSecret | None = None
+    dhchap_ctrlr_key: DhchapSecret | None = None
+    psk: TlsPsk | None = None
+
+    def __post_init__(self) -> None:
+        if self.dhchap_ctrlr_key is not None and self.dhchap_key is None:
+            raise ValueError("a controller key needs a host key (bidirectional authentication)")
+
+    def __repr__(self) -> str:
+        return (
+            f"HostKeys(dhchap={self.dhchap_key is not None}, "
+            f"ctrlr={self.dhchap_ctrlr_key is not None}, psk={self.psk is not None})"
+        )
+
+
+def load_host_keys(path: str | os.PathLike[str]) -> dict[str, HostKeys]:
+    """`{hostnqn: {"dhchap_key": "DHHC-1:..", "dhchap_ctrlr_key": .., "psk": "NVMeTLSkey-1:.."}}`
+    from a JSON file only its owner may read (the file holds secrets)."""
+    st = os.stat(path)
+    if st.st_mode & 0o077:
+        raise ValueError(f"{path}: key file must not be readable by others (chmod 600)")
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    return {host: host_keys_from_dict(v) for host, v in raw.items()}
+
+
+def host_keys_from_dict(v: dict[str, str]) -> HostKeys:
+    def get(name: str) -> str | None:
+        return v.get(name) or None
+
+    key, ckey, psk = get("dhchap_key"), get("dhchap_ctrlr_key"), get("psk")
+    return HostKeys(
+        dhchap_key=DhchapSecret.parse(key) if key else None,
+        dhchap_ctrlr_key=DhchapSecret.parse(ckey) if ckey else None,
+        psk=TlsPsk.parse(psk) if psk else None,
+    )
+
+
+def host_keys_to_dict(k: HostKeys) -> dict[str, str]:
+    out = {}
+    if k.dhchap_key is not None:
+        out["dhchap_key"] = k.dhchap_key.format()
+    if k.dhchap_ctrlr_key is not None:
+        out["dhchap_ctrlr_key"] = k.dhchap_ctrlr_key.format()
+    if k.psk is not None:
+        out["psk"] = k.psk.format()
+    return out
+
+
+def nqn_hash(nqn: str) -> str:
+    """What logs say instead of a host NQN (stable, not reversible)."""
+    return hashlib.sha256(nqn.encode()).hexdigest()[:16]
+
+
+def queue_auth(ctrl: Controller, *, voluntary: bool = False) -> ControllerAuth | None:
+    """The authentication state for a new queue of `ctrl`, or None if it needs none.
+    `voluntary`: the host asked to authenticate though the subsystem does not require it."""
+    sub = ctrl.subsystem
+    if sub is None:
+        return None
+    keys: HostKeys | None = sub.host_keys.get(ctrl.hostnqn)
+    key = keys.dhchap_key if keys else None
+    if key is None and not sub.require_auth and not voluntary:
+        return None
+    return ControllerAuth(
+        hostnqn=ctrl.hostnqn,
+        subnqn=ctrl.subnqn,
+        key=key,
+        ctrl_key=keys.dhchap_ctrlr_key if keys else None,
+    )
+
+
+def auth_exempt(sqe: Sqe) -> bool:
+    """Commands an unauthenticated queue may still send."""
+    return sqe.opcode == AdminOpcode.FABRICS and sqe.fctype in _EXEMPT
+
+
+def handle_auth(conn: NvmfConnection, cmd: _Cmd, data: bytes | bytearray | memoryview) -> None:
+    """Fabrics Authentication Send / Receive on `conn`."""
+    sqe = cmd.sqe
+    ctrl = conn.ctrl
+    if ctrl is None:
+        return conn._complete(cmd, Status.COMMAND_SEQUENCE_ERROR)
+    if not auth_command_ok(sqe):
+        return conn._complete(cmd, Status.INVALID_FIELD)
+    if conn.auth is None:
+        conn.auth = queue_auth(ctrl, voluntary=True)
+    auth = conn.auth
+    if auth is None:
+        return conn._complete(cmd, Status.COMMAND_SEQUENCE_ERROR)  # the discovery controller
+    if sqe.fctype == FabricsType.AUTH_SEND:
+        if len(data) != sqe.cdw11 or sqe.sgl.type != SglType.DATA_BLOCK_OFFSET:
+            return conn._complete(cmd, Status.DATA_SGL_LENGTH_INVALID)
+        auth.send(data)
+        conn._complete(cmd)
+        if auth.state is ControllerAuthState.ERROR:  # the host sent AUTH_Failure2
+            _refused(conn, ctrl, auth, "host refused the controller")
+        elif auth.state is ControllerAuthState.COMPLETED:  # Success2 (bidirectional)
+            _authenticated(conn, ctrl, auth)
+        return None
+    if sqe.sgl.type != SglType.TRANSPORT_DATA_BLOCK or sqe.sgl.length < sqe.cdw11:
+        return conn._complete(cmd, Status.DATA_SGL_LENGTH_INVALID)
+    msg = auth.receive()
+    assert len(msg) <= AUTH_DATA_BYTES_MAX, len(msg)
+    if len(msg) > sqe.cdw11:
+        return conn._complete(cmd, Status.INVALID_FIELD)
+    conn._send_data(cmd, msg)
+    if auth.state is ControllerAuthState.ERROR:
+        _refused(conn, ctrl, auth, auth.fail_reason.name.lower())
+    elif auth.state is ControllerAuthState.COMPLETED:  # Success1 (unidirectional)
+        _authenticated(conn, ctrl, auth)
+    return None
+
+
+def _authenticated(conn: NvmfConnection, ctrl: Controller, auth: ControllerAuth) -> None:
+    log.info(
+        "nvmf_auth_ok",
+        host=nqn_hash(ctrl.hostnqn),
+        subnqn=ctrl.subnqn,
+        qid=conn.qid,
+        hash=auth.hash.name,
+        dhgroup=auth.dhgroup.name,
+        transactions=auth.transactions,
+    )
+
+
+def _refused(conn: NvmfConnection, ctrl: Controller, auth: ControllerAuth, why: str) -> None:
+    log.warning(
+        "nvmf_auth_refused",
+        host=nqn_hash(ctrl.hostnqn),
+        subnqn=ctrl.subnqn,
+        qid=conn.qid,
+        peer=conn.peer,
+        reason=why,
+    )
+    asyncio.get_running_loop().call_later(AUTH_FAILED_CLOSE_S, conn.close)

@@ -1,0 +1,171 @@
+"""Issued keys and tenant isolation on the data plane (agent with `[nvmf] require_auth`).
+
+The agent issues each host's DH-HMAC-CHAP secret when it says hello with its tenant's token,
+and `dpuctl hosts add` issues one for an operator. A host that knows another tenant's NQN (and
+even a host NQN allowed there) but not that host's secret gets nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dpu_agent.service import AgentProcess, spawn_agent, subsystem_nqn
+from host_shim.client import ControlChannel, KVClient
+from host_shim.nvme import NvmeAuthError, NvmeError, NvmeStatusError, NvmeTcpController
+from kvproto.control import ADMIN_TENANT
+from kvproto.keys import ChunkLayout
+from kvproto.nvme import DhchapSecret, Status
+
+LAYOUT = ChunkLayout("test-model", "float16", 2, 2, 64, chunk_tokens=16)
+SALT = b"tenant-isolation"
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
+    a = spawn_agent(
+        tmp_path_factory.mktemp("auth-agent") / "var", env={"DPUKV_NVMF_REQUIRE_AUTH": "true"}
+    )
+    yield a
+    a.stop()
+
+
+def _admin(a: AgentProcess, op: str, **fields: object) -> dict[str, object]:
+    with ControlChannel(a.control_url, ADMIN_TENANT, a.admin_token) as adm:
+        adm.connect()
+        return dict(adm.call(op, **fields))
+
+
+def _hello(a: AgentProcess, tenant: str, token: str, hostnqn: str) -> dict[str, object]:
+    with ControlChannel(a.control_url, tenant, token, hostnqn=hostnqn) as ch:
+        return dict(ch.connect()["nvme"])
+
+
+def _nvme_addr(nv: dict[str, object]) -> tuple[str, int]:
+    return str(nv["host"]), int(str(nv["port"]))
+
+
+def test_kvclient_gets_its_key_by_hello_and_round_trips(agent: AgentProcess) -> None:
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 50000, size=LAYOUT.chunk_tokens * 2, dtype=np.int64)
+    data = [rng.standard_normal(LAYOUT.chunk_shape).astype(np.float16) for _ in range(2)]
+    with KVClient(agent.control_url, "default", agent.token, LAYOUT, SALT) as c:
+        assert c.put(tokens, data) == 2
+        out = [np.empty(LAYOUT.chunk_shape, np.float16) for _ in range(2)]
+        assert c.get(tokens, out) == 2
+        assert all(np.array_equal(x, y) for x, y in zip(out, data, strict=True))
+
+
+def test_same_host_gets_the_same_key_and_it_survives_restart_of_the_client(
+    agent: AgentProcess,
+) -> None:
+    host = f"nqn.2014-08.org.nvmexpress:uuid:{uuid.uuid4()}"
+    first = _hello(agent, "default", agent.token, host)
+    second = _hello(agent, "default", agent.token, host)
+    assert first["dhchap_key"] == second["dhchap_key"]
+    DhchapSecret.parse(str(first["dhchap_key"]))
+
+
+def test_host_knowing_another_tenants_nqn_but_not_its_secret_gets_nothing(
+    agent: AgentProcess,
+) -> None:
+    token_b = str(_admin(agent, "tenant_add", tenant="bravo")["token"])
+    victim = f"nqn.2014-08.org.nvmexpress:uuid:{uuid.uuid4()}"
+    attacker = f"nqn.2014-08.org.nvmexpress:uuid:{uuid.uuid4()}"
+    nv_a = _hello(agent, "default", agent.token, victim)  # the victim's host, tenant default
+    nv_b = _hello(agent, "bravo", token_b, attacker)  # the attacker is a real tenant (bravo)
+    host, port = _nvme_addr(nv_a)
+    sub_a = subsystem_nqn("default")
+    assert nv_a["subnqn"] == sub_a and nv_b["subnqn"] != sub_a
+    # 1. its own host NQN on tenant default's subsystem: not allowed there at all
+    with pytest.raises(NvmeStatusError) as e:
+        NvmeTcpController.connect(host, port, sub_a, attacker, dhchap_key=str(nv_b["dhchap_key"]))
+    assert e.value.code == Status.CONNECT_INVALID_HOST
+    # 2. the victim's host NQN (allowed there) with its own, bravo-issued secret: refused
+    with pytest.raises(NvmeAuthError, match="FAILED"):
+        NvmeTcpController.connect(host, port, sub_a, victim, dhchap_key=str(nv_b["dhchap_key"]))
+    # 3. the victim's host NQN and no secret at all: Authentication Required on every command
+    with pytest.raises(NvmeAuthError, match="requires DH-HMAC-CHAP"):
+        NvmeTcpController.connect(host, port, sub_a, victim)
+    # 4. a guessed secret: refused
+    with pytest.raises(NvmeAuthError, match="FAILED"):
+        NvmeTcpController.connect(host, port, sub_a, victim, dhchap_key=DhchapSecret.generate())
+    # the victim itself gets in
+    with NvmeTcpController.connect(
+        host, port, sub_a, victim, dhchap_key=str(nv_a["dhchap_key"])
+    ) as c:
+        assert c.active_namespaces()
+
+
+def test_dpuctl_hosts_add_issues_a_key(agent: AgentProcess) -> None:
+    nqn = f"nqn.2014-08.org.nvmexpress:uuid:{uuid.uuid4()}"
+    env = {**os.environ, "DPUKV_AGENT_DATA_DIR": str(agent.data_dir)}
+    run = [sys.executable, "-c", "from dpu_agent.cli import main; main()", "hosts", "add"]
+    out = subprocess.run(
+        [*run, "--tenant", "default", "--nqn", nqn, "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    reply = json.loads(out.stdout)
+    key = DhchapSecret.parse(reply["dhchap_key"])
+    host, port = agent.state["nvmf"].rsplit(":", 1)
+    with NvmeTcpController.connect(host, int(port), reply["subnqn"], nqn, dhchap_key=key) as c:
+        assert c.active_namespaces()
+    keys_file = Path(agent.data_dir) / "host_keys.json"
+    assert keys_file.stat().st_mode & 0o077 == 0
+    bad = subprocess.run(
+        [*run, "--tenant", "default", "--nqn", "not an nqn"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    missing = subprocess.run(
+        [*run, "--tenant", "nosuch", "--nqn", nqn, "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode != 0 and "Traceback" not in missing.stderr
+    assert "error" in missing.stdout.lower() or "error" in missing.stderr.lower()
+
+
+def test_agent_with_secure_channel_and_auth_issues_both_keys(tmp_path: Path) -> None:
+    env = {"DPUKV_NVMF_REQUIRE_AUTH": "true", "DPUKV_NVMF_SECURE_CHANNEL": "true"}
+    a = spawn_agent(tmp_path / "var", env=env)
+    try:
+        host = f"nqn.2014-08.org.nvmexpress:uuid:{uuid.uuid4()}"
+        nv = _hello(a, "default", a.token, host)
+        assert str(nv["psk"]).startswith("NVMeTLSkey-1:01:") and "dhchap_key" in nv
+        addr, port = _nvme_addr(nv)
+        sub = str(nv["subnqn"])
+        with NvmeTcpController.connect(
+            addr, port, sub, host, psk=str(nv["psk"]), dhchap_key=str(nv["dhchap_key"])
+        ) as c:
+            assert c.active_namespaces()
+        with pytest.raises(NvmeError):  # plaintext to the TLS listener
+            NvmeTcpController.connect(
+                addr, port, sub, host, dhchap_key=str(nv["dhchap_key"]), timeout_s=5
+            )
+        rng = np.random.default_rng(2)
+        tokens = rng.integers(0, 50000, size=LAYOUT.chunk_tokens, dtype=np.int64)
+        data = [rng.standard_normal(LAYOUT.chunk_shape).astype(np.float16)]
+        with KVClient(a.control_url, "default", a.token, LAYOUT, SALT) as c:
+            assert c.put(tokens, data) == 1
+            out = [np.empty(LAYOUT.chunk_shape, np.float16)]
+            assert c.get(tokens, out) == 1 and np.array_equal(out[0], data[0])
+    finally:
+        a.stop()
