@@ -1,0 +1,11 @@
+"""Cluster membership through a real Serf agent, and the placement every node computes from it.
+
+`SerfClient` speaks Serf's RPC (codec in kvproto.serf); `SerfProcess` runs a `serf agent`
+child; `Membership` keeps the agent's view of the cluster (tags published, members followed
+through the RPC event stream, placement epoch) for the control server.
+"""
+
+from dpu_agent.cluster._serf_client import RECORDS_MAX, SerfClient, SerfUnreachable
+from dpu_agent.cluster._serf_process import SerfProcess, free_port
+
+__all__ = ["RECORDS_MAX", "SerfClient", "SerfProcess", "SerfUnreachable", "free_port"]
