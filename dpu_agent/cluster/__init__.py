@@ -5,7 +5,20 @@ child; `Membership` keeps the agent's view of the cluster (tags published, membe
 through the RPC event stream, placement epoch) for the control server.
 """
 
+from dpu_agent.cluster._agent import agent_cluster_view, start_membership
+from dpu_agent.cluster._membership import Membership, MembershipOptions, node_of
 from dpu_agent.cluster._serf_client import RECORDS_MAX, SerfClient, SerfUnreachable
 from dpu_agent.cluster._serf_process import SerfProcess, free_port
 
-__all__ = ["RECORDS_MAX", "SerfClient", "SerfProcess", "SerfUnreachable", "free_port"]
+__all__ = [
+    "RECORDS_MAX",
+    "Membership",
+    "MembershipOptions",
+    "SerfClient",
+    "SerfProcess",
+    "SerfUnreachable",
+    "agent_cluster_view",
+    "free_port",
+    "node_of",
+    "start_membership",
+]

@@ -71,6 +71,14 @@ class ControlBackend(Protocol):
 
     def members(self) -> list[dict[str, Any]]: ...
 
+    def cluster_view(self, tenant: str) -> dict[str, Any]:
+        """Cluster mode: epoch and replicas for `members`; {} for a single node."""
+        ...
+
+    def cluster_epoch(self) -> int | None:
+        """The membership epoch requests are checked against; None: not in a cluster."""
+        ...
+
     def tenants_list(self) -> list[dict[str, Any]]: ...
 
     async def admin(self, op: str, fields: Mapping[str, Any]) -> dict[str, Any]: ...
@@ -249,6 +257,8 @@ class Dispatcher:
     # --- tenant operations (always scoped to s.tenant) --------------------------------------
     def _lookup(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
         keys: list[bytes] = f["keys"]
+        if "epoch" in f:
+            self._check_epoch(f["epoch"])
         if not keys:
             return {"hits": [], "lease_id": 0, "lease_expires_s": 0.0}
         _prune(s.leases, SESSION_LEASES_MAX, "leases")
@@ -271,7 +281,17 @@ class Dispatcher:
         self.backend.engine.release(s.tenant, lease_id)
         return {}
 
+    def _check_epoch(self, epoch: int) -> None:
+        current = self.backend.cluster_epoch()
+        if current is not None and epoch != current:
+            raise RemoteProtocolError(
+                f"membership epoch {epoch} is not this node's {current}; read members again",
+                ErrorCode.MOVED,
+            )
+
     def _reserve(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
+        if "epoch" in f:
+            self._check_epoch(f["epoch"])
         _prune(s.reservations, SESSION_RESERVATIONS_MAX, "reservations")
         r = self.backend.engine.reserve(s.tenant, f["key"], f["length"], parent=f.get("parent"))
         expiry = time.monotonic() + self.backend.lease_ttl_s
@@ -322,7 +342,7 @@ class Dispatcher:
         return {"stats": plain(stats)}
 
     def _members(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
-        return {"members": plain(self.backend.members())}
+        return {"members": plain(self.backend.members()), **self.backend.cluster_view(s.tenant)}
 
     def _tenants_list(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
         return {"tenants": plain(self.backend.tenants_list())}
