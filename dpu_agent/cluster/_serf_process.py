@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -26,18 +27,26 @@ SERF_START_TIMEOUT_S = 20.0  # Serf starts in ~0.1 s; a loaded 2-core box is far
 SERF_STOP_TIMEOUT_S = 10.0  # a graceful leave waits for its broadcast (5 s by default)
 
 
+# Serf has no port 0: ports are picked for it, below Linux's ephemeral range (32768-60999) so
+# that a port 0 bind elsewhere (our own NVMe/TCP target, other tests) cannot take it between
+# the pick and Serf's bind.
+PICK_PORT_RANGE = (20000, 32000)
+PICK_PORT_TRIES_MAX = 256
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now (TCP; Serf binds TCP and UDP on its gossip port)."""
-    for _ in range(32):  # a TCP-free port whose UDP twin is taken is rare: retry a few
+    """A port free right now for TCP and UDP (Serf binds both on its gossip port)."""
+    rng = random.Random()
+    for _ in range(PICK_PORT_TRIES_MAX):
+        port = rng.randrange(*PICK_PORT_RANGE)
         with socket.socket() as s, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
-            s.bind((host, 0))
-            port = int(s.getsockname()[1])
             try:
+                s.bind((host, port))
                 u.bind((host, port))
             except OSError:
                 continue
             return port
-    raise OSError("no free TCP+UDP port found on " + host)
+    raise OSError(f"no free TCP+UDP port in {PICK_PORT_RANGE} on {host}")
 
 
 class SerfProcess:
