@@ -140,6 +140,7 @@ class ClusterSection:
     replicas: int = 1  # copies of each chunk (R); a tenant's own `replicas` overrides it
     refresh_interval_s: float = 5.0  # re-read the member list at least this often
     advertise_host: str = ""  # host in the published control/NVMe addresses ("" = bind host)
+    rebalance_bytes_per_s: int = 64 << 20  # hand-off rate after a membership change
 
 
 @dataclass(slots=True, kw_only=True)

@@ -96,6 +96,7 @@ class ClusterKVClient(KVClient):
                                            "hostnqn": hostnqn}  # fmt: skip
         self._clients: dict[str, KVClient] = {}
         self._placement = Placement([])
+        self._previous: Placement | None = None
         self._epoch: int | None = None
         self.replicas = 1
         self._refreshed_at = 0.0
@@ -143,7 +144,10 @@ class ClusterKVClient(KVClient):
             nodes = [Node(name=str(rows[0]["name"]) if rows else url, control=url)]
         else:
             nodes = [Node.from_dict(r) for r in rows if r.get("status") == "alive"]
-        self._placement = Placement(nodes)
+        placement = Placement(nodes)
+        if placement.epoch != self._placement.epoch and self._placement.serving:
+            self._previous = self._placement  # reads fall back to it while chunks move
+        self._placement = placement
         self._epoch = res.get("epoch")
         self.replicas = max(1, min(REPLICAS_MAX, int(res.get("replicas") or 1)))
         self._refreshed_at = time.monotonic()
@@ -175,6 +179,19 @@ class ClusterKVClient(KVClient):
             p = self._placement
             return list(p.serving), p.owner_index(keys64(keys), self.replicas)
 
+    def _fallback(self, keys: list[bytes], tried: list[set[str]]) -> tuple[list[Node], np.ndarray]:
+        """The previous view's first owners that are still members and were not asked: while
+        a join's chunks move to their new owners, reads find them where they were."""
+        with self._lock:
+            prev, live = self._previous, {n.name: n for n in self._placement.serving}
+        if prev is None or not live:
+            return [], np.empty(0, dtype=np.int64)
+        nodes = [live.get(n.name) or n for n in prev.serving]
+        idx = prev.primary_index(keys64(keys))
+        keep = np.array([nodes[int(i)].name in live and nodes[int(i)].name not in tried[k]
+                         for k, i in enumerate(idx)], dtype=bool)  # fmt: skip
+        return nodes, np.where(keep, idx, -1)
+
     # --- fan-out -------------------------------------------------------------------------
     def _by_owner(
         self,
@@ -202,22 +219,38 @@ class ClusterKVClient(KVClient):
         out: list[Any] = [None] * len(keys)
         pending = list(range(len(keys)))
         for rank in range(owners.shape[1]):
-            groups: dict[int, list[int]] = {}
-            for i in pending:
-                groups.setdefault(int(owners[i, rank]), []).append(i)
-            jobs = {n: self._pool.submit(self._one, nodes[n], idxs, call)
-                    for n, idxs in groups.items()}  # fmt: skip
-            pending = []
-            for n, fut in jobs.items():
-                idxs, got = groups[n], fut.result()
-                served = got if isinstance(got, list) else [True] * got
-                for i, value in zip(idxs, served, strict=False):
-                    out[i] = value
-                pending += idxs[len(served) :]
+            pending = self._round(nodes, owners[:, rank], pending, call, out)
             if not pending:
-                break
-            pending.sort()
+                return out
+        tried = [{nodes[int(j)].name for j in row} for row in owners]
+        prev_nodes, prev = self._fallback(keys, tried)
+        if len(prev) and pending:
+            pending = [i for i in pending if prev[i] >= 0]
+            self._round(prev_nodes, prev, pending, call, out)
         return out
+
+    def _round(
+        self,
+        nodes: list[Node],
+        owner: np.ndarray,
+        pending: list[int],
+        call: Callable[[KVClient, list[int]], int | list[int]],
+        out: list[Any],
+    ) -> list[int]:
+        """Ask each node in `owner[pending]` for its keys; fill `out`; what is still missing."""
+        groups: dict[int, list[int]] = {}
+        for i in pending:
+            groups.setdefault(int(owner[i]), []).append(i)
+        jobs = {n: self._pool.submit(self._one, nodes[n], idxs, call)
+                for n, idxs in groups.items()}  # fmt: skip
+        missing = []
+        for n, fut in jobs.items():
+            idxs, got = groups[n], fut.result()
+            served = got if isinstance(got, list) else [True] * got
+            for i, value in zip(idxs, served, strict=False):
+                out[i] = value
+            missing += idxs[len(served) :]
+        return sorted(missing)
 
     def _one(self, node: Node, idxs: list[int], call: Callable[..., Any]) -> Any:
         try:

@@ -4,17 +4,17 @@ NVMe/TCP and encryption; a ClusterKVClient routes by rendezvous placement."""
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cluster_harness import Cluster
 
 from host_shim import KVClient
 from host_shim.cluster import ClusterKVClient
 from kvproto.keys import ChunkLayout
-
-from cluster_harness import Cluster
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("serf") is None, reason="needs the serf binary"),
@@ -101,3 +101,49 @@ def test_r2_kill9_every_chunk_still_served_byte_exact(cluster3: Cluster) -> None
             assert kv.get(prompt(i), out) == 1, i
             assert out[0].tobytes() == chunk(i).tobytes()
         assert kv.lookup(prompt(3)) == 1
+
+
+def _rebalanced(c: Cluster, names: list[str]) -> bool:
+    """Every node's last rebalance pass ran at the current epoch and left nothing pending."""
+    views = [c.members(n) for n in names]
+    epochs = {v["epoch"] for v in views}
+    return len(epochs) == 1 and all(
+        not v["rebalance"]["running"] and v["rebalance"]["pending"] == 0
+        and v["rebalance"]["epoch"] == v["epoch"] for v in views
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("cluster3", [1], indirect=True)
+def test_join_moves_only_newly_owned_chunks_while_lookups_answer(cluster3: Cluster) -> None:
+    c = cluster3
+    out = [np.empty(LAYOUT.chunk_shape, np.float16)]
+    with client(c) as kv:
+        assert kv.refresh()
+        assert all(kv.put(prompt(i), [chunk(i)]) == 1 for i in range(PROMPTS))
+        before = {i: owner_of(kv, i)[0] for i in range(PROMPTS)}
+        c.start("n4")
+        names = ["n1", "n2", "n3", "n4"]
+        hits = asked = 0
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # lookups go on while n4 joins and chunks move
+            for i in range(PROMPTS):
+                got = kv.get(prompt(i), out)
+                hits += got == 1 and out[0].tobytes() == chunk(i).tobytes()
+                asked += 1
+            try:
+                done = c.wait_serving(names, on=names, timeout_s=0.5) and _rebalanced(c, names)
+            except AssertionError:
+                done = False
+            if done:
+                break
+        assert kv.refresh() and len(kv.placement.serving) == 4
+        after = {i: owner_of(kv, i)[0] for i in range(PROMPTS)}
+        assert all(after[i] in (before[i], "n4") for i in range(PROMPTS))  # nothing else moves
+        gained = {i for i in range(PROMPTS) if after[i] == "n4"}
+        assert gained, "24 keys over 4 nodes: n4 owns some"
+        for name in names:
+            assert held_by(c, name, kv) == {i for i in range(PROMPTS) if after[i] == name}
+        moved = sum(c.members(n)["rebalance"]["moved_chunks"] for n in names)
+        assert moved == len(gained)
+        assert hits >= 0.9 * asked, (hits, asked)
+        assert all(kv.get(prompt(i), out) == 1 for i in range(PROMPTS))

@@ -7,6 +7,7 @@ through the RPC event stream, placement epoch) for the control server.
 
 from dpu_agent.cluster._agent import agent_cluster_view, start_membership
 from dpu_agent.cluster._membership import Membership, MembershipOptions, node_of
+from dpu_agent.cluster._rebalance import RebalanceProgress, Rebalancer, tenant_keys
 from dpu_agent.cluster._serf_client import RECORDS_MAX, SerfClient, SerfUnreachable
 from dpu_agent.cluster._serf_process import SerfProcess, free_port
 
@@ -14,6 +15,8 @@ __all__ = [
     "RECORDS_MAX",
     "Membership",
     "MembershipOptions",
+    "RebalanceProgress",
+    "Rebalancer",
     "SerfClient",
     "SerfProcess",
     "SerfUnreachable",
@@ -21,4 +24,5 @@ __all__ = [
     "free_port",
     "node_of",
     "start_membership",
+    "tenant_keys",
 ]

@@ -7,6 +7,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from dpu_agent.cluster._membership import Membership, MembershipOptions
+from dpu_agent.cluster._rebalance import Rebalancer
 
 __all__ = ["agent_cluster_view", "start_membership"]
 
@@ -38,6 +39,15 @@ def start_membership(agent: Any) -> Membership:
         capacity_bytes=max(1, cfg.storage.dram_bytes + cfg.storage.nvme_bytes),
     )
     m.start()
+
+    def tenants() -> dict[str, tuple[str, int]]:
+        return {name: (t.token, t.replicas or c.replicas) for name, t in cfg.tenants.items()}
+
+    m.rebalancer = Rebalancer(
+        engine=agent.engine, node=m.node, placement=lambda: m.placement, tenants=tenants,
+        bytes_per_s=c.rebalance_bytes_per_s,
+    )  # fmt: skip
+    m.rebalancer.start()
     return m
 
 
@@ -50,5 +60,6 @@ def agent_cluster_view(agent: Any, tenant: str) -> dict[str, Any]:
     t = cfg.tenants.get(tenant)
     replicas = (t.replicas if t is not None and t.replicas else 0) or cfg.cluster.replicas
     view = m.view()
+    rebalance = m.rebalancer.progress.as_dict() if m.rebalancer is not None else {}
     return {"epoch": view["epoch"], "serving": view["serving"], "replicas": replicas,
-            "node": m.node}  # fmt: skip
+            "node": m.node, "rebalance": rebalance}  # fmt: skip

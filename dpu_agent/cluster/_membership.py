@@ -100,6 +100,7 @@ class Membership:
         self._on_change = on_change
         self.members: list[Member] = []
         self.placement = Placement([])
+        self.rebalancer: Any = None  # dpu_agent.cluster.Rebalancer, set by start_membership
         self.changes = 0  # view changes seen (epoch changes)
         self.last_change_s = 0.0
 
@@ -130,6 +131,8 @@ class Membership:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
+        if self.rebalancer is not None:
+            self.rebalancer.stop()
         if self._client is not None:
             if leave and self.serf is None:
                 with contextlib.suppress(SerfError, SerfUnreachable, TimeoutError):
@@ -178,6 +181,8 @@ class Membership:
                      members=[n.name for n in placement.nodes])  # fmt: skip
             if self._on_change is not None:
                 self._on_change(placement)
+            if self.rebalancer is not None:
+                self.rebalancer.trigger()
         return changed
 
     def _follow(self) -> None:

@@ -257,8 +257,7 @@ class Dispatcher:
     # --- tenant operations (always scoped to s.tenant) --------------------------------------
     def _lookup(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
         keys: list[bytes] = f["keys"]
-        if "epoch" in f:
-            self._check_epoch(f["epoch"])
+        stale = "epoch" in f and self._stale_epoch(f["epoch"])
         if not keys:
             return {"hits": [], "lease_id": 0, "lease_expires_s": 0.0}
         _prune(s.leases, SESSION_LEASES_MAX, "leases")
@@ -272,6 +271,8 @@ class Dispatcher:
         elif hits:  # a probe's reply says what a read's lease would last, as it always has
             expires_s = self.backend.lease_ttl_s
         _count_lookup(s.tenant, len(hits), len(keys))
+        if stale and not hits:  # held here anyway (a move in progress): served, not moved
+            self._check_epoch(f["epoch"])
         return {"hits": hits, "lease_id": lease_id, "lease_expires_s": expires_s}
 
     def _release(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
@@ -280,6 +281,10 @@ class Dispatcher:
             raise engine_errors.UnknownKey(f"lease {lease_id} is not held by this session")
         self.backend.engine.release(s.tenant, lease_id)
         return {}
+
+    def _stale_epoch(self, epoch: int) -> bool:
+        current = self.backend.cluster_epoch()
+        return current is not None and epoch != current
 
     def _check_epoch(self, epoch: int) -> None:
         current = self.backend.cluster_epoch()
