@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +24,7 @@ class Node:
     agent: AgentProcess
     serf_bind: str
     serf_rpc: str
+    env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -57,8 +60,18 @@ class Cluster:
             "DPUKV_METRICS_ENABLED": "0",
         }
         agent = spawn_agent(self.root / name, env=env, config=self.root / "cluster.toml")
-        node = self.nodes[name] = Node(name, agent, bind, rpc)
+        env["DPUKV_AGENT_DATA_DIR"] = str(self.root / name)
+        node = self.nodes[name] = Node(name, agent, bind, rpc, env)
         return node
+
+    def dpuctl(self, name: str, *args: str) -> subprocess.CompletedProcess[str]:
+        """`dpuctl ARGS --config cluster.toml` as node `name`'s operator."""
+        env = {**os.environ, **self.nodes[name].env}
+        return subprocess.run(
+            [sys.executable, "-c", "from dpu_agent.cli import main; main()", *args,
+             "--config", str(self.root / "cluster.toml")],
+            env=env, capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
 
     def seeds(self) -> str:
         return ",".join(n.agent.control_url for n in self.nodes.values())

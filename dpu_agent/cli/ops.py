@@ -33,6 +33,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from dpu_agent.cluster._ops import probe_serf
 from dpu_agent.config import AgentConfig, ConfigError, load_config
 from host_shim.client import AgentUnreachable, ControlChannel, ControlError
 from kvproto.control import ADMIN_TENANT
@@ -315,6 +316,7 @@ def doctor_report() -> list[dict[str, str]]:
         ("gpu", _probe_gpu),
         ("nvme-tcp", _probe_nvme_tcp),
         ("serf", functools.partial(_probe_binary, "serf", ["version"], "cluster membership")),
+        ("serf-rpc", probe_serf),
         (
             "redis-server",
             functools.partial(
