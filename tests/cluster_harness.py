@@ -31,6 +31,7 @@ class Node:
 class Cluster:
     root: Path
     replicas: int = 1
+    host: str = "127.0.0.1"  # where the Serf agents bind
     nodes: dict[str, Node] = field(default_factory=dict)
     token: str = ""
 
@@ -44,10 +45,13 @@ class Cluster:
             f'[tenants.default]\ntoken_file = "{self.root / "default.token"}"\n'
         )
 
-    def start(self, name: str, zone: str = "") -> Node:
+    def start(self, name: str, zone: str = "", serf_rpc: str = "") -> Node:
+        """Start agent `name`; with `serf_rpc` it uses that (operator-run) Serf agent."""
         seeds = [n.serf_bind for n in self.nodes.values() if n.agent.proc.poll() is None]
-        bind, rpc = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        bind = f"{self.host}:{free_port(self.host)}"
+        rpc = serf_rpc or f"{self.host}:{free_port(self.host)}"
         env = {
+            "DPUKV_CLUSTER_SERF_START": "0" if serf_rpc else "1",
             **SMALL_TIERS,
             "DPUKV_AGENT_NODE_NAME": name,
             "DPUKV_CLUSTER_ENABLED": "1",

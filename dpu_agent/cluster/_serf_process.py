@@ -65,6 +65,7 @@ class SerfProcess:
         serf_bin: str = "serf",
         log_path: str | os.PathLike[str] | None = None,
         extra_args: Sequence[str] = (),
+        netns: str = "",
     ) -> None:
         path = shutil.which(serf_bin)
         if path is None:
@@ -72,6 +73,8 @@ class SerfProcess:
         self.node, self.bind, self.rpc_addr, self.auth_key = node, bind, rpc_addr, auth_key
         args = [path, "agent", f"-node={node}", f"-bind={bind}", f"-rpc-addr={rpc_addr}",
                 f"-profile={profile}", "-log-level=warn", *extra_args]  # fmt: skip
+        if netns:  # a network namespace the caller made (tests: a partitionable node)
+            args = ["ip", "netns", "exec", netns, *args]
         for k, v in (tags or {}).items():
             args += ["-tag", f"{k}={v}"]
         for seed in join:
