@@ -9,6 +9,7 @@ from __future__ import annotations
 import click
 
 from dpu_agent import __version__
+from dpu_agent.bench.cluster import cluster_cmd as cluster_bench
 from dpu_agent.bench.crypto import crypto_cmd
 from dpu_agent.bench.datapath import datapath
 from dpu_agent.bench.index import index_cmd
@@ -46,6 +47,7 @@ bench.add_command(nvme_bench)
 bench.add_command(index_cmd)
 bench.add_command(recovery_cmd)
 cli.add_command(cluster_group)
+bench.add_command(cluster_bench)
 
 
 def main() -> None:
