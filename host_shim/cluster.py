@@ -47,6 +47,13 @@ MOVED_RETRIES_MAX = 1  # one re-read of the member list per call; still moved: m
 REFRESH_INTERVAL_S = 5.0  # re-read members at least this often (Serf converges in ~1 s)
 SEED_TIMEOUT_S = 2.0  # connect timeout when asking a seed for the member list
 SEEDS_MAX = 64  # addresses tried per refresh (seeds plus known members)
+# Hot prefixes: a chunk this client reads more than HOT_READS_PER_S times a second gets
+# HOT_EXTRA_REPLICAS more copies (the next owners in rendezvous order), and its reads spread
+# over all of them: a shared system prompt read by every server must not pin one node.
+HOT_READS_PER_S = 20.0
+HOT_EXTRA_REPLICAS = 2
+HOT_TTL_S = 60.0  # a hot mark lapses after this; the extra copies are soft (evictable)
+HOT_TRACK_MAX = 1 << 16  # keys whose read rate is tracked; the table resets when full
 T = TypeVar("T")
 
 
@@ -104,6 +111,10 @@ class ClusterKVClient(KVClient):
         self._pool = ThreadPoolExecutor(max_workers=FANOUT_MAX, thread_name_prefix="kvcluster")
         self._closed = False
         self.moved_count = 0  # moved answers seen (stale views)
+        self.hot_reads_per_s = HOT_READS_PER_S  # 0 turns hot-prefix replicas off
+        self._reads: dict[bytes, list[float]] = {}  # key -> [window start, reads in it]
+        self._hot: dict[bytes, float] = {}  # key -> monotonic time its mark lapses
+        self._rng = np.random.default_rng()
         chunk_keys(np.zeros(0, dtype=np.uint32), salt=self._salt, layout_id=layout.layout_id,
                    chunk_tokens=layout.chunk_tokens)  # fmt: skip
 
@@ -177,7 +188,52 @@ class ClusterKVClient(KVClient):
             if time.monotonic() - self._refreshed_at > REFRESH_INTERVAL_S:
                 self.refresh()
             p = self._placement
-            return list(p.serving), p.owner_index(keys64(keys), self.replicas)
+            owners = p.owner_index(keys64(keys), self.replicas)
+            hot = [i for i, k in enumerate(keys) if k in self._hot] if self._hot else []
+        if hot and len(p.serving) > owners.shape[1]:
+            wide = p.owner_index(keys64([keys[i] for i in hot]), self.replicas + HOT_EXTRA_REPLICAS)
+            out = np.full((len(keys), wide.shape[1]), -1, dtype=np.int64)
+            out[:, : owners.shape[1]] = owners
+            shift = self._rng.integers(0, wide.shape[1], size=len(hot))
+            for j, i in enumerate(hot):  # a random copy first: reads spread over all of them
+                out[i] = np.roll(wide[j], -int(shift[j]))
+            owners = out
+        return list(p.serving), owners
+
+    def _note_reads(self, keys: list[bytes], into: Sequence[Any], loaded: int) -> None:
+        """Count reads; a chunk that turns hot is copied (from `into`, now) to its extra owners."""
+        if self.hot_reads_per_s <= 0 or not loaded:
+            return
+        now = time.monotonic()
+        spread = []
+        with self._lock:
+            if len(self._reads) >= HOT_TRACK_MAX:
+                self._reads.clear()
+            for i, key in enumerate(keys[:loaded]):
+                w = self._reads.setdefault(key, [now, 0.0])
+                if now - w[0] > 1.0:
+                    w[0], w[1] = now, 0.0
+                w[1] += 1
+                if w[1] > self.hot_reads_per_s and self._hot.get(key, 0.0) < now:
+                    self._hot[key] = now + HOT_TTL_S
+                    spread.append(
+                        (key, bytes(byte_view(into[i], _nbytes(into[i]), writable=False)))
+                    )
+            if len(self._hot) > HOT_TRACK_MAX:
+                self._hot = {k: t for k, t in self._hot.items() if t > now}
+        for key, data in spread:
+            self._pool.submit(self._spread, key, data)
+
+    def _spread(self, key: bytes, data: bytes) -> None:
+        """Write a hot chunk to the owners past its R (they cache it like any chunk)."""
+        p = self._placement
+        nodes = list(p.serving)
+        owners = p.owner_index(keys64([key]), self.replicas + HOT_EXTRA_REPLICAS)[0]
+        for n in owners[self.replicas :]:
+            try:
+                self._client(nodes[int(n)]).put_keys([key], [data], [None], chunk_bytes=len(data))
+            except ControlError:
+                continue  # moved or unreachable: the copy is an optimisation
 
     def _fallback(self, keys: list[bytes], tried: list[set[str]]) -> tuple[list[Node], np.ndarray]:
         """The previous view's first owners that are still members and were not asked: while
@@ -222,7 +278,7 @@ class ClusterKVClient(KVClient):
             pending = self._round(nodes, owners[:, rank], pending, call, out)
             if not pending:
                 return out
-        tried = [{nodes[int(j)].name for j in row} for row in owners]
+        tried = [{nodes[int(j)].name for j in row if j >= 0} for row in owners]
         prev_nodes, prev = self._fallback(keys, tried)
         if len(prev) and pending:
             pending = [i for i in pending if prev[i] >= 0]
@@ -239,11 +295,14 @@ class ClusterKVClient(KVClient):
     ) -> list[int]:
         """Ask each node in `owner[pending]` for its keys; fill `out`; what is still missing."""
         groups: dict[int, list[int]] = {}
+        missing = []
         for i in pending:
+            if owner[i] < 0:  # no owner at this rank (hot keys have more ranks than others)
+                missing.append(i)
+                continue
             groups.setdefault(int(owner[i]), []).append(i)
         jobs = {n: self._pool.submit(self._one, nodes[n], idxs, call)
                 for n, idxs in groups.items()}  # fmt: skip
-        missing = []
         for n, fut in jobs.items():
             idxs, got = groups[n], fut.result()
             served = got if isinstance(got, list) else [True] * got
@@ -284,7 +343,9 @@ class ClusterKVClient(KVClient):
             return c.get_keys([keys[i] for i in idxs], [into[i] for i in idxs],
                               chunk_bytes=chunk_bytes)  # fmt: skip
 
-        return len(_prefix(self._by_owner(keys, read)))
+        loaded = len(_prefix(self._by_owner(keys, read)))
+        self._note_reads(keys, into, loaded)
+        return loaded
 
     def put_keys(
         self,
@@ -373,6 +434,10 @@ def _putter(
                           [parents[i] for i in idxs], chunk_bytes=chunk_bytes)  # fmt: skip
 
     return put
+
+
+def _nbytes(buf: Any) -> int:
+    return int(buf.nbytes) if hasattr(buf, "nbytes") else len(memoryview(buf).cast("B"))
 
 
 def _prefix(values: list[T | None]) -> list[T]:

@@ -81,9 +81,21 @@ def test_r1_puts_land_on_owners_and_kill9_misses_only_that_nodes_chunks(cluster3
         # a two-chunk prompt across owners keeps prefix semantics
         two = np.concatenate([prompt(0), prompt(1)])
         assert kv.put(two, [chunk(0), chunk(1)]) == 2 and kv.lookup(two) == 2
+        # a hot prefix: read often, it gets copies on the other nodes
+        hot = next(i for i, o in owners.items() if o == "n2")
+        kv.hot_reads_per_s = 5
+        for _ in range(8):
+            assert kv.get(prompt(hot), out) == 1
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(
+            hot in held_by(c, n, kv) for n in ("n1", "n3")
+        ):
+            time.sleep(0.1)
+        assert all(hot in held_by(c, n, kv) for n in ("n1", "n3"))
         c.nodes["n2"].agent.kill()
         hits = {i for i in range(PROMPTS) if kv.get(prompt(i), out) == 1}
-        assert hits == {i for i, o in owners.items() if o != "n2"}
+        assert hits == {i for i, o in owners.items() if o != "n2"} | {hot}
+        assert kv.get(prompt(hot), out) == 1 and out[0].tobytes() == chunk(hot).tobytes()
 
 
 @pytest.mark.parametrize("cluster3", [2], indirect=True)
