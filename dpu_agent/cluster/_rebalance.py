@@ -112,7 +112,8 @@ class Rebalancer:
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=10.0)
+        if self._thread.is_alive():
+            self._thread.join(timeout=10.0)
         for c in self._clients.values():
             c.close()
 
@@ -147,8 +148,8 @@ class Rebalancer:
             p.passes += 1
             p.last_pass_s = round(time.monotonic() - t0, 3)
             PENDING.set(p.pending)
-        if p.moved_chunks or p.failed:
-            log.info("cluster_rebalance_pass", **p.as_dict())
+            if p.moved_chunks or p.failed or p.pending:
+                log.info("cluster_rebalance_pass", **p.as_dict())
         return p
 
     def _batch(self, tenant: str, token: str, keys: list[bytes], owners: list[list[Node]]) -> None:
