@@ -62,7 +62,10 @@ def test_members_join_tags_event_query_stop_leave(pair: tuple[SerfProcess, SerfP
                 assert (rec.name, rec.payload) == ("hello", b"payload")
                 seen[UserEvent] = rec
         assert set(seen) == {MemberEvent, UserEvent}, seen
-        # a query from b is delivered to a's stream; a answers it through respond
+        # a query from b is delivered to a's stream; a answers it through respond. b has a
+        # stream of its own: its records arriving during the query are kept, not lost
+        cb.stream("user:other")
+        ca.event("other", b"kept", coalesce=False)
         replies = []
         for rec in cb.query("ping", b"?", timeout_s=3.0, request_ack=True):
             if rec.type == "response":
@@ -73,6 +76,8 @@ def test_members_join_tags_event_query_stop_leave(pair: tuple[SerfProcess, SerfP
                     ca.respond(q.id, b"pong")
         ca.stop(seq)
         assert ("a1", b"pong") in replies, replies
+        kept = cb.next_record(5.0)
+        assert isinstance(kept, UserEvent) and kept.payload == b"kept", kept
         assert ca.join([b.bind]) == 1
         with pytest.raises(SerfError, match="join"):
             ca.join(["127.0.0.1:1"])

@@ -23,6 +23,7 @@ from typing import Any
 from dpu_agent.cluster._serf_client import SerfClient, SerfUnreachable
 from dpu_agent.cluster._serf_process import SerfProcess
 from dpu_agent.log import get_logger
+from dpu_agent.metrics import REGISTRY, Counter, Gauge
 from kvproto.placement import NODE_STATES, Node, Placement
 from kvproto.serf import Member, MemberEvent, ProtocolError, SerfError
 
@@ -33,6 +34,14 @@ log = get_logger("dpu_agent.cluster")
 MEMBER_EVENTS_FILTER = "member-join,member-leave,member-failed,member-update,member-reap"
 KV_TAG_VERSION = "1"
 STREAM_RETRY_S = 1.0  # after the Serf agent is lost, try the stream again this often
+
+SERVING = Gauge("kvtier_cluster_serving_members", "Members that own keys in this agent's view.",
+                registry=REGISTRY)  # fmt: skip
+MEMBERS_FAILED = Gauge("kvtier_cluster_failed_members",
+                       "Members Serf shows failed or left (treated alike).",
+                       registry=REGISTRY)  # fmt: skip
+VIEW_CHANGES = Counter("kvtier_cluster_view_changes", "Membership epoch changes seen.",
+                       registry=REGISTRY)  # fmt: skip
 
 
 class MembershipOptions:
@@ -174,7 +183,10 @@ class Membership:
         changed = placement.epoch != self.placement.epoch
         self.members = members
         self.placement = placement
+        SERVING.set(len(placement.serving))
+        MEMBERS_FAILED.set(sum(m.status in ("failed", "left") for m in members))
         if changed:
+            VIEW_CHANGES.inc()
             self.changes += 1
             self.last_change_s = time.time()
             log.info("cluster_view", epoch=placement.epoch, serving=len(placement.serving),

@@ -188,12 +188,23 @@ class SerfClient:
         seq = self.call("query", body).seq
         deadline = time.monotonic() + (timeout_s or 15.0) + self.timeout_s
         for _ in range(QUERY_RECORDS_MAX):
-            rec = self.next_record(max(0.0, deadline - time.monotonic()))
-            if rec is None:
+            rec = self._record_of(seq, deadline)
+            if rec is None or rec.type == "done":
                 return
+            yield rec
+
+    def _record_of(self, seq: int, deadline: float) -> QueryRecord | None:
+        """The next record of query `seq`; other records stay queued for next_record()."""
+        for i, rec in enumerate(self._records):
             if isinstance(rec, QueryRecord) and rec.seq == seq:
-                if rec.type == "done":
-                    return
-                yield rec
-            else:
-                self._keep(rec)  # another stream's record: keep it for its reader
+                del self._records[i]
+                return rec
+        with self._lock:
+            while True:
+                try:
+                    ev = self._next(deadline)
+                except TimeoutError:
+                    return None
+                if isinstance(ev, QueryRecord) and ev.seq == seq:
+                    return ev
+                self._keep(ev)
