@@ -45,7 +45,9 @@ class Cluster:
             f'[tenants.default]\ntoken_file = "{self.root / "default.token"}"\n'
         )
 
-    def start(self, name: str, zone: str = "", serf_rpc: str = "") -> Node:
+    def start(
+        self, name: str, zone: str = "", serf_rpc: str = "", extra_env: dict[str, str] | None = None
+    ) -> Node:
         """Start agent `name`; with `serf_rpc` it uses that (operator-run) Serf agent."""
         seeds = [n.serf_bind for n in self.nodes.values() if n.agent.proc.poll() is None]
         bind = f"{self.host}:{free_port(self.host)}"
@@ -62,6 +64,7 @@ class Cluster:
             "DPUKV_CLUSTER_REFRESH_INTERVAL_S": "1",
             "DPUKV_CLUSTER_ZONE": zone,
             "DPUKV_METRICS_ENABLED": "0",
+            **(extra_env or {}),
         }
         agent = spawn_agent(self.root / name, env=env, config=self.root / "cluster.toml")
         env["DPUKV_AGENT_DATA_DIR"] = str(self.root / name)

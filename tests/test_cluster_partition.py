@@ -68,12 +68,17 @@ def test_partitioned_node_is_marked_failed_and_comes_back(
     try:
         c.start("p1")
         c.start("p2")
+        auth = tmp_path / "serf-rpc.key"  # the operator's Serf has an RPC key
+        auth.write_text("p3-rpc-key\n")
+        auth.chmod(0o600)
         serf3 = SerfProcess(
             "p3", bind=f"{ns_addr}:{free_port()}", rpc_addr=f"{ns_addr}:{free_port()}",
             join=[c.nodes["p1"].serf_bind], netns=ns, log_path=tmp_path / "serf-p3.log",
+            auth_key="p3-rpc-key",
         )  # fmt: skip
         serf3.wait_ready().close()
-        c.start("p3", serf_rpc=serf3.rpc_addr)
+        c.start("p3", serf_rpc=serf3.rpc_addr,
+                extra_env={"DPUKV_CLUSTER_RPC_AUTH_FILE": str(auth)})  # fmt: skip
         names = ["p1", "p2", "p3"]
         c.wait_serving(names, on=names)
         _ip("-n", ns, "link", "set", ns_if, "down")  # the partition
