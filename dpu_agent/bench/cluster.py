@@ -229,12 +229,14 @@ def _real(nodes: int, trials: int, keys: int, procs: list[SerfProcess], d: str) 
         c.close()
     k64 = np.random.default_rng(1).integers(0, 1 << 63, size=keys, dtype=np.int64).astype(np.uint64)
     pb, pa = Placement(before), Placement(after)
+    load = np.bincount(pb.primary_index(k64), minlength=len(pb.serving))
     mj = _moved(pb, pa, k64)
     ml = _moved(pb, Placement(before[:-1]), k64)
     return {
         "bench": "cluster", "mode": "real", "nodes": nodes, "trials": trials, "keys": keys,
         "moved_fraction_join": round(mj, 6), "moved_join_over_ideal": round(mj * (nodes + 1), 3),
         "moved_fraction_leave": round(ml, 6), "moved_leave_over_ideal": round(ml * nodes, 3),
+        "max_over_mean_load": round(float(load.max() / load.mean()), 4),
         "lookup_hops": 1.0,
         "convergence_s_p50": round(float(np.percentile(conv, 50)), 3),
         "convergence_s_p99": round(float(np.percentile(conv, 99)), 3),
