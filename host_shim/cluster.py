@@ -170,6 +170,10 @@ class ClusterKVClient(KVClient):
             c._channel.epoch = self._epoch
 
     def _client(self, node: Node) -> KVClient:
+        with self._lock:  # pool threads ask at once: one client per member
+            return self._client_locked(node)
+
+    def _client_locked(self, node: Node) -> KVClient:
         c = self._clients.get(node.name)
         if c is None or c._channel.url != node.control:
             if c is not None:
@@ -295,7 +299,7 @@ class ClusterKVClient(KVClient):
     ) -> list[int]:
         """Ask each node in `owner[pending]` for its keys; fill `out`; what is still missing."""
         groups: dict[int, list[int]] = {}
-        missing = []
+        missing: list[int] = []
         for i in pending:
             if owner[i] < 0:  # no owner at this rank (hot keys have more ranks than others)
                 missing.append(i)
@@ -303,8 +307,8 @@ class ClusterKVClient(KVClient):
             groups.setdefault(int(owner[i]), []).append(i)
         jobs = {n: self._pool.submit(self._one, nodes[n], idxs, call)
                 for n, idxs in groups.items()}  # fmt: skip
-        for n, fut in jobs.items():
-            idxs, got = groups[n], fut.result()
+        for n, got in _settle(jobs).items():
+            idxs = groups[n]
             served = got if isinstance(got, list) else [True] * got
             for i, value in zip(idxs, served, strict=False):
                 out[i] = value
@@ -371,14 +375,16 @@ class ClusterKVClient(KVClient):
                 for rank in range(owners.shape[1]):  # every replica, all ranks at once
                     groups: dict[int, list[int]] = {}
                     for i in range(len(keys)):
-                        groups.setdefault(int(owners[i, rank]), []).append(i)
+                        if owners[i, rank] >= 0:  # -1: fewer owners (hot keys have more)
+                            groups.setdefault(int(owners[i, rank]), []).append(i)
                     put = _putter(keys, chunks, parents, chunk_bytes)
                     jobs += [
                         (idxs, self._pool.submit(self._one, nodes[n], idxs, put))
                         for n, idxs in groups.items()
                     ]
-                for idxs, fut in jobs:
-                    for i in idxs[: fut.result()]:
+                for (idxs, _), took in zip(jobs, _settle(dict(enumerate(jobs))).values(),
+                                           strict=True):  # fmt: skip
+                    for i in idxs[:took]:
                         stored[i] = True
                 break
             except _Moved:
@@ -397,6 +403,8 @@ class ClusterKVClient(KVClient):
         found = 0
         for rank in range(owners.shape[1]):
             for i, key in enumerate(keys):
+                if owners[i, rank] < 0:
+                    continue
                 c = self._client(nodes[int(owners[i, rank])])
                 try:
                     c._ensure()
@@ -434,6 +442,21 @@ def _putter(
                           [parents[i] for i in idxs], chunk_bytes=chunk_bytes)  # fmt: skip
 
     return put
+
+
+def _settle(jobs: dict[Any, Any]) -> dict[Any, Any]:
+    """Every job's result once all have finished (none may still touch a caller's buffer);
+    _Moved if any node answered moved."""
+    results, moved = {}, False
+    for name, job in jobs.items():
+        fut = job[1] if isinstance(job, tuple) else job
+        try:
+            results[name] = fut.result()
+        except _Moved:
+            moved = True
+    if moved:
+        raise _Moved()
+    return results
 
 
 def _nbytes(buf: Any) -> int:

@@ -67,3 +67,27 @@ def test_serf_port_pick_avoids_the_ephemeral_range_port_zero_binds_use() -> None
         assert PICK_PORT_RANGE[0] <= port < PICK_PORT_RANGE[1] < 32768
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
             u.bind(("127.0.0.1", port))  # UDP free too (Serf gossips over both)
+
+
+def test_hot_keys_get_more_owners_and_cold_rows_name_no_extra_owner() -> None:
+    """Regression: cold keys' padding (-1) in a batch with hot keys was indexed as the last
+    member, so a put wrote cold chunks to a node that does not own them."""
+    import time
+
+    from kvproto.placement import Node, Placement
+
+    kv = KVClient("tcp://127.0.0.1:1,", "default", "t", LAYOUT, SALT)
+    assert isinstance(kv, ClusterKVClient)
+    try:
+        kv._placement = Placement([Node(name=f"n{i}") for i in range(5)])
+        kv._refreshed_at = time.monotonic()
+        hot, cold = kv.keys(np.arange(16, dtype=np.uint32))[0], kv.keys(np.arange(16, 32))[0]
+        kv._hot[hot] = time.monotonic() + 60
+        nodes, owners = kv._owners([hot, cold])
+        assert owners.shape == (2, 3)
+        assert sorted(owners[0]) == sorted(kv.placement.owner_index(
+            np.frombuffer(hot[:8], "<u8").astype(np.uint64), 3)[0])  # fmt: skip
+        assert nodes[int(owners[1, 0])].name == kv.placement.owners(cold)[0].name
+        assert list(owners[1, 1:]) == [-1, -1]
+    finally:
+        kv.close()
