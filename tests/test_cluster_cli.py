@@ -38,6 +38,8 @@ def test_members_status_join_and_drained_leave(tmp_path: Path) -> None:
         r = c.dpuctl("a", "cluster", "status", "--json")
         st = json.loads(r.stdout)
         assert st["clustered"] and st["serving"] == 2 and st["failed"] == []
+        human = c.dpuctl("a", "cluster", "status")
+        assert human.returncode == 0 and "epoch" in human.stdout and "rebalance" in human.stdout
         r = c.dpuctl("a", "cluster", "join", c.nodes["b"].serf_bind, "--json")
         assert r.returncode == 0 and json.loads(r.stdout)["joined"] == 1, r.stdout + r.stderr
         chunks = [np.full(LAYOUT.chunk_shape, i, np.float16) for i in range(16)]
