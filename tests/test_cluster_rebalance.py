@@ -82,3 +82,20 @@ def test_pass_hands_over_what_is_not_ours_resumes_and_keeps_the_rest(
             assert c.get_keys([key(i)], [buf], chunk_bytes=len(buf)) == 1 and bytes(buf) == data(i)
     r.stop()  # never started (run_pass only): stop() must not raise
     r2.stop()
+
+
+def test_throttle_is_a_token_bucket_of_bytes_per_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = {"t": 100.0}
+    monkeypatch.setattr(rb.time, "monotonic", lambda: now["t"])
+    r = Rebalancer(engine=None, node="me", placement=lambda: Placement([]),
+                   tenants=dict, bytes_per_s=1000.0)  # fmt: skip
+    waits: list[float] = []
+    monkeypatch.setattr(r._stop, "wait", lambda s: waits.append(s) or False)
+    r._throttle(3000)  # nothing saved up: 3 s of budget owed
+    assert waits == [pytest.approx(3.0)]
+    now["t"] += 10.0  # idle time saves at most one second's worth (a 1,000-byte burst)
+    r._throttle(500)
+    r._throttle(500)
+    assert len(waits) == 1
+    r._throttle(1000)
+    assert waits[-1] == pytest.approx(1.0)
