@@ -99,3 +99,31 @@ def test_throttle_is_a_token_bucket_of_bytes_per_s(monkeypatch: pytest.MonkeyPat
     assert len(waits) == 1
     r._throttle(1000)
     assert waits[-1] == pytest.approx(1.0)
+
+
+def test_replicas_copied_when_owner_sets_change_then_not_checked_again(
+    target: AgentProcess, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: only a chunk's first owner re-replicated, so a node joining as first owner
+    of chunks held by the second never got them (R=2 silently became R=1)."""
+    for i in range(20):
+        engine.put_chunk("default", key(i), data(i))
+    alone = Placement([Node(name="me")])
+    both = Placement([Node(name="me"), Node(name="other", control=target.control_url)])
+    views = {"v": alone}
+    assert 0 < sum(both.owners(key(i), 2)[0].name == "other" for i in range(20)) < 20
+    r = Rebalancer(engine=engine, node="me", placement=lambda: views["v"],
+                   tenants=lambda: {"default": (target.token, 2)}, bytes_per_s=1e9)  # fmt: skip
+    checks: list[bytes] = []
+    real = r._missing_anywhere
+    monkeypatch.setattr(r, "_missing_anywhere", lambda t, tok, k, n: checks.append(k) or real(
+        t, tok, k, n))  # fmt: skip
+    assert r.run_pass().failed == 0 and checks == []  # alone: nothing to copy; settled
+    views["v"] = both  # "other" joins: every chunk's owner set changed
+    p = r.run_pass()
+    assert len(checks) == 20 and p.copied_chunks == 20 and p.failed == 0
+    assert len(tenant_keys(engine, "default")) == 20  # an owner keeps its copy
+    r.run_pass()  # same view, settled: nothing to check again
+    assert len(checks) == 20
+    with KVClient(target.control_url, "default", target.token, LAYOUT, b"any-salt-1234567") as c:
+        assert all(c.lookup_keys([key(i)]) == 1 for i in range(20))

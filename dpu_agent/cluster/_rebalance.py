@@ -7,7 +7,10 @@ writes it to the owner through the ordinary data plane (a single-node KVClient: 
 NVMe/TCP write, commit with the checksum; the receiver encrypts with its own keys), and
 deletes the local copy once every owner holds it. Passes are idempotent: a pass stopped by
 a crash, a restart or a newer membership change leaves the remaining chunks where they are
-and the next pass (at start, on every change) picks them up: resumable without a log.
+and the next pass (at start, on every change) picks them up: resumable without a log. A holder
+that is still an owner copies the chunk to owners that lack it when the chunk's owner set
+changed since the last settled pass (a new owner joined, one failed); right after start, with
+no settled view, only the first owner does.
 Throttled to `bytes_per_s` (token bucket); progress in metrics and `dpuctl cluster status`.
 """
 
@@ -101,6 +104,9 @@ class Rebalancer:
         self._thread = threading.Thread(target=self._loop, name="cluster-rebalance", daemon=True)
         self._budget = 0.0
         self._budget_at = time.monotonic()
+        # The view of the last pass that ended with nothing pending or failed: a chunk whose
+        # owners were all owners then is where it belongs; only changed owner sets are checked
+        self._settled: Placement | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -133,6 +139,7 @@ class Rebalancer:
         placement = self._placement()
         p.running, p.epoch, p.scanned, p.pending, p.failed = True, placement.epoch, 0, 0, 0
         t0 = time.monotonic()
+        settled = self._settled
         try:
             for tenant, (token, replicas) in sorted(self._tenants().items()):
                 keys = tenant_keys(self.engine, tenant)
@@ -142,7 +149,11 @@ class Rebalancer:
                         self._wake.set()
                         return p
                     batch = keys[i : i + REBALANCE_BATCH_KEYS]
-                    self._batch(tenant, token, batch, placement.owners_batch(batch, replicas))
+                    before = settled.owners_batch(batch, replicas) if settled else None
+                    self._batch(tenant, token, batch, placement.owners_batch(batch, replicas),
+                                before)  # fmt: skip
+            if not p.pending and not p.failed:
+                self._settled = placement
         finally:
             p.running = False
             p.passes += 1
@@ -152,17 +163,26 @@ class Rebalancer:
                 log.info("cluster_rebalance_pass", **p.as_dict())
         return p
 
-    def _batch(self, tenant: str, token: str, keys: list[bytes], owners: list[list[Node]]) -> None:
+    def _batch(
+        self,
+        tenant: str,
+        token: str,
+        keys: list[bytes],
+        owners: list[list[Node]],
+        before: list[list[Node]] | None,
+    ) -> None:
         p = self.progress
-        for key, nodes in zip(keys, owners, strict=True):
+        for k, (key, nodes) in enumerate(zip(keys, owners, strict=True)):
             p.scanned += 1
             names = [n.name for n in nodes]
             mine = self.node in names
-            if mine and names[0] != self.node:
-                continue  # another owner is first: it re-replicates
             targets = [n for n in nodes if n.name != self.node]
             if not targets:
                 continue
+            if mine and before is None and names[0] != self.node:
+                continue  # no settled view (just started): the first owner re-replicates
+            if mine and before is not None and set(names) <= {n.name for n in before[k]}:
+                continue  # the same owners as in the settled view: they hold it
             if mine and not self._missing_anywhere(tenant, token, key, targets):
                 continue
             data = self.engine.get_chunk(tenant, key)  # checksum verified; None: gone or bad
