@@ -41,6 +41,7 @@ from typing import Any
 from dpu_agent.eviction import DEFAULT_POLICY, POLICY_NAMES
 from dpu_agent.units import SizeError, parse_size
 from kvproto.control import valid_tenant_name
+from kvproto.placement import REPLICAS_MAX
 from spdk_plugins.desired import DesiredStateError, SpdkDesired, parse_desired
 from spdk_plugins.tiers import TierTarget, agent_tiers
 
@@ -49,6 +50,7 @@ __all__ = [
     "MODES",
     "AgentConfig",
     "AgentSection",
+    "ClusterSection",
     "ConfigError",
     "ControlSection",
     "MetricsSection",
@@ -137,11 +139,31 @@ class StorageSection:
 
 
 @dataclass(slots=True, kw_only=True)
+class ClusterSection:
+    """One tier across many agents (docs/CLUSTER.md). Off: the agent is a cluster of one."""
+
+    enabled: bool = False
+    serf_start: bool = True  # run our own `serf agent` child; false: use the one at serf_rpc
+    serf_bin: str = "serf"
+    serf_bind: str = "127.0.0.1:7946"  # gossip address (TCP and UDP) of our Serf child
+    serf_rpc: str = "127.0.0.1:7373"  # Serf's RPC address (ours, or the operator's agent)
+    serf_profile: str = "lan"  # Serf's timing profile: lan, wan or local
+    rpc_auth_file: str = ""  # file holding Serf's RPC auth key ("" = no key)
+    join: str = ""  # gossip addresses of other members, comma-separated
+    zone: str = ""  # failure domain (rack, row): replicas go to distinct zones
+    replicas: int = 1  # copies of each chunk (R); a tenant's own `replicas` overrides it
+    refresh_interval_s: float = 5.0  # re-read the member list at least this often
+    advertise_host: str = ""  # host in the published control/NVMe addresses ("" = bind host)
+    rebalance_bytes_per_s: int = 64 << 20  # hand-off rate after a membership change
+
+
+@dataclass(slots=True, kw_only=True)
 class TenantConfig:
     name: str
     token: str = field(default="", repr=False)
     token_file: str = ""
     quota_bytes: int = 0  # 0: no quota beyond the tiers' size
+    replicas: int = 0  # cluster mode: copies of each chunk; 0 = [cluster] replicas
 
 
 _SECTIONS: dict[str, type] = {
@@ -150,6 +172,7 @@ _SECTIONS: dict[str, type] = {
     "nvmf": NvmfSection,
     "metrics": MetricsSection,
     "storage": StorageSection,
+    "cluster": ClusterSection,
 }
 
 
@@ -160,6 +183,7 @@ class AgentConfig:
     nvmf: NvmfSection = field(default_factory=NvmfSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
     storage: StorageSection = field(default_factory=StorageSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
     tenants: dict[str, TenantConfig] = field(default_factory=dict)
     admin_token: str = field(default="", repr=False)
     source: str = "<defaults>"
@@ -324,7 +348,7 @@ def _apply_tenants(cfg: AgentConfig, tenants: Any, source: str) -> None:
             raise ConfigError(f"{source}: [tenants.{name}] must be a table")
         t = TenantConfig(name=name)
         for key, value in values.items():
-            if key not in ("token", "token_file", "quota_bytes"):
+            if key not in ("token", "token_file", "quota_bytes", "replicas"):
                 raise ConfigError(f"{source}: unknown key [tenants.{name}] {key}")
             default = getattr(t, key)
             setattr(t, key, _coerce(f"tenants.{name}", key, value, default, source))
@@ -377,6 +401,7 @@ def load_config(
     _check_values(cfg)
     _check_mode(cfg)
     _check_security(cfg)
+    _check_cluster(cfg)
     return cfg
 
 
@@ -427,6 +452,24 @@ def _check_values(cfg: AgentConfig) -> None:
                   f"must be a multiple of {BLOCK_BYTES} up to {IO_SIZE_MAX}")  # fmt: skip
     if cfg.control.connections_max < 1:
         raise bad("control", "connections_max", cfg.control.connections_max, "must be >= 1")
+
+
+def _check_cluster(cfg: AgentConfig) -> None:
+    """[cluster] replicas (and each tenant's) within 1..REPLICAS_MAX; profile one of Serf's."""
+    c = cfg.cluster
+    if not 1 <= c.replicas <= REPLICAS_MAX:
+        raise ConfigError(
+            f"{cfg.source}: [cluster] replicas={c.replicas} must be 1..{REPLICAS_MAX}"
+        )
+    for t in cfg.tenants.values():
+        if t.replicas > REPLICAS_MAX:
+            raise ConfigError(
+                f"{cfg.source}: [tenants.{t.name}] replicas={t.replicas} must be 0..{REPLICAS_MAX}"
+            )
+    if c.serf_profile not in ("lan", "wan", "local"):
+        raise ConfigError(
+            f"{cfg.source}: [cluster] serf_profile={c.serf_profile!r}: lan, wan or local"
+        )
 
 
 def _apply_spdk(cfg: AgentConfig, doc: dict[str, Any], source: str) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 
 from prometheus_client import ProcessCollector, start_http_server
 
+from dpu_agent.cluster import Membership, agent_cluster_view, start_membership
 from dpu_agent.config import AgentConfig, TenantConfig
 from dpu_agent.control import (
     LEASES_ACTIVE,
@@ -88,6 +89,7 @@ class Agent:
         self._subsystems: dict[str, Subsystem] = {}
         self._hosts: dict[str, collections.OrderedDict[str, None]] = {}
         self._spdk_devices: SpdkDevices | None = None
+        self.cluster: Membership | None = None  # [cluster] enabled: Serf membership
         self.started_at = time.time()
         self.host_keys = HostKeyIssuer(  # issued DH-HMAC-CHAP secrets / TLS PSKs per host
             cfg.path(HOST_KEYS_FILE), dhchap=cfg.nvmf.require_auth, psk=cfg.nvmf.secure_channel
@@ -129,6 +131,8 @@ class Agent:
                 cfg.metrics.port, addr=cfg.metrics.host, registry=REGISTRY
             )
         self._tick_task = asyncio.create_task(self._tick_loop(), name="engine-tick")
+        if cfg.cluster.enabled:
+            self.cluster = await asyncio.to_thread(start_membership, self)
         self._write_state()
         log.info("agent_started", **self.addresses())
 
@@ -144,6 +148,9 @@ class Agent:
         return Engine(self._engine_config(), device_factory=self._spdk_devices)
 
     async def stop(self) -> None:
+        if self.cluster is not None:  # leave first: clients stop routing here
+            await asyncio.to_thread(self.cluster.stop)
+            self.cluster = None
         if self._tick_task is not None:
             self._tick_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -295,7 +302,15 @@ class Agent:
             old, _ = hosts.popitem(last=False)
             sub.allowed_hosts.discard(old)
 
+    def cluster_view(self, tenant: str) -> dict[str, Any]:
+        return agent_cluster_view(self, tenant)
+
+    def cluster_epoch(self) -> int | None:
+        return self.cluster.epoch if self.cluster is not None else None
+
     def members(self) -> list[dict[str, Any]]:
+        if self.cluster is not None:
+            return list(self.cluster.view()["members"])
         a = self.addresses()
         st = self.cfg.storage
         return [

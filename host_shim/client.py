@@ -358,7 +358,17 @@ class KVClient:
     `control` is ``tcp://host:port`` or ``unix:///path``; the NVMe/TCP address and subsystem
     come from the agent's hello. Calls are thread-safe. When the agent is lost, calls return
     0 (misses) and log once; the next call reconnects.
+
+    Several comma-separated seeds (``tcp://seed1:7400,seed2:7400``) give a cluster client
+    (host_shim.cluster.ClusterKVClient) that routes each key to its owners.
     """
+
+    def __new__(cls, control: str, *args: Any, **kwargs: Any) -> KVClient:
+        if cls is KVClient and "," in control:
+            from host_shim.cluster import ClusterKVClient  # imports this module: no cycle at top
+
+            return super().__new__(ClusterKVClient)
+        return super().__new__(cls)
 
     def __init__(
         self,

@@ -25,7 +25,11 @@ Operations (fields; every connection starts with ``hello``):
 - ``delete`` / ``pin`` / ``unpin``: key (``delete`` with ``corrupt: true`` when the reader's
   checksum check failed: the agent counts and logs an integrity failure).
 - ``stats`` -> the tenant's stats.  ``members`` -> members (list of {name, control, nvme,
-  capacity_bytes}).
+  capacity_bytes}); in a cluster also epoch, replicas (the session tenant's R) and each
+  member's status, state and zone.
+- Cluster: ``lookup`` and ``reserve`` may carry ``epoch`` (the client's membership epoch,
+  kvproto.placement); a node whose epoch differs answers ``moved`` and the client reads
+  ``members`` again (Redis Cluster's MOVED).
 - Admin (a session opened with tenant ``_admin`` and the admin token): ``tenants_list``,
   ``tenant_add`` (tenant, [token], [quota_bytes]), ``tenant_remove`` (tenant), ``evict``
   (tenant, bytes), ``checkpoint``, ``backup`` (dir, incremental), ``restore`` (dirs), ``stats``
@@ -118,6 +122,7 @@ class ErrorCode(enum.StrEnum):
     CHECKSUM = "checksum"  # integrity failure
     FAILED = "failed"  # the operation failed for another operating reason
     INTERNAL = "internal"  # a bug in the agent; it keeps serving
+    MOVED = "moved"  # cluster: the request's epoch is not this node's; read members again
 
 
 class SessionState(enum.Enum):
@@ -208,9 +213,18 @@ OPS: Final[dict[str, _Schema]] = {
         "hostnqn": (_optional(_str), False),
         "client": (_optional(_str), False),
     },
-    "lookup": {"keys": (_keys, True), "lease": (_optional(_bool), False)},
+    "lookup": {
+        "keys": (_keys, True),
+        "lease": (_optional(_bool), False),
+        "epoch": (_optional(_int), False),  # cluster: the client's membership epoch
+    },
     "release": {"lease_id": (_int, True)},
-    "reserve": {"key": (_key, True), "length": (_posint, True), "parent": (_optional(_key), False)},
+    "reserve": {
+        "key": (_key, True),
+        "length": (_posint, True),
+        "parent": (_optional(_key), False),
+        "epoch": (_optional(_int), False),
+    },
     "commit": {"reservation_id": (_int, True), "checksum": (_checksum, True)},
     "abort": {"reservation_id": (_int, True)},
     "delete": {"key": (_key, True), "corrupt": (_optional(_bool), False)},

@@ -12,6 +12,7 @@ import sys
 import click
 
 from dpu_agent import __version__
+from dpu_agent.bench.cluster import cluster_cmd as cluster_bench
 from dpu_agent.bench.crypto import crypto_cmd
 from dpu_agent.bench.datapath import datapath
 from dpu_agent.bench.index import index_cmd
@@ -20,6 +21,7 @@ from dpu_agent.bench.recovery import recovery_cmd
 from dpu_agent.bench.replay import replay_command
 from dpu_agent.bench.ttft import ttft_cmd
 from dpu_agent.cli import ops
+from dpu_agent.cli.cluster import cluster_group
 from dpu_agent.cli.hosts import hosts
 from dpu_agent.cli.spdk import spdk_group
 
@@ -67,6 +69,8 @@ bench.add_command(replay_command)
 bench.add_command(nvme_bench)
 bench.add_command(index_cmd)
 bench.add_command(recovery_cmd)
+cli.add_command(cluster_group)
+bench.add_command(cluster_bench)
 
 
 def main() -> None:

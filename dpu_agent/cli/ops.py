@@ -34,6 +34,7 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from dpu_agent.cluster._ops import probe_serf
 from dpu_agent.config import DATA_DIR_ENV, AgentConfig, ConfigError, load_config
 from dpu_agent.units import SizeError, format_duration, format_size, format_timestamp, parse_size
 from host_shim.client import AgentUnreachable, ControlChannel, ControlError
@@ -487,6 +488,7 @@ def doctor_report() -> list[dict[str, str]]:
         ("mlxconfig", _probe_mlxconfig),
         ("nvme-tcp", _probe_nvme_tcp),
         ("serf", functools.partial(_probe_binary, "serf", ["version"], "cluster membership")),
+        ("serf-rpc", probe_serf),
         (
             "redis-server",
             functools.partial(

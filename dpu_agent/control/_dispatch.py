@@ -71,6 +71,14 @@ class ControlBackend(Protocol):
 
     def members(self) -> list[dict[str, Any]]: ...
 
+    def cluster_view(self, tenant: str) -> dict[str, Any]:
+        """Cluster mode: epoch and replicas for `members`; {} for a single node."""
+        ...
+
+    def cluster_epoch(self) -> int | None:
+        """The membership epoch requests are checked against; None: not in a cluster."""
+        ...
+
     def tenants_list(self) -> list[dict[str, Any]]: ...
 
     async def admin(self, op: str, fields: Mapping[str, Any]) -> dict[str, Any]: ...
@@ -249,6 +257,7 @@ class Dispatcher:
     # --- tenant operations (always scoped to s.tenant) --------------------------------------
     def _lookup(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
         keys: list[bytes] = f["keys"]
+        stale = "epoch" in f and self._stale_epoch(f["epoch"])
         if not keys:
             return {"hits": [], "lease_id": 0, "lease_expires_s": 0.0}
         _prune(s.leases, SESSION_LEASES_MAX, "leases")
@@ -262,6 +271,8 @@ class Dispatcher:
         elif hits:  # a probe's reply says what a read's lease would last, as it always has
             expires_s = self.backend.lease_ttl_s
         _count_lookup(s.tenant, len(hits), len(keys))
+        if stale and not hits:  # held here anyway (a move in progress): served, not moved
+            self._check_epoch(f["epoch"])
         return {"hits": hits, "lease_id": lease_id, "lease_expires_s": expires_s}
 
     def _release(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
@@ -271,7 +282,21 @@ class Dispatcher:
         self.backend.engine.release(s.tenant, lease_id)
         return {}
 
+    def _stale_epoch(self, epoch: int) -> bool:
+        current = self.backend.cluster_epoch()
+        return current is not None and epoch != current
+
+    def _check_epoch(self, epoch: int) -> None:
+        current = self.backend.cluster_epoch()
+        if current is not None and epoch != current:
+            raise RemoteProtocolError(
+                f"membership epoch {epoch} is not this node's {current}; read members again",
+                ErrorCode.MOVED,
+            )
+
     def _reserve(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
+        if "epoch" in f:
+            self._check_epoch(f["epoch"])
         _prune(s.reservations, SESSION_RESERVATIONS_MAX, "reservations")
         r = self.backend.engine.reserve(s.tenant, f["key"], f["length"], parent=f.get("parent"))
         expiry = time.monotonic() + self.backend.lease_ttl_s
@@ -322,7 +347,7 @@ class Dispatcher:
         return {"stats": plain(stats)}
 
     def _members(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
-        return {"members": plain(self.backend.members())}
+        return {"members": plain(self.backend.members()), **self.backend.cluster_view(s.tenant)}
 
     def _tenants_list(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
         return {"tenants": plain(self.backend.tenants_list())}

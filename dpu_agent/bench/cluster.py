@@ -1,0 +1,281 @@
+"""`dpuctl bench cluster`: placement and membership at scale, simulated and measured.
+
+--simulate --nodes N: the placement code itself (kvproto.placement) over N simulated
+members and `--keys` random chunk keys: the fraction of keys that move when a node joins or
+leaves (against the ideal 1/N), max/mean load with equal weights, lookup hops (a client
+computes owners itself: one request per owner, two for a key that moved under a stale view),
+and the time until every node knows a change from a gossip model of Serf's LAN profile
+(memberlist: every 200 ms each node sends its pending broadcasts to 3 random members, each
+broadcast retransmitted 4 x ceil(log10(N+1)) times), with an offset calibrated on real Serf
+runs here (CALIBRATION, from `--real`). Failure detection follows memberlist's suspicion
+timeout, 4 x log10(N) x the 1 s probe interval, plus a calibrated offset.
+
+--real --nodes N: N live `serf agent` processes on loopback, with the tags agents publish:
+join, tag-change and graceful-leave propagation until every agent's `members` shows it,
+kill -9 until every agent shows `failed`, and the moved fractions of the member lists they
+report, through the same placement code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import click
+import numpy as np
+
+from dpu_agent.cluster import SerfClient, SerfProcess, free_port, node_of
+from kvproto.placement import Node, Placement
+
+__all__ = ["cluster_cmd", "gossip_rounds", "run_real", "run_simulation"]
+
+NODES_MAX = 4096  # simulated; the design's target is 1,024
+REAL_NODES_MAX = 64  # live Serf agents on this 2-core machine (~15 MB and ~0.2% CPU each)
+KEYS_MAX = 8 << 20
+KEYS_PER_NODE = 2048  # max/mean load's sampling noise ~ 3.7/sqrt(2048) = 8% at 1,024 nodes
+TRIALS_MAX = 1000
+POLL_S = 0.02
+WAIT_S_MAX = 60.0  # a change not seen everywhere in a minute is a failure, not a figure
+
+# memberlist's LAN defaults (Serf's default profile)
+GOSSIP_INTERVAL_S = 0.2
+GOSSIP_NODES = 3
+RETRANSMIT_MULT = 4
+PROBE_INTERVAL_S = 1.0
+SUSPICION_MULT = 4
+# Fitted on `dpuctl bench cluster --real --nodes 8/16/32 --trials 12` on this machine
+# (docs/BENCHMARKS.md, Cluster): real tag-change propagation p50 0.372/0.429/0.569 s against
+# the model's mean rounds 2.9/3.7/4.5: least squares gives seconds = 0.62 x rounds x 0.2 s
+# (offset ~0; memberlist sends a broadcast at once and piggybacks it on probes, so it beats
+# the 200 ms tick). Failure detection 5.96/7.72/10.22 s against suspicion timeouts of
+# 3.6/4.8/6.0 s: +3.1 s on average (probe round, indirect probes, the dead message's gossip).
+CALIBRATION = {"propagation_scale": 0.62, "propagation_offset_s": 0.0, "failure_offset_s": 3.1}
+
+
+def gossip_rounds(n: int, rng: np.random.Generator) -> int:
+    """Gossip rounds until all `n` nodes hold a broadcast that starts at one node; a node
+    never reached by gossip gets it at the next push-pull (counted as the rounds of 30 s)."""
+    limit = RETRANSMIT_MULT * max(1, math.ceil(math.log10(n + 1)))
+    informed = np.zeros(n, dtype=bool)
+    budget = np.zeros(n, dtype=np.int64)
+    informed[0], budget[0] = True, limit
+    for rounds in range(1, 10_000):
+        senders = np.flatnonzero(budget > 0)
+        if not len(senders):
+            break
+        budget[senders] -= 1
+        targets = rng.integers(0, n, size=(len(senders), GOSSIP_NODES)).ravel()
+        new = targets[~informed[targets]]
+        informed[new] = True
+        budget[new] = limit
+        if informed.all():
+            return rounds
+    return int(30.0 / GOSSIP_INTERVAL_S)  # residue: healed by the next push-pull
+
+
+def _model_s(rounds: np.ndarray) -> np.ndarray:
+    c = CALIBRATION
+    return c["propagation_offset_s"] + c["propagation_scale"] * rounds * GOSSIP_INTERVAL_S
+
+
+def _failure_model_s(nodes: int) -> float:
+    suspicion = SUSPICION_MULT * math.log10(max(nodes, 2)) * PROBE_INTERVAL_S
+    return suspicion + CALIBRATION["failure_offset_s"]
+
+
+def _moved(before: Placement, after: Placement, k64: np.ndarray) -> float:
+    a = np.array([n.name for n in before.serving])[before.primary_index(k64)]
+    b = np.array([n.name for n in after.serving])[after.primary_index(k64)]
+    return float(np.mean(a != b))
+
+
+def _placement_figures(nodes: list[Node], k64: np.ndarray) -> dict[str, Any]:
+    n = len(nodes)
+    base = Placement(nodes)
+    idx = base.primary_index(k64)
+    load = np.bincount(idx, minlength=n)
+    joined = Placement([*nodes, Node(name="joining-node")])
+    left = Placement(nodes[1:])
+    mj, ml = _moved(base, joined, k64), _moved(base, left, k64)
+    return {
+        "moved_fraction_join": round(mj, 6),
+        "moved_fraction_join_ideal": round(1 / (n + 1), 6),
+        "moved_join_over_ideal": round(mj * (n + 1), 3),
+        "moved_fraction_leave": round(ml, 6),
+        "moved_fraction_leave_ideal": round(1 / n, 6),
+        "moved_leave_over_ideal": round(ml * n, 3),
+        "max_over_mean_load": round(float(load.max() / load.mean()), 4),
+        "lookup_hops": 1.0,  # the client computes owners: one request, no directory
+        "lookup_hops_during_change": round(1.0 + mj, 6),  # a moved key costs one MOVED retry
+    }
+
+
+def run_simulation(nodes: int, keys: int, trials: int, seed: int = 1) -> dict[str, Any]:
+    if not 2 <= nodes <= NODES_MAX:
+        raise click.BadParameter(f"--nodes {nodes}: give 2..{NODES_MAX}")
+    keys = keys or min(KEYS_MAX, max(1 << 16, KEYS_PER_NODE * nodes))
+    if not 1 <= keys <= KEYS_MAX or not 1 <= trials <= TRIALS_MAX:
+        raise click.BadParameter(f"--keys 1..{KEYS_MAX}, --trials 1..{TRIALS_MAX}")
+    rng = np.random.default_rng(seed)
+    t0 = time.perf_counter()
+    k64 = rng.integers(0, 1 << 63, size=keys, dtype=np.int64).astype(np.uint64)
+    figures = _placement_figures([Node(name=f"node-{i:05d}") for i in range(nodes)], k64)
+    rounds = np.array([gossip_rounds(nodes, rng) for _ in range(trials)])
+    conv = _model_s(rounds)
+    return {
+        "bench": "cluster", "mode": "simulate", "nodes": nodes, "keys": keys, "trials": trials,
+        **figures,
+        "gossip_rounds_p50": float(np.percentile(rounds, 50)),
+        "gossip_rounds_p99": float(np.percentile(rounds, 99)),
+        "convergence_s_p50": round(float(np.percentile(conv, 50)), 3),
+        "convergence_s_p99": round(float(np.percentile(conv, 99)), 3),
+        "failure_detect_s": round(_failure_model_s(nodes), 2),
+        "calibration": CALIBRATION,
+        "elapsed_s": round(time.perf_counter() - t0, 2),
+    }  # fmt: skip
+
+
+# --- live Serf agents -----------------------------------------------------------------------
+
+
+def _tags(i: int) -> dict[str, str]:
+    return {"kv": "1", "ctl": f"tcp://127.0.0.1:{7400 + i}", "nvme": f"127.0.0.1:{4420 + i}",
+            "cap": str(1 << 30), "zone": "", "state": "serving"}  # fmt: skip
+
+
+def _wait_all(clients: list[SerfClient], seen: Callable[[SerfClient], bool]) -> float:
+    """Seconds until `seen(c)` holds for every client (polled); TimeoutError after WAIT_S_MAX."""
+    t0 = time.monotonic()
+    pending = list(clients)
+    while pending:
+        pending = [c for c in pending if not seen(c)]
+        if time.monotonic() - t0 > WAIT_S_MAX:
+            raise TimeoutError(f"{len(pending)} agents did not see the change in {WAIT_S_MAX} s")
+        if pending:
+            time.sleep(POLL_S)
+    return time.monotonic() - t0
+
+
+def _has_zone(name: str, zone: str) -> Callable[[SerfClient], bool]:
+    def seen(c: SerfClient) -> bool:
+        return any(m.name == name and m.tags.get("zone") == zone for m in c.members())
+
+    return seen
+
+
+def _status(c: SerfClient, name: str) -> str:
+    return next((m.status for m in c.members() if m.name == name), "")
+
+
+def run_real(nodes: int, trials: int, keys: int = 1 << 18) -> dict[str, Any]:
+    if not 2 <= nodes <= REAL_NODES_MAX:
+        raise click.BadParameter(f"--real --nodes {nodes}: give 2..{REAL_NODES_MAX}")
+    trials = max(1, min(trials, 20))
+    procs: list[SerfProcess] = []
+    with tempfile.TemporaryDirectory(prefix="dpukv-bench-serf-") as d:
+        try:
+            return _real(nodes, trials, keys, procs, d)
+        finally:
+            for p in procs:
+                p.kill()
+
+
+def _start(name: str, i: int, seed: str, d: str) -> SerfProcess:
+    bind, rpc = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    join = [seed] if seed else []
+    return SerfProcess(name, bind=bind, rpc_addr=rpc, tags=_tags(i), join=join,
+                       log_path=f"{d}/{name}.log")  # fmt: skip
+
+
+def _real(nodes: int, trials: int, keys: int, procs: list[SerfProcess], d: str) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    procs.append(_start("serf-000", 0, "", d))
+    seed = procs[0].bind
+    procs += [_start(f"serf-{i:03d}", i, seed, d) for i in range(1, nodes)]
+    clients = [p.wait_ready() for p in procs]
+    _wait_all(clients, lambda c: sum(m.status == "alive" for m in c.members()) == nodes)
+    conv: list[float] = []
+    for t in range(trials):  # a tag change on one node until every node's members shows it
+        name = procs[t % nodes].node
+        t0 = time.monotonic()  # before the call: Serf's tags RPC returns once gossip is sent
+        clients[t % nodes].tags({"zone": f"z{t}"})
+        _wait_all(clients, _has_zone(name, f"z{t}"))
+        conv.append(time.monotonic() - t0)
+    before = [n for n in map(node_of, clients[0].members()) if n is not None]
+    extra = _start("serf-new", nodes, "", d)
+    procs.append(extra)
+    xc = extra.wait_ready()
+    t0 = time.monotonic()
+    xc.join([seed])
+    join_s = (
+        time.monotonic()
+        - t0
+        + _wait_all([*clients, xc], lambda c: _status(c, "serf-new") == "alive")
+    )
+    after = [n for n in map(node_of, clients[0].members()) if n is not None]
+    t0 = time.monotonic()
+    xc.leave()
+    xc.close()
+    _wait_all(clients, lambda c: _status(c, "serf-new") in ("left", "failed"))
+    leave_s = time.monotonic() - t0
+    victim = procs[nodes - 1]
+    victim.kill()
+    fail_s = _wait_all(clients[:-1], lambda c: _status(c, victim.node) == "failed")
+    for c in clients:
+        c.close()
+    k64 = np.random.default_rng(1).integers(0, 1 << 63, size=keys, dtype=np.int64).astype(np.uint64)
+    pb, pa = Placement(before), Placement(after)
+    load = np.bincount(pb.primary_index(k64), minlength=len(pb.serving))
+    mj = _moved(pb, pa, k64)
+    ml = _moved(pb, Placement(before[:-1]), k64)
+    return {
+        "bench": "cluster", "mode": "real", "nodes": nodes, "trials": trials, "keys": keys,
+        "moved_fraction_join": round(mj, 6), "moved_join_over_ideal": round(mj * (nodes + 1), 3),
+        "moved_fraction_leave": round(ml, 6), "moved_leave_over_ideal": round(ml * nodes, 3),
+        "max_over_mean_load": round(float(load.max() / load.mean()), 4),
+        "lookup_hops": 1.0,
+        "convergence_s_p50": round(float(np.percentile(conv, 50)), 3),
+        "convergence_s_p99": round(float(np.percentile(conv, 99)), 3),
+        "join_s": round(join_s, 3), "leave_s": round(leave_s, 3),
+        "failure_detect_s": round(fail_s, 2),
+        "model_convergence_s_p50": round(float(np.median(_model_s(np.array(
+            [gossip_rounds(nodes, np.random.default_rng(s)) for s in range(200)])))), 3),
+        "model_failure_detect_s": round(_failure_model_s(nodes), 2),
+        "elapsed_s": round(time.perf_counter() - t_start, 1),
+    }  # fmt: skip
+
+
+@click.command("cluster")
+@click.option(
+    "--simulate",
+    "mode",
+    flag_value="simulate",
+    default=True,
+    help="Placement code over simulated members plus the gossip model.",
+)
+@click.option("--real", "mode", flag_value="real", help="Live Serf agents on loopback.")
+@click.option("--nodes", type=int, default=1024, show_default=True)
+@click.option("--keys", type=int, default=0, help="Chunk keys placed (0: 2,048 per node).")
+@click.option(
+    "--trials",
+    type=int,
+    default=200,
+    show_default=True,
+    help="Gossip model runs (simulate) or tag changes timed (real, at most 20).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def cluster_cmd(mode: str, nodes: int, keys: int, trials: int, as_json: bool) -> None:
+    """Rendezvous placement and Serf membership: moved fraction, balance, hops, convergence."""
+    if mode == "real":
+        report = run_real(nodes, trials, keys or (1 << 18))
+    else:
+        report = run_simulation(nodes, keys, trials)
+    if as_json:
+        click.echo(json.dumps(report))
+    else:
+        for k, v in report.items():
+            click.echo(f"{k:>28}  {v}")

@@ -1,0 +1,118 @@
+"""Real agents in cluster mode on loopback: each a `dpuctl agent run` child with its own Serf
+child, all sharing one tenant token file (tenants are cluster-wide through shared config)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dpu_agent.cluster import free_port
+from dpu_agent.service import AgentProcess, spawn_agent
+from host_shim.client import ControlChannel, ControlError
+
+SMALL_TIERS = {"DPUKV_STORAGE_DRAM_BYTES": str(16 << 20), "DPUKV_STORAGE_NVME_BYTES": str(64 << 20)}
+
+
+@dataclass
+class Node:
+    name: str
+    agent: AgentProcess
+    serf_bind: str
+    serf_rpc: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Cluster:
+    root: Path
+    replicas: int = 1
+    host: str = "127.0.0.1"  # where the Serf agents bind
+    nodes: dict[str, Node] = field(default_factory=dict)
+    token: str = ""
+
+    def __post_init__(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.token = secrets.token_urlsafe(24)
+        fd = os.open(self.root / "default.token", os.O_WRONLY | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.token + "\n")
+        (self.root / "cluster.toml").write_text(
+            f'[tenants.default]\ntoken_file = "{self.root / "default.token"}"\n'
+        )
+
+    def start(
+        self, name: str, zone: str = "", serf_rpc: str = "", extra_env: dict[str, str] | None = None
+    ) -> Node:
+        """Start agent `name`; with `serf_rpc` it uses that (operator-run) Serf agent."""
+        seeds = [n.serf_bind for n in self.nodes.values() if n.agent.proc.poll() is None]
+        bind = f"{self.host}:{free_port(self.host)}"
+        rpc = serf_rpc or f"{self.host}:{free_port(self.host)}"
+        env = {
+            "DPUKV_CLUSTER_SERF_START": "0" if serf_rpc else "1",
+            **SMALL_TIERS,
+            "DPUKV_AGENT_NODE_NAME": name,
+            "DPUKV_CLUSTER_ENABLED": "1",
+            "DPUKV_CLUSTER_SERF_BIND": bind,
+            "DPUKV_CLUSTER_SERF_RPC": rpc,
+            "DPUKV_CLUSTER_JOIN": ",".join(seeds[:2]),
+            "DPUKV_CLUSTER_REPLICAS": str(self.replicas),
+            "DPUKV_CLUSTER_REFRESH_INTERVAL_S": "1",
+            "DPUKV_CLUSTER_ZONE": zone,
+            "DPUKV_METRICS_ENABLED": "0",
+            **(extra_env or {}),
+        }
+        agent = spawn_agent(self.root / name, env=env, config=self.root / "cluster.toml")
+        env["DPUKV_AGENT_DATA_DIR"] = str(self.root / name)
+        node = self.nodes[name] = Node(name, agent, bind, rpc, env)
+        return node
+
+    def dpuctl(self, name: str, *args: str) -> subprocess.CompletedProcess[str]:
+        """`dpuctl ARGS --config cluster.toml` as node `name`'s operator."""
+        env = {**os.environ, **self.nodes[name].env}
+        return subprocess.run(
+            [sys.executable, "-c", "from dpu_agent.cli import main; main()", *args,
+             "--config", str(self.root / "cluster.toml")],
+            env=env, capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+
+    def seeds(self) -> str:
+        return ",".join(n.agent.control_url for n in self.nodes.values())
+
+    def members(self, name: str) -> dict:
+        a = self.nodes[name].agent
+        with ControlChannel(a.control_url, "default", self.token, timeout_s=5.0) as ch:
+            ch.connect()
+            return ch.call("members")
+
+    def wait_serving(self, names: list[str], on: list[str], timeout_s: float = 40.0) -> int:
+        """Wait until every node in `on` sees exactly `names` serving; returns the epoch."""
+        deadline = time.monotonic() + timeout_s
+        last: object = None
+        while time.monotonic() < deadline:
+            try:
+                views = [self.members(n) for n in on]
+            except (ControlError, OSError) as e:
+                last = e
+                time.sleep(0.2)
+                continue
+            serving = [
+                sorted(m["name"] for m in v["members"]
+                       if m["status"] == "alive" and m["state"] == "serving")
+                for v in views
+            ]  # fmt: skip
+            epochs = {v["epoch"] for v in views}
+            if all(s == sorted(names) for s in serving) and len(epochs) == 1:
+                return int(epochs.pop())
+            last = serving
+            time.sleep(0.2)
+        raise AssertionError(f"cluster did not converge on {names}: {last}")
+
+    def stop_all(self) -> None:
+        for n in self.nodes.values():
+            if n.agent.proc.poll() is None:
+                n.agent.stop(timeout_s=20)
