@@ -17,6 +17,7 @@ from dpu_agent.bench.recovery import recovery_cmd
 from dpu_agent.bench.replay import replay_command
 from dpu_agent.bench.ttft import ttft_cmd
 from dpu_agent.cli import ops
+from dpu_agent.cli.firmware import firmware_group
 from dpu_agent.cli.spdk import spdk_group
 
 
@@ -44,6 +45,7 @@ bench.add_command(replay_command)
 bench.add_command(nvme_bench)
 bench.add_command(index_cmd)
 bench.add_command(recovery_cmd)
+cli.add_command(firmware_group)
 
 
 def main() -> None:
