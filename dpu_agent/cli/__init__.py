@@ -18,6 +18,7 @@ from dpu_agent.bench.replay import replay_command
 from dpu_agent.bench.ttft import ttft_cmd
 from dpu_agent.cli import ops
 from dpu_agent.cli.firmware import firmware_group
+from dpu_agent.cli.net import net_group
 from dpu_agent.cli.spdk import spdk_group
 
 
@@ -46,6 +47,7 @@ bench.add_command(nvme_bench)
 bench.add_command(index_cmd)
 bench.add_command(recovery_cmd)
 cli.add_command(firmware_group)
+cli.add_command(net_group)
 
 
 def main() -> None:
