@@ -42,6 +42,7 @@ from dpu_agent.engine import Engine, EngineConfig
 from dpu_agent.log import configure_logging, get_logger
 from dpu_agent.metrics import REGISTRY
 from dpu_agent.nvmf import NvmeTcpTarget, Subsystem, TargetOptions
+from dpu_agent.sdnotify import Notifier
 from dpu_agent.spdk_mode import SpdkDevices, check_spdk, listener_for
 from kvproto.control import valid_tenant_name
 
@@ -463,7 +464,10 @@ async def _serve(cfg: AgentConfig) -> int:
         await agent.stop()
         return 1
     print(banner(cfg, agent.addresses()), flush=True)
+    notifier = Notifier()  # systemd Type=notify: READY=1, watchdog pings (no-op otherwise)
+    notifier.ready(f"serving {len(cfg.tenants)} tenant(s)")
     await stop.wait()
+    await notifier.stopping()
     print("stopping: closing listeners, checkpointing the index ...", flush=True)
     await agent.stop()
     print("stopped", flush=True)
