@@ -29,6 +29,7 @@ from typing import Any
 
 from prometheus_client import ProcessCollector, start_http_server
 
+from dpu_agent import telemetry
 from dpu_agent.config import AgentConfig, TenantConfig
 from dpu_agent.control import (
     LEASES_ACTIVE,
@@ -80,6 +81,7 @@ class Agent:
         self.target: Any = None
         self.control: ControlServer | None = None
         self._metrics_server: Any = None
+        self._telemetry: telemetry.Installed | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._admin_lock = asyncio.Lock()
         self._subsystems: dict[str, Subsystem] = {}
@@ -112,6 +114,7 @@ class Agent:
         )
         await self.control.start()
         if cfg.metrics.enabled:
+            self._telemetry = telemetry.install(cfg)  # CPU, RDMA, SPDK stats collectors
             self._metrics_server, _ = start_http_server(
                 cfg.metrics.port, addr=cfg.metrics.host, registry=REGISTRY
             )
@@ -142,6 +145,9 @@ class Agent:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
+        if self._telemetry is not None:
+            self._telemetry.close()
+            self._telemetry = None
         if self.engine is not None:
             async with self._admin_lock:  # a backup or restore in flight finishes first
                 await asyncio.to_thread(self.engine.close)  # checkpoints: restart finds all
