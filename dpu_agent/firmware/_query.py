@@ -96,7 +96,7 @@ def _supports_json(path: str) -> bool:
         out = subprocess.run([path, "-h"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return False
-    return "--json_format" in out.stdout or "-j|" in out.stdout
+    return "--json_format" in out.stdout + out.stderr  # MFT's mlxconfig, mstflint >= 4.2x
 
 
 def parse_value(value: Any) -> int | None:

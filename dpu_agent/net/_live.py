@@ -130,5 +130,8 @@ def read_live(desired: NetDesired, ipr: IPRoute, sysfs_root: Path = SYSFS_NET) -
         for s in desired.interfaces
         if s.wants_dcb and s.name in links
     }
-    sysfs = {s.name: _read_sysfs(s.name, sysfs_root) for s in desired.interfaces}
+    # /sys/class/net shows this process' namespace: another namespace's knobs are not there
+    # (a same-named host interface would be), so they need an explicit --sysfs-root
+    foreign = bool(desired.netns) and sysfs_root == SYSFS_NET
+    sysfs = {s.name: {} if foreign else _read_sysfs(s.name, sysfs_root) for s in desired.interfaces}
     return NetLive(links=links, dcb=dcb, sysfs=sysfs)
