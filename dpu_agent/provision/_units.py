@@ -4,7 +4,7 @@
 boot by systemd-sysusers): `Type=notify` (the agent sends READY=1 once it serves, then
 WATCHDOG=1 pings from its event loop), `Restart=on-failure`, and a sandbox: nothing writable
 but its state directory, no capabilities (ports above 1024, files it owns, loopback NVMe/TCP
-to SPDK), only the address families it uses. `dpukv-firstboot.service` applies the firmware
+to SPDK), only the address families and devices (RDMA verbs) it uses. `dpukv-firstboot.service` applies the firmware
 profile and the [net] section once, as root (mlxconfig and netlink need it); exit 5 of
 `dpuctl firmware apply` (written, waits for a power cycle) counts as success.
 """
@@ -63,21 +63,26 @@ StateDirectoryMode=0700
 ConfigurationDirectory=dpukv
 LimitNOFILE=65536
 UMask=0077
-# Sandbox: no capabilities, read-only system, private /tmp and devices
+# Sandbox: no capabilities, read-only system, private /tmp; of the devices only RDMA verbs
+# (NVMe-oF/RDMA, NIXL), whose memory registration pins pages (MEMLOCK) and whose library asks
+# the kernel through netlink (AF_NETLINK)
 CapabilityBoundingSet=
 AmbientCapabilities=
 NoNewPrivileges=yes
 ProtectSystem=strict
 ProtectHome=yes
 PrivateTmp=yes
-PrivateDevices=yes
+DevicePolicy=closed
+DeviceAllow=char-infiniband_verbs rw
+DeviceAllow=/dev/infiniband/rdma_cm rw
+LimitMEMLOCK=infinity
 ProtectKernelTunables=yes
 ProtectKernelModules=yes
 ProtectKernelLogs=yes
 ProtectControlGroups=yes
 ProtectClock=yes
 ProtectHostname=yes
-RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6
+RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK
 RestrictNamespaces=yes
 RestrictRealtime=yes
 RestrictSUIDSGID=yes
