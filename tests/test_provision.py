@@ -72,7 +72,10 @@ def test_bf_cfg_passes_bash_n_and_carries_settings_units_and_spdk_json(tmp_path:
     assert r.exit_code == 0, r.output
     manifest = json.loads(r.output)["manifest"]
     assert manifest["spdk_json"] and manifest["firmware_profile"] == "bf3-storage"
-    assert manifest["firmware_device"] == "/dev/mst/mt41692_pciconf0"
+    assert manifest["firmware_devices"] == [
+        "/dev/mst/mt41692_pciconf0",
+        "/dev/mst/mt41692_pciconf0.1",
+    ]  # both PFs
     check = _bash_n(out)
     assert check.returncode == 0, check.stderr
     text = out.read_text()
@@ -163,7 +166,7 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     prefix = str(tmp_path)
     units = {
         pv.AGENT_UNIT: pv.agent_unit(prefix),
-        pv.FIRSTBOOT_UNIT: pv.firstboot_unit("bf3-storage", "03:00.0", True, prefix),
+        pv.FIRSTBOOT_UNIT: pv.firstboot_unit("bf3-storage", ("03:00.0", "03:00.1"), True, prefix),
     }
     for name, text in units.items():
         path = tmp_path / name

@@ -84,7 +84,8 @@ def _install(argv: list[str], as_json: bool) -> list[str]:
     help="dpu-kvtier's wheel and its dependencies (scripts/build-wheelhouse.sh).",
 )
 @click.option("--profile", default="", help="Firmware profile applied at first boot.")
-@click.option("--firmware-device", default="", help="Device for it (default: by profile).")
+@click.option("--firmware-device", "firmware_devices", multiple=True,
+              help="Device(s) to apply it to (default: both PFs' mst devices).")  # fmt: skip
 @click.option("--set", "settings", multiple=True, help="bf.cfg setting KEY=VALUE (repeat).")
 @click.option(
     "--write-cfg",
@@ -99,7 +100,7 @@ def provision_cmd(
     rshim: str | None,
     wheelhouse: Path,
     profile: str,
-    firmware_device: str,
+    firmware_devices: tuple[str, ...],
     settings: tuple[str, ...],
     write_cfg: Path | None,
     bfb_install: str,
@@ -111,7 +112,7 @@ def provision_cmd(
         config=config,
         wheelhouse=wheelhouse,
         profile=profile,
-        firmware_device=firmware_device,
+        firmware_devices=firmware_devices,
         installer=_settings(settings),
     )
     try:

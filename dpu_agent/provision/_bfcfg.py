@@ -43,8 +43,13 @@ INSTALLER_KEYS = frozenset({
 # A wheelhouse of the agent's dependencies is ~50 MiB; the installer reads bf.cfg into memory
 PAYLOAD_BYTES_MAX = 256 << 20
 _HOOK = Path(__file__).with_name("_hook.sh")
-# mst device names (BLUEFIELD.md) by the profile's device type
-MST_DEVICE = {"BlueField3": "/dev/mst/mt41692_pciconf0", "BlueField2": "/dev/mst/mt41686_pciconf0"}
+# mst device names (BLUEFIELD.md) by the profile's device type: both physical functions, since
+# per-function parameters (PF_TOTAL_SF, PF_SF_BAR_SIZE, ROCE_CONTROL) are set on each; global
+# ones set through the first are already in place (a no-op) when the second is planned
+MST_DEVICE = {
+    "BlueField3": ("/dev/mst/mt41692_pciconf0", "/dev/mst/mt41692_pciconf0.1"),
+    "BlueField2": ("/dev/mst/mt41686_pciconf0", "/dev/mst/mt41686_pciconf0.1"),
+}
 
 
 class ProvisionError(Exception):
@@ -56,7 +61,7 @@ class ProvisionInputs:
     config: Path  # the agent TOML for the DPU
     wheelhouse: Path  # wheels: dpu-kvtier and its runtime dependencies
     profile: str = ""  # firmware profile name or path ("" = none at first boot)
-    firmware_device: str = ""  # default: the profile's mst device
+    firmware_devices: tuple[str, ...] = ()  # default: the profile's mst devices (both PFs)
     installer: dict[str, str] | None = None  # extra bf.cfg settings (INSTALLER_KEYS)
 
 
@@ -90,10 +95,10 @@ def _spdk_json(path: Path, doc: dict[str, Any]) -> bytes | None:
     return (json.dumps(run_boot_config(path), indent=2) + "\n").encode()
 
 
-def _profiles(inputs: ProvisionInputs) -> tuple[dict[str, bytes], str, str]:
-    """Every shipped profile plus the chosen one; its name; its mst device."""
+def _profiles(inputs: ProvisionInputs) -> tuple[dict[str, bytes], str, tuple[str, ...]]:
+    """Every shipped profile plus the chosen one; its name; the devices to apply it to."""
     if not inputs.profile:
-        return {}, "", ""
+        return {}, "", ()
     from dpu_agent.firmware import PROFILE_DIRS, ProfileError, load_profile
 
     try:
@@ -102,10 +107,10 @@ def _profiles(inputs: ProvisionInputs) -> tuple[dict[str, bytes], str, str]:
         raise ProvisionError(str(e)) from None
     files = {p.name: p.read_bytes() for d in PROFILE_DIRS if d.is_dir() for p in d.glob("*.toml")}
     files[f"{chosen.name}.toml"] = Path(chosen.source).read_bytes()
-    device = inputs.firmware_device or next(
-        (MST_DEVICE[t] for t in chosen.device_types if t in MST_DEVICE), "03:00.0"
+    devices = inputs.firmware_devices or next(
+        (MST_DEVICE[t] for t in chosen.device_types if t in MST_DEVICE), ("03:00.0", "03:00.1")
     )
-    return files, chosen.name, device
+    return files, chosen.name, devices
 
 
 def build_payload(inputs: ProvisionInputs) -> tuple[bytes, dict[str, Any]]:
@@ -116,7 +121,7 @@ def build_payload(inputs: ProvisionInputs) -> tuple[bytes, dict[str, Any]]:
         raise ProvisionError(
             f"{inputs.wheelhouse} has no dpu_kvtier wheel: run scripts/build-wheelhouse.sh"
         )
-    profiles, profile, device = _profiles(inputs)
+    profiles, profile, devices = _profiles(inputs)
     spdk = _spdk_json(inputs.config, doc)
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
@@ -129,7 +134,7 @@ def build_payload(inputs: ProvisionInputs) -> tuple[bytes, dict[str, Any]]:
             _add(tar, f"etc/dpukv/firmware_profiles/{name}", data)
         _add(tar, f"systemd/{units.AGENT_UNIT}", units.agent_unit().encode())
         if profile or "net" in doc:
-            text = units.firstboot_unit(profile, device, with_net="net" in doc)
+            text = units.firstboot_unit(profile, devices, with_net="net" in doc)
             _add(tar, f"systemd/{units.FIRSTBOOT_UNIT}", text.encode())
         _add(tar, f"sysusers.d/{units.SYSUSERS}", units.sysusers().encode())
     data = buf.getvalue()
@@ -139,7 +144,7 @@ def build_payload(inputs: ProvisionInputs) -> tuple[bytes, dict[str, Any]]:
         "wheels": [w.name for w in wheels],
         "spdk_json": spdk is not None,
         "firmware_profile": profile,
-        "firmware_device": device,
+        "firmware_devices": list(devices),
         "net": "net" in doc,
         "payload_bytes": len(data),
     }

@@ -4,9 +4,10 @@
 boot by systemd-sysusers): `Type=notify` (the agent sends READY=1 once it serves, then
 WATCHDOG=1 pings from its event loop), `Restart=on-failure`, and a sandbox: nothing writable
 but its state directory, no capabilities (ports above 1024, files it owns, loopback NVMe/TCP
-to SPDK), only the address families and devices (RDMA verbs) it uses. `dpukv-firstboot.service` applies the firmware
-profile and the [net] section once, as root (mlxconfig and netlink need it); exit 5 of
-`dpuctl firmware apply` (written, waits for a power cycle) counts as success.
+to SPDK), only the address families and devices (RDMA verbs) it uses.
+`dpukv-firstboot.service` applies the firmware profile to each physical function and the [net]
+section once, as root (mlxconfig and netlink need it); exit 5 of `dpuctl firmware apply`
+(written, waits for a power cycle) counts as success.
 """
 
 from __future__ import annotations
@@ -97,15 +98,19 @@ WantedBy=multi-user.target
 """
 
 
-def firstboot_unit(profile: str, device: str, with_net: bool, prefix: str = PREFIX) -> str:
+def firstboot_unit(
+    profile: str, devices: tuple[str, ...], with_net: bool, prefix: str = PREFIX
+) -> str:
     """At least one of a firmware profile and a [net] section (else no first-boot unit)."""
     assert profile or with_net, "nothing to do at first boot"
+    assert devices or not profile, "a profile needs the devices to apply it to"
     dpuctl = f"{prefix}/venv/bin/dpuctl"
     steps = ""
     if profile:  # the mst driver gives /dev/mst/* names; PCI addresses work without it
         steps += "ExecStartPre=-/usr/bin/mst start\n"
-        steps += (f"ExecStart={dpuctl} firmware apply --device {device} --profile "
-                  f"{CONFIG_DIR}/firmware_profiles/{profile}.toml\n")  # fmt: skip
+        for device in devices:
+            steps += (f"ExecStart={dpuctl} firmware apply --device {device} --profile "
+                      f"{CONFIG_DIR}/firmware_profiles/{profile}.toml\n")  # fmt: skip
     if with_net:
         steps += f"ExecStart={dpuctl} net apply --config {CONFIG_DIR}/agent.toml\n"
     return f"""\
