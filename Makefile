@@ -42,3 +42,9 @@ test: lint typecheck pytest
 
 clean:
 	rm -rf $(VENV) var build *.egg-info .mypy_cache .ruff_cache .pytest_cache
+
+# The agent's wheel + its runtime dependencies for `dpuctl provision` (docs/PROVISIONING.md);
+# `scripts/build-wheelhouse.sh --dpu` cross-downloads them for the DPU (aarch64).
+.PHONY: wheelhouse
+wheelhouse: install
+	PY=$(PY) scripts/build-wheelhouse.sh

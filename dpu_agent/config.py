@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from dpu_agent.eviction import DEFAULT_POLICY, POLICY_NAMES
+from dpu_agent.net import NetConfigError, NetDesired, parse_net
 from dpu_agent.units import SizeError, parse_size
 from kvproto.control import valid_tenant_name
 from kvproto.placement import REPLICAS_MAX
@@ -189,6 +190,7 @@ class AgentConfig:
     source: str = "<defaults>"
     spdk: SpdkDesired | None = None  # the parsed [spdk] section, when the file has one
     spdk_doc: dict[str, Any] = field(default_factory=dict)  # that section as written
+    net: NetDesired | None = None  # the parsed [net] section (dpuctl net), when present
 
     @property
     def spdk_mode(self) -> bool:
@@ -389,10 +391,15 @@ def load_config(
                 _apply_tenants(cfg, values, str(p))
             elif section == "spdk":
                 _apply_spdk(cfg, doc, str(p))
+            elif section == "net":  # the DPU's RoCE network (dpu_agent.net, dpuctl net)
+                try:
+                    cfg.net = parse_net(values, str(p))
+                except NetConfigError as e:
+                    raise ConfigError(str(e)) from None
             elif section in _SECTIONS and isinstance(values, dict):
                 _apply_section(cfg, section, values, str(p))
             else:
-                known = ", ".join([*_SECTIONS, "tenants", "spdk"])
+                known = ", ".join([*_SECTIONS, "tenants", "spdk", "net"])
                 raise ConfigError(f"{p}: unknown section [{section}]; known: {known}")
     env = os.environ if environ is None else environ
     if env.get(DATA_DIR_ENV):

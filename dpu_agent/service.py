@@ -29,6 +29,7 @@ from typing import Any
 
 from prometheus_client import ProcessCollector, start_http_server
 
+from dpu_agent import telemetry
 from dpu_agent.cluster import Membership, agent_cluster_view, start_membership
 from dpu_agent.config import AgentConfig, TenantConfig
 from dpu_agent.control import (
@@ -46,6 +47,7 @@ from dpu_agent.log import configure_logging, get_logger
 from dpu_agent.metrics import REGISTRY
 from dpu_agent.nvmf import NvmeTcpTarget, Subsystem, TargetOptions
 from dpu_agent.nvmf._keys import HOST_KEYS_FILE, HostKeyIssuer, hello_keys
+from dpu_agent.sdnotify import Notifier
 from dpu_agent.spdk_mode import SpdkDevices, check_spdk, listener_for
 from kvproto.control import valid_tenant_name
 from kvproto.nvme import NQN_BYTES_MAX
@@ -84,6 +86,7 @@ class Agent:
         self.target: Any = None
         self.control: ControlServer | None = None
         self._metrics_server: Any = None
+        self._telemetry: telemetry.Installed | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._admin_lock = asyncio.Lock()
         self._subsystems: dict[str, Subsystem] = {}
@@ -127,6 +130,7 @@ class Agent:
         )
         await self.control.start()
         if cfg.metrics.enabled:
+            self._telemetry = telemetry.install(cfg)  # CPU, RDMA, SPDK stats collectors
             self._metrics_server, _ = start_http_server(
                 cfg.metrics.port, addr=cfg.metrics.host, registry=REGISTRY
             )
@@ -162,6 +166,9 @@ class Agent:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
+        if self._telemetry is not None:
+            self._telemetry.close()
+            self._telemetry = None
         if self.engine is not None:
             async with self._admin_lock:  # a backup or restore in flight finishes first
                 await asyncio.to_thread(self.engine.close)  # checkpoints: restart finds all
@@ -538,7 +545,10 @@ async def _serve(cfg: AgentConfig) -> int:
     if warning := exposure_warning(cfg):
         print(f"WARNING: {warning}", file=sys.stderr, flush=True)
         log.warning("control_plane_exposed", host=cfg.control.host, port=cfg.control.port)
+    notifier = Notifier()  # systemd Type=notify: READY=1, watchdog pings (no-op otherwise)
+    notifier.ready(f"serving {len(cfg.tenants)} tenant(s)")
     await stop.wait()
+    await notifier.stopping()
     print("stopping: closing listeners, checkpointing the index ...", flush=True)
     await agent.stop()
     print("stopped", flush=True)

@@ -5,8 +5,9 @@
 set -u
 # libssl-dev + gcc: the batched AES-XTS loop (cffi over OpenSSL EVP) is compiled at install.
 # redis-server: the datapath benchmark compares against a real Redis.
-# serf: cluster membership (HashiCorp Serf).  iproute2: network namespaces in tests.
-PKGS=(gcc libssl-dev redis-server serf iproute2)
+# serf: cluster membership (HashiCorp Serf).  iproute2: network namespaces and dcb in tests.
+# mstflint: mstconfig (firmware tests). systemd: systemd-analyze verify of the agent unit.
+PKGS=(gcc libssl-dev redis-server serf iproute2 mstflint systemd)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

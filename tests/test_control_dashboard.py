@@ -10,6 +10,7 @@ import dpu_agent.control  # registers the control-plane metrics
 import dpu_agent.engine  # registers the engine's metrics
 import dpu_agent.service  # noqa: F401  (registers the process collector)
 from dpu_agent.metrics import REGISTRY
+from dpu_agent.telemetry import COLLECTED_METRICS  # collectors installed when the agent starts
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "docs" / "grafana-dashboard.json"
 
@@ -20,7 +21,7 @@ def test_dashboard_metrics_exist() -> None:
     exprs = [t["expr"] for p in doc["panels"] for t in p["targets"]]
     used = {re.sub(r"_(total|bucket|sum|count)$", "", n) for e in exprs
             for n in re.findall(r"\b(?:kvtier|process)_[a-z0-9_]+", e)}  # fmt: skip
-    registered = {m.name for m in REGISTRY.collect()}
+    registered = {m.name for m in REGISTRY.collect()} | COLLECTED_METRICS
     missing = sorted(used - registered)
     assert not missing, f"dashboard uses unregistered metrics: {missing}"
     assert {"kvtier_hit_ratio", "kvtier_control_request_seconds"} <= used

@@ -22,7 +22,11 @@ from dpu_agent.bench.replay import replay_command
 from dpu_agent.bench.ttft import ttft_cmd
 from dpu_agent.cli import ops
 from dpu_agent.cli.cluster import cluster_group
+from dpu_agent.cli.firmware import firmware_group
 from dpu_agent.cli.hosts import hosts
+from dpu_agent.cli.net import net_group
+from dpu_agent.cli.plan import plan_group
+from dpu_agent.cli.provision import provision_cmd
 from dpu_agent.cli.spdk import spdk_group
 
 
@@ -71,6 +75,10 @@ bench.add_command(index_cmd)
 bench.add_command(recovery_cmd)
 cli.add_command(cluster_group)
 bench.add_command(cluster_bench)
+cli.add_command(firmware_group)
+cli.add_command(net_group)
+cli.add_command(provision_cmd)
+cli.add_command(plan_group)
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from dpu_agent import telemetry
 from dpu_agent.blockdev import BlockDeviceError
 from dpu_agent.control import _metrics as m
 from dpu_agent.control._auth import TenantRegistry
@@ -195,7 +196,10 @@ class Dispatcher:
         except Exception as e:  # operating errors and bugs alike get a reply
             reply = self._failed(s, rid, op, e)
         if op in _KNOWN_OPS:
-            _observe(op, "ok" if reply.ok else reply.error, time.perf_counter() - t0)
+            elapsed = time.perf_counter() - t0
+            _observe(op, "ok" if reply.ok else reply.error, elapsed)
+            if op == "lookup":  # data-path latency per transport (dpu_agent.telemetry)
+                (_LOOKUP_UNIX if s.peer == "unix" else _LOOKUP_TCP).observe(elapsed)
         return reply
 
     async def _admin(self, s: Session, req: Request, nxt: SessionState, t0: float) -> Reply:
@@ -363,6 +367,8 @@ _KNOWN_OPS = frozenset(
 
 
 _children: dict[tuple[str, str], tuple[Any, Any]] = {}  # (op, code) -> metric children
+_LOOKUP_TCP = telemetry.child("lookup", "control-tcp")
+_LOOKUP_UNIX = telemetry.child("lookup", "control-unix")
 
 
 def _observe(op: str, code: str, seconds: float) -> None:

@@ -16,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import socket
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
+from dpu_agent import telemetry
 from dpu_agent.blockdev import BlockDevice, BlockDeviceError, MemoryBlockDevice
 from dpu_agent.log import get_logger
 from dpu_agent.nvmf._auth import ATR_BIT, auth_exempt, handle_auth, queue_auth
@@ -124,12 +126,14 @@ class _Cmd:
         "received",
         "slba",
         "sqe",
+        "t0",
         "ttag",
         "view",
     )
 
     def __init__(self, sqe: Sqe) -> None:
         self.sqe = sqe
+        self.t0 = time.perf_counter()  # capsule received: the data-path latency starts
         self.buf: bytearray | None = None  # data buffer from the pool
         self.icd: bytearray | None = None  # in-capsule buffer to give back
         self.view = memoryview(b"")
@@ -325,6 +329,8 @@ class NvmfConnection(asyncio.BufferedProtocol):
             return
         self._release(cmd)
         self._sqhd = (self._sqhd + 1) % self.depth
+        if self.qid:
+            _observe_io(cmd)
         if status is Status.SUCCESS:
             cqe = Cqe(cid=cid, cdw0=cdw0, cdw1=cdw1, sqhd=self._sqhd, sqid=self.qid or 0)
         else:
@@ -350,6 +356,8 @@ class NvmfConnection(asyncio.BufferedProtocol):
             self._cmds.pop(cmd.sqe.cid)
             self._sqhd = (self._sqhd + 1) % self.depth
             self._release(cmd)
+            if self.qid:
+                _observe_io(cmd)
         else:
             self._complete(cmd, cdw0=cdw0, cdw1=cdw1)
 
@@ -642,6 +650,16 @@ _IO_OPS = frozenset(
 
 
 _INLINE_OPS = frozenset({IoOpcode.READ, IoOpcode.WRITE})
+_GET = telemetry.child("get", "nvme-tcp")  # chunk reads and writes: data-path latency
+_PUT = telemetry.child("put", "nvme-tcp")
+
+
+def _observe_io(cmd: _Cmd) -> None:
+    op = cmd.sqe.opcode
+    if op == IoOpcode.READ:
+        _GET.observe(time.perf_counter() - cmd.t0)
+    elif op == IoOpcode.WRITE:
+        _PUT.observe(time.perf_counter() - cmd.t0)
 
 
 def _lends_memory(dev: object) -> bool:

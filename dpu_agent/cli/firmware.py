@@ -1,0 +1,156 @@
+"""`dpuctl firmware plan|apply|status|profiles`: BlueField firmware parameters from a profile.
+
+Exit codes: 0 done / in sync; 1 conflicts, the tool refused the set, or status found values
+that differ; 2 usage; 3 no mlxconfig/mstconfig, or the device cannot be opened; 4 the profile
+or the query file is invalid; 5 the values are written but wait for a reboot or a host power
+cycle (the JSON's `activation` says which).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import click
+
+from dpu_agent import firmware as fw
+
+__all__ = ["firmware_group"]
+
+EXIT_OK, EXIT_FAILED, EXIT_UNAVAILABLE, EXIT_PROFILE, EXIT_ACTIVATE = 0, 1, 3, 4, 5
+QUERY_FILE_BYTES_MAX = 4 << 20
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _fail(code: int, message: str, as_json: bool, **extra: Any) -> NoReturn:
+    if as_json:
+        click.echo(json.dumps({"ok": False, "error": message, "exit_code": code, **extra}))
+    else:
+        click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def _errors(fn: F) -> F:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        as_json = bool(kwargs.get("as_json"))
+        try:
+            return fn(*args, **kwargs)
+        except fw.ProfileError as e:
+            _fail(EXIT_PROFILE, str(e), as_json)
+        except fw.FirmwareUnavailable as e:
+            _fail(EXIT_UNAVAILABLE, str(e), as_json)
+        except fw.FirmwareConflict as e:
+            _fail(EXIT_FAILED, f"plan has conflicts: {e}", as_json, conflicts=list(e.conflicts))
+        except fw.FirmwareApplyError as e:
+            _fail(EXIT_FAILED, str(e), as_json, returncode=e.cause.returncode)
+        except fw.FirmwareToolError as e:
+            _fail(EXIT_FAILED, str(e), as_json, returncode=e.returncode)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _options(fn: F) -> F:
+    fn = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")(fn)
+    fn = click.option("--tool", default=None, help="mlxconfig or mstconfig (default: found).")(fn)
+    fn = click.option(
+        "--query-file",
+        type=click.Path(dir_okay=False),
+        default=None,
+        help="Plan from a saved `mlxconfig -e -j FILE query` (or its table) instead of a device.",
+    )(fn)
+    fn = click.option("--profile", required=True, help="Profile name or .toml path.")(fn)
+    return click.option("--device", default=None, help="mst device or PCI address.")(fn)
+
+
+def _live(device: str | None, query_file: str | None, tool: str | None) -> fw.DeviceConfig:
+    if query_file is not None:
+        try:
+            text = Path(query_file).read_bytes()[:QUERY_FILE_BYTES_MAX].decode()
+            if text.lstrip().startswith("{"):
+                return fw.parse_json_query(json.loads(text))
+            return fw.parse_text_query(text)
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise fw.ProfileError(f"query file {query_file}: {e}") from None
+    if device is None:
+        raise click.UsageError("give --device DEV (or --query-file FILE)")
+    return fw.query_device(device, fw.find_tool(tool))
+
+
+def _render_plan(p: dict[str, Any]) -> str:
+    lines = [f"{p['device']} ({p['device_type']}), profile {p['profile']}"]
+    for c in p["changes"]:
+        if c["action"] != "ok":
+            lines.append(f"  {c['action']:8} {c['name']}: {c['why']}")
+    lines += [f"CONFLICT {c}" for c in p["conflicts"]]
+    if p["in_sync"]:
+        lines.append("in sync: every parameter is live")
+    elif p["activation"]:
+        lines.append(f"after apply: {p['activation'].replace('_', ' ')} to activate")
+    return "\n".join(lines)
+
+
+def _show(doc: dict[str, Any], as_json: bool, render: Callable[[dict[str, Any]], str]) -> None:
+    click.echo(json.dumps(doc, indent=2) if as_json else render(doc))
+
+
+@click.group("firmware", help="BlueField firmware parameters (mlxconfig) from a profile.")
+def firmware_group() -> None:
+    pass
+
+
+@firmware_group.command("plan", help="Per parameter: current, next boot, desired, action.")
+@_options
+@_errors
+def plan_cmd(
+    device: str | None, profile: str, query_file: str | None, tool: str | None, as_json: bool
+) -> None:
+    result = fw.plan(fw.load_profile(profile), _live(device, query_file, tool), fw.load_schema())
+    _show(result.to_json(), as_json, _render_plan)
+    sys.exit(EXIT_FAILED if result.conflicts else EXIT_OK)
+
+
+@firmware_group.command("status", help="Exit 0 in sync, 5 waiting for activation, 1 differs.")
+@_options
+@_errors
+def status_cmd(
+    device: str | None, profile: str, query_file: str | None, tool: str | None, as_json: bool
+) -> None:
+    result = fw.plan(fw.load_profile(profile), _live(device, query_file, tool), fw.load_schema())
+    _show(result.to_json(), as_json, _render_plan)
+    pending_only = not result.conflicts and not result.to_set
+    sys.exit(EXIT_OK if result.in_sync else EXIT_ACTIVATE if pending_only else EXIT_FAILED)
+
+
+@firmware_group.command("apply", help="One `-y set` of every change; exit 5: reboot needed.")
+@click.option("--device", required=True, help="mst device or PCI address.")
+@click.option("--profile", required=True, help="Profile name or .toml path.")
+@click.option("--tool", default=None, help="mlxconfig or mstconfig (default: found).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@_errors
+def apply_cmd(device: str, profile: str, tool: str | None, as_json: bool) -> None:
+    result = fw.apply(fw.load_profile(profile), device, fw.find_tool(tool), fw.load_schema())
+    doc = result.to_json()
+    _show(
+        doc, as_json, lambda d: f"set {len(d['applied'])} parameter(s)\n" + _render_plan(d["after"])
+    )
+    if not result.converged:
+        sys.exit(EXIT_FAILED)
+    sys.exit(EXIT_ACTIVATE if result.after.activation else EXIT_OK)
+
+
+@firmware_group.command("profiles", help="The known profiles, or one in full (--profile).")
+@click.option("--profile", default=None, help="Show this profile's parameters.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@_errors
+def profiles_cmd(profile: str | None, as_json: bool) -> None:
+    if profile is None:
+        names = fw.profile_names()
+        click.echo(json.dumps(names) if as_json else "\n".join(names))
+        return
+    doc = fw.load_profile(profile).to_json(fw.load_schema())
+    _show(doc, as_json, lambda d: "\n".join(f"{k} = {v}" for k, v in d["parameters"].items()))

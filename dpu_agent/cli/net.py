@@ -1,0 +1,111 @@
+"""`dpuctl net plan|apply|status`: the RoCE network from the `[net]` section of the config.
+
+Exit codes: 0 done / in sync; 1 conflicts (e.g. a driver without DCB), a step failed (the
+JSON says which and what was applied before it), or status found drift; 2 usage; 3 the
+network namespace does not exist; 4 the config is invalid (the message names the key).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import click
+
+from dpu_agent import net
+
+__all__ = ["net_group"]
+
+EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE, EXIT_CONFIG = 0, 1, 3, 4
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _fail(code: int, message: str, as_json: bool, **extra: Any) -> NoReturn:
+    if as_json:
+        click.echo(json.dumps({"ok": False, "error": message, "exit_code": code, **extra}))
+    else:
+        click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def _errors(fn: F) -> F:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        as_json = bool(kwargs.get("as_json"))
+        try:
+            return fn(*args, **kwargs)
+        except net.NetConfigError as e:
+            _fail(EXIT_CONFIG, str(e), as_json)
+        except net.NetnsMissing as e:
+            _fail(EXIT_UNREACHABLE, str(e), as_json)
+        except net.NetConflict as e:
+            _fail(EXIT_FAILED, f"plan has conflicts: {e}", as_json, conflicts=list(e.conflicts))
+        except net.NetApplyError as e:
+            _fail(EXIT_FAILED, str(e), as_json, step=e.step, done=e.done)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _options(fn: F) -> F:
+    fn = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")(fn)
+    fn = click.option(
+        "--sysfs-root",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=net.SYSFS_NET,
+        show_default=True,
+        help="Where the driver's qos/ and ecn/ knobs are.",
+    )(fn)
+    fn = click.option("--netns", default=None, help="Network namespace (default: [net] netns).")(fn)
+    return click.option(
+        "--config", required=True, envvar="DPUKV_CONFIG", type=click.Path(dir_okay=False)
+    )(fn)
+
+
+def _render_plan(p: dict[str, Any]) -> str:
+    lines = [
+        f"{i:3}. {s['kind']} {s['target']} {json.dumps(s['params'])}  # {s['why']}"
+        for i, s in enumerate(p["steps"], 1)
+    ] or ["in sync: nothing to do"]
+    lines += [f"CONFLICT {c}" for c in p["conflicts"]]
+    lines += [f"unmanaged {u}" for u in p["unmanaged"]]
+    return "\n".join(lines + [f"note {n}" for n in p["notes"]])
+
+
+def _show(doc: Any, as_json: bool, render: Callable[[Any], str]) -> None:
+    click.echo(json.dumps(doc, indent=2) if as_json else render(doc))
+
+
+@click.group("net", help="The DPU's RoCE network ([net]): addresses, MTU, VLAN, routes, PFC, ECN.")
+def net_group() -> None:
+    pass
+
+
+@net_group.command("plan", help="The steps that would reconcile the network (exit 1: conflicts).")
+@_options
+@_errors
+def plan_cmd(config: str, netns: str | None, sysfs_root: Path, as_json: bool) -> None:
+    p = net.run_plan(config, netns, sysfs_root)
+    _show(p, as_json, _render_plan)
+    sys.exit(EXIT_FAILED if p["conflicts"] else EXIT_OK)
+
+
+@net_group.command("apply", help="Run the plan; stop at the first failure; read back.")
+@_options
+@_errors
+def apply_cmd(config: str, netns: str | None, sysfs_root: Path, as_json: bool) -> None:
+    r = net.run_apply(config, netns, sysfs_root)
+    _show(r, as_json, lambda d: f"applied {len(d['applied'])} step(s)\n" + _render_plan(d["after"]))
+    sys.exit(EXIT_OK if r["after"]["in_sync"] else EXIT_FAILED)
+
+
+@net_group.command("status", help="Drift report: exit 0 in sync, 1 differs.")
+@_options
+@_errors
+def status_cmd(config: str, netns: str | None, sysfs_root: Path, as_json: bool) -> None:
+    s = net.run_status(config, netns, sysfs_root)
+    _show(s, as_json, _render_plan)
+    sys.exit(EXIT_OK if s["in_sync"] else EXIT_FAILED)

@@ -1,0 +1,137 @@
+"""What the DPU image gets besides the agent: systemd units and the service user.
+
+`dpukv-agent.service` runs `dpuctl agent run` as the unprivileged user `dpukv` (created at
+boot by systemd-sysusers): `Type=notify` (the agent sends READY=1 once it serves, then
+WATCHDOG=1 pings from its event loop), `Restart=on-failure`, and a sandbox: nothing writable
+but its state directory, no capabilities (ports above 1024, files it owns, loopback NVMe/TCP
+to SPDK), only the address families and devices (RDMA verbs) it uses.
+`dpukv-firstboot.service` applies the firmware profile to each physical function and the [net]
+section once, as root (mlxconfig and netlink need it); exit 5 of `dpuctl firmware apply`
+(written, waits for a power cycle) counts as success.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AGENT_UNIT",
+    "CONFIG_DIR",
+    "FIRSTBOOT_FLAG",
+    "FIRSTBOOT_UNIT",
+    "PREFIX",
+    "STATE_DIR",
+    "SYSUSERS",
+    "agent_unit",
+    "firstboot_unit",
+    "sysusers",
+]
+
+PREFIX = "/opt/dpukv"  # venv at PREFIX/venv
+CONFIG_DIR = "/etc/dpukv"
+STATE_DIR = "/var/lib/dpukv"
+FIRSTBOOT_FLAG = f"{CONFIG_DIR}/firstboot"
+AGENT_UNIT = "dpukv-agent.service"
+FIRSTBOOT_UNIT = "dpukv-firstboot.service"
+SYSUSERS = "dpukv.conf"
+# The agent checkpoints its index on SIGTERM: a large NVMe tier's checkpoint takes a while.
+STOP_TIMEOUT_S = 300
+# Missed pings before systemd restarts the agent: its loop pings every WatchdogSec/2.
+WATCHDOG_S = 30
+
+
+def agent_unit(prefix: str = PREFIX) -> str:
+    dpuctl = f"{prefix}/venv/bin/dpuctl"
+    return f"""\
+[Unit]
+Description=dpu-kvtier context-memory agent (KV-cache tier on the BlueField DPU)
+Documentation=https://github.com/dpu-kvtier/dpu-kvtier/blob/main/docs/OPERATIONS.md
+After=network-online.target {FIRSTBOOT_UNIT}
+Wants=network-online.target
+
+[Service]
+Type=notify
+NotifyAccess=main
+ExecStart={dpuctl} agent run --config {CONFIG_DIR}/agent.toml
+Environment=DPUKV_AGENT_DATA_DIR={STATE_DIR}
+Restart=on-failure
+RestartSec=2
+WatchdogSec={WATCHDOG_S}
+TimeoutStartSec=300
+TimeoutStopSec={STOP_TIMEOUT_S}
+User=dpukv
+Group=dpukv
+StateDirectory=dpukv
+StateDirectoryMode=0700
+ConfigurationDirectory=dpukv
+LimitNOFILE=65536
+UMask=0077
+# Sandbox: no capabilities, read-only system, private /tmp; of the devices only RDMA verbs
+# (NVMe-oF/RDMA, NIXL), whose memory registration pins pages (MEMLOCK) and whose library asks
+# the kernel through netlink (AF_NETLINK)
+CapabilityBoundingSet=
+AmbientCapabilities=
+NoNewPrivileges=yes
+ProtectSystem=strict
+ProtectHome=yes
+PrivateTmp=yes
+DevicePolicy=closed
+DeviceAllow=char-infiniband_verbs rw
+DeviceAllow=/dev/infiniband/rdma_cm rw
+LimitMEMLOCK=infinity
+ProtectKernelTunables=yes
+ProtectKernelModules=yes
+ProtectKernelLogs=yes
+ProtectControlGroups=yes
+ProtectClock=yes
+ProtectHostname=yes
+RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK
+RestrictNamespaces=yes
+RestrictRealtime=yes
+RestrictSUIDSGID=yes
+LockPersonality=yes
+MemoryDenyWriteExecute=yes
+SystemCallArchitectures=native
+SystemCallFilter=@system-service
+SystemCallErrorNumber=EPERM
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def firstboot_unit(
+    profile: str, devices: tuple[str, ...], with_net: bool, prefix: str = PREFIX
+) -> str:
+    """At least one of a firmware profile and a [net] section (else no first-boot unit)."""
+    assert profile or with_net, "nothing to do at first boot"
+    assert devices or not profile, "a profile needs the devices to apply it to"
+    dpuctl = f"{prefix}/venv/bin/dpuctl"
+    steps = ""
+    if profile:  # the mst driver gives /dev/mst/* names; PCI addresses work without it
+        steps += "ExecStartPre=-/usr/bin/mst start\n"
+        for device in devices:
+            steps += (f"ExecStart={dpuctl} firmware apply --device {device} --profile "
+                      f"{CONFIG_DIR}/firmware_profiles/{profile}.toml\n")  # fmt: skip
+    if with_net:
+        steps += f"ExecStart={dpuctl} net apply --config {CONFIG_DIR}/agent.toml\n"
+    return f"""\
+[Unit]
+Description=dpu-kvtier first boot: firmware profile and RoCE network
+After=network-pre.target
+Before={AGENT_UNIT}
+ConditionPathExists={FIRSTBOOT_FLAG}
+
+[Service]
+Type=oneshot
+RemainAfterExit=yes
+{steps}ExecStartPost=/bin/rm -f {FIRSTBOOT_FLAG}
+SuccessExitStatus=5
+ProtectHome=yes
+PrivateTmp=yes
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def sysusers() -> str:
+    return f'u dpukv - "dpu-kvtier agent" {STATE_DIR}\n'
