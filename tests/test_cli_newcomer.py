@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -242,3 +243,19 @@ def test_bench_without_the_bench_extra_names_it(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setitem(bench.commands, "needs-redis", needs_redis)
     r = CliRunner().invoke(cli, ["bench", "needs-redis"])
     assert r.exit_code == 1 and "dpu-kvtier[bench]" in r.output, r.output
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze "
+                    "(apt-get install systemd)")  # fmt: skip
+def test_agent_unit_for_the_embedded_default_passes_systemd_verify(tmp_path: Path) -> None:
+    exe = tmp_path / "dpuctl"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    r = CliRunner().invoke(cli, ["agent", "unit", "--dpuctl", str(exe)])
+    assert r.exit_code == 0, r.output
+    unit = tmp_path / "dpukv-agent.service"
+    unit.write_text(r.stdout)
+    assert f"ExecStart={exe} agent run" in r.stdout and "Type=notify" in r.stdout
+    check = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
+                           text=True, timeout=60)  # fmt: skip
+    assert check.returncode == 0, check.stderr

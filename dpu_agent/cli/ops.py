@@ -536,6 +536,28 @@ def agent_run(config_path: str | None) -> None:
     sys.exit(run_agent(config_of(config_path)))
 
 
+@agent_group.command(
+    "unit",
+    help="Print a systemd unit running this dpuctl's agent as a service "
+    "(embedded default or SPDK mode, config in /etc/dpukv/agent.toml).",
+)
+@click.option("--dpuctl", "dpuctl_path", default=None, metavar="PATH",
+              help="The dpuctl the unit runs (default: this one).")  # fmt: skip
+def agent_unit_cmd(dpuctl_path: str | None) -> None:
+    from dpu_agent.provision import agent_unit  # the same unit a provisioned DPU gets
+
+    exe = dpuctl_path or shutil.which("dpuctl") or str(Path(sys.executable).parent / "dpuctl")
+    click.echo(agent_unit(dpuctl=str(Path(exe).absolute())), nl=False)
+    _err.print(
+        "install: dpuctl agent unit > /etc/systemd/system/dpukv-agent.service; "
+        "install -D -m 0644 docs/examples/agent.toml /etc/dpukv/agent.toml; "
+        "useradd --system --home /var/lib/dpukv dpukv; "
+        "systemctl daemon-reload && systemctl enable --now dpukv-agent "
+        "(data in /var/lib/dpukv, which dpuctl finds by itself)",
+        highlight=False,
+    )
+
+
 @click.command("status", help="Is the agent up, what does it serve.")
 @common
 def status(config_path: str | None, as_json: bool) -> None:

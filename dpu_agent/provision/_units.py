@@ -38,8 +38,10 @@ STOP_TIMEOUT_S = 300
 WATCHDOG_S = 30
 
 
-def agent_unit(prefix: str = PREFIX) -> str:
-    dpuctl = f"{prefix}/venv/bin/dpuctl"
+def agent_unit(prefix: str = PREFIX, dpuctl: str = "") -> str:
+    """The agent's unit; `dpuctl` names the executable where it is not PREFIX/venv/bin/dpuctl
+    (an install from a clone: `dpuctl agent unit`)."""
+    dpuctl = dpuctl or f"{prefix}/venv/bin/dpuctl"
     return f"""\
 [Unit]
 Description=dpu-kvtier context-memory agent (KV-cache tier on the BlueField DPU)
