@@ -41,6 +41,7 @@ from dpu_agent.crypto import KeyStore
 from dpu_agent.engine import Engine, EngineConfig
 from dpu_agent.log import configure_logging, get_logger
 from dpu_agent.metrics import REGISTRY
+from dpu_agent.nixl import NixlServer
 from dpu_agent.nvmf import NvmeTcpTarget, Subsystem, TargetOptions
 from dpu_agent.spdk_mode import SpdkDevices, check_spdk, listener_for
 from kvproto.control import valid_tenant_name
@@ -85,6 +86,8 @@ class Agent:
         self._hosts: dict[str, collections.OrderedDict[str, None]] = {}
         self._spdk_devices: SpdkDevices | None = None
         self.started_at = time.time()
+        # the NIXL data path (dpu_agent.nixl): its NIXL agent starts on a host's first use
+        self.nixl_server = NixlServer(lambda: self.engine, f"dpukv-agent.{os.getpid()}")
 
     # --- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -136,6 +139,7 @@ class Agent:
                 await self._tick_task
         if self.control is not None:
             await self.control.stop()
+        await asyncio.to_thread(self.nixl_server.close)  # transfers in flight finish first
         if self.target is not None:
             await self.target.stop()
         if self._metrics_server is not None:
@@ -239,6 +243,7 @@ class Agent:
             "nvme": {"host": host, "port": port, "subnqn": subsystem_nqn(tenant)},
             "lease_ttl_s": self.lease_ttl_s,
             "block_size": 4096,
+            "nixl": self.nixl_server.status(),
         }
 
     def _spdk_hello(self, tenant: str, local_host: str) -> dict[str, Any]:
@@ -264,6 +269,15 @@ class Agent:
         while len(hosts) > HOSTS_PER_TENANT_MAX:
             old, _ = hosts.popitem(last=False)
             sub.allowed_hosts.discard(old)
+
+    async def nixl(
+        self, session_id: int, tenant: str, op: str, fields: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """A NIXL data-path op of one session (dpu_agent.nixl), off the event loop."""
+        return await self.nixl_server.handle(session_id, tenant, op, fields)
+
+    def nixl_session_closed(self, session_id: int) -> None:
+        self.nixl_server.session_closed(session_id)
 
     def members(self) -> list[dict[str, Any]]:
         a = self.addresses()
