@@ -128,17 +128,16 @@ class TransportSelector:
                 if isinstance(e, lost):
                     raise
                 transport, why = "nvme-tcp", f"the agent refused NIXL: {e}"
-        self._settle(transport, why)
+        self._settle(transport, why, warn=self.wanted == "nixl" and transport != "nixl")
 
     def fail(self, e: Exception) -> None:
         """A NIXL op failed on a live session: NVMe/TCP until the next connect."""
         self.active = False
-        self._settle("nvme-tcp", f"NIXL transfer failed: {e}")
+        self._settle("nvme-tcp", f"NIXL transfer failed: {e}", warn=True)
 
-    def _settle(self, transport: str, why: str) -> None:
+    def _settle(self, transport: str, why: str, *, warn: bool) -> None:
         self.transport, self.reason = transport, why
         if why != self._said:  # once per change, not per reconnect
-            warn = transport != "nixl" and (self.wanted == "nixl" or "failed" in why)
             log.log(
                 logging.WARNING if warn else logging.INFO,
                 "kvclient: data path %s (%s)",
