@@ -24,6 +24,7 @@ LAYOUT = ChunkLayout("nixl-test", "float16", 2, 2, 64, chunk_tokens=16)  # 16 Ki
 SALT = b"nixl-test-salt-012345"
 # 3 segments of the agent's 4 MiB plus a partial block: exercises segments and the tail
 ODD_BYTES = (8 << 20) + (1 << 20) + 1000
+BATCH_CHUNKS, BATCH_CHUNK_BYTES, BATCH_ROUNDS = 4, 32 << 20, 4  # 32 segments a batch
 KILL_CHUNK_BYTES = 8 << 20
 KILL_CHUNKS = 24  # 192 MiB: long enough over UCX-TCP to be killed mid-way
 
@@ -48,6 +49,20 @@ def roundtrip(url: str, token: str) -> dict[str, Any]:
         dst = [bytearray(ODD_BYTES) for _ in keys]
         out["odd_loaded"] = c.get_keys(keys, dst, chunk_bytes=ODD_BYTES)
         out["odd_exact"] = all(bytes(d) == b.tobytes() for d, b in zip(dst, big, strict=True))
+        # batches of more segments than the agent's staging slots, again and again (the loop
+        # once stopped when every slot came free at once, storing part of a batch)
+        big_keys = [bytes([0x80 + i]) * 16 for i in range(BATCH_CHUNKS)]
+        srcs = [rng.integers(0, 256, BATCH_CHUNK_BYTES, dtype=np.uint8) for _ in big_keys]
+        dsts = np.zeros((BATCH_CHUNKS, BATCH_CHUNK_BYTES), np.uint8)
+        whole = []
+        for _ in range(BATCH_ROUNDS):
+            dsts.fill(0)
+            stored = c.put_keys(big_keys, srcs, chunk_bytes=BATCH_CHUNK_BYTES)
+            loaded = c.get_keys(big_keys, list(dsts), chunk_bytes=BATCH_CHUNK_BYTES)
+            exact = all(np.array_equal(a, b) for a, b in zip(srcs, dsts, strict=True))
+            whole.append([stored, loaded, exact])
+            c.channel.pipeline([("delete", {"key": k}) for k in big_keys])
+        out["batches"] = whole
         # a get into a buffer of another size is a miss, not a partial write
         out["wrong_size_loaded"] = c.get_keys(keys[:1], [bytearray(ODD_BYTES - 1)],
                                               chunk_bytes=ODD_BYTES - 1)  # fmt: skip

@@ -50,6 +50,7 @@ def test_nixl_get_and_put_byte_exact_between_processes(agent: AgentProcess) -> N
     assert (r["stored"], r["loaded"], r["exact"]) == (6, 6, True)
     assert (r["odd_stored"], r["odd_loaded"], r["odd_exact"]) == (3, 3, True)
     assert r["wrong_size_loaded"] == 0
+    assert r["batches"] == [[4, 4, True]] * 4
 
 
 def test_nixl_tenant_cannot_target_buffers_it_did_not_register(agent: AgentProcess) -> None:

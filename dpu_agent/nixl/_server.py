@@ -42,7 +42,7 @@ import xxhash
 from dpu_agent.blockdev import BLOCK_SIZE
 from dpu_agent.engine import errors as engine_errors
 from dpu_agent.log import get_logger
-from host_shim.transport import NixlUnavailable, load_nixl, nixl_status
+from host_shim.transport import NixlUnavailable, new_agent, nixl_status
 from kvproto.control import RemoteProtocolError
 
 __all__ = [
@@ -156,12 +156,10 @@ class NixlServer:
     # --- on the NIXL thread -----------------------------------------------------------------
     def _start(self) -> Any:
         if self._agent is None:
-            try:
-                nixl = load_nixl()
+            try:  # no progress thread: this thread polls while it drives transfers
+                agent = new_agent(self.name, progress_thread=False)
             except NixlUnavailable as e:
                 raise RemoteProtocolError(f"this agent has no NIXL data path: {e}") from None
-            config = nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
-            agent = nixl.nixl_agent(self.name, config)
             staging = np.zeros(NIXL_STAGING_SLOTS * NIXL_SEGMENT_BYTES, np.uint8)
             agent.register_memory([(staging.ctypes.data, staging.nbytes, 0, "")], "DRAM")
             self._agent, self._staging = agent, staging
@@ -296,6 +294,7 @@ class _Mover:
         remote = self.agent.get_xfer_descs([(span[0] + off, n, span[2])], span[3])
         h = self.agent.initialize_xfer(op, local, remote, self.remote)
         if self.agent.transfer(h) == "ERR":
+            log.warning("nixl_post_failed", op=op, remote=self.remote, nbytes=n)
             self.agent.release_xfer_handle(h)
             return None
         return h
@@ -307,6 +306,8 @@ class _Mover:
         st = str(self.agent.check_xfer_state(h))
         if st == "PROC" and time.monotonic() > self.deadline:
             st = "ERR"
+        if st == "ERR":
+            log.warning("nixl_transfer_failed", remote=self.remote)
         if st != "PROC":
             self.agent.release_xfer_handle(h)
             self.deadline = time.monotonic() + NIXL_XFER_TIMEOUT_S  # progress: a new deadline
@@ -349,10 +350,15 @@ class _Mover:
             failed = self.reap(writes, failed, block=False)
             if reads:
                 fut, slot, ci, off, n = reads[0]
-                if not fut.done():
-                    cf.wait([fut], timeout=0.0002)
+                if not fut.done():  # keep UCX moving while the tier read decrypts
+                    if writes:
+                        failed = self.reap(writes, failed, block=False)
+                    else:
+                        cf.wait([fut])
                     continue
                 reads.popleft()
+                if fut.exception() is not None:
+                    log.warning("nixl_tier_read_failed", error=repr(fut.exception()))
                 if fut.exception() is not None or ci >= failed:
                     self.free.append(slot)
                     failed = min(failed, ci)
@@ -365,7 +371,7 @@ class _Mover:
                 writes.append((slot, self.post("WRITE", slot, targets[ci], off, n), ci))
             elif writes:
                 failed = self.reap(writes, failed, block=True)
-            else:
+            elif not (jobs and jobs[0][0] < failed):  # else slots just came free: go on
                 return failed, corrupt
 
     def reap(self, writes: deque[tuple[int, Any, int]], failed: int, *, block: bool) -> int:
@@ -424,8 +430,8 @@ class _Mover:
                 writes.append((self.io.submit(self.write_tier, nsid, lba, slot, n), slot, ci))
             elif writes:
                 cf.wait([writes[0][0]])
-            else:
-                return self.commit(res, hashers, failed)
+            elif not (jobs and jobs[0][0] < failed):  # else slots just came free: go on
+                return self.commit(res, hashers, min(failed, len(res)))
 
     def reserve(self, res: list[Any], key: bytes, length: int, parent: bytes | None) -> bool:
         try:

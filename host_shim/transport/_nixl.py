@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from host_shim.transport._lib import load_nixl
+from host_shim.transport._lib import new_agent
 
 __all__ = [
     "NIXL_REGIONS_MAX",
@@ -128,11 +128,9 @@ class NixlHostPath:
     """
 
     def __init__(self, tenant: str) -> None:
-        nixl = load_nixl()
         # the agent accepts only names of the session's tenant: dpukv.<tenant>.<unique>
         self.name = f"dpukv.{tenant}.{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        config = nixl.nixl_agent_config(enable_prog_thread=True, backends=["UCX"])
-        self._agent = nixl.nixl_agent(self.name, config)
+        self._agent = new_agent(self.name, progress_thread=True)
         # region -> (reg handle, owner); insertion order = least recently used first
         self._regs: collections.OrderedDict[tuple[int, int, int, str], tuple[Any, Any]] = (
             collections.OrderedDict()
@@ -183,8 +181,8 @@ class NixlHostPath:
         return [list(k) for k in self._regs]
 
     def close(self) -> None:
-        """Forget the registrations without deregistering: NIXL may crash a process that
-        deregisters and then exits (../shared/MEASURED.md); the OS reclaims them at exit."""
+        """Destroy the NIXL agent (its progress thread stops), then let the buffers go."""
+        self._agent = None
         self._regs.clear()
         self._dropping.clear()
         self._registered_bytes = 0
