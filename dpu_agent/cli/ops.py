@@ -305,6 +305,16 @@ def _probe_crypto() -> tuple[str, str]:
     return "ok", "AES-XTS sector loop (dpu_agent.crypto) built"
 
 
+def _probe_nixl() -> tuple[str, str]:
+    """NIXL for the agent-driven data path (host_shim.transport); NVMe/TCP without it."""
+    from host_shim.transport import nixl_status
+
+    st = nixl_status()
+    if not st["available"]:
+        return "fallback", f"{st['reason']}; clients use NVMe/TCP"
+    return "ok", f"NIXL ({st['module']}, UCX): KVClient(transport='nixl'|'auto')"
+
+
 def doctor_report() -> list[dict[str, str]]:
     probes: list[tuple[str, Callable[[], tuple[str, str]]]] = [
         ("rdma", _probe_rdma),
@@ -314,6 +324,7 @@ def doctor_report() -> list[dict[str, str]]:
         ("crypto", _probe_crypto),
         ("gpu", _probe_gpu),
         ("nvme-tcp", _probe_nvme_tcp),
+        ("nixl", _probe_nixl),
         ("serf", functools.partial(_probe_binary, "serf", ["version"], "cluster membership")),
         (
             "redis-server",
