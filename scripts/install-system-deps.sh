@@ -6,7 +6,8 @@ set -u
 # libssl-dev + gcc: the batched AES-XTS loop (cffi over OpenSSL EVP) is compiled at install.
 # redis-server: the datapath benchmark compares against a real Redis.
 # serf: cluster membership (HashiCorp Serf).  iproute2: network namespaces in tests.
-PKGS=(gcc libssl-dev redis-server serf iproute2)
+# python3-pyverbs: rdma-core's pyverbs (host_shim.rdma, doctor), loaded into the venv by itself.
+PKGS=(gcc libssl-dev redis-server serf iproute2 python3-pyverbs)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
