@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -27,8 +28,10 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "LmcachePeer",
     "MooncakePeer",
     "NixlRawPeer",
+    "lmcache_python",
     "mooncake_available",
     "redis_streams_round",
     "socket_ceiling_streams",
@@ -101,11 +104,79 @@ os._exit(0)
 """
 
 
+_LMCACHE_CLIENT = r"""
+import json, os, socket, subprocess, sys, threading, time
+import numpy as np, torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryFormat
+from lmcache.v1.protocol import ClientCommand, ClientMetaMessage, ServerMetaMessage
+info = json.loads(sys.stdin.readline())
+chunk, count, streams = info["chunk"], info["count"], info["streams"]
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+argv = [sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"]
+server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+deadline = time.monotonic() + 60
+while True:
+    try:
+        socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(streams)]
+        break
+    except OSError:
+        assert time.monotonic() < deadline, "lm:// server did not start"
+        time.sleep(0.1)
+data = [np.random.default_rng(i).integers(0, 255, chunk, dtype=np.uint8) for i in range(count)]
+sinks = [memoryview(bytearray(chunk)) for _ in range(count)]
+shape = torch.Size((chunk, 0, 0, 0))
+def key(rnd, i):
+    return CacheEngineKey("bench", 1, 0, rnd * 100000 + i, torch.uint8)
+def msg(cmd, k, n):
+    return ClientMetaMessage(cmd, k, n, MemoryFormat(1), torch.uint8, shape).serialize()
+def recv_exact(sock, view):
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        assert n > 0, "server closed"
+        got += n
+def put(sock, rnd, idx):
+    for i in idx:
+        sock.sendall(msg(ClientCommand.PUT, key(rnd, i), chunk)); sock.sendall(data[i].data)
+    # the server answers no PUT: an EXIST round trip says every PUT before it was handled
+    sock.sendall(msg(ClientCommand.EXIST, key(rnd, idx[-1]), 0))
+    head = bytearray(ServerMetaMessage.packlength()); recv_exact(sock, memoryview(head))
+def get(sock, rnd, idx):
+    for i in idx:
+        sock.sendall(msg(ClientCommand.GET, key(rnd, i), 0))
+    for i in idx:
+        head = bytearray(ServerMetaMessage.packlength()); recv_exact(sock, memoryview(head))
+        meta = ServerMetaMessage.deserialize(bytes(head))
+        assert meta.length == chunk, meta
+        recv_exact(sock, sinks[i])
+def timed(fn, rnd):
+    parts = [list(range(j, count, streams)) for j in range(streams)]
+    ts = [threading.Thread(target=fn, args=(s, rnd, p)) for s, p in zip(socks, parts) if p]
+    t0 = time.perf_counter()
+    for t in ts: t.start()
+    for t in ts: t.join()
+    return time.perf_counter() - t0
+print(json.dumps({"ready": True}), flush=True)
+rnd = 0
+for line in sys.stdin:
+    rnd += 1
+    p = timed(put, rnd); g = timed(get, rnd)
+    assert all(bytes(sinks[i]) == data[i].tobytes() for i in range(count)), "lm:// get not exact"
+    print(p, g, flush=True)
+server.kill()
+os._exit(0)
+"""
+
+
 class _InitiatorChild:
     """A child that writes into our registered pool on each "go"; seconds per round."""
 
-    def __init__(self, script: str, info: dict[str, Any], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+    def __init__(
+        self, script: str, info: dict[str, Any], env: dict[str, str], python: str = sys.executable
+    ) -> None:
+        self.proc = subprocess.Popen([python, "-c", script], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True, env=env)  # fmt: skip
         assert self.proc.stdin is not None
@@ -126,13 +197,16 @@ class _InitiatorChild:
         return line.strip()
 
     def round_s(self) -> float:
+        return self.round_values()[0]
+
+    def round_values(self) -> list[float]:
         assert self.proc.stdin is not None
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
-        while True:  # libraries may log to stdout: the first number is ours
+        while True:  # libraries may log to stdout: the first line of numbers is ours
             line = self._line()
             with contextlib.suppress(ValueError):
-                return float(line)
+                return [float(v) for v in line.split()]
 
     def close(self) -> None:
         self.proc.kill()
@@ -181,6 +255,36 @@ class MooncakePeer:
 
     def round_s(self) -> float:
         return self.child.round_s()
+
+    def close(self) -> None:
+        self.child.close()
+
+
+def lmcache_python() -> tuple[str | None, str]:
+    """An interpreter with LMCache: DPUKV_LMCACHE_PYTHON, else this one; (None, why) if none."""
+    python = os.environ.get("DPUKV_LMCACHE_PYTHON") or sys.executable
+    probe = subprocess.run([python, "-c", "import lmcache.v1.server, lmcache.v1.protocol"],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    if probe.returncode != 0:
+        return None, (f"LMCache not importable by {python} (set DPUKV_LMCACHE_PYTHON to an "
+                      "interpreter with lmcache installed)")  # fmt: skip
+    return python, ""
+
+
+class LmcachePeer:
+    """LMCache's own `lm://` server (`python -m lmcache.v1.server`, CPU storage) and a client
+    speaking its protocol (lmcache.v1.protocol) over `streams` sockets, in LMCache's interpreter:
+    PUTs then GETs of `count` x `chunk` bytes, checked byte-exact. (put s, get s) per round."""
+
+    def __init__(self, python: str, chunk: int, count: int, streams: int) -> None:
+        info = {"chunk": chunk, "count": count, "streams": streams}
+        self.child = _InitiatorChild(_LMCACHE_CLIENT, info, dict(os.environ), python)
+
+    def round_s(self) -> float:
+        raise AssertionError("use round_values(): (put s, get s)")
+
+    def round_values(self) -> list[float]:
+        return self.child.round_values()
 
     def close(self) -> None:
         self.child.close()

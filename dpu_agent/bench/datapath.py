@@ -285,6 +285,8 @@ def _round(ctx: dict[str, Any], rnd: int) -> dict[str, float]:
         got[p + "put"], got[p + "get"], got[p + "cpu"] = _agent_round(client, data, out, rnd)
     for name, peer in ctx["peers"].items():
         got[name] = peer.round_s()
+    if "lmcache" in ctx:
+        got["lm_put"], got["lm_get"] = ctx["lmcache"].round_values()
     got["set"], got["rget"] = _peers.redis_streams_round(ctx["redis_clients"], data, rnd)
     got["set1"], got["rget1"] = _redis_round(ctx["redis"], data, rnd)
     got["ceiling"] = _peers.socket_ceiling_streams(nbytes, streams)
@@ -313,6 +315,9 @@ def _interleaved(ctx: dict[str, Any], rounds: int) -> dict[str, Any]:
         report[p + "host_copies"] = HOST_COPIES[transport]
     for name in ctx["peers"]:
         report[f"{name}_gbps"] = _gbps(nbytes, med[name])
+    if "lmcache" in ctx:
+        report["lmcache_put_gbps"] = _gbps(nbytes, med["lm_put"])
+        report["lmcache_get_gbps"] = _gbps(nbytes, med["lm_get"])
     report |= {
         "redis_set_gbps": _gbps(nbytes, med["set"]),
         "redis_get_gbps": _gbps(nbytes, med["rget"]),
@@ -403,7 +408,13 @@ def _start_peers(ctx: dict[str, Any], st: contextlib.ExitStack) -> dict[str, str
         ctx["peers"]["mooncake"] = mc
     else:
         skipped["mooncake"] = "not installed: pip install mooncake-transfer-engine-non-cuda"
-    skipped["lmcache"] = "the lm:// server peer is not wired into this benchmark yet"
+    python, why = _peers.lmcache_python()
+    if python is None:
+        skipped["lmcache"] = why
+    else:
+        lm = _peers.LmcachePeer(python, chunk, chunks, ctx["streams"])
+        st.callback(lm.close)
+        ctx["lmcache"] = lm
     return skipped
 
 
@@ -468,6 +479,11 @@ def _ratios(r: dict[str, Any]) -> dict[str, float]:
             "nixl_get_vs_mooncake": ratio("nixl_get_gbps", "mooncake_gbps"),
             "nixl_put_vs_raw": ratio("nixl_put_gbps", "nixl_raw_gbps"),
         }
+    if "lmcache_get_gbps" in r:
+        out |= {
+            "put_vs_lmcache": ratio("put_gbps", "lmcache_put_gbps"),
+            "get_vs_lmcache": ratio("get_gbps", "lmcache_get_gbps"),
+        }
     return out
 
 
@@ -504,6 +520,9 @@ def _print_table(r: dict[str, Any]) -> None:
         table.add_row("raw NIXL WRITE, no tier", "-", str(r.get("nixl_raw_gbps", "-")))
     if "mooncake_gbps" in r:
         table.add_row("Mooncake transfer engine WRITE (TCP)", "-", str(r["mooncake_gbps"]))
+    if "lmcache_put_gbps" in r:
+        table.add_row(f"LMCache lm:// server, {n} connections",
+                      *_pair(r, "lmcache_put_gbps", "lmcache_get_gbps"))  # fmt: skip
     table.add_row(f"redis-server + redis-py/hiredis, {n} connections pipelined",
                   *_pair(r, "redis_set_gbps", "redis_get_gbps"))  # fmt: skip
     table.add_row("same, 1 connection", *_pair(r, "redis_set_1stream_gbps",
