@@ -29,7 +29,20 @@ KILL_CHUNK_BYTES = 8 << 20
 KILL_CHUNKS = 24  # 192 MiB: long enough over UCX-TCP to be killed mid-way
 
 
+def _no_host_bytes_work() -> None:
+    """Make every shim function that copies, reads or hashes chunk bytes fail: the NIXL path
+    must not call any of them (the agent moves and verifies the bytes)."""
+    import host_shim.client as hc
+
+    def forbidden(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the NIXL path touched chunk bytes in the shim")
+
+    for name in ("byte_view", "_segment_io_raw", "chunk_checksum", "verify_checksum"):
+        setattr(hc, name, forbidden)
+
+
 def roundtrip(url: str, token: str) -> dict[str, Any]:
+    _no_host_bytes_work()
     rng = np.random.default_rng(5)
     out: dict[str, Any] = {}
     with KVClient(url, "default", token, LAYOUT, SALT, transport="nixl") as c:
