@@ -43,7 +43,7 @@ from dpu_agent.blockdev import BLOCK_SIZE
 from dpu_agent.engine import errors as engine_errors
 from dpu_agent.log import get_logger
 from host_shim.transport import NixlUnavailable, new_agent, nixl_status
-from kvproto.control import RemoteProtocolError
+from kvproto.control import NIXL_REGIONS_MAX, RemoteProtocolError
 
 __all__ = [
     "NIXL_IO_WORKERS",
@@ -64,6 +64,9 @@ NIXL_STAGING_SLOTS = 8
 NIXL_IO_WORKERS = 2  # decrypt/encrypt threads (AES-XTS releases the GIL); the DPU's spare cores
 NIXL_XFER_TIMEOUT_S = 30.0  # a transfer not done by then: the host is gone
 SESSIONS_MAX = 4096  # NIXL sessions (bounded by the control server's connections_max anyway)
+# Regions one session may hold: the host keeps at most NIXL_REGIONS_MAX registered and drops
+# before it adds; twice that leaves room for one call's additions before its drops land.
+SESSION_REGIONS_MAX = 2 * NIXL_REGIONS_MAX
 
 _MD_PREFIX = b"nixlSerDes|Agent"
 _MD_LEN = struct.Struct("<Q")
@@ -218,10 +221,13 @@ class NixlServer:
             raise RemoteProtocolError("nixl_register: metadata of another host agent", "forbidden")
         for addr, _nbytes, _dev, _mem in f["drop"]:
             s.drop(addr)
+        if len(s.starts) + len(f["add"]) > SESSION_REGIONS_MAX:
+            raise engine_errors.LimitExceeded(
+                f"session holds {len(s.starts)} NIXL regions (max {SESSION_REGIONS_MAX}); "
+                "drop some (nixl_register drop) before adding more"
+            )
         for addr, nbytes, dev, mem in f["add"]:
             s.add(addr, nbytes, dev, mem)
-        if len(s.starts) > 4 * 4096:  # kvproto NIXL_REGIONS_MAX per call, a few calls' worth
-            raise engine_errors.LimitExceeded("session registered too many regions; drop some")
         return {"regions": len(s.starts)}
 
     def _spans(self, s: _Session, spans: list[list[int]], what: str) -> list[_Span]:
