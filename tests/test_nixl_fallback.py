@@ -152,3 +152,34 @@ def test_nixl_missing_falls_back_to_nvme_tcp_with_a_log(
     assert len(msgs) == 1, [r.getMessage() for r in caplog.records]
     assert "libucp.so.0" in msgs[0].getMessage() and "nixl-cu12" in msgs[0].getMessage()
     assert msgs[0].levelno == (logging.WARNING if wanted == "nixl" else logging.INFO)
+
+
+@pytest.mark.skipif(not _lib.nixl_status()["available"], reason="NIXL not installed")
+def test_nixl_failing_on_a_live_agent_falls_back_to_nvme_tcp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from host_shim.client import ControlError
+    from host_shim.transport import NixlDataPath
+
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    a = spawn_agent(tmp_path / "var", env={"DPUKV_METRICS_ENABLED": "false", "UCX_TLS": "tcp"})
+    caplog.set_level(logging.INFO, logger="host_shim.transport")
+    chunks = [np.full(LAYOUT.chunk_shape, i + 1, np.float16) for i in range(2)]
+    out = [np.zeros(LAYOUT.chunk_shape, np.float16) for _ in range(2)]
+    tokens = list(range(2 * LAYOUT.chunk_tokens))
+    try:
+        with KVClient(a.control_url, "default", a.token, LAYOUT, SALT, transport="nixl") as c:
+            assert c.put(tokens, chunks) == 2 and c.transport == "nixl"
+
+            def broken(*args: object, **kwargs: object) -> int:
+                raise ControlError("failed", "NIXL transfer failed: injected")
+
+            monkeypatch.setattr(NixlDataPath, "get", broken)
+            assert c.get(tokens, out) == 2  # served over NVMe/TCP instead
+            assert c.transport == "nvme-tcp"
+    finally:
+        a.stop()
+    assert all(np.array_equal(x, y) for x, y in zip(chunks, out, strict=True))
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("data path nvme-tcp" in r.getMessage() and "injected" in r.getMessage()
+               for r in warned), [r.getMessage() for r in caplog.records]  # fmt: skip
