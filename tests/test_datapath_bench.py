@@ -3,6 +3,8 @@ same number of streams for the agent, Redis and the sockets (no figure is checke
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from click.testing import CliRunner
 
@@ -32,3 +34,12 @@ def test_datapath_report_has_every_path_with_equal_streams() -> None:
 def test_datapath_transport_choice_is_checked() -> None:
     result = CliRunner().invoke(cli, ["bench", "datapath", "--transport", "rdma"])
     assert result.exit_code == 2 and "rdma" in result.output
+
+
+def test_datapath_nixl_missing_is_a_json_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dpu_agent.bench.datapath as dp
+
+    monkeypatch.setattr(dp, "nixl_status", lambda: {"available": False, "reason": "not here"})
+    result = CliRunner().invoke(cli, ["bench", "datapath", "--transport", "nixl", "--json"])
+    assert result.exit_code == 1, result.output
+    assert json.loads(result.output) == {"error": "--transport nixl: not here"}

@@ -565,6 +565,12 @@ def datapath(
         r = run_lookup(lookups=lookups)
         click.echo(json.dumps(r, indent=1)) if as_json else _print_lookup(r)
         return
-    r = run_datapath(chunks=chunks, rounds=rounds, io_queues=io_queues, lookups=lookups,
-                     transport=transport)  # fmt: skip
+    try:
+        r = run_datapath(chunks=chunks, rounds=rounds, io_queues=io_queues, lookups=lookups,
+                         transport=transport)  # fmt: skip
+    except click.ClickException as e:  # --json callers get JSON, with the same exit code
+        if not as_json:
+            raise
+        click.echo(json.dumps({"error": e.format_message()}))
+        raise SystemExit(e.exit_code) from None
     click.echo(json.dumps(r, indent=1)) if as_json else _print_table(r)
