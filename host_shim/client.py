@@ -34,6 +34,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from host_shim.nvme import NvmeError, NvmeStatusError, NvmeTcpController
+from host_shim.transport import TransportSelector
 from kvproto.checksum import chunk_checksum, verify_checksum
 from kvproto.control import (
     NEED_DATA,
@@ -381,8 +382,12 @@ class KVClient:
         io_queues: int = 4,
         timeout_s: float = 5.0,
         hostnqn: str | None = None,
+        transport: str = "nvme-tcp",
     ) -> None:
         assert 1 <= io_queues <= IO_QUEUES_MAX, io_queues
+        # "nixl": the agent moves chunks into/out of registered buffers (host_shim.transport);
+        # "auto": NIXL when both sides have it, NVMe/TCP otherwise; the log says which
+        self._xport = TransportSelector(transport, tenant)
         self.layout = layout
         self._salt = bytes(salt)
         self._channel = ControlChannel(control, tenant, token, hostnqn=hostnqn, timeout_s=timeout_s)
@@ -445,6 +450,8 @@ class KVClient:
         except (OSError, NvmeError) as e:
             self._channel.close()
             raise AgentUnreachable(f"NVMe/TCP {nv['host']}:{nv['port']}: {e}") from None
+        if self._xport.wanted != "nvme-tcp":
+            self._xport.attach(self._channel, hello, _LOST)
         if self._lost_logged:
             log.warning("kvclient: agent %s is back", self._channel.url)
         self._lost_logged = False
@@ -525,6 +532,10 @@ class KVClient:
         if not keys:
             return 0
         nbytes = self.layout.chunk_bytes if chunk_bytes is None else chunk_bytes
+        if self._xport.wanted != "nvme-tcp":
+            got = self._nixl_call("get", keys, into, nbytes)
+            if got is not None:
+                return got
         views = [byte_view(b, nbytes, writable=True) for b in into[: len(keys)]]
         with self._lock:
             try:
@@ -558,6 +569,10 @@ class KVClient:
         if not keys:
             return 0
         nbytes = self.layout.chunk_bytes if chunk_bytes is None else chunk_bytes
+        if self._xport.wanted != "nvme-tcp":
+            got = self._nixl_call("put", keys, chunks, nbytes, parents[: len(keys)])
+            if got is not None:
+                return got
         views = [byte_view(c, nbytes, writable=False) for c in chunks[: len(keys)]]
         with self._lock:
             try:
@@ -581,6 +596,34 @@ class KVClient:
         return sum(1 for r in replies if r.ok)
 
     @property
+    def transport(self) -> str:
+        """The data path in use: "nixl" or "nvme-tcp" ("" before the first connect)."""
+        return self._xport.transport or ("" if self._xport.wanted != "nvme-tcp" else "nvme-tcp")
+
+    def _nixl_call(
+        self, op: str, keys: list[bytes], bufs: Sequence[Any], nbytes: int,
+        parents: Sequence[bytes | None] = (),
+    ) -> int | None:  # fmt: skip
+        """get/put over NIXL; None when this session uses NVMe/TCP (the caller goes on)."""
+        with self._lock:
+            try:
+                self._ensure()
+                path = self._xport.path
+                if not self._xport.active or path is None:
+                    return None
+                if op == "get":
+                    return path.get(self._channel, keys, bufs, nbytes)
+                cached = len(self._channel.call("lookup", keys=keys, lease=False)["hits"])
+                rest = slice(cached, len(keys))
+                return cached + path.put(self._channel, keys[rest], parents[rest], bufs[rest],
+                                         nbytes)  # fmt: skip
+            except _LOST as e:
+                return self._lost(e)
+            except ControlError as e:  # NIXL failed on a live agent: NVMe/TCP from now on
+                self._xport.fail(e)
+                return None
+
+    @property
     def channel(self) -> ControlChannel:
         """The control channel (stats, members, raw calls); connected on first use."""
         with self._lock:
@@ -600,6 +643,7 @@ class KVClient:
                 return
             self._drop()
             self._channel.close()
+            self._xport.close()
             self._closed = True
 
     # --- data path --------------------------------------------------------------------------

@@ -14,9 +14,13 @@ Which path a host gets (`gpu_path()`, `describe()`):
   CUDA exists, then copied to the device). The reason is logged once per process.
 
 The registered regions are what an RDMA data path (the DPU's NVMe-oF RDMA target, read by the
-kernel initiator with GPUDirect Storage) writes into. The shim's own data path is NVMe/TCP, which
-cannot place bytes in GPU memory, so `DeviceChunkBuffers.load` stages through host memory on
-every path; `describe()` says so.
+kernel initiator with GPUDirect Storage) writes into. The shim's NVMe/TCP data path cannot place
+bytes in GPU memory, so there `DeviceChunkBuffers.load` stages through pinned host memory. With
+a KVClient on the NIXL path (``transport="nixl"``/``"auto"``) the CUDA tensors themselves are
+handed to the shim: NIXL registers them as VRAM (UCX: GPUDirect RDMA on hardware) and the DPU
+agent writes into them, no staging (`staging_device` says which device buffers go on).
+pyverbs' ``DmaBufMR`` also takes a dma-buf fd (rdma-core 44: ``dmabuf=fd``); host_shim.rdma's
+`register_dmabuf` is that path, kept beside the ctypes one here.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ __all__ = [
     "describe",
     "gpu_path",
     "probe_host",
+    "staging_device",
 ]
 
 log = logging.getLogger("host_shim.gpu")
@@ -139,6 +144,15 @@ def describe(path: GpuPath | None = None) -> str:
             "NVMe/TCP data path stages chunks through pinned host memory"
         )
     return f"host memory: {path.reason}"
+
+
+def staging_device(client: Any, device: torch.device | str) -> torch.device:
+    """Where KV buffers for `client` go when the engine's KV lives on `device`: the device
+    itself when the client's data path is NIXL (the agent writes into VRAM directly), host
+    memory otherwise (NVMe/TCP lands bytes in host memory)."""
+    device = torch.device(device)
+    direct = getattr(client, "transport", "") == "nixl" and device.type == "cuda"
+    return device if direct else torch.device("cpu")
 
 
 def _log_host_path_once(path: GpuPath) -> None:
@@ -293,7 +307,10 @@ class DeviceChunkBuffers:
         log.info("KV buffers registered for GPUDirect: %s", describe(self.path))
 
     def load(self, client: Any, tokens: Sequence[int]) -> int:
-        """Read the cached prefix of `tokens` into the buffers; leading chunks loaded."""
+        """Read the cached prefix of `tokens` into the buffers; leading chunks loaded. On the
+        NIXL path straight into the device buffers, else through the pinned staging copy."""
+        if staging_device(client, self.device) == self.device:
+            return int(client.get(tokens, list(self.chunks.unbind(0))))
         target = self._staging if self._staging is not None else self.chunks
         loaded = int(client.get(tokens, list(target.unbind(0))))
         if self._staging is not None and loaded:

@@ -35,6 +35,13 @@ Operations (fields; every connection starts with ``hello``):
   (tenant, bytes), ``checkpoint``, ``backup`` (dir, incremental), ``restore`` (dirs), ``stats``
   over all tenants, ``chunks_list`` (tenant, limit, [after]: a page of the tenant's chunks in
   key order after key `after`), ``chunk_inspect`` (tenant, key).
+- NIXL data path (hello's ``nixl`` says whether the agent offers it): ``nixl_connect``:
+  metadata (the host NIXL agent's) -> agent (the agent's NIXL name), metadata.
+  ``nixl_register``: metadata (refreshed), add, drop (regions [addr, nbytes, dev, mem], mem
+  "DRAM" or "VRAM") -> regions (how many the session holds). ``nixl_get``: keys, targets
+  ([addr, nbytes] per key, inside registered regions) -> loaded (leading chunks the agent wrote
+  and verified). ``nixl_put``: keys, sources ([addr, nbytes]), parents (key or nil per key) ->
+  stored. Descriptors are plain lists, never NIXL's pickled ones: the agent unpickles nothing.
 
 Parsing never trusts the peer: anything malformed raises RemoteProtocolError (the server then
 replies with an error or closes the connection); a bad call on our side raises
@@ -59,6 +66,9 @@ __all__ = [
     "KEY_BYTES",
     "LOOKUP_KEYS_MAX",
     "NEED_DATA",
+    "NIXL_METADATA_BYTES_MAX",
+    "NIXL_OPS",
+    "NIXL_REGIONS_MAX",
     "OPS",
     "PROTOCOL_VERSION",
     "ErrorCode",
@@ -90,6 +100,11 @@ REQUEST_ID_MAX: Final = (1 << 32) - 1
 STRING_BYTES_MAX: Final = 4096  # paths, tokens, names; longer is a bug or an attack
 RESTORE_DIRS_MAX: Final = 1024  # one full backup plus its incrementals
 ADMIN_TENANT: Final = "_admin"
+# NIXL agent metadata is ~0.3-0.5 KiB over UCX (measured); 64 KiB leaves room for many devices.
+NIXL_METADATA_BYTES_MAX: Final = 64 << 10
+# Regions one session registers (host_shim.transport.NIXL_REGIONS_MAX): a KV pool's tensors.
+NIXL_REGIONS_MAX: Final = 4096
+NIXL_MEM_TYPES: Final = ("DRAM", "VRAM")
 
 _LENGTH = struct.Struct(">I")
 _TENANT_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
@@ -196,6 +211,41 @@ def _dirs(v: Any) -> str | None:
     return next(("a list of directory strings" for d in v if _str(d)), None)
 
 
+def _metadata(v: Any) -> str | None:
+    ok = isinstance(v, bytes) and 0 < len(v) <= NIXL_METADATA_BYTES_MAX
+    return None if ok else f"1 to {NIXL_METADATA_BYTES_MAX} bytes of NIXL agent metadata"
+
+
+def _u64(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < (1 << 64)
+
+
+def _regions(v: Any) -> str | None:
+    ok = isinstance(v, list) and len(v) <= NIXL_REGIONS_MAX and all(
+        isinstance(r, list) and len(r) == 4 and _u64(r[0]) and _u64(r[1]) and r[1] > 0
+        and _u64(r[2]) and r[3] in NIXL_MEM_TYPES
+        for r in v
+    )  # fmt: skip
+    return None if ok else f"a list of at most {NIXL_REGIONS_MAX} [addr, nbytes, dev, mem]"
+
+
+def _spans(v: Any) -> str | None:
+    ok = isinstance(v, list) and len(v) <= LOOKUP_KEYS_MAX and all(
+        isinstance(r, list) and len(r) == 2 and _u64(r[0]) and _u64(r[1]) and r[1] > 0
+        for r in v
+    )  # fmt: skip
+    return None if ok else f"a list of at most {LOOKUP_KEYS_MAX} [addr, nbytes] spans"
+
+
+def _parents(v: Any) -> str | None:
+    ok = (
+        isinstance(v, list)
+        and len(v) <= LOOKUP_KEYS_MAX
+        and all(p is None or _key(p) is None for p in v)
+    )
+    return None if ok else f"a list of {KEY_BYTES}-byte keys or nil"
+
+
 def _optional(check: Callable[[Any], str | None]) -> Callable[[Any], str | None]:
     def opt(v: Any) -> str | None:
         return None if v is None else check(v)
@@ -250,6 +300,14 @@ OPS: Final[dict[str, _Schema]] = {
         "after": (_optional(_key), False),
     },
     "chunk_inspect": {"tenant": (_tenant, True), "key": (_key, True)},
+    "nixl_connect": {"metadata": (_metadata, True)},
+    "nixl_register": {
+        "metadata": (_metadata, True),
+        "add": (_regions, True),
+        "drop": (_regions, True),
+    },
+    "nixl_get": {"keys": (_keys, True), "targets": (_spans, True)},
+    "nixl_put": {"keys": (_keys, True), "sources": (_spans, True), "parents": (_parents, True)},
 }
 # The names a request of each op may carry: its fields plus id and op (checked per request).
 _NAMES: Final = {op: frozenset(schema) | {"id", "op"} for op, schema in OPS.items()}
@@ -257,6 +315,8 @@ ADMIN_OPS: Final = frozenset(
     {"tenants_list", "tenant_add", "tenant_remove", "evict", "checkpoint", "backup", "restore"}
     | {"chunks_list", "chunk_inspect", "host_add"}
 )
+# The NIXL data-path ops: tenant ops the agent runs off its event loop, in order per session.
+NIXL_OPS: Final = frozenset({"nixl_connect", "nixl_register", "nixl_get", "nixl_put"})
 # Ops an admin session may also send (stats over all tenants, members).
 _ADMIN_ALSO: Final = frozenset({"stats", "members"})
 

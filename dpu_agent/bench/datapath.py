@@ -1,20 +1,32 @@
-"""`dpuctl bench datapath`: end-to-end put/get GB/s through a real agent, next to Redis and the
-ceiling of a plain socket, plus control-plane lookup latency.
+"""`dpuctl bench datapath`: end-to-end put/get GB/s through a real agent over each transport
+(NVMe/TCP, NIXL), next to raw NIXL, Mooncake's transfer engine, Redis and the ceiling of plain
+sockets, plus control-plane lookup latency.
 
 In one run on one machine (figures move 2-3x between runs, ../shared/MEASURED.md):
 
 - agent: a `dpuctl agent run` child on loopback ports; KVClient puts and gets 32 MiB chunks
   (a Llama-3-8B-shaped layout: 32 layers x K/V x 8 KV heads x 256 tokens x 128 dims, fp16)
   through the control plane, NVMe/TCP with several I/O queues, AES-XTS and checksums;
+- agent over NIXL (`--transport nixl`, or `all` where NIXL is installed): the same puts and gets,
+  the agent WRITEs/READs the client's registered buffers (UCX; `UCX_TLS=tcp` unless set, so the
+  bytes take TCP as between a host and its DPU without RDMA, not shared memory);
+- raw NIXL (`nixl_raw_gbps`) and Mooncake's transfer engine (TCP): a child writing the same bytes
+  into this process's registered buffers, no tier (bench._peers);
 - redis: a `redis-server` child (no persistence, loopback) with redis-py + hiredis doing SET and
-  GET of the same bytes;
-- socket ceiling: a TCP loopback pair, `sendall` into `recv_into` a preallocated buffer in
-  another thread (`socket_xproc_gbps`: the receiver in another process, for context);
+  GET of the same bytes over as many connections as the agent has streams (I/O queues), each
+  pipelining its share; `redis_*_1stream_gbps`: one connection, one command at a time;
+- socket ceiling: as many TCP loopback pairs as streams, `sendall` into `recv_into` a
+  preallocated buffer in other threads; `socket_ceiling_1stream_gbps`: one pair
+  (`socket_xproc_gbps`: one pair, the receiver in another process, for context);
+- host CPU: `host_cpu_s_per_gib` is this (client) process's user+system CPU seconds (rusage)
+  over the put and get calls per GiB moved, NIXL's progress thread included; `host_copies` is
+  how many times the shim's own code copies each chunk's bytes (NVMe/TCP: recv_into the
+  caller's buffer, 1; NIXL: 0, the bytes land from the transport);
 - lookup: p50/p99 of 64-key lookups (control-plane round trip over TCP, keys precomputed; the
   p50 over the Unix socket too), next to the round trip to a bare asyncio echo server in
   another process (`rtt_floor_p50_us`).
 
-Agent, Redis and the socket take turns within each round (so the machine's load hits all three
+Every path takes its turn within each round (so the machine's load hits all three
 alike); one unmeasured warm-up round; GB/s is the median of the measured rounds.
 
 `--lookup-only` measures only the lookup latencies and the echo floor (no put/get rounds, no
@@ -27,6 +39,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import resource
 import shutil
 import socket
 import statistics
@@ -42,8 +56,10 @@ from typing import Any
 import click
 import numpy as np
 
+from dpu_agent.bench import _peers
 from dpu_agent.service import spawn_agent
 from host_shim.client import ControlChannel, KVClient
+from host_shim.transport import nixl_status
 from kvproto.keys import ChunkLayout
 
 __all__ = [
@@ -60,6 +76,10 @@ ROUNDS_MAX = 10  # each round moves chunks x 32 MiB both ways; bounded run time
 CHUNKS_MAX = 16  # 512 MiB per round: client memory and the agent's DRAM tier bound it
 LOOKUPS_MAX = 20000
 REDIS_START_TIMEOUT_S = 10.0
+TRANSPORT_CHOICES = ("all", "nvme-tcp", "nixl")
+# the shim's own copies of a chunk's bytes per path (see the module docstring)
+HOST_COPIES = {"nvme-tcp": 1, "nixl": 0}
+_PREFIX = {"nvme-tcp": "", "nixl": "nixl_"}  # report keys: put_gbps (NVMe/TCP), nixl_put_gbps
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -226,49 +246,88 @@ def _redis_round(r: Any, chunks: list[np.ndarray], rnd: int) -> tuple[float, flo
     return t1 - t0, t2 - t1
 
 
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _agent_round(
     client: KVClient, chunks: list[np.ndarray], out: list[np.ndarray], rnd: int
-) -> tuple[float, float]:
-    """Seconds for put then get of every chunk (a new prompt each round), byte-exact."""
+) -> tuple[float, float, float]:
+    """Seconds for put then get of every chunk (a new prompt each round), byte-exact, and this
+    process's CPU seconds over both calls."""
     n = len(chunks)
     tokens = np.arange(n * LAYOUT.chunk_tokens, dtype=np.uint32) + (rnd + 1) * 1_000_003
+    for o in out:
+        o.fill(0)  # a stale buffer would pass the byte-exact check without a transfer
+    cpu0 = _cpu_s()
     t0 = time.perf_counter()
     stored = client.put(tokens, chunks)
     t1 = time.perf_counter()
     assert stored == n, f"put stored {stored} of {n} chunks"
     loaded = client.get(tokens, out)
     t2 = time.perf_counter()
+    cpu = _cpu_s() - cpu0
     assert loaded == n, f"get loaded {loaded} of {n} chunks"
     for a, b in zip(chunks, out, strict=True):
         assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), "get is not byte-exact"
     client.delete(tokens)
-    return t1 - t0, t2 - t1
+    return t1 - t0, t2 - t1, cpu
 
 
-def _interleaved(client: KVClient, r: Any, data: list[np.ndarray], rounds: int) -> dict[str, Any]:
-    """Agent, Redis and the socket ceiling take turns each round, so load on the machine hits
-    all three alike; round -1 warms up (first touch of the tiers, buffers) and is dropped."""
+def _round(ctx: dict[str, Any], rnd: int) -> dict[str, float]:
+    """One turn of every path; seconds (or GB/s for the socket figures) by report key."""
+    data, out, streams = ctx["data"], ctx["out"], ctx["streams"]
     nbytes = sum(c.nbytes for c in data)
-    out = [np.empty_like(c) for c in data]
-    times: dict[str, list[float]] = {"put": [], "get": [], "set": [], "rget": []}
-    ceilings, xprocs = [], []
+    got: dict[str, float] = {}
+    for transport, client in ctx["clients"].items():
+        p = _PREFIX[transport]
+        got[p + "put"], got[p + "get"], got[p + "cpu"] = _agent_round(client, data, out, rnd)
+    for name, peer in ctx["peers"].items():
+        got[name] = peer.round_s()
+    if "lmcache" in ctx:
+        got["lm_put"], got["lm_get"] = ctx["lmcache"].round_values()
+    got["set"], got["rget"] = _peers.redis_streams_round(ctx["redis_clients"], data, rnd)
+    got["set1"], got["rget1"] = _redis_round(ctx["redis"], data, rnd)
+    got["ceiling"] = _peers.socket_ceiling_streams(nbytes, streams)
+    got["ceiling1"] = socket_ceiling(nbytes)
+    got["xproc"] = socket_xproc(nbytes)
+    return got
+
+
+def _interleaved(ctx: dict[str, Any], rounds: int) -> dict[str, Any]:
+    """Every path takes its turn each round, so load on the machine hits all alike; round -1
+    warms up (first touch of the tiers, buffers, connections) and is dropped."""
+    nbytes = sum(c.nbytes for c in ctx["data"])
+    samples: dict[str, list[float]] = {}
     for rnd in range(-1, rounds):
-        put_s, get_s = _agent_round(client, data, out, rnd)
-        set_s, rget_s = _redis_round(r, data, rnd)
-        ceiling, xproc = socket_ceiling(nbytes), socket_xproc(nbytes)
+        got = _round(ctx, rnd)
         if rnd >= 0:
-            for k, v in zip(times, (put_s, get_s, set_s, rget_s), strict=True):
-                times[k].append(v)
-            ceilings.append(ceiling)
-            xprocs.append(xproc)
-    return {
-        "put_gbps": _gbps(nbytes, statistics.median(times["put"])),
-        "get_gbps": _gbps(nbytes, statistics.median(times["get"])),
-        "redis_set_gbps": _gbps(nbytes, statistics.median(times["set"])),
-        "redis_get_gbps": _gbps(nbytes, statistics.median(times["rget"])),
-        "socket_ceiling_gbps": statistics.median(ceilings),
-        "socket_xproc_gbps": statistics.median(xprocs),
+            for k, v in got.items():
+                samples.setdefault(k, []).append(v)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    report: dict[str, Any] = {}
+    for transport in ctx["clients"]:
+        p = _PREFIX[transport]
+        report[p + "put_gbps"] = _gbps(nbytes, med[p + "put"])
+        report[p + "get_gbps"] = _gbps(nbytes, med[p + "get"])
+        report[p + "host_cpu_s_per_gib"] = round(med[p + "cpu"] / (2 * nbytes / (1 << 30)), 3)
+        report[p + "host_copies"] = HOST_COPIES[transport]
+    for name in ctx["peers"]:
+        report[f"{name}_gbps"] = _gbps(nbytes, med[name])
+    if "lmcache" in ctx:
+        report["lmcache_put_gbps"] = _gbps(nbytes, med["lm_put"])
+        report["lmcache_get_gbps"] = _gbps(nbytes, med["lm_get"])
+    report |= {
+        "redis_set_gbps": _gbps(nbytes, med["set"]),
+        "redis_get_gbps": _gbps(nbytes, med["rget"]),
+        "redis_set_1stream_gbps": _gbps(nbytes, med["set1"]),
+        "redis_get_1stream_gbps": _gbps(nbytes, med["rget1"]),
+        "socket_ceiling_gbps": med["ceiling"],
+        "socket_ceiling_1stream_gbps": med["ceiling1"],
+        "socket_xproc_gbps": med["xproc"],
     }
+    return report
 
 
 def _percentiles(channel: ControlChannel, keys: list[bytes], count: int) -> tuple[float, float]:
@@ -296,35 +355,100 @@ def _lookup_latency(client: KVClient, unix_url: str, token: str, count: int) -> 
             "lookup_keys": len(keys)}  # fmt: skip
 
 
+def _transports(wanted: str) -> list[str]:
+    """The agent paths to measure; `all` is NVMe/TCP plus NIXL where NIXL loads here."""
+    if wanted == "nixl" and not nixl_status()["available"]:
+        raise click.ClickException(f"--transport nixl: {nixl_status()['reason']}")
+    if wanted == "all":
+        return ["nvme-tcp"] + (["nixl"] if nixl_status()["available"] else [])
+    return [wanted]
+
+
+def _ucx_env() -> dict[str, str]:
+    """UCX over TCP unless the caller chose (a host and its DPU are two machines: no shm)."""
+    return {"UCX_TLS": os.environ.get("UCX_TLS", "tcp")}
+
+
 @contextlib.contextmanager
-def _agent_client(io_queues: int) -> Iterator[tuple[Any, KVClient]]:
-    """A fresh agent child (DRAM tier sized for the largest run, metrics off) and a client."""
-    with tempfile.TemporaryDirectory(prefix="dpukv-bench-") as tmp:
+def _agent_client(
+    io_queues: int, transports: tuple[str, ...] = ("nvme-tcp",)
+) -> Iterator[tuple[Any, dict[str, KVClient]]]:
+    """A fresh agent child (DRAM tier sized for the largest run, metrics off) and one client
+    per transport."""
+    with tempfile.TemporaryDirectory(prefix="dpukv-bench-") as tmp, contextlib.ExitStack() as st:
         env = {"DPUKV_STORAGE_DRAM_BYTES": str(2 * CHUNKS_MAX * LAYOUT.chunk_bytes),
-               "DPUKV_METRICS_ENABLED": "false"}  # fmt: skip
+               "DPUKV_METRICS_ENABLED": "false", **_ucx_env()}  # fmt: skip
+        os.environ.update(_ucx_env())  # this process's NIXL agents too
         agent = spawn_agent(Path(tmp) / "var", env=env)
-        try:
-            salt = b"bench-salt-0123456789"
-            with KVClient(agent.control_url, "default", agent.token, LAYOUT, salt,
-                          io_queues=io_queues) as client:  # fmt: skip
-                yield agent, client
-        finally:
-            agent.stop()
+        st.callback(agent.stop)
+        salt = b"bench-salt-0123456789"
+        clients = {}
+        for t in transports:
+            client = KVClient(agent.control_url, "default", agent.token, LAYOUT, salt,
+                              io_queues=io_queues, transport=t)  # fmt: skip
+            clients[t] = st.enter_context(client)
+        yield agent, clients
+
+
+def _start_peers(ctx: dict[str, Any], st: contextlib.ExitStack) -> dict[str, str]:
+    """Raw NIXL and Mooncake next to the agent (where installed); the reasons for the missing."""
+    chunks, chunk = len(ctx["data"]), LAYOUT.chunk_bytes
+    env = {**os.environ, **_ucx_env()}
+    skipped: dict[str, str] = {}
+    ctx["peers"] = {}
+    if "nixl" in ctx["clients"]:
+        pool = np.zeros((chunks, chunk), np.uint8)
+        peer = _peers.NixlRawPeer(pool, chunk, chunks, env)
+        st.callback(peer.close)
+        ctx["peers"]["nixl_raw"] = peer
+    if _peers.mooncake_available():
+        pool = np.zeros((chunks, chunk), np.uint8)
+        mc = _peers.MooncakePeer(pool, chunk, chunks, env)
+        st.callback(mc.close)
+        ctx["peers"]["mooncake"] = mc
+    else:
+        skipped["mooncake"] = "not installed: pip install mooncake-transfer-engine-non-cuda"
+    python, why = _peers.lmcache_python()
+    if python is None:
+        skipped["lmcache"] = why
+    else:
+        lm = _peers.LmcachePeer(python, chunk, chunks, ctx["streams"])
+        st.callback(lm.close)
+        ctx["lmcache"] = lm
+    return skipped
 
 
 def run_datapath(
-    *, chunks: int = 8, rounds: int = 3, io_queues: int = 4, lookups: int = 2000
+    *,
+    chunks: int = 8,
+    rounds: int = 3,
+    io_queues: int = 4,
+    lookups: int = 2000,
+    transport: str = "all",
 ) -> dict[str, Any]:
     assert 1 <= chunks <= CHUNKS_MAX and 1 <= rounds <= ROUNDS_MAX, (chunks, rounds)
     assert 1 <= lookups <= LOOKUPS_MAX, lookups
+    transports = _transports(transport)
     rng = np.random.default_rng(7)
     data = [rng.integers(0, 1 << 16, LAYOUT.chunk_shape, dtype=np.uint16).view(np.float16)
             for _ in range(chunks)]  # fmt: skip
     report: dict[str, Any] = {"chunk_bytes": LAYOUT.chunk_bytes, "chunks": chunks,
-                              "rounds": rounds, "io_queues": io_queues}  # fmt: skip
-    with _agent_client(io_queues) as (agent, client), redis_server() as r:
-        report |= _interleaved(client, r, data, rounds)
-        report |= _lookup_latency(client, agent.unix_url, agent.token, lookups)
+                              "rounds": rounds, "io_queues": io_queues, "streams": io_queues,
+                              "transport": "+".join(transports),
+                              "ucx_tls": _ucx_env()["UCX_TLS"]}  # fmt: skip
+    with contextlib.ExitStack() as st:
+        agent, clients = st.enter_context(_agent_client(io_queues, tuple(transports)))
+        r = st.enter_context(redis_server())
+        port = int(r.connection_pool.connection_kwargs["port"])
+        ctx: dict[str, Any] = {"data": data, "out": [np.empty_like(c) for c in data],
+                               "streams": io_queues, "clients": clients, "redis": r,
+                               "redis_clients": st.enter_context(
+                                   _peers.redis_clients(port, io_queues))}  # fmt: skip
+        report["skipped"] = _start_peers(ctx, st)
+        report |= _interleaved(ctx, rounds)
+        report["transport_reason"] = {t: c._xport.reason or "asked" for t, c in clients.items()}
+        first = clients.get("nvme-tcp") or next(iter(clients.values()))
+        report |= _lookup_latency(first, agent.unix_url, agent.token, lookups)
         report["rtt_floor_p50_us"] = rtt_floor_us(lookups)
     return report | _ratios(report)
 
@@ -332,22 +456,35 @@ def run_datapath(
 def run_lookup(*, lookups: int = 2000) -> dict[str, Any]:
     """Only the lookup figures of run_datapath (same agent, keys and hits) and the echo floor."""
     assert 1 <= lookups <= LOOKUPS_MAX, lookups
-    with _agent_client(io_queues=1) as (agent, client):
-        report = _lookup_latency(client, agent.unix_url, agent.token, lookups)
+    with _agent_client(io_queues=1) as (agent, clients):
+        report = _lookup_latency(clients["nvme-tcp"], agent.unix_url, agent.token, lookups)
         report["rtt_floor_p50_us"] = rtt_floor_us(lookups)  # with the agent up, as run_datapath
     return report
 
 
 def _ratios(r: dict[str, Any]) -> dict[str, float]:
     def ratio(a: str, b: str) -> float:
-        return round(r[a] / r[b], 2) if r.get(b) else 0.0
+        return round(r[a] / r[b], 2) if r.get(a) and r.get(b) else 0.0
 
-    return {
+    out = {
         "put_vs_redis_set": ratio("put_gbps", "redis_set_gbps"),
         "get_vs_redis_get": ratio("get_gbps", "redis_get_gbps"),
         "put_vs_socket_ceiling": ratio("put_gbps", "socket_ceiling_gbps"),
         "get_vs_socket_ceiling": ratio("get_gbps", "socket_ceiling_gbps"),
     }
+    if "nixl_get_gbps" in r:
+        out |= {
+            "nixl_get_vs_raw": ratio("nixl_get_gbps", "nixl_raw_gbps"),
+            "nixl_get_vs_nvme_tcp": ratio("nixl_get_gbps", "get_gbps"),
+            "nixl_get_vs_mooncake": ratio("nixl_get_gbps", "mooncake_gbps"),
+            "nixl_put_vs_raw": ratio("nixl_put_gbps", "nixl_raw_gbps"),
+        }
+    if "lmcache_get_gbps" in r:
+        out |= {
+            "put_vs_lmcache": ratio("put_gbps", "lmcache_put_gbps"),
+            "get_vs_lmcache": ratio("get_gbps", "lmcache_get_gbps"),
+        }
+    return out
 
 
 def _print_lookup(r: dict[str, Any]) -> None:
@@ -359,41 +496,81 @@ def _print_lookup(r: dict[str, Any]) -> None:
                     f"{r['rtt_floor_p50_us']} us")  # fmt: skip
 
 
+def _pair(r: dict[str, Any], a: str, b: str) -> tuple[str, str]:
+    return str(r.get(a, "-")), str(r.get(b, "-"))
+
+
 def _print_table(r: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"data path, {r['chunks']} x {r['chunk_bytes'] >> 20} MiB chunks")
-    table.add_column("path")
-    table.add_column("put / SET GB/s")
-    table.add_column("get / GET GB/s")
-    table.add_row("agent (control + NVMe/TCP + XTS + checksum)", str(r["put_gbps"]),
-                  str(r["get_gbps"]))  # fmt: skip
-    table.add_row("redis-server + redis-py/hiredis", str(r["redis_set_gbps"]),
-                  str(r["redis_get_gbps"]))  # fmt: skip
-    table.add_row("socket ceiling (TCP loopback, threads)", str(r["socket_ceiling_gbps"]),
-                  str(r["socket_ceiling_gbps"]))  # fmt: skip
-    table.add_row("same, receiver in another process", str(r["socket_xproc_gbps"]),
-                  str(r["socket_xproc_gbps"]))  # fmt: skip
+    n = r["streams"]
+    table = Table(title=f"data path, {r['chunks']} x {r['chunk_bytes'] >> 20} MiB chunks, "
+                        f"{n} streams, UCX_TLS={r['ucx_tls']}")  # fmt: skip
+    for col in ("path", "put / SET GB/s", "get / GET GB/s", "host CPU s/GiB", "host copies"):
+        table.add_column(col)
+    if "put_gbps" in r:
+        table.add_row(f"agent, NVMe/TCP ({r['io_queues']} queues) + XTS + checksum",
+                      *_pair(r, "put_gbps", "get_gbps"), str(r["host_cpu_s_per_gib"]),
+                      str(r["host_copies"]))  # fmt: skip
+    if "nixl_put_gbps" in r:
+        table.add_row("agent, NIXL (agent WRITEs/READs) + XTS + checksum",
+                      *_pair(r, "nixl_put_gbps", "nixl_get_gbps"),
+                      str(r["nixl_host_cpu_s_per_gib"]), str(r["nixl_host_copies"]))  # fmt: skip
+        table.add_row("raw NIXL WRITE, no tier", "-", str(r.get("nixl_raw_gbps", "-")))
+    if "mooncake_gbps" in r:
+        table.add_row("Mooncake transfer engine WRITE (TCP)", "-", str(r["mooncake_gbps"]))
+    if "lmcache_put_gbps" in r:
+        table.add_row(f"LMCache lm:// server, {n} connections",
+                      *_pair(r, "lmcache_put_gbps", "lmcache_get_gbps"))  # fmt: skip
+    table.add_row(f"redis-server + redis-py/hiredis, {n} connections pipelined",
+                  *_pair(r, "redis_set_gbps", "redis_get_gbps"))  # fmt: skip
+    table.add_row("same, 1 connection", *_pair(r, "redis_set_1stream_gbps",
+                                               "redis_get_1stream_gbps"))  # fmt: skip
+    table.add_row(f"socket ceiling ({n} TCP loopback pairs, threads)",
+                  *_pair(r, "socket_ceiling_gbps", "socket_ceiling_gbps"))  # fmt: skip
+    table.add_row("same, 1 pair", *_pair(r, "socket_ceiling_1stream_gbps",
+                                         "socket_ceiling_1stream_gbps"))  # fmt: skip
+    table.add_row("1 pair, receiver in another process",
+                  *_pair(r, "socket_xproc_gbps", "socket_xproc_gbps"))  # fmt: skip
     Console().print(table)
+    for name, why in r.get("skipped", {}).items():
+        Console().print(f"{name}: skipped ({why})")
     _print_lookup(r)
 
 
-@click.command("datapath", help="Put/get GB/s through a real agent vs Redis and a socket.")
+@click.command("datapath", help="Put/get GB/s through a real agent (NVMe/TCP, NIXL) vs raw NIXL, "
+               "Mooncake, Redis and sockets, all with the same number of streams.")  # fmt: skip
 @click.option("--chunks", default=8, type=click.IntRange(1, CHUNKS_MAX), help="32 MiB chunks.")
 @click.option("--rounds", default=3, type=click.IntRange(1, ROUNDS_MAX), help="Median of.")
-@click.option("--io-queues", default=4, type=click.IntRange(1, 32))
+@click.option("--io-queues", default=4, type=click.IntRange(1, 32),
+              help="NVMe/TCP I/O queues; Redis and the socket ceiling get as many.")  # fmt: skip
+@click.option("--transport", default="all", type=click.Choice(TRANSPORT_CHOICES),
+              help="Agent data path(s): all = NVMe/TCP and NIXL (where installed).")  # fmt: skip
 @click.option("--lookups", default=2000, type=click.IntRange(1, LOOKUPS_MAX),
               help="64-key lookups timed (each way).")  # fmt: skip
 @click.option("--lookup-only", is_flag=True,
               help="Only lookup latencies and the echo floor: no put/get, no Redis.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report.")
 def datapath(
-    chunks: int, rounds: int, io_queues: int, lookups: int, lookup_only: bool, as_json: bool
+    chunks: int,
+    rounds: int,
+    io_queues: int,
+    transport: str,
+    lookups: int,
+    lookup_only: bool,
+    as_json: bool,
 ) -> None:
     if lookup_only:
         r = run_lookup(lookups=lookups)
         click.echo(json.dumps(r, indent=1)) if as_json else _print_lookup(r)
         return
-    r = run_datapath(chunks=chunks, rounds=rounds, io_queues=io_queues, lookups=lookups)
+    try:
+        r = run_datapath(chunks=chunks, rounds=rounds, io_queues=io_queues, lookups=lookups,
+                         transport=transport)  # fmt: skip
+    except click.ClickException as e:  # --json callers get JSON, with the same exit code
+        if not as_json:
+            raise
+        click.echo(json.dumps({"error": e.format_message()}))
+        raise SystemExit(e.exit_code) from None
     click.echo(json.dumps(r, indent=1)) if as_json else _print_table(r)

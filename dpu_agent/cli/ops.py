@@ -475,6 +475,16 @@ def _probe_gpudirect() -> tuple[str, str]:
     return "fallback", "no GPU: no GPUDirect RDMA; chunks land in host memory"
 
 
+def _probe_nixl() -> tuple[str, str]:
+    """NIXL for the agent-driven data path (host_shim.transport); NVMe/TCP without it."""
+    from host_shim.transport import nixl_status
+
+    st = nixl_status()
+    if not st["available"]:
+        return "fallback", f"{st['reason']}; clients use NVMe/TCP"
+    return "ok", f"NIXL ({st['module']}, UCX): KVClient(transport='nixl'|'auto')"
+
+
 def doctor_report() -> list[dict[str, str]]:
     probes: list[tuple[str, Callable[[], tuple[str, str]]]] = [
         ("rdma", _probe_rdma),
@@ -487,6 +497,7 @@ def doctor_report() -> list[dict[str, str]]:
         ("bluefield-crypto", _probe_bluefield),
         ("mlxconfig", _probe_mlxconfig),
         ("nvme-tcp", _probe_nvme_tcp),
+        ("nixl", _probe_nixl),
         ("serf", functools.partial(_probe_binary, "serf", ["version"], "cluster membership")),
         ("serf-rpc", probe_serf),
         (

@@ -24,6 +24,7 @@ from dpu_agent.engine import errors as engine_errors
 from dpu_agent.log import get_logger
 from kvproto.control import (
     ADMIN_TENANT,
+    NIXL_OPS,
     PROTOCOL_VERSION,
     ErrorCode,
     RemoteProtocolError,
@@ -170,6 +171,9 @@ class Dispatcher:
                 pass
         s.leases.clear()
         s.reservations.clear()
+        nixl_closed = getattr(self.backend, "nixl_session_closed", None)
+        if nixl_closed is not None:  # the NIXL data path forgets the session's regions
+            nixl_closed(s.session_id)
 
     def handle(self, s: Session, msg: Mapping[str, Any]) -> Reply | Coroutine[Any, Any, Reply]:
         """The reply now, or for admin ops (slow, run off the loop) a coroutine giving it."""
@@ -185,6 +189,8 @@ class Dispatcher:
                 result = self._hello(s, req.fields)
             else:
                 self._check_tenant(s)
+                if req.op in NIXL_OPS:  # data movement: off the loop, in order per session
+                    return self._nixl(s, req, nxt, t0)
                 handler = self._sync.get(req.op)
                 if handler is None:
                     return self._admin(s, req, nxt, t0)
@@ -205,6 +211,21 @@ class Dispatcher:
     async def _admin(self, s: Session, req: Request, nxt: SessionState, t0: float) -> Reply:
         try:
             result = await self.backend.admin(req.op, req.fields)
+            s.state = nxt if not s.closing else s.state
+            reply = Reply(id=req.id, ok=True, result=result)
+        except RemoteProtocolError as e:
+            reply = self._refused(s, req.id, e)
+        except Exception as e:
+            reply = self._failed(s, req.id, req.op, e)
+        _observe(req.op, "ok" if reply.ok else reply.error, time.perf_counter() - t0)
+        return reply
+
+    async def _nixl(self, s: Session, req: Request, nxt: SessionState, t0: float) -> Reply:
+        try:
+            nixl = getattr(self.backend, "nixl", None)
+            if nixl is None:
+                raise RemoteProtocolError(f"{req.op}: this agent has no NIXL data path")
+            result = await nixl(s.session_id, s.tenant, req.op, req.fields)
             s.state = nxt if not s.closing else s.state
             reply = Reply(id=req.id, ok=True, result=result)
         except RemoteProtocolError as e:
@@ -363,6 +384,7 @@ _KNOWN_OPS = frozenset(
     | {"members", "tenants_list", "tenant_add", "tenant_remove", "evict", "checkpoint"}
     | {"backup", "restore"}
     | {"host_add"}
+    | NIXL_OPS
 )
 
 

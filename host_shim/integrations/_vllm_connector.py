@@ -76,7 +76,8 @@ class DpuKVConnector(KVConnectorBase_V1):
             tp_rank = get_tensor_model_parallel_rank()
         self._layout = _layout(vllm_config, self._settings.chunk_tokens, tp_rank)
         s = self._settings
-        self._client = KVClient(s.control, s.tenant, s.token, self._layout, s.salt)
+        self._client = KVClient(s.control, s.tenant, s.token, self._layout, s.salt,
+                                transport=s.transport)  # fmt: skip
         self._pending_loads: dict[str, ReqLoad] = {}
         self._local_tokens: dict[str, int] = {}
         self._tracked: dict[str, tuple[tuple[int, ...], list[int]]] = {}

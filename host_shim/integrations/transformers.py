@@ -30,6 +30,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from host_shim.gpu import staging_device
 from host_shim.integrations.layout import (
     chunks_to_per_layer,
     per_layer_to_chunks,
@@ -176,7 +177,8 @@ class TieredModel:
         timings["lookup_s"] = t1 - t0
         if hits == 0:
             return DynamicCache(config=self.model.config), 0
-        buf = torch.empty((hits, *self.layout.chunk_shape), dtype=self.dtype)
+        device = staging_device(self.client, self.device)  # NIXL: the GPU itself, no staging
+        buf = torch.empty((hits, *self.layout.chunk_shape), dtype=self.dtype, device=device)
         loaded = self.client.get(list(tokens[: hits * n]), list(buf.unbind(0)))
         t2 = time.perf_counter()
         timings["get_s"] = t2 - t1

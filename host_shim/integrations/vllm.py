@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from host_shim.gpu import staging_device
 from host_shim.integrations.layout import (
     PagedLayout,
     gather_chunk,
@@ -64,6 +65,7 @@ class ConnectorSettings:
     salt: bytes
     chunk_tokens: int = 256
     paged_kind: str = "flash_attn"
+    transport: str = "nvme-tcp"  # or "nixl" / "auto": KVClient's data path (host_shim.transport)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
@@ -90,6 +92,7 @@ class ConnectorSettings:
             salt=salt,
             chunk_tokens=int(extra.get("chunk_tokens", 256)),
             paged_kind=str(extra.get("paged_layout", "flash_attn")),
+            transport=str(extra.get("transport", "nvme-tcp")),
         )
 
 
@@ -137,7 +140,8 @@ def load_request(
     """Get the request's chunks from the tier into its paged blocks; chunks loaded (leading)."""
     n = layout.chunk_tokens
     end = req.first_chunk + req.chunk_count
-    bufs = torch.empty((end, *layout.chunk_shape), dtype=torch_dtype(layout.dtype))
+    device = staging_device(client, kv_layers[0].device)  # NIXL: the GPU itself, no staging
+    bufs = torch.empty((end, *layout.chunk_shape), dtype=torch_dtype(layout.dtype), device=device)
     # get() loads from chunk 0: chunks before first_chunk are vLLM's own and not written back.
     loaded = int(client.get(list(req.token_ids[: end * n]), list(bufs.unbind(0))))
     for i in range(req.first_chunk, loaded):
@@ -156,8 +160,9 @@ def save_request(
     if req.chunk_count == 0:
         return 0
     n = layout.chunk_tokens
+    device = staging_device(client, kv_layers[0].device)  # NIXL: the GPU itself, no staging
     chunks = [
-        gather_chunk(kv_layers, paged, req.block_ids, i, layout).cpu()
+        gather_chunk(kv_layers, paged, req.block_ids, i, layout).to(device)
         for i in range(req.chunk_count)
     ]
     return int(client.put(list(req.token_ids[: req.chunk_count * n]), chunks))

@@ -1,0 +1,175 @@
+"""The host side of the NIXL tests, run as its own process (python tests/nixl_peer.py SCENARIO
+CONTROL_URL TOKEN [ADMIN_TOKEN]): the agent is another process, UCX moves bytes between them
+over TCP. Prints one JSON line with what it saw; exits with os._exit, because a process that
+used NIXL may crash in NIXL's teardown at exit (../shared/MEASURED.md), which says nothing
+about the transfers tested here."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from host_shim.client import ControlChannel, ControlError, KVClient
+from host_shim.transport import NixlHostPath, buffer_desc
+from kvproto.keys import ChunkLayout
+
+LAYOUT = ChunkLayout("nixl-test", "float16", 2, 2, 64, chunk_tokens=16)  # 16 KiB chunks
+SALT = b"nixl-test-salt-012345"
+# 3 segments of the agent's 4 MiB plus a partial block: exercises segments and the tail
+ODD_BYTES = (8 << 20) + (1 << 20) + 1000
+BATCH_CHUNKS, BATCH_CHUNK_BYTES, BATCH_ROUNDS = 4, 32 << 20, 4  # 32 segments a batch
+KILL_CHUNK_BYTES = 8 << 20
+KILL_CHUNKS = 24  # 192 MiB: long enough over UCX-TCP to be killed mid-way
+
+
+def _no_host_bytes_work() -> None:
+    """Make every shim function that copies, reads or hashes chunk bytes fail: the NIXL path
+    must not call any of them (the agent moves and verifies the bytes)."""
+    import host_shim.client as hc
+
+    def forbidden(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the NIXL path touched chunk bytes in the shim")
+
+    for name in ("byte_view", "_segment_io_raw", "chunk_checksum", "verify_checksum"):
+        setattr(hc, name, forbidden)
+
+
+def roundtrip(url: str, token: str) -> dict[str, Any]:
+    _no_host_bytes_work()
+    rng = np.random.default_rng(5)
+    out: dict[str, Any] = {}
+    with KVClient(url, "default", token, LAYOUT, SALT, transport="nixl") as c:
+        chunks = [rng.integers(0, 1 << 16, LAYOUT.chunk_shape, dtype=np.uint16).view(np.float16)
+                  for _ in range(6)]  # fmt: skip
+        tokens = np.arange(6 * LAYOUT.chunk_tokens, dtype=np.uint32) + 7
+        out["stored"] = c.put(tokens, chunks)
+        out["transport"] = c.transport
+        pool = np.zeros((6, *LAYOUT.chunk_shape), np.float16)  # one region, six chunk views
+        out["loaded"] = c.get(tokens, list(pool))
+        out["exact"] = all(np.array_equal(a.view(np.uint16), b.view(np.uint16))
+                           for a, b in zip(chunks, pool, strict=True))  # fmt: skip
+        # odd sizes by key: several segments and a tail that is not a whole block
+        keys = [bytes([i]) * 16 for i in range(1, 4)]
+        big = [rng.integers(0, 256, ODD_BYTES, dtype=np.uint8) for _ in keys]
+        out["odd_stored"] = c.put_keys(keys, big, chunk_bytes=ODD_BYTES)
+        dst = [bytearray(ODD_BYTES) for _ in keys]
+        out["odd_loaded"] = c.get_keys(keys, dst, chunk_bytes=ODD_BYTES)
+        out["odd_exact"] = all(bytes(d) == b.tobytes() for d, b in zip(dst, big, strict=True))
+        # batches of more segments than the agent's staging slots, again and again (the loop
+        # once stopped when every slot came free at once, storing part of a batch)
+        big_keys = [bytes([0x80 + i]) * 16 for i in range(BATCH_CHUNKS)]
+        srcs = [rng.integers(0, 256, BATCH_CHUNK_BYTES, dtype=np.uint8) for _ in big_keys]
+        dsts = np.zeros((BATCH_CHUNKS, BATCH_CHUNK_BYTES), np.uint8)
+        whole = []
+        for _ in range(BATCH_ROUNDS):
+            dsts.fill(0)
+            stored = c.put_keys(big_keys, srcs, chunk_bytes=BATCH_CHUNK_BYTES)
+            loaded = c.get_keys(big_keys, list(dsts), chunk_bytes=BATCH_CHUNK_BYTES)
+            exact = all(np.array_equal(a, b) for a, b in zip(srcs, dsts, strict=True))
+            whole.append([stored, loaded, exact])
+            c.channel.pipeline([("delete", {"key": k}) for k in big_keys])
+        out["batches"] = whole
+        # a get into a buffer of another size is a miss, not a partial write
+        out["wrong_size_loaded"] = c.get_keys(keys[:1], [bytearray(ODD_BYTES - 1)],
+                                              chunk_bytes=ODD_BYTES - 1)  # fmt: skip
+    return out
+
+
+def _code(fn: Any) -> str:
+    try:
+        fn()
+    except ControlError as e:
+        return e.code
+    return "ok"
+
+
+def refused(url: str, token: str, admin_token: str) -> dict[str, Any]:
+    """Descriptors outside what the session registered, another tenant's names and regions."""
+    out: dict[str, Any] = {}
+    host = NixlHostPath("default")
+    key = [b"k" * 16]
+    with ControlChannel(url, "default", token) as ch:
+        ch.connect()
+        out["get_before_connect"] = _code(
+            lambda: ch.call("nixl_get", keys=key, targets=[[4096, 16]])
+        )
+        ch.call("nixl_connect", metadata=host.metadata())
+        mine = np.zeros(1 << 20, np.uint8)
+        added, _ = host.prepare([buffer_desc(mine, mine.nbytes, writable=True)])
+        ch.call("nixl_register", metadata=host.metadata(), add=added, drop=[])
+        other = np.zeros(1 << 20, np.uint8)  # never registered
+        addr = int(other.ctypes.data)
+        out["unregistered"] = _code(lambda: ch.call("nixl_get", keys=key, targets=[[addr, 4096]]))
+        base = int(mine.ctypes.data)
+        out["past_the_end"] = _code(
+            lambda: ch.call("nixl_get", keys=key, targets=[[base + mine.nbytes - 100, 4096]])
+        )
+        out["inside"] = _code(lambda: ch.call("nixl_get", keys=key, targets=[[base, 4096]]))
+        # put from an unregistered buffer: the agent must not READ it either
+        out["put_unregistered"] = _code(
+            lambda: ch.call("nixl_put", keys=key, sources=[[addr, 4096]], parents=[None])
+        )
+        with ControlChannel(url, "_admin", admin_token) as adm:
+            adm.connect()
+            t2 = adm.call("tenant_add", tenant="other")["token"]
+        with ControlChannel(url, "other", t2) as ch2:
+            ch2.connect()
+            # tenant "other" claiming tenant default's host agent (its metadata)
+            out["other_claims_default_agent"] = _code(
+                lambda: ch2.call("nixl_connect", metadata=host.metadata())
+            )
+            thief = NixlHostPath("other")
+            ch2.call("nixl_connect", metadata=thief.metadata())
+            # tenant "other" targeting the buffer tenant default registered
+            out["other_targets_default_buffer"] = _code(
+                lambda: ch2.call("nixl_get", keys=key, targets=[[base, 4096]])
+            )
+    return out
+
+
+def killed(url: str, token: str) -> dict[str, Any]:
+    """Put chunks, then get them while the parent kills the agent once bytes are arriving."""
+    keys = [(i + 1).to_bytes(16, "big") for i in range(KILL_CHUNKS)]
+    with KVClient(url, "default", token, LAYOUT, SALT, transport="nixl", timeout_s=60) as c:
+        src = np.full(KILL_CHUNK_BYTES, 0xAB, np.uint8)
+        stored = c.put_keys(keys, [src] * KILL_CHUNKS, chunk_bytes=KILL_CHUNK_BYTES)
+        pool = np.zeros((KILL_CHUNKS, KILL_CHUNK_BYTES), np.uint8)
+        result: dict[str, Any] = {"stored": stored, "transport": c.transport}
+
+        def get() -> None:
+            result["loaded"] = c.get_keys(keys, list(pool), chunk_bytes=KILL_CHUNK_BYTES)
+
+        t = threading.Thread(target=get)
+        t.start()
+        deadline = time.monotonic() + 60
+        while not pool[0, :4096].any() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        print("TRANSFERRING", flush=True)  # the parent kills the agent now
+        t.join(120)
+        result["arrived_chunks"] = int((pool[:, -1] == 0xAB).sum())
+        result["next_get"] = c.get_keys(keys[:1], [pool[0]], chunk_bytes=KILL_CHUNK_BYTES)
+    return result
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    scenario, url, token = sys.argv[1:4]
+    if scenario == "roundtrip":
+        out = roundtrip(url, token)
+    elif scenario == "refused":
+        out = refused(url, token, sys.argv[4])
+    else:
+        out = killed(url, token)
+    print(json.dumps(out), flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""`dpuctl bench datapath` end to end, tiny and bounded: every path and peer reports, with the
+same number of streams for the agent, Redis and the sockets (no figure is checked: timing)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from dpu_agent.bench.datapath import run_datapath
+from dpu_agent.cli import cli
+from host_shim.transport import nixl_status
+
+
+@pytest.mark.slow
+def test_datapath_report_has_every_path_with_equal_streams() -> None:
+    r = run_datapath(chunks=2, rounds=1, io_queues=2, lookups=5)
+    assert r["streams"] == r["io_queues"] == 2
+    for key in ("put_gbps", "get_gbps", "host_cpu_s_per_gib", "redis_set_gbps",
+                "redis_get_gbps", "redis_set_1stream_gbps", "redis_get_1stream_gbps",
+                "socket_ceiling_gbps", "socket_ceiling_1stream_gbps"):  # fmt: skip
+        assert r[key] > 0, key
+    assert r["host_copies"] == 1
+    if nixl_status()["available"]:
+        assert r["transport"] == "nvme-tcp+nixl"
+        assert r["nixl_get_gbps"] > 0 and r["nixl_put_gbps"] > 0 and r["nixl_raw_gbps"] > 0
+        assert r["nixl_host_copies"] == 0 and r["nixl_host_cpu_s_per_gib"] > 0
+        assert r["nixl_get_vs_raw"] > 0
+    assert ("mooncake_gbps" in r) != ("mooncake" in r["skipped"])
+    assert ("lmcache_get_gbps" in r) != ("lmcache" in r["skipped"])
+
+
+def test_datapath_transport_choice_is_checked() -> None:
+    result = CliRunner().invoke(cli, ["bench", "datapath", "--transport", "rdma"])
+    assert result.exit_code == 2 and "rdma" in result.output
+
+
+def test_datapath_nixl_missing_is_a_json_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dpu_agent.bench.datapath as dp
+
+    monkeypatch.setattr(dp, "nixl_status", lambda: {"available": False, "reason": "not here"})
+    result = CliRunner().invoke(cli, ["bench", "datapath", "--transport", "nixl", "--json"])
+    assert result.exit_code == 1, result.output
+    assert json.loads(result.output) == {"error": "--transport nixl: not here"}

@@ -1,0 +1,143 @@
+"""The agent's NIXL transfer loop (dpu_agent.nixl._Mover) against a real engine, with NIXL
+replaced by a loopback that moves bytes with memmove: deterministic completion orders that the
+UCX runs in test_nixl_path.py hit only by chance. The real NIXL runs in test_nixl_path.py."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from dpu_agent.engine import Engine, EngineConfig
+from dpu_agent.nixl import NIXL_SEGMENT_BYTES, NIXL_STAGING_SLOTS, NixlServer
+from dpu_agent.nixl._server import _Mover, _Session
+
+TENANT = "acme"
+CHUNK = 2 * NIXL_SEGMENT_BYTES + 1000  # three segments, the last one not whole blocks
+COUNT = 6  # 18 segments: more than the staging slots, so slots are reused
+
+
+class _Xfer:
+    def __init__(self, op: str, local: tuple[int, int, int], remote: tuple[int, int, int]) -> None:
+        self.op, self.local, self.remote = op, local, remote
+        self.polls = 0
+
+
+class LoopbackAgent:
+    """What _Mover calls on a nixl_agent, moving bytes inside this process. `polls` checks
+    before a transfer completes; `fail_at`: the n-th transfer posted ends in ERR."""
+
+    def __init__(self, polls: int = 0, fail_at: int | None = None) -> None:
+        self.polls, self.fail_at, self.posted = polls, fail_at, 0
+
+    def get_xfer_descs(self, descs: list[tuple[int, int, int]], mem: str) -> list[Any]:
+        return list(descs)
+
+    def initialize_xfer(self, op: str, local: list[Any], remote: list[Any], peer: str) -> _Xfer:
+        return _Xfer(op, local[0], remote[0])
+
+    def transfer(self, h: _Xfer) -> str:
+        self.posted += 1
+        h.polls = -1 if self.posted == self.fail_at else self.polls
+        return "PROC"
+
+    def check_xfer_state(self, h: _Xfer) -> str:
+        if h.polls < 0:
+            return "ERR"
+        if h.polls:
+            h.polls -= 1
+            return "PROC"
+        (laddr, n, _), (raddr, _, _) = h.local, h.remote
+        src, dst = (laddr, raddr) if h.op == "WRITE" else (raddr, laddr)
+        ctypes.memmove(dst, src, n)
+        return "DONE"
+
+    def release_xfer_handle(self, h: _Xfer) -> None:
+        pass
+
+
+@pytest.fixture()
+def engine(tmp_path: Path) -> Iterator[Engine]:
+    size = 4 * COUNT * NIXL_SEGMENT_BYTES * 3
+    cfg = EngineConfig(data_dir=tmp_path, dram_bytes=size, nvme_bytes=size,
+                       tenants={TENANT: 0})  # fmt: skip
+    e = Engine(cfg)
+    yield e
+    e.close()
+
+
+def _server(engine: Engine, agent: LoopbackAgent) -> NixlServer:
+    server = NixlServer(lambda: engine, "test-agent")
+    server._agent = agent
+    server._staging = np.zeros(NIXL_STAGING_SLOTS * NIXL_SEGMENT_BYTES, np.uint8)
+    return server
+
+
+def _session(bufs: list[np.ndarray]) -> tuple[_Session, list[tuple[int, int, int, str]]]:
+    s = _Session(tenant=TENANT, remote="dpukv.acme.1")
+    spans = []
+    for b in bufs:
+        s.add(int(b.ctypes.data), b.nbytes, 0, "DRAM")
+        spans.append((int(b.ctypes.data), b.nbytes, 0, "DRAM"))
+    return s, spans
+
+
+KEYS = [(i + 1).to_bytes(16, "big") for i in range(COUNT)]
+
+
+@pytest.mark.parametrize("polls", [0, 3])
+def test_nixl_batch_longer_than_staging_slots_is_whole(engine: Engine, polls: int) -> None:
+    """Transfers that complete at once free every slot in one go: the loop must go on with the
+    segments left (it stopped there once and reported chunks it never stored)."""
+    server = _server(engine, LoopbackAgent(polls=polls))
+    rng = np.random.default_rng(1)
+    src = [rng.integers(0, 256, CHUNK, dtype=np.uint8) for _ in KEYS]
+    s, spans = _session(src)
+    stored = _Mover(server, s, TENANT).put(KEYS, [None, *KEYS[:-1]], spans)
+    assert stored == COUNT
+    assert len(engine.lookup(TENANT, KEYS, lease=False).hits) == COUNT
+    dst = [np.zeros(CHUNK, np.uint8) for _ in KEYS]
+    s2, targets = _session(dst)
+    hits, lease_id, _ = engine.lookup_lists(TENANT, KEYS)
+    loaded, corrupt = _Mover(server, s2, TENANT).get(hits, targets)
+    engine.release(TENANT, lease_id)
+    assert (loaded, corrupt) == (COUNT, None)
+    assert all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
+
+
+def test_nixl_failed_transfer_ends_the_prefix(engine: Engine) -> None:
+    server = _server(engine, LoopbackAgent())
+    src = [np.full(CHUNK, i, np.uint8) for i in range(COUNT)]
+    s, spans = _session(src)
+    assert _Mover(server, s, TENANT).put(KEYS, [None] * COUNT, spans) == COUNT
+    server._agent = LoopbackAgent(fail_at=5)  # the 5th segment: chunk 1's second
+    dst = [np.zeros(CHUNK, np.uint8) for _ in KEYS]
+    s2, targets = _session(dst)
+    hits, lease_id, _ = engine.lookup_lists(TENANT, KEYS)
+    loaded, corrupt = _Mover(server, s2, TENANT).get(hits, targets)
+    engine.release(TENANT, lease_id)
+    assert (loaded, corrupt) == (1, None)
+    server._agent = LoopbackAgent(fail_at=2)  # a put whose chunk 0 fails stores nothing
+    assert _Mover(server, s, TENANT).put([b"z" * 16], [None], spans[:1]) == 0
+    assert engine.lookup(TENANT, [b"z" * 16], lease=False).hits == []
+
+
+def test_nixl_get_of_a_corrupted_chunk_is_a_miss(engine: Engine) -> None:
+    server = _server(engine, LoopbackAgent())
+    src = [np.full(CHUNK, 7 + i, np.uint8) for i in range(2)]
+    s, spans = _session(src)
+    assert _Mover(server, s, TENANT).put(KEYS[:2], [None, KEYS[0]], spans) == 2
+    hits = engine.lookup(TENANT, KEYS[:2], lease=False).hits
+    raw = engine.namespaces(TENANT)[hits[1].nsid]
+    raw.write(hits[1].lba, memoryview(bytes(4096)))  # chunk 1's first block overwritten
+    dst = [np.zeros(CHUNK, np.uint8) for _ in range(2)]
+    s2, targets = _session(dst)
+    h, lease_id, _ = engine.lookup_lists(TENANT, KEYS[:2])
+    loaded, corrupt = _Mover(server, s2, TENANT).get(h, targets)
+    engine.release(TENANT, lease_id)
+    assert (loaded, corrupt) == (1, KEYS[1])
+    assert np.array_equal(dst[0], src[0])
