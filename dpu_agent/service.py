@@ -29,6 +29,7 @@ from typing import Any
 
 from prometheus_client import ProcessCollector, start_http_server
 
+from dpu_agent.blockdev import BlockDeviceError
 from dpu_agent.config import AgentConfig, TenantConfig
 from dpu_agent.control import (
     LEASES_ACTIVE,
@@ -38,7 +39,7 @@ from dpu_agent.control import (
     plain,
 )
 from dpu_agent.crypto import KeyStore
-from dpu_agent.engine import Engine, EngineConfig
+from dpu_agent.engine import Engine, EngineConfig, EngineError
 from dpu_agent.log import configure_logging, get_logger
 from dpu_agent.metrics import REGISTRY
 from dpu_agent.nvmf import NvmeTcpTarget, Subsystem, TargetOptions
@@ -62,6 +63,17 @@ ProcessCollector(registry=REGISTRY)
 
 def subsystem_nqn(tenant: str) -> str:
     return NQN_PREFIX + tenant
+
+
+EXIT_BROKEN_INVARIANT = 70  # EX_SOFTWARE: the agent found a bug in itself
+
+
+def crash(e: BaseException) -> None:
+    """A broken invariant (STYLE 8): log it and exit at once, without a checkpoint of an index
+    that may be wrong. Nothing acknowledged is lost: the journal is written before the index,
+    and a restart rebuilds from it, as after kill -9."""
+    log.critical("agent_invariant_broken", error=repr(e), exc_info=e)
+    os._exit(EXIT_BROKEN_INVARIANT)
 
 
 class Agent:
@@ -108,6 +120,7 @@ class Agent:
             port=cfg.control.port,
             unix_path=cfg.unix_socket_path,
             connections_max=cfg.control.connections_max,
+            fatal=crash,
         )
         await self.control.start()
         if cfg.metrics.enabled:
@@ -160,8 +173,10 @@ class Agent:
                 stats = self.engine.stats()
                 LEASES_ACTIVE.set(stats["leases"])
                 RESERVATIONS_ACTIVE.set(stats["reservations"])
-            except Exception:  # a failing tick must not stop serving; it is logged loudly
+            except (EngineError, BlockDeviceError, OSError):  # operating errors: serve on
                 log.exception("engine_tick_failed")
+            except Exception as e:  # a bug (a broken invariant above all): never serve past it
+                crash(e)
 
     def _engine_config(self) -> EngineConfig:
         cfg, st = self.cfg, self.cfg.storage
@@ -287,7 +302,7 @@ class Agent:
         out = []
         for name, t in sorted(self.cfg.tenants.items()):
             row: dict[str, Any] = {"name": name, "quota_bytes": t.quota_bytes}
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(EngineError):
                 row.update(_summary(plain(self.engine.stats(name))))
             out.append(row)
         return out

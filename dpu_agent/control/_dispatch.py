@@ -3,8 +3,9 @@
 Every engine call passes the session's authenticated tenant, never a tenant named in the
 request; leases and reservations are remembered per session, so one tenant cannot release or
 commit another's even by guessing ids. Operating errors become error replies with a code and a
-message saying what to do; a bug becomes an `internal` reply and a logged traceback, and the
-agent keeps serving.
+message saying what to do; any other exception is a bug: an `internal` reply and a logged
+traceback, except an AssertionError (a broken invariant), which is never served past: it goes
+to the server's `fatal` hook (the agent exits; the journal has every acknowledged commit).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ SESSION_RESERVATIONS_MAX = 1 << 16
 HELLO_FAILURES_MAX = 3  # then the connection is closed: no token guessing on one connection
 
 _ERROR_CODES: tuple[tuple[type[Exception], ErrorCode], ...] = (
+    (engine_errors.JournalUnavailable, ErrorCode.UNAVAILABLE),  # `full` when the disk is full
     (engine_errors.TierFull, ErrorCode.FULL),
     (engine_errors.QuotaExceeded, ErrorCode.FULL),
     (engine_errors.UnknownKey, ErrorCode.NOT_FOUND),
@@ -184,7 +186,9 @@ class Dispatcher:
             reply = Reply(id=req.id, ok=True, result=result)
         except RemoteProtocolError as e:
             reply = self._refused(s, rid, e)
-        except Exception as e:  # operating errors and bugs alike get a reply
+        except AssertionError:
+            raise  # a broken invariant: never answered as if the agent were fine
+        except Exception as e:  # operating errors get their code; other bugs `internal`
             reply = self._failed(s, rid, op, e)
         if op in _KNOWN_OPS:
             _observe(op, "ok" if reply.ok else reply.error, time.perf_counter() - t0)
@@ -197,6 +201,8 @@ class Dispatcher:
             reply = Reply(id=req.id, ok=True, result=result)
         except RemoteProtocolError as e:
             reply = self._refused(s, req.id, e)
+        except AssertionError:
+            raise
         except Exception as e:
             reply = self._failed(s, req.id, req.op, e)
         _observe(req.op, "ok" if reply.ok else reply.error, time.perf_counter() - t0)
@@ -217,6 +223,8 @@ class Dispatcher:
     def _failed(self, s: Session, rid: int, op: str, e: Exception) -> Reply:
         for cls, code in _ERROR_CODES:
             if isinstance(e, cls):
+                if isinstance(e, engine_errors.JournalUnavailable) and e.full:
+                    code = ErrorCode.FULL
                 return Reply(id=rid, ok=False, error=str(code), message=str(e) or cls.__name__)
         log.exception("control_internal_error", op=op, tenant=s.tenant, peer=s.peer)
         message = f"agent bug while handling {op}: {type(e).__name__}; see the agent log"
@@ -303,9 +311,12 @@ class Dispatcher:
         return {}
 
     def _delete(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
-        if f.get("corrupt"):
+        if f.get("corrupt"):  # the client's checksum failed: quarantine, never reuse the extent
             m.INTEGRITY_REPORTS.labels(s.tenant).inc()
             log.warning("control_integrity_failure", tenant=s.tenant, key=f["key"].hex())
+            if not self.backend.engine.report_corrupt(s.tenant, f["key"]):
+                raise engine_errors.UnknownKey(f"no chunk {f['key'].hex()} to report")
+            return {}
         self.backend.engine.delete(s.tenant, f["key"])
         return {}
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from dpu_agent.control import _metrics as m
@@ -57,9 +58,13 @@ class ControlServer:
         port: int = 7400,
         unix_path: str | os.PathLike[str] | None = None,
         connections_max: int = CONNECTIONS_MAX_DEFAULT,
+        fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
         assert connections_max > 0, connections_max
         self.dispatcher = Dispatcher(backend, registry)
+        # A broken invariant (AssertionError) while handling a request: the agent's hook
+        # exits the process; without one it propagates (tests see it).
+        self.fatal = fatal or _reraise
         self._host, self._port = host, port
         self._unix_path = Path(unix_path) if unix_path else None
         self.connections_max = connections_max
@@ -179,7 +184,14 @@ class _Connection(asyncio.BufferedProtocol):
         except RemoteProtocolError as e:
             self._send([self._bad_frame(e)])
             return
-        self._process()
+        self._process_or_die()
+
+    def _process_or_die(self) -> None:
+        try:
+            self._process()
+        except AssertionError as e:  # never answer past a broken invariant
+            self.abort()
+            self._server.fatal(e)
 
     def _process(self) -> None:
         s = self._session
@@ -210,15 +222,22 @@ class _Connection(asyncio.BufferedProtocol):
 
     def _continue(self) -> None:
         if self._session is not None and self._transport is not None:
-            self._process()
+            self._process_or_die()
 
     def _admin_done(self, fut: asyncio.Future[Reply]) -> None:
         self._pending = None
-        if fut.cancelled() or self._session is None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if isinstance(exc, AssertionError):
+            self.abort()
+            self._server.fatal(exc)
+            return
+        if self._session is None:
             return
         self._send([_encode(fut.result())])
         self._update_reading()
-        self._process()
+        self._process_or_die()
 
     def _bad_frame(self, e: RemoteProtocolError) -> bytes:
         assert self._session is not None
@@ -234,6 +253,10 @@ class _Connection(asyncio.BufferedProtocol):
             t.write(b"".join(frames))
         if self._session is not None and self._session.closing and self._pending is None:
             t.close()  # after the queued replies are flushed
+
+
+def _reraise(e: BaseException) -> None:
+    raise e
 
 
 def _encode(reply: Reply) -> bytes:
