@@ -43,6 +43,12 @@ class Backend:
     def hello_info(self, tenant: str, hostnqn: str | None, local_host: str) -> dict[str, Any]:
         return {"nvme": {"host": "127.0.0.1", "port": 0, "subnqn": f"nqn.test:{tenant}"}}
 
+    def bind_host(self, session: Any, hostnqn: str) -> None:
+        pass  # no data plane here
+
+    def session_closed(self, session: Any) -> None:
+        pass
+
     def members(self) -> list[dict[str, Any]]:
         return [{"name": "test", "control": "", "nvme": "", "capacity_bytes": 0}]
 

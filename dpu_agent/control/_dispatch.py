@@ -21,7 +21,7 @@ from dpu_agent.blockdev import BlockDeviceError
 from dpu_agent.control import _metrics as m
 from dpu_agent.control._auth import TenantRegistry
 from dpu_agent.engine import errors as engine_errors
-from dpu_agent.log import get_logger
+from dpu_agent.log import RateLimitedLog, get_logger
 from kvproto.control import (
     ADMIN_TENANT,
     PROTOCOL_VERSION,
@@ -37,6 +37,7 @@ from kvproto.control import (
 __all__ = ["ControlBackend", "Dispatcher", "Session"]
 
 log = get_logger("dpu_agent.control")
+refusals = RateLimitedLog(log)  # failed logins: a flood costs a few lines a second
 
 # Outstanding leases / reservations one session may hold: a client pipelining a 1M-token
 # prompt holds 4096; 64 Ki leaves room for many such while bounding memory per connection.
@@ -71,6 +72,15 @@ class ControlBackend(Protocol):
         """`local_host`: the agent address the client reached (for wildcard NVMe/TCP binds)."""
         ...
 
+    def bind_host(self, session: Session, hostnqn: str) -> None:
+        """Allow `hostnqn` on the session's tenant's subsystem for as long as the session
+        lives, from the session's peer address only (raises an EngineError to refuse)."""
+        ...
+
+    def session_closed(self, session: Session) -> None:
+        """The session ended: what bind_host allowed for it goes."""
+        ...
+
     def members(self) -> list[dict[str, Any]]: ...
 
     def tenants_list(self) -> list[dict[str, Any]]: ...
@@ -83,8 +93,11 @@ class Session:
     peer: str
     session_id: int
     local_host: str = "127.0.0.1"  # the agent address this client connected to
+    peer_host: str = ""  # the client's IP address ("" on the Unix socket)
     state: SessionState = SessionState.AWAIT_HELLO
     tenant: str = ""
+    tenant_epoch: int = 0  # the tenant's incarnation at hello (TenantRegistry.epoch)
+    hostnqn: str = ""  # the host NQN bound to this session (bind_host)
     admin: bool = False
     hello_failures: int = 0
     leases: dict[int, float] = field(default_factory=dict)  # lease_id -> expiry (monotonic)
@@ -144,12 +157,21 @@ class Dispatcher:
             "tenants_list": self._tenants_list,
         }
 
-    def new_session(self, peer: str, local_host: str = "127.0.0.1") -> Session:
-        return Session(peer=peer, session_id=next(self._session_ids), local_host=local_host)
+    def new_session(self, peer: str, local_host: str = "127.0.0.1", peer_host: str = "") -> Session:
+        return Session(peer=peer, session_id=next(self._session_ids), local_host=local_host,
+                       peer_host=peer_host)  # fmt: skip
 
     def close_session(self, s: Session) -> None:
-        """Give back what the session still holds: its leases and uncommitted reservations."""
+        """Give back what the session still holds: its leases and uncommitted reservations,
+        and the host NQN it allowed on the data plane."""
         s.state = SessionState.CLOSED
+        if s.hostnqn:
+            self.backend.session_closed(s)
+            s.hostnqn = ""
+        if s.tenant and not s.admin and self.registry.epoch(s.tenant) != s.tenant_epoch:
+            s.leases.clear()  # the tenant was removed: nothing of it is left to give back
+            s.reservations.clear()
+            return
         engine = self.backend.engine
         for lease_id in list(s.leases):
             try:
@@ -209,8 +231,8 @@ class Dispatcher:
         return reply
 
     def _check_tenant(self, s: Session) -> None:
-        if not s.admin and s.tenant not in self.registry:
-            s.state = SessionState.CLOSED
+        if not s.admin and self.registry.epoch(s.tenant) != s.tenant_epoch:
+            s.state = SessionState.CLOSED  # removed (and maybe re-added): this session is over
             raise RemoteProtocolError(f"tenant {s.tenant!r} was removed", ErrorCode.AUTH)
 
     def _refused(self, s: Session, rid: int, e: RemoteProtocolError) -> Reply:
@@ -243,14 +265,21 @@ class Dispatcher:
             s.hello_failures += 1
             if s.hello_failures >= HELLO_FAILURES_MAX:
                 s.state = SessionState.CLOSED
-            log.warning("control_auth_refused", tenant=tenant, peer=s.peer)
+            refusals.warning("control_auth_refused", tenant=str(tenant)[:64], peer=s.peer)
             raise RemoteProtocolError(
                 f"tenant {tenant!r} is unknown or the token is wrong; check the token file "
                 "(dpuctl tenants list)",
                 ErrorCode.AUTH,
             )
-        s.tenant, s.admin = tenant, tenant == ADMIN_TENANT
-        info = {} if s.admin else self.backend.hello_info(tenant, f.get("hostnqn"), s.local_host)
+        admin = tenant == ADMIN_TENANT
+        hostnqn = f.get("hostnqn")
+        if not admin and hostnqn:
+            s.tenant = tenant  # bind_host needs it; the state moves only if hello succeeds
+            self.backend.bind_host(s, hostnqn)
+            s.hostnqn = hostnqn
+        s.tenant, s.admin = tenant, admin
+        s.tenant_epoch = self.registry.epoch(tenant)
+        info = {} if s.admin else self.backend.hello_info(tenant, hostnqn, s.local_host)
         log.info("control_session", tenant=tenant, peer=s.peer, session=s.session_id)
         return {"version": PROTOCOL_VERSION, "session": s.session_id, "tenant": tenant, **info}
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from dpu_agent.control import _metrics as m
 from dpu_agent.control._auth import TenantRegistry
 from dpu_agent.control._dispatch import ControlBackend, Dispatcher, Session
-from dpu_agent.log import get_logger
+from dpu_agent.log import RateLimitedLog, get_logger
 from kvproto.control import (
     NEED_DATA,
     ErrorCode,
@@ -35,6 +35,7 @@ from kvproto.control import (
 __all__ = ["ControlServer"]
 
 log = get_logger("dpu_agent.control")
+refusals = RateLimitedLog(log)  # bad frames and refused connections, rate-limited
 
 CONNECTIONS_MAX_DEFAULT = 1024
 # Requests of one connection handled per event-loop turn: a client pipelining thousands of
@@ -93,6 +94,16 @@ class ControlServer:
         log.info("control_listening", tcp=f"{self.tcp_address[0]}:{self.tcp_address[1]}",
                  unix=str(self._unix_path) if self._unix_path else None)  # fmt: skip
 
+    def end_tenant_sessions(self, tenant: str) -> int:
+        """Close every connection of `tenant` (it was removed); returns how many."""
+        ended = 0
+        for conn in list(self.connections):
+            s = conn.session
+            if s is not None and s.tenant == tenant and not s.admin:
+                conn.abort()
+                ended += 1
+        return ended
+
     async def stop(self) -> None:
         for server in self._servers:
             server.close()
@@ -137,7 +148,10 @@ class _Connection(asyncio.BufferedProtocol):
         peer = transport.get_extra_info("peername")
         local = transport.get_extra_info("sockname")
         local_host = local[0] if isinstance(local, tuple) else "127.0.0.1"  # unix: a path
-        self._session = self._dispatcher.new_session(str(peer) if peer else "unix", local_host)
+        peer_host = str(peer[0]) if isinstance(peer, tuple) else ""
+        self._session = self._dispatcher.new_session(
+            str(peer) if peer else "unix", local_host, peer_host
+        )
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._session is None:
@@ -148,6 +162,10 @@ class _Connection(asyncio.BufferedProtocol):
             self._pending.cancel()
         self._dispatcher.close_session(self._session)
         self._session = None
+
+    @property
+    def session(self) -> Session | None:
+        return self._session
 
     def abort(self) -> None:
         if self._transport is not None:
@@ -242,7 +260,7 @@ class _Connection(asyncio.BufferedProtocol):
     def _bad_frame(self, e: RemoteProtocolError) -> bytes:
         assert self._session is not None
         m.PROTOCOL_ERRORS.inc()
-        log.info("control_bad_frame", peer=self._session.peer, error=str(e))
+        refusals.warning("control_bad_frame", peer=self._session.peer, error=str(e)[:200])
         self._session.state = SessionState.CLOSED
         return _encode(Reply(id=0, ok=False, error=str(e.code), message=str(e)))
 

@@ -29,7 +29,12 @@ from dpu_agent.engine._core import (
 )
 from dpu_agent.engine.errors import EngineError, JournalUnavailable, LimitExceeded, UnknownKey
 from dpu_agent.engine.index import NO_ROW, STATE_LIVE
-from dpu_agent.engine.journal import OP_UNQUARANTINE, JournalError, pack_extent
+from dpu_agent.engine.journal import (
+    OP_UNQUARANTINE,
+    JournalError,
+    pack_extent,
+    pack_tenant_remove,
+)
 from dpu_agent.engine.tiers import DRAM, NVME, DeviceFactory
 from dpu_agent.engine.types import ChunkLocation, EngineConfig, Lease, TenantState
 from dpu_agent.log import get_logger
@@ -155,6 +160,37 @@ class Engine(EngineCore):
                 return False
             self._integrity_failure(ts, row)
             return True
+
+    def remove_tenant(self, tenant: str) -> dict[str, Any]:
+        """Crypto-erase a tenant: journal its removal, forget its records, leases and
+        reservations, close its devices, then destroy its XTS keys and delete its NVMe file
+        (device factories that can: the embedded one). Its blocks are unreadable after this;
+        a tenant added later under the same name gets a new key and starts empty."""
+        with self._lock:
+            ts = self._tenant(tenant)
+            tid = ts.tenant_id
+            self._wal(pack_tenant_remove(tid, self._next_seq()))
+            cols = self._index.cols
+            live = self._index.live_rows()
+            rows = live[cols["tenant"][live] == tid].tolist()
+            for row in rows:
+                self._index.remove(row)
+            for table in (self._leases, self._reservations):
+                for ident in [i for i, v in table.items() if v.tenant_id == tid]:
+                    del table[ident]
+            for k in [k for k in self._extent_leases if k[0] == tid]:
+                del self._extent_leases[k]
+            for k in [k for k in self._deferred if k[0] == tid]:
+                del self._deferred[k]
+            del self._tenants[tenant], self._by_id[tid]
+            self._counters.pop(tid, None)
+            for tier in ts.tiers:
+                tier.device.close()
+        erase = getattr(self._factory, "erase", None)
+        key_destroyed = bool(erase(tenant)) if erase is not None else False
+        log.info("engine.tenant_removed", tenant=tenant, records=len(rows),
+                 key_destroyed=key_destroyed)  # fmt: skip
+        return {"records_dropped": len(rows), "key_destroyed": key_destroyed}
 
     def _row_of(self, ts: TenantState, key: bytes, what: str) -> int:
         row = self._index.find(ts.tenant_id, key)

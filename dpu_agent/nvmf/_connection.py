@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 from dpu_agent.blockdev import BlockDevice, BlockDeviceError, MemoryBlockDevice
-from dpu_agent.log import get_logger
+from dpu_agent.log import RateLimitedLog, get_logger
 from dpu_agent.nvmf._controller import Completion, Controller
 from kvproto.nvme import (
     R2T,
@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 __all__ = ["ADMIN_ICD_BYTES", "MAXH2CDATA", "MemoryViewDevice", "NvmfConnection"]
 
 log = get_logger("dpu_agent.nvmf")
+refusals = RateLimitedLog(log)  # protocol errors of hostile peers: a few lines a second
 
 # The NVMe/TCP spec fixes the admin queue's in-capsule data size at 8 KiB.
 ADMIN_ICD_BYTES = 8192
@@ -235,7 +236,7 @@ class NvmfConnection(asyncio.BufferedProtocol):
 
     def fatal(self, e: RemoteProtocolError) -> None:
         """Answer a protocol error with a C2HTermReq, then close this connection."""
-        log.warning(
+        refusals.warning(
             "nvmf_protocol_error",
             peer=self.peer,
             error=str(e),

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from dpu_agent.log import get_logger
+from dpu_agent.log import RateLimitedLog, get_logger, nqn_tag
 from dpu_agent.nvmf._connection import NvmfConnection
 from dpu_agent.nvmf._controller import CNTLID_MAX, CNTLID_MIN, Controller
 from dpu_agent.nvmf._subsystem import DISCOVERY_NQN, Subsystem, TargetOptions, check_namespace
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = ["CONNECTIONS_MAX", "NvmeTcpTarget"]
 
 log = get_logger("dpu_agent.nvmf")
+refusals = RateLimitedLog(log)  # refused peers: a flood costs a few lines a second
 
 # Connections served at once; more are closed at accept. 1024 hosts x a few queues is beyond
 # what one DPU agent serves; the bound keeps a connection flood from exhausting descriptors.
@@ -161,7 +162,7 @@ class NvmeTcpTarget:
 
     def connection_opened(self, conn: NvmfConnection) -> None:
         if len(self._connections) >= CONNECTIONS_MAX:
-            log.warning("nvmf_connection_refused", peer=conn.peer, reason="CONNECTIONS_MAX")
+            refusals.warning("nvmf_connection_refused", peer=conn.peer, reason="CONNECTIONS_MAX")
             conn.close()
             return
         self._connections.add(conn)
@@ -189,9 +190,17 @@ class NvmeTcpTarget:
             "nvmf_controller_destroyed",
             cntlid=ctrl.cntlid,
             subnqn=ctrl.subnqn,
-            hostnqn=ctrl.hostnqn,
+            host=nqn_tag(ctrl.hostnqn),
             reason=reason,
         )
+
+    def disconnect_host(self, subnqn: str, hostnqn: str) -> int:
+        """Destroy the controllers `hostnqn` has on `subnqn` (its allowlist entry went)."""
+        gone = [c for c in self._controllers.values()
+                if c.subnqn == subnqn and c.hostnqn == hostnqn]  # fmt: skip
+        for ctrl in gone:
+            self.destroy_controller(ctrl, reason="host no longer allowed")
+        return len(gone)
 
     def reset_io_queues(self, ctrl: Controller) -> None:
         """CC.EN 1 -> 0: the controller resets and its I/O queues go."""
@@ -238,17 +247,18 @@ class NvmeTcpTarget:
         qid, sqsize = sqe.cdw10 >> 16, sqe.cdw11 & 0xFFFF
         sub = self._subsystems.get(cd.subnqn)
         if sub is None and cd.subnqn != DISCOVERY_NQN:
-            log.warning(
-                "nvmf_connect_refused", peer=conn.peer, subnqn=cd.subnqn, reason="unknown subsystem"
-            )
+            refusals.warning(
+                "nvmf_connect_refused", peer=conn.peer, subnqn=cd.subnqn[:64],
+                reason="unknown subsystem",
+            )  # fmt: skip
             return conn.connect_refused(cmd, Status.CONNECT_INVALID_PARAMETERS, 1, _IPO_SUBNQN)
-        if sub is not None and not sub.host_allowed(cd.hostnqn):
-            log.warning(
+        if sub is not None and not sub.host_allowed(cd.hostnqn, conn.peer.rpartition(":")[0]):
+            refusals.warning(
                 "nvmf_connect_refused",
                 peer=conn.peer,
                 subnqn=cd.subnqn,
-                hostnqn=cd.hostnqn,
-                reason="host not allowed",
+                host=nqn_tag(cd.hostnqn),
+                reason="host not allowed (from this address)",
             )
             return conn.connect_refused(cmd, Status.CONNECT_INVALID_HOST)
         depth_max = self.options.max_aq_depth if qid == 0 else self.options.max_queue_depth
@@ -283,7 +293,7 @@ class NvmeTcpTarget:
             "nvmf_controller_created",
             cntlid=cntlid,
             subnqn=cd.subnqn,
-            hostnqn=cd.hostnqn,
+            host=nqn_tag(cd.hostnqn),
             peer=conn.peer,
             kato_ms=ctrl.kato_ms,
         )
