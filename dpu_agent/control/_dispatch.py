@@ -207,6 +207,8 @@ class Dispatcher:
             s.state = nxt if not s.closing else s.state
             reply = Reply(id=req.id, ok=True, result=result)
         except RemoteProtocolError as e:
+            if s.state is SessionState.AWAIT_HELLO and op != "hello":
+                s.state = SessionState.CLOSED  # a request before hello: answer, then close
             reply = self._refused(s, rid, e)
         except AssertionError:
             raise  # a broken invariant: never answered as if the agent were fine

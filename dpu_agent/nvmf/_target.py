@@ -16,6 +16,11 @@ from typing import TYPE_CHECKING, Any
 from dpu_agent.log import RateLimitedLog, get_logger, nqn_tag
 from dpu_agent.nvmf._connection import NvmfConnection
 from dpu_agent.nvmf._controller import CNTLID_MAX, CNTLID_MIN, Controller
+from dpu_agent.nvmf._limits import (
+    DISCOVERY_CONTROLLERS_MAX,
+    UNCONNECTED_MAX,
+    UNCONNECTED_PER_ADDRESS_MAX,
+)
 from dpu_agent.nvmf._subsystem import DISCOVERY_NQN, Subsystem, TargetOptions, check_namespace
 from kvproto.nvme import CONNECT_DATA_BYTES, ConnectData, ConnectDataError, Status
 from kvproto.nvme._structs import ADRFAM_IPV4, ADRFAM_IPV6, DiscoveryEntry, DiscoveryLog
@@ -58,6 +63,7 @@ class NvmeTcpTarget:
         self._controllers: dict[int, Controller] = {}
         self._ctrl_conns: dict[int, set[NvmfConnection]] = {}
         self._connections: set[NvmfConnection] = set()
+        self._unconnected: dict[NvmfConnection, str] = {}  # before Connect: conn -> address
         self._next_cntlid = CNTLID_MIN
         self._genctr = 0
         self._server: asyncio.Server | None = None
@@ -161,14 +167,28 @@ class NvmeTcpTarget:
     # -- connections and controllers ------------------------------------------------------
 
     def connection_opened(self, conn: NvmfConnection) -> None:
+        address = conn.peer.rpartition(":")[0]
+        reason = ""
         if len(self._connections) >= CONNECTIONS_MAX:
-            refusals.warning("nvmf_connection_refused", peer=conn.peer, reason="CONNECTIONS_MAX")
+            reason = "CONNECTIONS_MAX"
+        elif len(self._unconnected) >= UNCONNECTED_MAX:
+            reason = "UNCONNECTED_MAX"
+        elif sum(a == address for a in self._unconnected.values()) >= UNCONNECTED_PER_ADDRESS_MAX:
+            reason = "UNCONNECTED_PER_ADDRESS_MAX"
+        if reason:
+            refusals.warning("nvmf_connection_refused", peer=conn.peer, reason=reason)
             conn.close()
             return
         self._connections.add(conn)
+        self._unconnected[conn] = address
+
+    def connection_connected(self, conn: NvmfConnection) -> None:
+        """Connect succeeded: the connection counts as a known host's from now on."""
+        self._unconnected.pop(conn, None)
 
     def connection_closed(self, conn: NvmfConnection) -> None:
         self._connections.discard(conn)
+        self._unconnected.pop(conn, None)
         ctrl = conn.ctrl
         if ctrl is None:
             return
@@ -217,6 +237,9 @@ class NvmeTcpTarget:
             for ctrl in list(self._controllers.values()):
                 if ctrl.keep_alive_expired(now):
                     self.destroy_controller(ctrl, reason=f"keep-alive timeout {ctrl.kato_ms} ms")
+            r2t_now = time.monotonic()
+            for conn in list(self._connections):
+                conn.expire_r2t(r2t_now)
 
     def _new_cntlid(self) -> int | None:
         span = CNTLID_MAX - CNTLID_MIN + 1
@@ -274,7 +297,8 @@ class NvmeTcpTarget:
         if cd.cntlid != 0xFFFF:  # only the dynamic controller model
             return conn.connect_refused(cmd, Status.CONNECT_INVALID_PARAMETERS, 1, _IPO_CNTLID)
         cntlid = self._new_cntlid()
-        if cntlid is None:
+        discovery = sum(c.is_discovery for c in self._controllers.values())
+        if cntlid is None or (sub is None and discovery >= DISCOVERY_CONTROLLERS_MAX):
             return conn.connect_refused(cmd, Status.CONNECT_CONTROLLER_BUSY)
         ctrl = Controller(
             cntlid=cntlid,
