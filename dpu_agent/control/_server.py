@@ -188,13 +188,17 @@ class _Connection(asyncio.BufferedProtocol):
         if len(srv.authenticated) >= srv.connections_max:
             return "connections_max", (f"agent has {srv.connections_max} connections "
                                        "(control.connections_max); retry later")  # fmt: skip
-        if len(srv.unauthenticated) >= UNAUTHENTICATED_MAX:
-            return "unauthenticated_max", (f"agent has {UNAUTHENTICATED_MAX} connections "
-                                           "waiting for hello; retry later")  # fmt: skip
         same = sum(a == address for a in srv.unauthenticated.values())
         if same >= UNAUTHENTICATED_PER_ADDRESS_MAX:
             return "per_address_max", (f"{address} has {same} connections waiting for hello; "
                                        "say hello on them first")  # fmt: skip
+        if len(srv.unauthenticated) >= UNAUTHENTICATED_MAX:
+            # the pool is full of strangers: the oldest goes (a client says hello within a
+            # round trip; a flood must outpace every new client to keep one out)
+            oldest = next(iter(srv.unauthenticated))
+            srv.unauthenticated.pop(oldest)
+            m.CONNECTIONS_REFUSED.labels("unauthenticated_evicted").inc()
+            oldest.abort()
         return None
 
     def _hello_deadline(self) -> None:

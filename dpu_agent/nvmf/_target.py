@@ -171,10 +171,12 @@ class NvmeTcpTarget:
         reason = ""
         if len(self._connections) >= CONNECTIONS_MAX:
             reason = "CONNECTIONS_MAX"
-        elif len(self._unconnected) >= UNCONNECTED_MAX:
-            reason = "UNCONNECTED_MAX"
         elif sum(a == address for a in self._unconnected.values()) >= UNCONNECTED_PER_ADDRESS_MAX:
             reason = "UNCONNECTED_PER_ADDRESS_MAX"
+        elif len(self._unconnected) >= UNCONNECTED_MAX:  # full of strangers: the oldest goes
+            oldest = next(iter(self._unconnected))
+            self._unconnected.pop(oldest)
+            oldest.close()
         if reason:
             refusals.warning("nvmf_connection_refused", peer=conn.peer, reason=reason)
             conn.close()
