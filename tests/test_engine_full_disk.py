@@ -150,3 +150,55 @@ def test_failed_wal_append_fences_writes_and_loses_no_later_commit(
         assert again.recovery_report.damaged_frames == 0
     finally:
         again.close()
+
+
+def test_full_journal_disk_is_refused_over_the_control_plane_and_doctor_says_why(
+    tmp_path: Path, tiny_fs: Path
+) -> None:
+    """The agent fences writes with a clear `full` reply while its journal's disk is full,
+    `dpuctl doctor` says why, and writes come back once there is room."""
+    import json
+    import sys
+    import time
+
+    from dpu_agent.service import spawn_agent
+    from host_shim.client import ControlChannel, ControlError
+
+    env = {"DPUKV_STORAGE_JOURNAL_DIR": str(tiny_fs), "DPUKV_STORAGE_DRAM_BYTES": str(16 << 10)}
+    a = spawn_agent(tmp_path / "var", env=env)
+    filler = tiny_fs / "filler"
+    try:
+        with open(filler, "wb") as f:
+            f.write(bytes(56 * 1024))
+        refused: ControlError | None = None
+        with ControlChannel(a.control_url, "default", a.token) as ch:
+            ch.connect()
+            for i in range(PUTS_MAX):
+                try:
+                    r = ch.call("reserve", key=i.to_bytes(16, "big"), length=BS)
+                    ch.call("commit", reservation_id=r["reservation_id"], checksum=bytes(16))
+                except ControlError as e:
+                    refused = e
+                    break
+            assert refused is not None and refused.code == "full", refused
+            assert "journal" in refused.message and "retries" in refused.message
+            doctor = subprocess.run(
+                [sys.executable, "-c", "from dpu_agent.cli import main; main()", "doctor",
+                 "--json"],
+                env={**os.environ, "DPUKV_AGENT_DATA_DIR": str(a.data_dir), **env},
+                capture_output=True, text=True, timeout=120, check=False,
+            )  # fmt: skip
+            rows = {r["check"]: r for r in json.loads(doctor.stdout)}
+            assert rows["agent-storage"]["status"] == "missing", rows["agent-storage"]
+            assert "journal refuses writes" in rows["agent-storage"]["detail"]
+            filler.unlink()
+            deadline = time.monotonic() + 10
+            while True:  # the tick's probe lifts the fence within a tick interval
+                try:
+                    ch.call("reserve", key=b"z" * 16, length=BS)
+                    break
+                except ControlError:
+                    assert time.monotonic() < deadline, "writes never came back"
+                    time.sleep(0.2)
+    finally:
+        a.stop()

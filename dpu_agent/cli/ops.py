@@ -33,6 +33,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from dpu_agent.cli._storage_probe import probe_agent_storage
 from dpu_agent.config import AgentConfig, ConfigError, load_config
 from host_shim.client import AgentUnreachable, ControlChannel, ControlError
 from kvproto.control import ADMIN_TENANT
@@ -314,6 +315,7 @@ def doctor_report() -> list[dict[str, str]]:
         ("crypto", _probe_crypto),
         ("gpu", _probe_gpu),
         ("nvme-tcp", _probe_nvme_tcp),
+        ("agent-storage", probe_agent_storage),
         ("serf", functools.partial(_probe_binary, "serf", ["version"], "cluster membership")),
         (
             "redis-server",

@@ -28,6 +28,7 @@ from dpu_agent.engine.journal import (
 )
 from dpu_agent.engine.tiers import NVME
 from dpu_agent.log import get_logger
+from dpu_agent.metrics import REGISTRY, Gauge
 
 ITEM_ROW_BITS = 32  # as dpu_agent.engine._core: policy item = seq << 32 | row
 BITMAP_BITS = 22  # 512 KiB prefilter for "does the WAL touch this checkpoint key"
@@ -38,6 +39,13 @@ if TYPE_CHECKING:
 __all__ = ["RecoveryReport", "recover", "segment_header", "snapshot"]
 
 log = get_logger(__name__)
+
+_DROPPED = Gauge(
+    "kvtier_engine_recovery_dropped",
+    "What the last start could not use: damaged WAL frames, damaged checkpoints, records",
+    ["kind"],
+    registry=REGISTRY,
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,6 +113,9 @@ def recover(engine: EngineCore) -> RecoveryReport:
     )
     if report.records or report.wal_records:
         log.info("engine.recovered", **{k: getattr(report, k) for k in report.__slots__})
+    _DROPPED.labels("wal_frames").set(report.damaged_frames)
+    _DROPPED.labels("checkpoints").set(report.checkpoints_damaged)
+    _DROPPED.labels("records").set(report.dropped_records)
     if report.damaged_frames or report.checkpoints_damaged or report.dropped_records:
         log.error(
             "engine.recovered_with_losses",
