@@ -429,7 +429,13 @@ class Agent:
     def _load_runtime_tenants(self) -> None:
         try:
             doc = json.loads(self._runtime_tenants_path().read_text())
+            if not isinstance(doc, dict):
+                raise ValueError(f"not a JSON object: {type(doc).__name__}")
         except FileNotFoundError:
+            return
+        except (ValueError, OSError) as e:  # damaged: start with the configured tenants
+            log.error("runtime_tenants_unreadable", path=str(self._runtime_tenants_path()),
+                      error=str(e), dropped="tenants added or removed at run time")  # fmt: skip
             return
         for name, entry in doc.get("added", {}).items():
             if valid_tenant_name(name) and name not in self.cfg.tenants:

@@ -135,3 +135,34 @@ def test_checkpoints_wal_and_backups_are_private_files(tmp_path: Path) -> None:
              if p.stat().st_mode & 0o077]  # fmt: skip
     assert loose == []
     assert os.stat(tmp_path / "bk").st_mode & 0o077 == 0
+
+
+def test_failed_demotion_write_gives_the_nvme_extent_back(tmp_path: Path) -> None:
+    """Finding 7: _demote leaked the NVMe extent when the write raised."""
+    from dpu_agent.blockdev import BlockDeviceError
+    from dpu_agent.engine import DRAM, NVME
+
+    eng = Engine(cfg(tmp_path))
+    try:
+        key = b"d" * 16
+        loc = eng.put_chunk("acme", key, b"x" * (2 * BS))  # 2 blocks: DRAM
+        assert loc.nsid == DRAM + 1
+        ts = eng._tenants["acme"]
+        nvme = ts.tiers[NVME]
+        free_before = nvme.alloc.free_blocks
+
+        def broken_write(lba: int, data: object) -> None:
+            raise BlockDeviceError("injected write failure")
+
+        nvme.devices.device.write = broken_write  # type: ignore[method-assign]
+        with eng._lock:
+            row = eng._index.find(ts.tenant_id, key)
+            try:
+                eng._demote(ts, row, eng._clock(), evict=False)
+            except BlockDeviceError:
+                pass
+        assert nvme.alloc.free_blocks == free_before  # nothing leaked
+        del nvme.devices.device.write
+        assert eng.get_chunk("acme", key) == b"x" * (2 * BS)  # still served from DRAM
+    finally:
+        eng.close()
