@@ -242,16 +242,25 @@ class Journal:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         except OSError as e:
             raise JournalError(f"cannot open journal segment {path}: {e.strerror}", e.errno) from e
-        size = os.fstat(fd).st_size
-        if size % FRAME_BYTES:  # a torn tail (replayed without it): appends stay aligned
-            os.ftruncate(fd, size - size % FRAME_BYTES)
-            size -= size % FRAME_BYTES
-        self._close_segment()
-        with self._fd_lock:
-            self._fd = fd
-        self.segment = segment
-        self.segment_bytes = size
-        _fsync_dir(self.dir)
+        try:
+            size = os.fstat(fd).st_size
+            if size % FRAME_BYTES:  # a torn tail (replayed without it): appends stay aligned
+                os.ftruncate(fd, size - size % FRAME_BYTES)
+                size -= size % FRAME_BYTES
+        except OSError as e:
+            os.close(fd)
+            raise JournalError(f"journal segment {path}: {e.strerror}", e.errno) from e
+        try:
+            self._close_segment()  # fsyncs the old one; a failure still moves on to the new
+        finally:
+            with self._fd_lock:
+                self._fd = fd
+            self.segment = segment
+            self.segment_bytes = size
+        try:
+            _fsync_dir(self.dir)
+        except OSError as e:
+            raise JournalError(f"fsync of {self.dir}: {e.strerror}", e.errno) from e
 
     def append(self, body: bytes) -> None:
         """One frame, or JournalError with the segment cut back to its last whole frame (so
