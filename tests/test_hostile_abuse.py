@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import select
 import socket
 import threading
 import time
@@ -34,7 +35,7 @@ from dpu_agent.nvmf._process import TargetProcess
 from host_shim.client import ControlChannel
 from host_shim.nvme import NvmeTcpController
 from kvproto.control import ADMIN_TENANT
-from kvproto.nvme import DISCOVERY_NQN, CapsuleCmd, Cns
+from kvproto.nvme import DISCOVERY_NQN, R2T, CapsuleCmd, Cns, H2CData
 from kvproto.nvme._commands import data_sgl, identify, write
 
 NQN = "nqn.2026-11.io.dpu-kvtier:test:hostile"
@@ -101,18 +102,22 @@ def test_pipelined_4mib_identify_cannot_grow_memory() -> None:
 # --- 10: unanswered R2Ts on many queues; buffers sized to the command ----------------------
 
 
-def test_unanswered_r2ts_cannot_pin_memory_and_time_out() -> None:
-    with TargetProcess(NQN, allow_hosts=[HOST], max_io_size=4 << 20) as tgt:
+def test_unanswered_r2ts_cannot_pin_memory_and_time_out(tmp_path: Path) -> None:
+    # a file-backed namespace: writes go through the target's buffers (a memory device would
+    # take the data in place, pinning nothing)
+    with TargetProcess(NQN, allow_hosts=[HOST], max_io_size=4 << 20,
+                       file=tmp_path / "ns.img") as tgt:  # fmt: skip
         legit = NvmeTcpController.connect("127.0.0.1", tgt.port, NQN, HOST)
         hostile = NvmeTcpController.connect("127.0.0.1", tgt.port, NQN, HOST, io_queues=48,
                                             queue_depth=32, keep_alive=True)  # fmt: skip
         try:
             before = rss_bytes(tgt.proc.pid)
-            for q in hostile._io:  # 16 x 4 MiB writes per queue, their R2Ts never answered
+            for q in hostile._io:  # 16 x 4 MiB writes per queue ...
                 for i in range(16):
                     sqe = write(cid=200 + i, nsid=1, slba=1024, nlb=1024)
                     q._send(q._qp.send(CapsuleCmd(sqe=sqe)))
-            time.sleep(1.0)
+            sent = answer_r2ts_but_the_last_block(hostile)  # ... each R2T answered but 4 KiB
+            assert sent <= HOSTILE_SEND_BYTES_MAX
             for r in range(10):
                 check_legit(legit, r)
             grown = rss_bytes(tgt.proc.pid) - before
@@ -134,6 +139,37 @@ def test_unanswered_r2ts_cannot_pin_memory_and_time_out() -> None:
             hostile.close()
             legit.close()
         assert tgt.alive()
+
+
+HOSTILE_SEND_BYTES_MAX = 600 << 20  # the old target pinned all of it (48 queues x 8 x 4 MiB)
+HOSTILE_SEND_S = 3.0
+
+
+def answer_r2ts_but_the_last_block(ctrl: NvmeTcpController) -> int:
+    """For every R2T the target sends, send all of its data but the last 4 KiB (the buffer
+    is then resident and pinned); bounded in bytes and time. Returns the bytes sent."""
+    sent = 0
+    deadline = time.monotonic() + HOSTILE_SEND_S
+    for q in ctrl._io:
+        q._sock.setblocking(False)
+    while time.monotonic() < deadline and sent < HOSTILE_SEND_BYTES_MAX:
+        readable, _, _ = select.select([q._sock for q in ctrl._io], [], [], 0.2)
+        for q in [q for q in ctrl._io if q._sock in readable]:
+            try:
+                n = q._sock.recv_into(q._qp.get_buffer())
+            except BlockingIOError:
+                continue
+            q._qp.buffer_updated(n)
+            while isinstance(ev := q._qp.next_event(), R2T):
+                data = bytes(ev.r2tl - 4096)
+                pdu = H2CData(cccid=ev.cccid, ttag=ev.ttag, datao=0, data=data, last=False)
+                q._sock.setblocking(True)
+                q._sock.sendall(b"".join(bytes(p) for p in q._qp.send(pdu)))
+                q._sock.setblocking(False)
+                sent += len(data)
+    for q in ctrl._io:
+        q._sock.setblocking(True)
+    return sent
 
 
 def test_io_buffers_are_sized_to_the_command() -> None:
