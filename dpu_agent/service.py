@@ -14,7 +14,6 @@ While running, the agent's addresses and pid are in the state file (var/agent.js
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import json
 import os
@@ -30,20 +29,22 @@ from typing import Any
 from prometheus_client import ProcessCollector, start_http_server
 
 from dpu_agent import telemetry
+from dpu_agent.blockdev import BlockDeviceError
 from dpu_agent.cluster import Membership, agent_cluster_view, start_membership
 from dpu_agent.config import AgentConfig, TenantConfig
 from dpu_agent.control import (
     LEASES_ACTIVE,
     RESERVATIONS_ACTIVE,
     ControlServer,
+    Session,
     TenantRegistry,
     plain,
 )
 from dpu_agent.control_tls import exposure_warning, server_context
 from dpu_agent.crypto import KeyStore
-from dpu_agent.engine import Engine, EngineConfig
+from dpu_agent.engine import Engine, EngineConfig, EngineError, LimitExceeded, UnknownTenant
 from dpu_agent.engine.engine import CHUNKS_PAGE_MAX
-from dpu_agent.log import configure_logging, get_logger
+from dpu_agent.log import configure_logging, get_logger, nqn_tag
 from dpu_agent.metrics import REGISTRY
 from dpu_agent.nixl import NixlServer
 from dpu_agent.nvmf import NvmeTcpTarget, Subsystem, TargetOptions
@@ -59,7 +60,10 @@ log = get_logger("dpu_agent.service")
 
 NQN_PREFIX = "nqn.2026-11.io.dpu-kvtier:tenant:"
 TENANTS_FILE = "tenants.json"  # tenants added or removed at run time (tokens in their own files)
-HOSTS_PER_TENANT_MAX = 4096  # host NQNs allowed per subsystem; a fleet of GPU servers
+# Host NQNs allowed per subsystem at once (each bound to a live control session): a fleet of
+# GPU servers. Beyond it a hello is refused; nobody else's entry is pushed out.
+HOSTS_PER_TENANT_MAX = 4096
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1"})  # where a Unix-socket client's NVMe/TCP comes from
 TENANT_EVICT_ALL_BYTES = 1 << 62  # "everything": more than any tier holds
 
 
@@ -70,6 +74,17 @@ ProcessCollector(registry=REGISTRY)
 
 def subsystem_nqn(tenant: str) -> str:
     return NQN_PREFIX + tenant
+
+
+EXIT_BROKEN_INVARIANT = 70  # EX_SOFTWARE: the agent found a bug in itself
+
+
+def crash(e: BaseException) -> None:
+    """A broken invariant (STYLE 8): log it and exit at once, without a checkpoint of an index
+    that may be wrong. Nothing acknowledged is lost: the journal is written before the index,
+    and a restart rebuilds from it, as after kill -9."""
+    log.critical("agent_invariant_broken", error=repr(e), exc_info=e)
+    os._exit(EXIT_BROKEN_INVARIANT)
 
 
 class Agent:
@@ -91,7 +106,9 @@ class Agent:
         self._tick_task: asyncio.Task[None] | None = None
         self._admin_lock = asyncio.Lock()
         self._subsystems: dict[str, Subsystem] = {}
-        self._hosts: dict[str, collections.OrderedDict[str, None]] = {}
+        # tenant -> host NQN -> {control session id: its peer address}: an allowlist entry
+        # lives exactly as long as a session that bound it (bind_host / session_closed)
+        self._bindings: dict[str, dict[str, dict[int, str]]] = {}
         self._spdk_devices: SpdkDevices | None = None
         self.cluster: Membership | None = None  # [cluster] enabled: Serf membership
         self.started_at = time.time()
@@ -130,6 +147,7 @@ class Agent:
             unix_path=cfg.unix_socket_path,
             connections_max=cfg.control.connections_max,
             ssl_context=server_context(cfg),  # [control] tls_cert (dpu_agent/control_tls.py)
+            fatal=crash,
         )
         await self.control.start()
         if cfg.metrics.enabled:
@@ -202,8 +220,10 @@ class Agent:
                 stats = self.engine.stats()
                 LEASES_ACTIVE.set(stats["leases"])
                 RESERVATIONS_ACTIVE.set(stats["reservations"])
-            except Exception:  # a failing tick must not stop serving; it is logged loudly
+            except (EngineError, BlockDeviceError, OSError):  # operating errors: serve on
                 log.exception("engine_tick_failed")
+            except Exception as e:  # a bug (a broken invariant above all): never serve past it
+                crash(e)
 
     def _engine_config(self) -> EngineConfig:
         cfg, st = self.cfg, self.cfg.storage
@@ -228,7 +248,7 @@ class Agent:
         sub.secure_channel = self.cfg.nvmf.secure_channel
         self.host_keys.bind(tenant, sub)
         self._subsystems[tenant] = sub
-        self._hosts[tenant] = collections.OrderedDict()
+        self._bindings[tenant] = {}
         return sub
 
     # --- addresses ----------------------------------------------------------------------------
@@ -274,8 +294,6 @@ class Agent:
         """The data-path address for `tenant`; its host NQN is allowed on the subsystem."""
         if self.cfg.spdk is not None and self.cfg.spdk_mode:
             return self._spdk_hello(tenant, local_host)
-        if hostnqn:
-            self._allow_host(tenant, hostnqn)
         host, port = self.target.host, self.target.port
         if host in ("0.0.0.0", "::", ""):  # a wildcard bind: the address the client reached
             host = local_host
@@ -303,16 +321,56 @@ class Agent:
             "block_size": 4096,
         }
 
-    def _allow_host(self, tenant: str, hostnqn: str) -> None:
-        """Add `hostnqn` to the tenant's allowlist, forgetting the longest-unseen host beyond
-        HOSTS_PER_TENANT_MAX (its open connections stay; a new one needs a new hello)."""
-        sub, hosts = self._subsystems[tenant], self._hosts[tenant]
-        hosts[hostnqn] = None
-        hosts.move_to_end(hostnqn)
+    def bind_host(self, session: Session, hostnqn: str) -> None:
+        """Allow `hostnqn` on the session's tenant's subsystem, from the session's peer
+        address, until the session closes. (SPDK mode: the allowlist is [spdk]'s `hosts`.)"""
+        if self.cfg.spdk_mode:
+            return
+        hosts = self._bindings.get(session.tenant)
+        if hosts is None:
+            raise UnknownTenant(f"tenant {session.tenant!r} has no subsystem")
+        if hostnqn not in hosts and len(hosts) >= HOSTS_PER_TENANT_MAX:
+            raise LimitExceeded(
+                f"tenant {session.tenant!r} has {HOSTS_PER_TENANT_MAX} hosts connected "
+                "(HOSTS_PER_TENANT_MAX); close some clients first"
+            )
+        hosts.setdefault(hostnqn, {})[session.session_id] = session.peer_host
+        self._apply_host(session.tenant, hostnqn)
+        log.info("host_bound", tenant=session.tenant, host=nqn_tag(hostnqn),
+                 session=session.session_id)  # fmt: skip
+
+    def session_closed(self, session: Session) -> None:
+        hosts = self._bindings.get(session.tenant)
+        if hosts is None or session.hostnqn not in hosts:
+            return  # the tenant went first
+        peers = hosts[session.hostnqn]
+        peers.pop(session.session_id, None)
+        if peers:
+            self._apply_host(session.tenant, session.hostnqn)
+            return
+        del hosts[session.hostnqn]
+        sub = self._subsystems[session.tenant]
+        sub.allowed_hosts.discard(session.hostnqn)
+        sub.host_peers.pop(session.hostnqn, None)
+        if self.target is not None:  # its data-path connections end with it
+            self.target.disconnect_host(sub.nqn, session.hostnqn)
+        log.info("host_unbound", tenant=session.tenant, host=nqn_tag(session.hostnqn))
+
+    def _apply_host(self, tenant: str, hostnqn: str) -> None:
+        sub = self._subsystems[tenant]
+        addresses: set[str] = set()
+        for peer in self._bindings[tenant][hostnqn].values():
+            addresses |= {peer} if peer else LOOPBACK_HOSTS  # "": the Unix socket
         sub.allowed_hosts.add(hostnqn)
-        while len(hosts) > HOSTS_PER_TENANT_MAX:
-            old, _ = hosts.popitem(last=False)
-            sub.allowed_hosts.discard(old)
+        sub.host_peers[hostnqn] = frozenset(addresses)
+
+    def _allow_host(self, tenant: str, hostnqn: str) -> None:
+        """An operator-added host (`dpuctl hosts add`): allowed from any address while the
+        tenant exists, not bound to a control session; with `[nvmf] require_auth` it must still
+        prove its issued secret (without it, its NQN is all it shows)."""
+        sub = self._subsystems[tenant]
+        sub.allowed_hosts.add(hostnqn)
+        sub.host_peers.pop(hostnqn, None)
 
     def cluster_view(self, tenant: str) -> dict[str, Any]:
         return agent_cluster_view(self, tenant)
@@ -353,7 +411,7 @@ class Agent:
         out = []
         for name, t in sorted(self.cfg.tenants.items()):
             row: dict[str, Any] = {"name": name, "quota_bytes": t.quota_bytes}
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(EngineError):
                 row.update(_summary(plain(self.engine.stats(name))))
             out.append(row)
         return out
@@ -415,6 +473,8 @@ class Agent:
             )
         t = TenantConfig(name=name, token=token or "", quota_bytes=quota_bytes)
         if not token:
+            # a token file left from an earlier tenant of this name must not come back
+            self.cfg.path(f"tenant-{name}.token").unlink(missing_ok=True)
             cfg = AgentConfig(agent=self.cfg.agent)
             cfg.tenants = {name: t}
             cfg.prepare()  # creates var/tenant-<name>.token (0600) without touching others
@@ -442,20 +502,27 @@ class Agent:
         return {"tenant": tenant, "hostnqn": nqn, "subnqn": subsystem_nqn(tenant), **keys}
 
     def _tenant_remove(self, name: str) -> dict[str, Any]:
+        """Crypto-erase: revoke the token, end its sessions, remove its subsystem (its hosts
+        are disconnected), destroy its XTS key and free its space. A tenant added later under
+        the same name gets a new token and key; the old ones are refused."""
         self._known(name)
         self.registry.remove(name)
+        ended = self.control.end_tenant_sessions(name) if self.control is not None else 0
         if self.target is not None:  # SPDK mode: the subsystem is SPDK's, kept
             self.target.remove_subsystem(subsystem_nqn(name))
         self._subsystems.pop(name, None)
-        self._hosts.pop(name, None)
         self.host_keys.forget_tenant(name)
-        # The engine keeps a tenant's tiers; drop every chunk that is not leased right now, so
-        # a tenant added later under the same name starts empty.
-        freed = self.engine.evict(name, TENANT_EVICT_ALL_BYTES)
-        del self.cfg.tenants[name]
+        self._bindings.pop(name, None)
+        if self.cfg.spdk_mode:  # the tiers are SPDK's namespaces: drop what is unleased
+            erased = {"freed_bytes": self.engine.evict(name, TENANT_EVICT_ALL_BYTES)}
+        else:
+            erased = self.engine.remove_tenant(name)
+        t = self.cfg.tenants.pop(name)
+        if t.token_file:
+            self.cfg.path(t.token_file).unlink(missing_ok=True)
         self._save_runtime_tenants(removed=name)
-        log.info("tenant_removed", tenant=name, freed_bytes=freed)
-        return {"tenant": name, "freed_bytes": freed}
+        log.info("tenant_removed", tenant=name, sessions_ended=ended, **erased)
+        return {"tenant": name, "sessions_ended": ended, **erased}
 
     def _runtime_tenants_path(self) -> Path:
         return self.cfg.path(TENANTS_FILE)
@@ -463,7 +530,13 @@ class Agent:
     def _load_runtime_tenants(self) -> None:
         try:
             doc = json.loads(self._runtime_tenants_path().read_text())
+            if not isinstance(doc, dict):
+                raise ValueError(f"not a JSON object: {type(doc).__name__}")
         except FileNotFoundError:
+            return
+        except (ValueError, OSError) as e:  # damaged: start with the configured tenants
+            log.error("runtime_tenants_unreadable", path=str(self._runtime_tenants_path()),
+                      error=str(e), dropped="tenants added or removed at run time")  # fmt: skip
             return
         for name, entry in doc.get("added", {}).items():
             if valid_tenant_name(name) and name not in self.cfg.tenants:

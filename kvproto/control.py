@@ -136,6 +136,7 @@ class ErrorCode(enum.StrEnum):
     FULL = "full"  # no room even after eviction
     CHECKSUM = "checksum"  # integrity failure
     FAILED = "failed"  # the operation failed for another operating reason
+    UNAVAILABLE = "unavailable"  # the agent refuses writes for now (journal); retry later
     INTERNAL = "internal"  # a bug in the agent; it keeps serving
     MOVED = "moved"  # cluster: the request's epoch is not this node's; read members again
 

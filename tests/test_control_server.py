@@ -43,6 +43,12 @@ class Backend:
     def hello_info(self, tenant: str, hostnqn: str | None, local_host: str) -> dict[str, Any]:
         return {"nvme": {"host": "127.0.0.1", "port": 0, "subnqn": f"nqn.test:{tenant}"}}
 
+    def bind_host(self, session: Any, hostnqn: str) -> None:
+        pass  # no data plane here
+
+    def session_closed(self, session: Any) -> None:
+        pass
+
     def members(self) -> list[dict[str, Any]]:
         return [{"name": "test", "control": "", "nvme": "", "capacity_bytes": 0}]
 
@@ -247,14 +253,17 @@ def test_bad_frames_get_an_error_and_others_keep_being_served(
 def test_bad_request_in_good_frame_keeps_the_connection(server: ControlServer) -> None:
     assert server.tcp_address is not None
     with socket.create_connection(server.tcp_address, timeout=10) as s:
+        hello = {"id": 8, "op": "hello", "version": PROTOCOL_VERSION, "tenant": "alpha",
+                 "token": TOKENS["alpha"]}  # fmt: skip
+        body = msgpack.packb(hello)
+        s.sendall(struct.pack(">I", len(body)) + body)
+        assert read_frame(s)["ok"] is True  # (a request before hello closes: test_hostile_*)
         for msg in ({"id": 9, "op": "frobnicate"}, {"id": 10, "op": "lookup", "keys": ["x"]}):
             body = msgpack.packb(msg)
             s.sendall(struct.pack(">I", len(body)) + body)
             reply = read_frame(s)
             assert reply["id"] == msg["id"] and reply["error"] in ("protocol", "auth")
-        hello = {"id": 11, "op": "hello", "version": PROTOCOL_VERSION, "tenant": "alpha",
-                 "token": TOKENS["alpha"]}  # fmt: skip
-        body = msgpack.packb(hello)
+        body = msgpack.packb({"id": 11, "op": "lookup", "keys": [], "lease": False})
         s.sendall(struct.pack(">I", len(body)) + body)
         assert read_frame(s)["ok"] is True
 

@@ -207,7 +207,11 @@ def test_spdk_mode_end_to_end(rig: Rig) -> None:
             assert all(np.array_equal(a.view(np.uint16), b.view(np.uint16))
                        for a, b in zip(out, chunks, strict=True))  # fmt: skip
             _check_extents(rig, c, tokens, chunks)
-            stats = c.channel.call("stats")["stats"]
+            deadline = time.monotonic() + 10  # demotion is the agent's tick's job (0.5 s)
+            while (stats := c.channel.call("stats")["stats"])["demotions"] == 0:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
         assert stats["demotions"] > 0, stats
         assert rig.nvme.writes > 0  # only the agent's initiator writes nsid 2
     finally:

@@ -34,6 +34,7 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from dpu_agent.cli._storage_probe import probe_agent_storage
 from dpu_agent.cluster._ops import probe_serf
 from dpu_agent.config import DATA_DIR_ENV, AgentConfig, ConfigError, load_config
 from dpu_agent.units import SizeError, format_duration, format_size, format_timestamp, parse_size
@@ -498,6 +499,7 @@ def doctor_report() -> list[dict[str, str]]:
         ("mlxconfig", _probe_mlxconfig),
         ("nvme-tcp", _probe_nvme_tcp),
         ("nixl", _probe_nixl),
+        ("agent-storage", probe_agent_storage),
         ("serf", functools.partial(_probe_binary, "serf", ["version"], "cluster membership")),
         ("serf-rpc", probe_serf),
         (

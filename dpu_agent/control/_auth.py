@@ -20,6 +20,10 @@ class TenantRegistry:
         assert admin_token, "the admin token must be set (AgentConfig.prepare())"
         self._admin = admin_token
         self._tokens: dict[str, str] = {}
+        # Each add() of a name is a new incarnation: sessions remember the one they
+        # authenticated against, so a session of a removed tenant stays refused after a re-add.
+        self._epochs: dict[str, int] = {}
+        self._epoch_next = 1
         for name, token in (tenants or {}).items():
             self.add(name, token)
 
@@ -44,6 +48,14 @@ class TenantRegistry:
         if tenant not in self._tokens and len(self._tokens) >= TENANTS_MAX:
             raise ValueError(f"already {TENANTS_MAX} tenants (TENANTS_MAX); remove one first")
         self._tokens[tenant] = token
+        self._epochs[tenant] = self._epoch_next
+        self._epoch_next += 1
+
+    def epoch(self, tenant: str) -> int:
+        """The incarnation of `tenant` now (0: not a tenant)."""
+        return self._epochs.get(tenant, 0)
 
     def remove(self, tenant: str) -> None:
+        """Revoke the tenant's token; its sessions are refused from their next request."""
         self._tokens.pop(tenant, None)
+        self._epochs.pop(tenant, None)

@@ -3,8 +3,9 @@
 Every engine call passes the session's authenticated tenant, never a tenant named in the
 request; leases and reservations are remembered per session, so one tenant cannot release or
 commit another's even by guessing ids. Operating errors become error replies with a code and a
-message saying what to do; a bug becomes an `internal` reply and a logged traceback, and the
-agent keeps serving.
+message saying what to do; any other exception is a bug: an `internal` reply and a logged
+traceback, except an AssertionError (a broken invariant), which is never served past: it goes
+to the server's `fatal` hook (the agent exits; the journal has every acknowledged commit).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dpu_agent.blockdev import BlockDeviceError
 from dpu_agent.control import _metrics as m
 from dpu_agent.control._auth import TenantRegistry
 from dpu_agent.engine import errors as engine_errors
-from dpu_agent.log import get_logger
+from dpu_agent.log import RateLimitedLog, get_logger
 from kvproto.control import (
     ADMIN_TENANT,
     NIXL_OPS,
@@ -38,6 +39,7 @@ from kvproto.control import (
 __all__ = ["ControlBackend", "Dispatcher", "Session"]
 
 log = get_logger("dpu_agent.control")
+refusals = RateLimitedLog(log)  # failed logins: a flood costs a few lines a second
 
 # Outstanding leases / reservations one session may hold: a client pipelining a 1M-token
 # prompt holds 4096; 64 Ki leaves room for many such while bounding memory per connection.
@@ -46,6 +48,7 @@ SESSION_RESERVATIONS_MAX = 1 << 16
 HELLO_FAILURES_MAX = 3  # then the connection is closed: no token guessing on one connection
 
 _ERROR_CODES: tuple[tuple[type[Exception], ErrorCode], ...] = (
+    (engine_errors.JournalUnavailable, ErrorCode.UNAVAILABLE),  # `full` when the disk is full
     (engine_errors.TierFull, ErrorCode.FULL),
     (engine_errors.QuotaExceeded, ErrorCode.FULL),
     (engine_errors.UnknownKey, ErrorCode.NOT_FOUND),
@@ -71,6 +74,15 @@ class ControlBackend(Protocol):
         """`local_host`: the agent address the client reached (for wildcard NVMe/TCP binds)."""
         ...
 
+    def bind_host(self, session: Session, hostnqn: str) -> None:
+        """Allow `hostnqn` on the session's tenant's subsystem for as long as the session
+        lives, from the session's peer address only (raises an EngineError to refuse)."""
+        ...
+
+    def session_closed(self, session: Session) -> None:
+        """The session ended: what bind_host allowed for it goes."""
+        ...
+
     def members(self) -> list[dict[str, Any]]: ...
 
     def cluster_view(self, tenant: str) -> dict[str, Any]:
@@ -91,8 +103,11 @@ class Session:
     peer: str
     session_id: int
     local_host: str = "127.0.0.1"  # the agent address this client connected to
+    peer_host: str = ""  # the client's IP address ("" on the Unix socket)
     state: SessionState = SessionState.AWAIT_HELLO
     tenant: str = ""
+    tenant_epoch: int = 0  # the tenant's incarnation at hello (TenantRegistry.epoch)
+    hostnqn: str = ""  # the host NQN bound to this session (bind_host)
     admin: bool = False
     hello_failures: int = 0
     leases: dict[int, float] = field(default_factory=dict)  # lease_id -> expiry (monotonic)
@@ -152,12 +167,21 @@ class Dispatcher:
             "tenants_list": self._tenants_list,
         }
 
-    def new_session(self, peer: str, local_host: str = "127.0.0.1") -> Session:
-        return Session(peer=peer, session_id=next(self._session_ids), local_host=local_host)
+    def new_session(self, peer: str, local_host: str = "127.0.0.1", peer_host: str = "") -> Session:
+        return Session(peer=peer, session_id=next(self._session_ids), local_host=local_host,
+                       peer_host=peer_host)  # fmt: skip
 
     def close_session(self, s: Session) -> None:
-        """Give back what the session still holds: its leases and uncommitted reservations."""
+        """Give back what the session still holds: its leases and uncommitted reservations,
+        and the host NQN it allowed on the data plane."""
         s.state = SessionState.CLOSED
+        if s.hostnqn:
+            self.backend.session_closed(s)
+            s.hostnqn = ""
+        if s.tenant and not s.admin and self.registry.epoch(s.tenant) != s.tenant_epoch:
+            s.leases.clear()  # the tenant was removed: nothing of it is left to give back
+            s.reservations.clear()
+            return
         engine = self.backend.engine
         for lease_id in list(s.leases):
             try:
@@ -198,8 +222,12 @@ class Dispatcher:
             s.state = nxt if not s.closing else s.state
             reply = Reply(id=req.id, ok=True, result=result)
         except RemoteProtocolError as e:
+            if s.state is SessionState.AWAIT_HELLO and op != "hello":
+                s.state = SessionState.CLOSED  # a request before hello: answer, then close
             reply = self._refused(s, rid, e)
-        except Exception as e:  # operating errors and bugs alike get a reply
+        except AssertionError:
+            raise  # a broken invariant: never answered as if the agent were fine
+        except Exception as e:  # operating errors get their code; other bugs `internal`
             reply = self._failed(s, rid, op, e)
         if op in _KNOWN_OPS:
             elapsed = time.perf_counter() - t0
@@ -215,6 +243,8 @@ class Dispatcher:
             reply = Reply(id=req.id, ok=True, result=result)
         except RemoteProtocolError as e:
             reply = self._refused(s, req.id, e)
+        except AssertionError:
+            raise
         except Exception as e:
             reply = self._failed(s, req.id, req.op, e)
         _observe(req.op, "ok" if reply.ok else reply.error, time.perf_counter() - t0)
@@ -236,8 +266,8 @@ class Dispatcher:
         return reply
 
     def _check_tenant(self, s: Session) -> None:
-        if not s.admin and s.tenant not in self.registry:
-            s.state = SessionState.CLOSED
+        if not s.admin and self.registry.epoch(s.tenant) != s.tenant_epoch:
+            s.state = SessionState.CLOSED  # removed (and maybe re-added): this session is over
             raise RemoteProtocolError(f"tenant {s.tenant!r} was removed", ErrorCode.AUTH)
 
     def _refused(self, s: Session, rid: int, e: RemoteProtocolError) -> Reply:
@@ -250,6 +280,8 @@ class Dispatcher:
     def _failed(self, s: Session, rid: int, op: str, e: Exception) -> Reply:
         for cls, code in _ERROR_CODES:
             if isinstance(e, cls):
+                if isinstance(e, engine_errors.JournalUnavailable) and e.full:
+                    code = ErrorCode.FULL
                 return Reply(id=rid, ok=False, error=str(code), message=str(e) or cls.__name__)
         log.exception("control_internal_error", op=op, tenant=s.tenant, peer=s.peer)
         message = f"agent bug while handling {op}: {type(e).__name__}; see the agent log"
@@ -268,14 +300,21 @@ class Dispatcher:
             s.hello_failures += 1
             if s.hello_failures >= HELLO_FAILURES_MAX:
                 s.state = SessionState.CLOSED
-            log.warning("control_auth_refused", tenant=tenant, peer=s.peer)
+            refusals.warning("control_auth_refused", tenant=str(tenant)[:64], peer=s.peer)
             raise RemoteProtocolError(
                 f"tenant {tenant!r} is unknown or the token is wrong; check the token file "
                 "(dpuctl tenants list)",
                 ErrorCode.AUTH,
             )
-        s.tenant, s.admin = tenant, tenant == ADMIN_TENANT
-        info = {} if s.admin else self.backend.hello_info(tenant, f.get("hostnqn"), s.local_host)
+        admin = tenant == ADMIN_TENANT
+        hostnqn = f.get("hostnqn")
+        if not admin and hostnqn:
+            s.tenant = tenant  # bind_host needs it; the state moves only if hello succeeds
+            self.backend.bind_host(s, hostnqn)
+            s.hostnqn = hostnqn
+        s.tenant, s.admin = tenant, admin
+        s.tenant_epoch = self.registry.epoch(tenant)
+        info = {} if s.admin else self.backend.hello_info(tenant, hostnqn, s.local_host)
         log.info("control_session", tenant=tenant, peer=s.peer, session=s.session_id)
         return {"version": PROTOCOL_VERSION, "session": s.session_id, "tenant": tenant, **info}
 
@@ -353,9 +392,12 @@ class Dispatcher:
         return {}
 
     def _delete(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
-        if f.get("corrupt"):
+        if f.get("corrupt"):  # the client's checksum failed: quarantine, never reuse the extent
             m.INTEGRITY_REPORTS.labels(s.tenant).inc()
             log.warning("control_integrity_failure", tenant=s.tenant, key=f["key"].hex())
+            if not self.backend.engine.report_corrupt(s.tenant, f["key"]):
+                raise engine_errors.UnknownKey(f"no chunk {f['key'].hex()} to report")
+            return {}
         self.backend.engine.delete(s.tenant, f["key"])
         return {}
 

@@ -81,3 +81,10 @@ INTEGRITY_REPORTS = Counter(
     ["tenant"],
     registry=REGISTRY,
 )
+
+CONNECTIONS_REFUSED = Counter(
+    "kvtier_control_connections_refused",
+    "Control connections refused or closed by a limit",
+    ["reason"],
+    registry=REGISTRY,
+)

@@ -306,6 +306,11 @@ class KeyStore:
                 raise
         log.info("keystore.retired", tenant=tenant, generation=generation)
 
+    def has_env_key(self, tenant: str) -> bool:
+        """Whether the tenant's key comes from the environment (not the key file)."""
+        _check_tenant(tenant)
+        return self._env_key(tenant) is not None
+
     def remove(self, tenant: str) -> None:
         """Forget every key generation of `tenant` in the key file (its data becomes unreadable)."""
         _check_tenant(tenant)

@@ -8,6 +8,7 @@ from dpu_agent.engine.engine import Engine
 from dpu_agent.engine.errors import (
     ChecksumMismatch,
     EngineError,
+    JournalUnavailable,
     LeaseExpired,
     LimitExceeded,
     QuotaExceeded,
@@ -48,6 +49,7 @@ __all__ = [
     "ExtentAllocator",
     "Journal",
     "JournalError",
+    "JournalUnavailable",
     "LeaseExpired",
     "LimitExceeded",
     "LookupResult",

@@ -1,8 +1,10 @@
 """The storage engine's core: records, tiers, leases, two-phase writes, eviction and durability.
 
 One lock guards all mutable state. Chunk bytes move outside it: hosts read and write blocks
-through the NVMe/TCP target with no engine call, and `put_chunk`/`get_chunk` drop the lock for
-their data I/O. Engine-internal moves (demotion, close-time flush of DRAM) run under the lock.
+through the NVMe/TCP target with no engine call, `put_chunk`/`get_chunk` drop the lock for
+their data I/O, and demotion copies in the background tick (a thread) outside the lock: a
+reserve never copies a chunk (DRAM full: the chunk goes to NVMe). Only the close-time flush of
+DRAM copies under the lock. The journal is written before the index changes, always.
 
 Extent safety: an extent under lease is never freed, reused, evicted or demoted; a record deleted
 while its extent is leased leaves the extent "deferred" until the last lease ends. Reserved
@@ -29,6 +31,7 @@ from dpu_agent.engine import recovery
 from dpu_agent.engine._records import ITEM_ROW_BITS, RecordBookkeeping
 from dpu_agent.engine.errors import (
     EngineError,
+    JournalUnavailable,
     LeaseExpired,
     LimitExceeded,
     QuotaExceeded,
@@ -147,6 +150,7 @@ class EngineCore(RecordBookkeeping):
         self._counters: dict[int, tuple[Any, Any]] = {}  # tenant id -> lookup hit/miss counters
         self._last_sync = clock()
         self._closed = False
+        self._fence: jr.JournalError | None = None  # set while the journal refuses writes
         self._journal = Journal(config.journal_path)
         try:
             self.recovery_report = recovery.recover(self)
@@ -174,9 +178,9 @@ class EngineCore(RecordBookkeeping):
                 return
             if len(self._tenants) >= TENANTS_MAX:
                 raise LimitExceeded(f"{TENANTS_MAX} tenants exist; remove one first")
-            tid = max(self._by_id, default=0) + 1
+            tid = min(set(range(1, len(self._by_id) + 2)) - set(self._by_id))
+            self._wal(jr.pack_tenant(tid, self._next_seq(), tenant))
             self._build_tenant(tenant, tid, quota_bytes)
-            self._journal.append(jr.pack_tenant(tid, self._next_seq(), tenant))
             log.info("engine.tenant_added", tenant=tenant, quota_bytes=quota_bytes)
 
     def tenants(self) -> list[str]:
@@ -404,6 +408,7 @@ class EngineCore(RecordBookkeeping):
         n = -(-length // BLOCK_SIZE)
         with self._lock:
             ts = self._tenant(tenant)
+            self._check_writable()  # no point writing blocks a commit could not journal
             now = self._clock()
             if len(self._reservations) >= RESERVATIONS_MAX:
                 self._expire(now)
@@ -442,11 +447,15 @@ class EngineCore(RecordBookkeeping):
             ts = self._tenant(tenant)
             now = self._clock()
             res = self._take_reservation(ts, reservation_id, now)
+            try:
+                old = self._index.find(ts.tenant_id, res.key)
+                if old != NO_ROW:
+                    self._drop(ts, old)
+                row = self._insert_record(ts, res, bytes(checksum), now)
+            except JournalUnavailable:  # not journaled, so not committed: the blocks go back
+                self._reclaim_reservation(res)
+                raise
             ts.reserved_blocks -= res.block_count
-            old = self._index.find(ts.tenant_id, res.key)
-            if old != NO_ROW:
-                self._drop(ts, old)
-            row = self._insert_record(ts, res, bytes(checksum), now)
             return self._location(row, res.key)
 
     def abort(self, tenant: str, reservation_id: int) -> None:
@@ -482,21 +491,28 @@ class EngineCore(RecordBookkeeping):
     def _insert_record(
         self, ts: TenantState, res: PendingReservation, checksum: bytes, now: float
     ) -> int:
+        """Journal (persistent tier), then index: a commit the journal refused is never served."""
         parent_row = NO_ROW
         if res.parent is not None:
             parent_row = self._index.find(ts.tenant_id, res.parent)
         tier = ts.tiers[res.tier]
+        seq, created, generation = self._next_seq(), int(self._wall()), tier.devices.key_generation
+        if tier.spec.persistent:
+            self._wal(
+                jr.pack_commit(ts.tenant_id, seq, res.key, checksum, res.tier, res.lba,
+                               res.block_count, res.length, generation, created, res.parent)
+            )  # fmt: skip
         row = self._index.insert(
             ts.tenant_id,
             res.key,
             c0=int.from_bytes(checksum[:8], "little"),
             c1=int.from_bytes(checksum[8:], "little"),
             lba=res.lba,
-            seq=self._next_seq(),
+            seq=seq,
             block_count=res.block_count,
             length=res.length,
-            generation=tier.devices.key_generation,
-            created=int(self._wall()),
+            generation=generation,
+            created=created,
             access_count=0,
             parent=parent_row,
             last_access=now - self._epoch,
@@ -504,16 +520,18 @@ class EngineCore(RecordBookkeeping):
             tier=res.tier,
         )
         self._track(ts, res.tier, row, now)
-        if tier.spec.persistent:
-            self._journal_commit(ts, row, res.key, res.parent)
         return row
 
     # --- placement and eviction ------------------------------------------------------------
 
     def _place(self, ts: TenantState, n: int, length: int, now: float) -> tuple[int, int]:
+        """DRAM if it has room now, else NVMe (dropping NVMe victims), else DRAM dropping its
+        victims: no chunk is copied here (demotion copies in the background tick, outside the
+        lock and off the event loop)."""
         small = n <= ts.tiers[DRAM].alloc.block_count // SMALL_FRACTION
-        for t in (DRAM, NVME) if small else (NVME,):
-            lba = self._make_room(ts, t, n, now, evict=True)
+        steps = ((DRAM, False), (NVME, True), (DRAM, True)) if small else ((NVME, True),)
+        for t, evict in steps:
+            lba = self._make_room(ts, t, n, now, evict=evict)
             if lba is not None:
                 return t, lba
         parts = []
@@ -550,14 +568,13 @@ class EngineCore(RecordBookkeeping):
 
     def _evict(self, ts: TenantState, t: int, row: int, now: float) -> None:
         assert self._evictable(row), row
-        if t == DRAM and self._demote(ts, row, now, evict=True):
-            return
         self._drop(ts, row)
         ts.evictions += 1
         _EVICTIONS.labels(ts.name, ts.tiers[t].spec.name, "drop").inc()
 
     def _demote(self, ts: TenantState, row: int, now: float, *, evict: bool) -> bool:
-        """Move a DRAM chunk to NVMe (verifying it); False when NVMe has no room for it."""
+        """Move a DRAM chunk to NVMe (verifying it); False when NVMe has no room for it. The
+        NVMe extent goes back if the write or the journal fails (then the error is raised)."""
         cols = self._index.cols
         n, src = int(cols["block_count"][row]), int(cols["lba"][row])
         length = int(cols["length"][row])
@@ -565,22 +582,26 @@ class EngineCore(RecordBookkeeping):
         if dst is None:
             return False
         buf = bytearray(n * BLOCK_SIZE)
-        ts.tiers[DRAM].device.read_into(src, memoryview(buf))
         key = self._index.key_of(row)
-        if chunk_checksum(key, memoryview(buf)[:length]) != self._checksum(row):
+        generation = ts.tiers[NVME].devices.key_generation
+        try:
+            ts.tiers[DRAM].device.read_into(src, memoryview(buf))
+            if chunk_checksum(key, memoryview(buf)[:length]) != self._checksum(row):
+                ts.tiers[NVME].alloc.free(dst, n)
+                self._integrity_failure(ts, row)
+                return True
+            ts.tiers[NVME].device.write(dst, memoryview(buf))
+            seq = self._journal_move(ts, row, NVME, dst, generation)
+        except BaseException:
             ts.tiers[NVME].alloc.free(dst, n)
-            self._integrity_failure(ts, row)
-            return True
-        ts.tiers[NVME].device.write(dst, memoryview(buf))
-        parent_key = self._parent_key(row)
+            raise
         self._untrack(ts, DRAM, row)
         ts.tiers[DRAM].alloc.free(src, n)
         cols["tier"][row] = NVME
         cols["lba"][row] = dst
-        cols["generation"][row] = ts.tiers[NVME].devices.key_generation
-        cols["seq"][row] = self._next_seq()
+        cols["generation"][row] = generation
+        cols["seq"][row] = seq
         self._track(ts, NVME, row, now)
-        self._journal_commit(ts, row, key, parent_key)
         ts.demotions += 1
         _EVICTIONS.labels(ts.name, "dram", "demote").inc()
         return True

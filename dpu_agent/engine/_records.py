@@ -6,14 +6,16 @@ records (deferred while leased, or quarantined), lease accounting, journaling, e
 
 from __future__ import annotations
 
+import errno
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dpu_agent.engine import journal as jr
+from dpu_agent.engine.errors import JournalUnavailable
 from dpu_agent.engine.index import STATE_LIVE, RecordIndex
-from dpu_agent.engine.journal import Journal
+from dpu_agent.engine.journal import Journal, JournalError
 from dpu_agent.engine.tiers import Tier
 from dpu_agent.engine.types import (
     ChunkLocation,
@@ -23,7 +25,7 @@ from dpu_agent.engine.types import (
     TenantState,
 )
 from dpu_agent.log import get_logger
-from dpu_agent.metrics import REGISTRY, Counter
+from dpu_agent.metrics import REGISTRY, Counter, Gauge
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -45,6 +47,19 @@ _INTEGRITY = Counter(
 )
 
 
+_FENCED = Gauge(
+    "kvtier_engine_journal_fenced",
+    "1 while the journal cannot take writes and the engine refuses them",
+    registry=REGISTRY,
+)
+_JOURNAL_ERRORS = Counter(
+    "kvtier_engine_journal_errors",
+    "Journal appends or fsyncs that failed (each fences writes until a probe passes)",
+    ["reason"],
+    registry=REGISTRY,
+)
+
+
 class RecordBookkeeping:
     """The engine's record-level helpers; all are called with the engine lock held."""
 
@@ -61,6 +76,57 @@ class RecordBookkeeping:
     _reservations: OrderedDict[int, PendingReservation]
     _expired_leases: OrderedDict[int, float]
     _expired_reservations: OrderedDict[int, float]
+    _fence: JournalError | None
+
+    # --- the journal, always before the index ---
+
+    def _check_writable(self) -> None:
+        """Refuse a write while the journal is fenced (reads go on)."""
+        if self._fence is not None:
+            raise self._unavailable(self._fence)
+
+    @staticmethod
+    def _unavailable(e: JournalError) -> JournalUnavailable:
+        full = e.errno == errno.ENOSPC
+        what = "the disk holding the journal is full" if full else "the journal cannot be written"
+        return JournalUnavailable(
+            f"writes refused: {what} ({e}); free space or fix the disk, the agent retries "
+            "every tick; reads are still served",
+            full=full,
+        )
+
+    def _set_fence(self, e: JournalError) -> None:
+        _JOURNAL_ERRORS.labels("full" if e.errno == errno.ENOSPC else "io").inc()
+        if self._fence is None:
+            log.error("engine.journal_fenced", error=str(e), errno=e.errno)
+            _FENCED.set(1)
+        self._fence = e
+
+    def _lift_fence(self) -> None:
+        log.warning("engine.journal_writable", was=str(self._fence))
+        self._fence = None
+        _FENCED.set(0)
+
+    def _wal(self, body: bytes) -> None:
+        """Append one frame; on failure fence writes and raise JournalUnavailable. Callers
+        append before they change the index, so a failure leaves nothing half-done."""
+        self._check_writable()
+        try:
+            self._journal.append(body)
+        except JournalError as e:
+            self._set_fence(e)
+            raise self._unavailable(e) from e
+
+    def _wal_soft(self, body: bytes) -> None:
+        """Append a frame whose loss costs no acknowledged data (a quarantine, a segment
+        header); on failure fence writes but do not raise (the state it records is kept in
+        memory and goes into the next checkpoint)."""
+        if self._fence is not None:
+            return
+        try:
+            self._journal.append(body)
+        except JournalError as e:
+            self._set_fence(e)
 
     def _location(self, row: int, key: bytes) -> ChunkLocation:
         cols = self._index.cols
@@ -178,10 +244,10 @@ class RecordBookkeeping:
         """Remove a record; its extent is freed (or quarantined) once no lease holds it."""
         cols = self._index.cols
         t, lba, n = int(cols["tier"][row]), int(cols["lba"][row]), int(cols["block_count"][row])
-        self._untrack(ts, t, row)
-        if ts.tiers[t].spec.persistent:
+        if ts.tiers[t].spec.persistent:  # journal first: a failure changes nothing
             key = self._index.key_of(row)
-            self._journal.append(jr.pack_delete(ts.tenant_id, self._next_seq(), key))
+            self._wal(jr.pack_delete(ts.tenant_id, self._next_seq(), key))
+        self._untrack(ts, t, row)
         self._index.remove(row)
         k = (ts.tenant_id, t, lba)
         if k in self._extent_leases:
@@ -198,7 +264,7 @@ class RecordBookkeeping:
         tier.quarantined[lba] = n
         if tier.spec.persistent:
             body = jr.pack_extent(jr.OP_QUARANTINE, ts.tenant_id, self._next_seq(), t, lba, n)
-            self._journal.append(body)
+            self._wal_soft(body)
 
     def _integrity_failure(self, ts: TenantState, row: int) -> None:
         tier_name = ts.tiers[int(self._index.cols["tier"][row])].spec.name
@@ -222,23 +288,27 @@ class RecordBookkeeping:
             return None
         return self._index.key_of(parent)
 
-    def _journal_commit(self, ts: TenantState, row: int, key: bytes, parent: bytes | None) -> None:
+    def _journal_move(self, ts: TenantState, row: int, tier: int, lba: int, generation: int) -> int:
+        """Journal the record of `row` at a new place (a demotion) before the index changes;
+        returns the new sequence number. JournalUnavailable on failure."""
         cols = self._index.cols
-        self._journal.append(
+        seq = self._next_seq()
+        self._wal(
             jr.pack_commit(
                 ts.tenant_id,
-                int(cols["seq"][row]),
-                key,
+                seq,
+                self._index.key_of(row),
                 self._checksum(row),
-                int(cols["tier"][row]),
-                int(cols["lba"][row]),
+                tier,
+                lba,
                 int(cols["block_count"][row]),
                 int(cols["length"][row]),
-                int(cols["generation"][row]),
+                generation,
                 int(cols["created"][row]),
-                parent,
+                self._parent_key(row),
             )
         )
+        return seq
 
     def _next_seq(self) -> int:
         seq = self._seq

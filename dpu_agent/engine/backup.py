@@ -51,9 +51,16 @@ def _state_path(engine: EngineCore) -> Path:
     return engine.config.data_dir / STATE_FILE
 
 
+def _private(path: str, flags: int) -> int:
+    """open() opener: files holding records or ciphertext are 0600, even if they existed."""
+    fd = os.open(path, flags, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
+
+
 def _write_json(path: Path, doc: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as f:
+    with open(tmp, "w", opener=_private) as f:
         json.dump(doc, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
@@ -61,7 +68,7 @@ def _write_json(path: Path, doc: dict[str, Any]) -> None:
 
 
 def _save_arrays(path: Path, arrays: dict[str, Any]) -> None:
-    with open(path, "wb") as f:
+    with open(path, "wb", opener=_private) as f:
         np.savez(f, **arrays)
         f.flush()
         os.fsync(f.fileno())
@@ -74,7 +81,8 @@ def backup(engine: EngineCore, dest: Path, *, incremental: bool) -> dict[str, An
         raise EngineError("no earlier backup is recorded for this engine; take a full backup first")
     if (dest / MANIFEST).exists():
         raise EngineError(f"{dest} already holds a backup; give an empty or new directory")
-    dest.mkdir(parents=True, exist_ok=True)
+    dest.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(dest, 0o700)  # records and ciphertext: the owner only
     prev_seq = int(prev["seq"]) if incremental and prev else 0
     with engine._lock:
         engine._check_open()
@@ -170,7 +178,7 @@ def _columns_and_lease(
 
 def _copy_out(engine: EngineCore, columns: dict[str, np.ndarray], path: Path) -> int:
     total = 0
-    with open(path, "wb") as f:
+    with open(path, "wb", opener=_private) as f:
         for i in range(len(columns["k0"])):
             ts = engine._by_id[int(columns["tenant"][i])]
             raw = ts.tiers[NVME].devices.raw

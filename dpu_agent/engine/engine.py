@@ -27,9 +27,14 @@ from dpu_agent.engine._core import (
     EngineCore,
     _check_key,
 )
-from dpu_agent.engine.errors import EngineError, LimitExceeded, UnknownKey
+from dpu_agent.engine.errors import EngineError, JournalUnavailable, LimitExceeded, UnknownKey
 from dpu_agent.engine.index import NO_ROW, STATE_LIVE
-from dpu_agent.engine.journal import OP_UNQUARANTINE, pack_extent
+from dpu_agent.engine.journal import (
+    OP_UNQUARANTINE,
+    JournalError,
+    pack_extent,
+    pack_tenant_remove,
+)
 from dpu_agent.engine.tiers import DRAM, NVME, DeviceFactory
 from dpu_agent.engine.types import ChunkLocation, EngineConfig, Lease, TenantState
 from dpu_agent.log import get_logger
@@ -79,8 +84,9 @@ class Engine(EngineCore):
             clock=clock,
             wall_clock=wall_clock,
         )
-        if self.recovery_report.torn_segments:
-            # retire the torn segment now, so a later crash never replays past its tear
+        r = self.recovery_report
+        if r.torn_segments or r.damaged_frames or r.checkpoints_damaged or r.dropped_records:
+            # a verified checkpoint of what survived, now: a later crash replays from it
             self.checkpoint()
 
     # --- record operations -----------------------------------------------------------------
@@ -132,16 +138,60 @@ class Engine(EngineCore):
             released = 0
             for tier in ts.tiers:
                 for lba, n in sorted(tier.quarantined.items()):
-                    tier.alloc.free(lba, n)
-                    released += n
-                    if tier.spec.persistent:
+                    if tier.spec.persistent:  # journal first
                         t = tier.spec.index
                         body = pack_extent(
                             OP_UNQUARANTINE, ts.tenant_id, self._next_seq(), t, lba, n
                         )
-                        self._journal.append(body)
-                tier.quarantined.clear()
+                        self._wal(body)
+                    del tier.quarantined[lba]
+                    tier.alloc.free(lba, n)
+                    released += n
             return released
+
+    def report_corrupt(self, tenant: str, key: bytes) -> bool:
+        """A reader found the chunk under `key` failing its checksum: drop the record and
+        quarantine its extent (never reused until clear_quarantine), counted as an integrity
+        failure. False when the tenant has no such chunk (already gone)."""
+        _check_key(key)
+        with self._lock:
+            ts = self._tenant(tenant)
+            row = self._index.find(ts.tenant_id, key)
+            if row == NO_ROW:
+                return False
+            self._integrity_failure(ts, row)
+            return True
+
+    def remove_tenant(self, tenant: str) -> dict[str, Any]:
+        """Crypto-erase a tenant: journal its removal, forget its records, leases and
+        reservations, close its devices, then destroy its XTS keys and delete its NVMe file
+        (device factories that can: the embedded one). Its blocks are unreadable after this;
+        a tenant added later under the same name gets a new key and starts empty."""
+        with self._lock:
+            ts = self._tenant(tenant)
+            tid = ts.tenant_id
+            self._wal(pack_tenant_remove(tid, self._next_seq()))
+            cols = self._index.cols
+            live = self._index.live_rows()
+            rows = live[cols["tenant"][live] == tid].tolist()
+            for row in rows:
+                self._index.remove(row)
+            for table in (self._leases, self._reservations):
+                for ident in [i for i, v in table.items() if v.tenant_id == tid]:
+                    del table[ident]
+            for k in [k for k in self._extent_leases if k[0] == tid]:
+                del self._extent_leases[k]
+            for k in [k for k in self._deferred if k[0] == tid]:
+                del self._deferred[k]
+            del self._tenants[tenant], self._by_id[tid]
+            self._counters.pop(tid, None)
+            for tier in ts.tiers:
+                tier.device.close()
+        erase = getattr(self._factory, "erase", None)
+        key_destroyed = bool(erase(tenant)) if erase is not None else False
+        log.info("engine.tenant_removed", tenant=tenant, records=len(rows),
+                 key_destroyed=key_destroyed)  # fmt: skip
+        return {"records_dropped": len(rows), "key_destroyed": key_destroyed}
 
     def _row_of(self, ts: TenantState, key: bytes, what: str) -> int:
         row = self._index.find(ts.tenant_id, key)
@@ -228,6 +278,7 @@ class Engine(EngineCore):
                 "index_bytes": self._index.nbytes,
                 "journal_segment": self._journal.segment,
                 "journal_segment_bytes": self._journal.segment_bytes,
+                "journal_fenced": "" if self._fence is None else str(self._fence),
                 "seq": self._seq,
                 "recovery": dataclasses.asdict(self.recovery_report),
             }
@@ -327,13 +378,17 @@ class Engine(EngineCore):
             self._check_open()
             now = self._clock()
             reservations, leases = self._expire(now)
+            if self._fence is not None:
+                self._try_lift_fence()
             synced = now - self._last_sync >= self.config.fsync_interval_s
             if synced:
-                self._sync()
                 self._last_sync = now
             due = self._journal.segment_bytes >= self.config.checkpoint_wal_bytes
+            due = due and self._fence is None
             self._update_gauges()
-        demoted = self._background_demote()
+        if synced:
+            self._sync()  # outside the lock: lookups go on while the disk flushes
+        demoted = self._background_demote() if self._fence is None else 0
         if due:
             self.checkpoint()
         return {
@@ -366,7 +421,10 @@ class Engine(EngineCore):
                 break  # the chunk stays in DRAM; the next tick tries again
             copied += job.block_count * BLOCK_SIZE
             with self._lock:
-                moved += self._finish_demotion(job, ok)
+                try:
+                    moved += self._finish_demotion(job, ok)
+                except JournalUnavailable:
+                    break  # fenced; the chunk stays in DRAM
         return moved
 
     def _start_demotion(self) -> _Demotion | None:
@@ -426,36 +484,70 @@ class Engine(EngineCore):
             if same and not ok:
                 self._integrity_failure(ts, row)
             return 0
-        parent_key = self._parent_key(row)
+        generation = ts.tiers[NVME].devices.key_generation
+        try:
+            seq = self._journal_move(ts, row, NVME, job.dst, generation)  # journal first
+        except JournalUnavailable:
+            ts.tiers[NVME].alloc.free(job.dst, job.block_count)
+            raise
         self._untrack(ts, DRAM, row)
         ts.tiers[DRAM].alloc.free(job.src, job.block_count)
         cols["tier"][row] = NVME
         cols["lba"][row] = job.dst
-        cols["generation"][row] = ts.tiers[NVME].devices.key_generation
-        cols["seq"][row] = self._next_seq()
+        cols["generation"][row] = generation
+        cols["seq"][row] = seq
         self._track(ts, NVME, row, self._clock())
-        self._journal_commit(ts, row, job.key, parent_key)
         ts.demotions += 1
         _EVICTIONS.labels(ts.name, "dram", "demote").inc()
         return 1
 
     def _sync(self) -> None:
-        """Chunk data first, then the journal: a synced commit never points at unsynced data."""
-        for ts in self._tenants.values():
-            ts.tiers[NVME].device.flush()
-        self._journal.sync()
+        """Chunk data first, then the journal: a synced commit never points at unsynced data.
+        Runs without the engine lock (fsync of a big dirty file takes a while); a failure
+        fences writes: what the kernel failed to write may be gone."""
+        with self._lock:
+            devices = [ts.tiers[NVME].device for ts in self._tenants.values()]
+        try:
+            for dev in devices:
+                dev.flush()
+            self._journal.sync()
+        except (BlockDeviceError, OSError, JournalError) as e:
+            err = e if isinstance(e, JournalError) else JournalError(str(e), _errno_of(e))
+            with self._lock:
+                self._set_fence(err)
+
+    def _try_lift_fence(self) -> None:
+        """Probe the journal (cut back, write, fsync, cut back); lift the fence if it works."""
+        try:
+            self._journal.probe()
+        except JournalError as e:
+            self._fence = e
+            return
+        self._lift_fence()
 
     def checkpoint(self) -> dict[str, Any]:
-        """Snapshot the persistent records, then drop the WAL segments the snapshot contains."""
+        """Snapshot the persistent records, then drop the WAL segments the snapshot contains.
+        JournalUnavailable (writes fenced) when the checkpoint cannot be written."""
         with self._checkpoint_lock:
             t0 = time.perf_counter()
             with self._lock:
                 self._check_open()
-                columns, meta = recovery.snapshot(self)
+                self._check_writable()
+                try:
+                    columns, meta = recovery.snapshot(self)
+                except JournalError as e:  # the next segment could not be opened
+                    self._set_fence(e)
+                    raise self._unavailable(e) from e
                 devices = [ts.tiers[NVME].device for ts in self._tenants.values()]
-            for dev in devices:
-                dev.flush()
-            size = self._journal.write_checkpoint(columns, meta)
+            try:
+                for dev in devices:
+                    dev.flush()
+                size = self._journal.write_checkpoint(columns, meta)
+            except (BlockDeviceError, JournalError) as e:
+                err = e if isinstance(e, JournalError) else JournalError(str(e), _errno_of(e))
+                with self._lock:
+                    self._set_fence(err)
+                raise self._unavailable(err) from e
             seconds = time.perf_counter() - t0
             log.info(
                 "engine.checkpoint", records=len(columns["k0"]), bytes=size, s=round(seconds, 3)
@@ -472,17 +564,22 @@ class Engine(EngineCore):
         with self._lock:
             if self._closed:
                 return
+            if self._fence is not None:
+                self._try_lift_fence()
             try:
                 moved = self._demote_all_dram()
-            except BlockDeviceError as e:  # a lost tier device: DRAM chunks not moved are lost
+            except (BlockDeviceError, JournalUnavailable) as e:  # DRAM chunks not moved are lost
                 moved = 0
                 log.warning("engine.close_demotion_failed", error=str(e))
         try:
             self.checkpoint()
-        except BlockDeviceError as e:  # no checkpoint: the WAL keeps every commit, restart replays
+        except EngineError as e:  # no checkpoint: the WAL keeps every commit, restart replays
             log.warning("engine.close_checkpoint_failed", error=str(e))
         with self._lock:
-            self._journal.close()
+            try:
+                self._journal.close()
+            except JournalError as e:  # the last fsync failed: a power loss may cost the tail
+                log.error("engine.close_journal_sync_failed", error=str(e))
             for ts in self._tenants.values():
                 for tier in ts.tiers:
                     tier.device.close()
@@ -514,3 +611,13 @@ class Engine(EngineCore):
     def restore(self, backup_dirs: Sequence[str | Path]) -> dict[str, Any]:
         """Load a full backup then its incrementals (oldest first) into this fresh engine."""
         return backup_mod.restore(self, [Path(d) for d in backup_dirs])
+
+
+def _errno_of(e: BaseException) -> int | None:
+    """The OS error number behind a device error (its cause), if any."""
+    cur: BaseException | None = e
+    while cur is not None:
+        if isinstance(cur, OSError) and cur.errno is not None:
+            return cur.errno
+        cur = cur.__cause__ or cur.__context__
+    return None

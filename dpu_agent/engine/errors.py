@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "ChecksumMismatch",
     "EngineError",
+    "JournalUnavailable",
     "LeaseExpired",
     "LimitExceeded",
     "QuotaExceeded",
@@ -49,3 +50,12 @@ class QuotaExceeded(EngineError):
 
 class LimitExceeded(EngineError):
     """A bounded table (leases, reservations, tenants, keys per request) is full."""
+
+
+class JournalUnavailable(EngineError):
+    """The journal cannot take writes (disk full, I/O error): the engine refuses writes until a
+    probe shows it writable again; reads go on. `full` is True when the disk is full."""
+
+    def __init__(self, message: str, *, full: bool) -> None:
+        super().__init__(message)
+        self.full = full

@@ -3,15 +3,20 @@
 Files in the journal directory:
 - `wal-<segment>.log`: append-only frames `[u32 body_len][u32 check][body]`, check = the low
   32 bits of xxh3-64(body), every body zero-padded to 85 bytes (a commit's size) so a segment
-  parses as one numpy array. A frame cut short, or whose check does not match, ends the replay
-  of its segment (a torn tail after a crash); every frame before it is applied. The engine
-  checkpoints at once after replaying a torn segment, so a later crash never replays past an
-  old tear.
-- `checkpoint.bin`: the persistent records as numpy columns (64-byte aligned, loaded as views of
-  one read) plus a JSON header with tenants, quarantined extents, the next sequence number and
-  the first WAL segment not contained in it; an xxh3-64 of the whole file at its end. Written
-  to a temp file, fsynced, renamed over the old one, directory fsynced; then older segments are
-  deleted.
+  parses as one numpy array. Frames are fixed-size, so a frame whose check does not match (a
+  flipped bit, a bad sector) is skipped and counted, and every other frame still replays; bytes
+  after the last whole frame are a torn tail (a crash mid-write). A failed or short append is
+  cut back to the last frame boundary and raises JournalError, so frames never lose alignment.
+  The engine checkpoints at once after replaying a damaged or torn segment.
+- `checkpoint.bin` and `checkpoint.prev.bin`: the newest and the previous checkpoint: the
+  persistent records as numpy columns (64-byte aligned, loaded as views of one read) plus a
+  JSON header with tenants, quarantined extents, the next sequence number and the first WAL
+  segment not contained in it; an xxh3-64 of the whole file at its end. Written to a temp file
+  (0600), fsynced, the newest renamed to `.prev`, the temp file renamed to the newest,
+  directory fsynced; segments the previous one still needs are kept. A checkpoint that fails
+  its checksum is renamed `*.damaged` and the previous one (and the WAL after it) is used;
+  without a good one the index is rebuilt from the WAL segments that are left. Every segment
+  starts with the tenant (and quarantine) records, so the WAL alone names every tenant.
 
 Durability: appends go to the page cache with one `write()` each, so a `kill -9` of the agent
 loses nothing that was appended. `sync()` (called by the engine every `fsync_interval_s` and at
@@ -21,11 +26,14 @@ interval of commits.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import json
 import os
 import re
 import struct
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +49,7 @@ __all__ = [
     "OP_DELETE",
     "OP_QUARANTINE",
     "OP_TENANT",
+    "OP_TENANT_REMOVE",
     "OP_UNQUARANTINE",
     "Journal",
     "JournalError",
@@ -54,6 +63,7 @@ OP_DELETE = 2
 OP_TENANT = 3
 OP_QUARANTINE = 4
 OP_UNQUARANTINE = 5
+OP_TENANT_REMOVE = 6  # the tenant's records written before this one are gone (crypto-erase)
 
 _HDR = struct.Struct("<II")  # body_len, check: low 32 bits of xxh3-64(body)
 # op, tenant, seq, key, checksum, tier, lba, block_count, length, generation, created,
@@ -93,6 +103,11 @@ BODY_BYTES = _COMMIT.size
 FRAME_BYTES = _HDR.size + BODY_BYTES
 SEGMENT_RE = re.compile(r"^wal-(\d{10})\.log$")
 CHECKPOINT_NAME = "checkpoint.bin"
+CHECKPOINT_PREV_NAME = "checkpoint.prev.bin"
+DAMAGED_SUFFIX = ".damaged"
+# Bytes a writability probe writes (then cuts back): room for this many frames proves the
+# journal can take a burst of commits again before the engine lifts its write fence.
+PROBE_FRAMES = 64
 CHECKPOINT_MAGIC = b"DPUKVCK1"
 LOCK_NAME = "LOCK"
 # Columns of the record index a checkpoint keeps, plus the parent's key.
@@ -113,7 +128,12 @@ CHECKPOINT_COLUMNS = (
 
 
 class JournalError(Exception):
-    """The journal directory cannot be read or written; the message names the file."""
+    """The journal directory cannot be read or written; the message names the file. `errno`
+    is the OS error behind it (ENOSPC: the disk is full), or None."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
 
 
 @dataclass(slots=True)
@@ -130,6 +150,10 @@ class Recovered:
     checkpoint_records: int = 0
     wal_records: int = 0
     torn_segments: int = 0
+    damaged_frames: int = 0  # frames that failed their check, skipped
+    checkpoint_used: str = "none"  # "current", "previous" or "none" (rebuilt from the WAL)
+    checkpoints_damaged: int = 0  # checkpoint files that failed their checksum (kept *.damaged)
+    removed_tenants: dict[int, int] = field(default_factory=dict)  # tenant id -> seq of removal
 
 
 def pack_commit(
@@ -170,6 +194,10 @@ def pack_tenant(tenant: int, seq: int, name: str) -> bytes:
     return _TENANT.pack(OP_TENANT, tenant, seq) + name.encode()
 
 
+def pack_tenant_remove(tenant: int, seq: int) -> bytes:
+    return _TENANT.pack(OP_TENANT_REMOVE, tenant, seq)
+
+
 def pack_extent(op: int, tenant: int, seq: int, tier: int, lba: int, block_count: int) -> bytes:
     assert op in (OP_QUARANTINE, OP_UNQUARANTINE), op
     return _EXTENT.pack(op, tenant, seq, tier, lba, block_count)
@@ -186,90 +214,190 @@ def frame(body: bytes) -> bytes:
 
 
 class Journal:
-    """One engine's WAL segments and checkpoint. The engine's lock serialises the calls."""
+    """One engine's WAL segments and checkpoints. The engine's lock serialises appends and
+    segment changes; `sync()` may run outside it (it fsyncs a duplicate of the descriptor)."""
 
     def __init__(self, directory: str | Path) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock_fd = _lock_dir(self.dir)  # one agent per journal; the kernel drops it on exit
         self._fd = -1
+        self._fd_lock = threading.Lock()  # guards _fd against sync() from another thread
         self.segment = 0
         self.segment_bytes = 0
-        self.unsynced = False
+        self._appended = 0  # appends so far; sync() records how many it covered
+        self._synced = 0
+        self.checkpoint_segment = 0  # first segment the newest checkpoint does not contain
+
+    @property
+    def unsynced(self) -> bool:
+        return self._appended != self._synced
 
     # --- appending ---
 
     def open_segment(self, segment: int) -> None:
         """Start appending to a new segment file (after load, or at a checkpoint)."""
-        self._close_segment()
         path = self._segment_path(segment)
         try:
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         except OSError as e:
-            raise JournalError(f"cannot open journal segment {path}: {e.strerror}") from e
-        self.segment = segment
-        self.segment_bytes = os.fstat(self._fd).st_size
-        _fsync_dir(self.dir)
+            raise JournalError(f"cannot open journal segment {path}: {e.strerror}", e.errno) from e
+        try:
+            size = os.fstat(fd).st_size
+            if size % FRAME_BYTES:  # a torn tail (replayed without it): appends stay aligned
+                os.ftruncate(fd, size - size % FRAME_BYTES)
+                size -= size % FRAME_BYTES
+        except OSError as e:
+            os.close(fd)
+            raise JournalError(f"journal segment {path}: {e.strerror}", e.errno) from e
+        try:
+            self._close_segment()  # fsyncs the old one; a failure still moves on to the new
+        finally:
+            with self._fd_lock:
+                self._fd = fd
+            self.segment = segment
+            self.segment_bytes = size
+        try:
+            _fsync_dir(self.dir)
+        except OSError as e:
+            raise JournalError(f"fsync of {self.dir}: {e.strerror}", e.errno) from e
 
     def append(self, body: bytes) -> None:
+        """One frame, or JournalError with the segment cut back to its last whole frame (so
+        nothing half-written is ever followed by more frames)."""
         data = frame(body)
         try:
             written = os.write(self._fd, data)
         except OSError as e:
-            raise JournalError(f"journal append to segment {self.segment}: {e.strerror}") from e
-        assert written == len(data), (written, len(data))
+            self._cut_back()
+            raise JournalError(
+                f"journal append to segment {self.segment} failed: {e.strerror}", e.errno
+            ) from e
+        if written != len(data):
+            self._cut_back()
+            raise JournalError(
+                f"journal append to segment {self.segment}: short write ({written} of "
+                f"{len(data)} bytes); the disk is full",
+                errno.ENOSPC,
+            )
         self.segment_bytes += written
-        self.unsynced = True
+        self._appended += 1
+
+    def _cut_back(self) -> None:
+        with contextlib.suppress(OSError):  # probe() retries it before any further append
+            os.ftruncate(self._fd, self.segment_bytes)
+
+    def probe(self) -> None:
+        """Check the journal takes appends again: cut any partial frame off, write
+        PROBE_FRAMES frames' worth of zeros, fsync, cut them off again. JournalError if not."""
+        fd = self._fd
+        try:
+            os.ftruncate(fd, self.segment_bytes)
+            zeros = bytes(PROBE_FRAMES * FRAME_BYTES)
+            written = os.write(fd, zeros)
+            os.ftruncate(fd, self.segment_bytes)
+            os.fsync(fd)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, self.segment_bytes)
+            raise JournalError(f"journal segment {self.segment}: {e.strerror}", e.errno) from e
+        if written != len(zeros):
+            raise JournalError(f"journal segment {self.segment}: disk still full", errno.ENOSPC)
 
     def sync(self) -> None:
-        if self._fd >= 0 and self.unsynced:
-            os.fsync(self._fd)
-            self.unsynced = False
+        """fsync the segment (group commit). Safe to call without the engine lock."""
+        with self._fd_lock:
+            if self._fd < 0 or self._appended == self._synced:
+                return
+            fd, upto = os.dup(self._fd), self._appended
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            raise JournalError(f"fsync of journal segment failed: {e.strerror}", e.errno) from e
+        finally:
+            os.close(fd)
+        with self._fd_lock:
+            self._synced = max(self._synced, upto)
 
     def close(self) -> None:
         """Close the segment and give up the directory lock."""
-        self._close_segment()
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+        try:
+            self._close_segment()
+        finally:
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
 
     def _close_segment(self) -> None:
-        if self._fd >= 0:
-            self.sync()
-            os.close(self._fd)
-            self._fd = -1
+        with self._fd_lock:
+            fd, self._fd = self._fd, -1
+        if fd >= 0:
+            try:
+                os.fsync(fd)
+                self._synced = self._appended
+            except OSError as e:
+                raise JournalError(f"fsync of journal segment failed: {e.strerror}", e.errno) from e
+            finally:
+                os.close(fd)
 
     # --- checkpoints ---
 
     def write_checkpoint(self, columns: dict[str, np.ndarray], meta: dict[str, Any]) -> int:
-        """Atomically replace the checkpoint; then drop the segments it contains. Returns bytes."""
+        """Atomically replace the checkpoint, keeping the previous one as `.prev`; then drop
+        the segments neither needs. Returns bytes. JournalError (temp file removed) on failure."""
         tmp = self.dir / (CHECKPOINT_NAME + ".tmp")
         final = self.dir / CHECKPOINT_NAME
-        with open(tmp, "wb") as f:
-            size = _write_checkpoint_file(f, columns, meta)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-        _fsync_dir(self.dir)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                size = _write_checkpoint_file(f, columns, meta)
+                f.flush()
+                os.fsync(f.fileno())
+            if final.exists():
+                os.replace(final, self.dir / CHECKPOINT_PREV_NAME)
+            os.replace(tmp, final)
+            _fsync_dir(self.dir)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise JournalError(f"checkpoint {final} not written: {e.strerror}", e.errno) from e
+        keep_from = self.checkpoint_segment  # the previous checkpoint replays from here
+        self.checkpoint_segment = int(meta["segment"])
         for seg in self._segments():
-            if seg < int(meta["segment"]):
-                self._segment_path(seg).unlink()
+            if seg < keep_from:
+                with contextlib.suppress(FileNotFoundError):
+                    self._segment_path(seg).unlink()
         return size
 
     # --- recovery ---
 
     def load(self) -> Recovered:
-        """Read the checkpoint and replay every later WAL segment (torn tails tolerated)."""
+        """The newest checkpoint that verifies (else none) and every later WAL segment, bad
+        frames skipped and counted. Damaged checkpoints are renamed `*.damaged`."""
         rec = Recovered()
-        first_segment = 0
-        path = self.dir / CHECKPOINT_NAME
-        if path.exists():
-            rec.columns, meta = _read_checkpoint_file(path)
+        first_segment = min(self._segments(), default=0)
+        for name, used in ((CHECKPOINT_NAME, "current"), (CHECKPOINT_PREV_NAME, "previous")):
+            path = self.dir / name
+            if not path.exists():
+                continue
+            try:
+                columns, meta = _read_checkpoint_file(path)
+            except (JournalError, ValueError, KeyError) as e:
+                rec.checkpoints_damaged += 1
+                log.error("journal.checkpoint_damaged", path=str(path), error=str(e))
+                os.replace(path, path.with_name(path.name + DAMAGED_SUFFIX))
+                continue
+            rec.columns = columns
             rec.tenants = {int(k): v for k, v in meta["tenants"].items()}
             rec.quarantined = {tuple(q) for q in meta["quarantined"]}
             rec.next_seq = int(meta["next_seq"])
             rec.checkpoint_records = len(rec.columns["k0"])
+            rec.checkpoint_used = used
             first_segment = int(meta["segment"])
+            break
+        if rec.checkpoints_damaged and rec.checkpoint_used == "none":
+            log.error("journal.rebuilt_from_wal", first_segment=first_segment)
+        self.checkpoint_segment = first_segment
         segments = [s for s in self._segments() if s >= first_segment]
         for seg in segments:
             self._replay_segment(seg, rec)
@@ -277,8 +405,8 @@ class Journal:
         return rec
 
     def _replay_segment(self, segment: int, rec: Recovered) -> None:
-        """Frames are fixed-size: verify every check, keep the frames before the first bad one
-        (a torn tail), and decode commits and deletes as numpy records."""
+        """Frames are fixed-size: verify every check, skip (and count) the frames that fail,
+        and decode the rest: commits and deletes as numpy records, others in log order."""
         data = self._segment_path(segment).read_bytes()
         count = len(data) // FRAME_BYTES
         frames = np.frombuffer(data, dtype=np.uint8, count=count * FRAME_BYTES)
@@ -294,8 +422,7 @@ class Journal:
             count=count,
         )
         good = (header[:, 0] == BODY_BYTES) & (header[:, 1] == checks)
-        valid = count if good.all() else int(np.argmin(good))
-        bodies = frames[:valid, _HDR.size :]
+        bodies = frames[good, _HDR.size :]
         ops = bodies[:, 0]
         commits = np.ascontiguousarray(bodies[ops == OP_COMMIT]).view(COMMIT_DTYPE).reshape(-1)
         deletes = np.ascontiguousarray(bodies[ops == OP_DELETE][:, : DELETE_DTYPE.itemsize])
@@ -306,13 +433,23 @@ class Journal:
             if len(records):
                 out.append(records)
                 rec.next_seq = max(rec.next_seq, int(records["seq"].max()) + 1)
+        valid = int(good.sum())
         rec.wal_records += valid
-        if valid * FRAME_BYTES != len(data):
+        if valid != count:
+            rec.damaged_frames += count - valid
+            log.error(
+                "journal.damaged_frames",
+                segment=segment,
+                frames_skipped=count - valid,
+                frames_replayed=valid,
+                first_bad_offset=int(np.argmin(good)) * FRAME_BYTES,
+            )
+        if count * FRAME_BYTES != len(data):
             rec.torn_segments += 1
             log.warning(
                 "journal.torn_tail",
                 segment=segment,
-                valid_bytes=valid * FRAME_BYTES,
+                valid_bytes=count * FRAME_BYTES,
                 file_bytes=len(data),
             )
 
@@ -334,6 +471,11 @@ def _apply_other(body: bytes, rec: Recovered) -> None:
     if op == OP_TENANT:
         _, tenant, seq = _TENANT.unpack_from(body)
         rec.tenants[tenant] = body[_TENANT.size :].rstrip(b"\0").decode()
+    elif op == OP_TENANT_REMOVE:
+        _, tenant, seq = _TENANT.unpack_from(body)
+        rec.tenants.pop(tenant, None)
+        rec.quarantined = {q for q in rec.quarantined if q[0] != tenant}
+        rec.removed_tenants[tenant] = max(seq, rec.removed_tenants.get(tenant, 0))
     elif op in (OP_QUARANTINE, OP_UNQUARANTINE):
         _, tenant, seq, tier, lba, count = _EXTENT.unpack_from(body)
         if op == OP_QUARANTINE:

@@ -20,11 +20,15 @@ from dpu_agent.engine.journal import (
     CHECKPOINT_COLUMNS,
     COMMIT_DTYPE,
     DELETE_DTYPE,
+    OP_QUARANTINE,
     JournalError,
     Recovered,
+    pack_extent,
+    pack_tenant,
 )
 from dpu_agent.engine.tiers import NVME
 from dpu_agent.log import get_logger
+from dpu_agent.metrics import REGISTRY, Gauge
 
 ITEM_ROW_BITS = 32  # as dpu_agent.engine._core: policy item = seq << 32 | row
 BITMAP_BITS = 22  # 512 KiB prefilter for "does the WAL touch this checkpoint key"
@@ -32,9 +36,16 @@ BITMAP_BITS = 22  # 512 KiB prefilter for "does the WAL touch this checkpoint ke
 if TYPE_CHECKING:
     from dpu_agent.engine._core import EngineCore
 
-__all__ = ["RecoveryReport", "recover", "snapshot"]
+__all__ = ["RecoveryReport", "recover", "segment_header", "snapshot"]
 
 log = get_logger(__name__)
+
+_DROPPED = Gauge(
+    "kvtier_engine_recovery_dropped",
+    "What the last start could not use: damaged WAL frames, damaged checkpoints, records",
+    ["kind"],
+    registry=REGISTRY,
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,6 +54,10 @@ class RecoveryReport:
     checkpoint_records: int
     wal_records: int
     torn_segments: int
+    damaged_frames: int  # WAL frames that failed their check (skipped; the rest replayed)
+    checkpoint_used: str  # "current", "previous" or "none" (index rebuilt from the WAL)
+    checkpoints_damaged: int  # checkpoint files that failed their checksum (kept as *.damaged)
+    dropped_records: int  # records that could not be placed (unknown tenant, overlap, range)
     load_s: float  # reading the checkpoint and the WAL
     index_s: float  # rebuilding the index and allocators
     policy_s: float  # ordering the recovered records for eviction (cold lists)
@@ -55,6 +70,7 @@ def recover(engine: EngineCore) -> RecoveryReport:
     rec = engine._journal.load()
     t1 = time.perf_counter()
     fields = _merge(rec)
+    dropped = [0]
     for tid, name in sorted(rec.tenants.items()):
         gens = np.unique(fields["generation"][fields["tenant"] == tid])
         if len(gens) > 1:
@@ -64,7 +80,8 @@ def recover(engine: EngineCore) -> RecoveryReport:
             )
         gen = int(gens[0]) if len(gens) else None
         engine._build_tenant(name, tid, engine.config.tenants.get(name, 0), gen)
-    fields = _drop_out_of_range(engine, fields)
+    fields = _drop_out_of_range(engine, fields, dropped)
+    fields = _drop_overlaps(engine, fields, dropped)
     parents = (
         fields.pop("pk0"),
         fields.pop("pk1"),
@@ -79,11 +96,16 @@ def recover(engine: EngineCore) -> RecoveryReport:
     t3 = time.perf_counter()
     engine._seq = rec.next_seq
     engine._journal.open_segment(engine._journal.segment)
+    segment_header(engine)
     report = RecoveryReport(
         records=len(rows),
         checkpoint_records=rec.checkpoint_records,
         wal_records=rec.wal_records,
         torn_segments=rec.torn_segments,
+        damaged_frames=rec.damaged_frames,
+        checkpoint_used=rec.checkpoint_used,
+        checkpoints_damaged=rec.checkpoints_damaged,
+        dropped_records=dropped[0],
         load_s=t1 - t0,
         index_s=t2 - t1,
         policy_s=t3 - t2,
@@ -91,7 +113,28 @@ def recover(engine: EngineCore) -> RecoveryReport:
     )
     if report.records or report.wal_records:
         log.info("engine.recovered", **{k: getattr(report, k) for k in report.__slots__})
+    _DROPPED.labels("wal_frames").set(report.damaged_frames)
+    _DROPPED.labels("checkpoints").set(report.checkpoints_damaged)
+    _DROPPED.labels("records").set(report.dropped_records)
+    if report.damaged_frames or report.checkpoints_damaged or report.dropped_records:
+        log.error(
+            "engine.recovered_with_losses",
+            damaged_frames=report.damaged_frames,
+            checkpoints_damaged=report.checkpoints_damaged,
+            checkpoint_used=report.checkpoint_used,
+            dropped_records=report.dropped_records,
+        )
     return report
+
+
+def segment_header(engine: EngineCore) -> None:
+    """Tenant and NVMe quarantine records at the start of each segment, so the WAL alone
+    names every tenant when no checkpoint verifies. A failing append fences the engine."""
+    for ts in sorted(engine._by_id.values(), key=lambda t: t.tenant_id):
+        engine._wal_soft(pack_tenant(ts.tenant_id, engine._next_seq(), ts.name))
+        for lba, n in sorted(ts.tiers[NVME].quarantined.items()):
+            seq = engine._next_seq()
+            engine._wal_soft(pack_extent(OP_QUARANTINE, ts.tenant_id, seq, NVME, lba, n))
 
 
 def _cold_lists(engine: EngineCore, rows: np.ndarray) -> None:
@@ -132,6 +175,10 @@ def _merge(rec: Recovered) -> dict[str, np.ndarray]:
         base["pidx"] = np.full(len(base["k0"]), -1, np.int64)
     commits = np.concatenate(rec.wal_commits) if rec.wal_commits else np.zeros(0, COMMIT_DTYPE)
     deletes = np.concatenate(rec.wal_deletes) if rec.wal_deletes else np.zeros(0, DELETE_DTYPE)
+    for tid, removed_seq in rec.removed_tenants.items():  # crypto-erased: older records go
+        base = _filter_rows(base, ~((base["tenant"] == tid) & (base["seq"] < removed_seq)))
+        commits = commits[~((commits["tenant"] == tid) & (commits["seq"] < removed_seq))]
+        deletes = deletes[~((deletes["tenant"] == tid) & (deletes["seq"] < removed_seq))]
     if len(commits) + len(deletes) == 0:
         return base
     cols = {n: np.concatenate((commits[n], deletes[n])) for n in ("tenant", "k0", "k1", "seq")}
@@ -184,20 +231,52 @@ def _untouched(
     return keep
 
 
-def _drop_out_of_range(engine: EngineCore, fields: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Records outside their tenant's device (it shrank, or a tenant vanished) are dropped."""
+def _drop_out_of_range(
+    engine: EngineCore, fields: dict[str, np.ndarray], dropped: list[int]
+) -> dict[str, np.ndarray]:
+    """Records outside their tenant's device (it shrank), or of a tenant no surviving record
+    names (a damaged checkpoint), are dropped and counted."""
     keep = np.ones(len(fields["k0"]), dtype=bool)
     for tid in np.unique(fields["tenant"]).tolist():
         mine = fields["tenant"] == tid
         ts = engine._by_id.get(tid)
         if ts is None:
-            raise JournalError(f"journal has records of tenant id {tid} but no tenant record")
+            log.error("engine.recovery_dropped", tenant_id=tid, records=int(mine.sum()),
+                      reason="no tenant record survived")  # fmt: skip
+            keep &= ~mine
+            continue
         limit = ts.tiers[NVME].alloc.block_count
         end = fields["lba"].astype(np.int64) + fields["block_count"]
         bad = mine & ((end > limit) | (fields["tier"] != NVME))
         if bad.any():
             log.warning("engine.recovery_dropped", tenant=ts.name, records=int(bad.sum()))
             keep &= ~bad
+    dropped[0] += int((~keep).sum())
+    return _filter_rows(fields, keep)
+
+
+def _drop_overlaps(
+    engine: EngineCore, fields: dict[str, np.ndarray], dropped: list[int]
+) -> dict[str, np.ndarray]:
+    """Records whose extents overlap (a skipped frame was the delete before a reuse): the
+    newest keeps the extent, the older ones are dropped and counted."""
+    tenant, lba = fields["tenant"].astype(np.int64), fields["lba"].astype(np.int64)
+    end = lba + fields["block_count"]
+    order = np.lexsort((lba, tenant))
+    t_s, l_s, e_s = tenant[order], lba[order], end[order]
+    if not np.any((t_s[1:] == t_s[:-1]) & (l_s[1:] < np.maximum.accumulate(e_s)[:-1])):
+        return fields
+    keep = np.ones(len(lba), dtype=bool)
+    by_seq = np.argsort(-fields["seq"].astype(np.int64), kind="stable")  # newest first
+    taken: dict[int, list[tuple[int, int]]] = {}
+    for i in by_seq.tolist():  # rare: only after damage, so a plain loop
+        spans = taken.setdefault(int(tenant[i]), [])
+        if any(s < end[i] and lba[i] < e for s, e in spans):
+            keep[i] = False
+        else:
+            spans.append((int(lba[i]), int(end[i])))
+    log.error("engine.recovery_dropped", records=int((~keep).sum()), reason="overlapping extents")
+    dropped[0] += int((~keep).sum())
     return _filter_rows(fields, keep)
 
 
@@ -225,10 +304,13 @@ def _rebuild_allocators(engine: EngineCore, rows: np.ndarray, rec: Recovered) ->
         counts = np.concatenate((cols["block_count"][mine].astype(np.int64), q[:, 1]))
         try:
             tier.alloc = ExtentAllocator.from_used(tier.alloc.block_count, lbas, counts)
-        except AllocError as e:
-            raise JournalError(
-                f"journal of tenant {ts.name!r} is inconsistent ({e}); restore from a backup"
-            ) from e
+        except AllocError:  # a quarantine overlaps a record or the tier: forget the quarantine
+            log.error("engine.recovery_quarantine_dropped", tenant=ts.name, extents=len(q))
+            quarantined = []
+            tier.alloc = ExtentAllocator.from_used(
+                tier.alloc.block_count, cols["lba"][mine].astype(np.int64),
+                cols["block_count"][mine].astype(np.int64),
+            )  # fmt: skip
         tier.quarantined = dict(quarantined)
 
 
@@ -250,6 +332,7 @@ def snapshot(engine: EngineCore) -> tuple[dict[str, np.ndarray], dict[str, Any]]
     position[sel] = np.arange(len(sel))
     columns["pidx"] = np.where(has, position[safe], -1)  # parent's position in this checkpoint
     engine._journal.open_segment(engine._journal.segment + 1)
+    segment_header(engine)
     quarantined = [
         [ts.tenant_id, NVME, lba, n]
         for ts in engine._by_id.values()

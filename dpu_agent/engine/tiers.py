@@ -8,6 +8,7 @@ NVMe/TCP whose crypto vbdev encrypts on the DPU): any `BlockDevice` works.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +77,18 @@ class EmbeddedDevices:
 
     def nvme_path(self, tenant: str) -> Path:
         return self.nvme_dir / tenant / "nvme.img"
+
+    def erase(self, tenant: str) -> bool:
+        """Crypto-erase a removed tenant (its devices already closed): destroy its XTS keys
+        and delete its NVMe file. False when the key comes from the environment (the agent
+        cannot destroy it: the operator must)."""
+        from_env = self.keystore.has_env_key(tenant)
+        self.keystore.remove(tenant)
+        path = self.nvme_path(tenant)
+        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            path.parent.rmdir()
+        return not from_env
 
     def __call__(self, tenant: str, spec: TierSpec) -> TierDevices:
         raw: BlockDevice

@@ -22,9 +22,16 @@ from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 from dpu_agent import telemetry
 from dpu_agent.blockdev import BlockDevice, BlockDeviceError, MemoryBlockDevice
-from dpu_agent.log import get_logger
+from dpu_agent.log import RateLimitedLog, get_logger
 from dpu_agent.nvmf._auth import ATR_BIT, auth_exempt, handle_auth, queue_auth
 from dpu_agent.nvmf._controller import Completion, Controller
+from dpu_agent.nvmf._limits import (
+    ADMIN_REPLY_BYTES_MAX,
+    CONNECT_DEADLINE_S,
+    R2T_TIMEOUT_S,
+    SEND_QUEUE_BYTES_MAX,
+    SizedPool,
+)
 from kvproto.nvme import (
     R2T,
     AdminOpcode,
@@ -56,6 +63,7 @@ if TYPE_CHECKING:
 __all__ = ["ADMIN_ICD_BYTES", "MAXH2CDATA", "MemoryViewDevice", "NvmfConnection"]
 
 log = get_logger("dpu_agent.nvmf")
+refusals = RateLimitedLog(log)  # protocol errors of hostile peers: a few lines a second
 
 # The NVMe/TCP spec fixes the admin queue's in-capsule data size at 8 KiB.
 ADMIN_ICD_BYTES = 8192
@@ -123,6 +131,7 @@ class _Cmd:
         "in_place",
         "length",
         "nlb",
+        "r2t_at",
         "received",
         "slba",
         "sqe",
@@ -146,6 +155,7 @@ class _Cmd:
         self.dev: BlockDevice | None = None
         self.slba = 0
         self.nlb = 0
+        self.r2t_at = 0.0  # monotonic time the R2T went out (R2T_TIMEOUT_S)
 
 
 class NvmfConnection(asyncio.BufferedProtocol):
@@ -174,9 +184,12 @@ class NvmfConnection(asyncio.BufferedProtocol):
         self._next_ttag = 1
         self._sqhd = 0
         self._icd_pool = _Pool(self.qp_icd_bytes, self.opts.max_queue_depth)
-        self._data_pool = _Pool(self.opts.max_io_size, self.opts.data_buffers_per_queue)
+        # buffers sized to each command, charged to the controller's budget once connected
+        self._data_pool = SizedPool(self.opts.max_io_size, self.opts.data_buffers_per_queue)
         self._waiting: collections.deque[_Cmd] = collections.deque()
         self._unsent: list[bytearray] = []  # buffers the transport may still reference
+        self._deadline: asyncio.TimerHandle | None = None  # ICReq + Connect (CONNECT_DEADLINE_S)
+        self._reading_paused = False  # SEND_QUEUE_BYTES_MAX of replies unsent
 
     @property
     def qp_icd_bytes(self) -> int:
@@ -197,7 +210,14 @@ class NvmfConnection(asyncio.BufferedProtocol):
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
         self.transport.set_write_buffer_limits(high=0, low=0)
+        self._deadline = asyncio.get_running_loop().call_later(
+            CONNECT_DEADLINE_S, self._connect_deadline
+        )
         self.target.connection_opened(self)
+
+    def _connect_deadline(self) -> None:
+        if self.qid is None and not self.closed:  # no Connect yet: a slot held for nothing
+            self.close()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.qp.get_buffer(sizehint)
@@ -242,7 +262,7 @@ class NvmfConnection(asyncio.BufferedProtocol):
 
     def fatal(self, e: RemoteProtocolError) -> None:
         """Answer a protocol error with a C2HTermReq, then close this connection."""
-        log.warning(
+        refusals.warning(
             "nvmf_protocol_error",
             peer=self.peer,
             error=str(e),
@@ -270,10 +290,19 @@ class NvmfConnection(asyncio.BufferedProtocol):
         unsent, self._unsent = self._unsent, []
         for buf in unsent:
             self._data_pool.give(buf)
+        if self._reading_paused and self.transport is not None:
+            self._reading_paused = False
+            self.transport.resume_reading()
         self._start_waiting()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self._deadline is not None:
+            self._deadline.cancel()
+        held = [c.buf for c in self._cmds.values() if c.buf is not None] + self._unsent
+        self._data_pool.close(held)
+        self._data_pool.budget.waiters.discard(self._start_waiting)
+        self._unsent = []
         self._cmds.clear()
         self._ttags.clear()
         self._waiting.clear()
@@ -310,11 +339,33 @@ class NvmfConnection(asyncio.BufferedProtocol):
             self.transport.write(part)
         if self._sock is not None:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 0)
+        self._bound_send_queue()
 
     def _flush(self) -> None:
         if self._out and self.transport is not None and not self.transport.is_closing():
             self.transport.write(b"".join(self._out))
         self._out.clear()
+        self._bound_send_queue()
+
+    def _bound_send_queue(self) -> None:
+        """Stop reading commands while SEND_QUEUE_BYTES_MAX of replies wait to be sent (a host
+        that pipelines without reading its replies); resume_writing reads again."""
+        t = self.transport
+        if t is None or self._reading_paused or t.is_closing():
+            return
+        if t.get_write_buffer_size() > SEND_QUEUE_BYTES_MAX:
+            self._reading_paused = True
+            t.pause_reading()
+
+    def expire_r2t(self, now: float) -> bool:
+        """Close the connection if an R2T has waited for its data over R2T_TIMEOUT_S (the
+        buffer it pins goes back). Called by the target's periodic loop."""
+        for cmd in self._ttags.values():
+            if now - cmd.r2t_at > R2T_TIMEOUT_S:
+                log.info("nvmf_r2t_timeout", peer=self.peer, qid=self.qid, cid=cmd.sqe.cid)
+                self.close()
+                return True
+        return False
 
     def _complete(
         self,
@@ -485,6 +536,8 @@ class NvmfConnection(asyncio.BufferedProtocol):
 
     def connect_done(self, cmd: _Cmd, ctrl: Controller, qid: int) -> None:
         self.ctrl, self.qid = ctrl, qid
+        self._data_pool.attach(ctrl.buffers)  # one buffer budget for all its queues
+        self.target.connection_connected(self)
         self.depth = (cmd.sqe.cdw11 & 0xFFFF) + 1
         self._sqhd = 0
         if qid:
@@ -508,7 +561,10 @@ class NvmfConnection(asyncio.BufferedProtocol):
             or not 0 < length <= self.opts.max_io_size
         ):
             return self._complete(cmd, Status.DATA_SGL_LENGTH_INVALID)
-        out = done.data[:length] + bytes(max(0, length - len(done.data)))
+        # what the reply carries (zero-padded to one 4 KiB structure at most), never the
+        # SGL's length: a 4 MiB SGL on an Identify gets 4 KiB
+        out = done.data[:length]
+        out += bytes(max(0, min(length, ADMIN_REPLY_BYTES_MAX) - len(out)))
         self._send_data(cmd, out, done.cdw0)
 
     def complete_aers(self) -> None:
@@ -570,13 +626,14 @@ class NvmfConnection(asyncio.BufferedProtocol):
         transport has sent everything: reading more while it still buffers data would only
         make asyncio copy it (backpressure)."""
         assert self.transport is not None
-        if not _lends_memory(cmd.dev) and not self._data_pool.has_free():
+        if not _lends_memory(cmd.dev) and not self._data_pool.can_take(cmd.length):
             return False
         return cmd.sqe.opcode != IoOpcode.READ or not self.transport.get_write_buffer_size()
 
     def _with_buffer(self, cmd: _Cmd) -> None:
         if self._waiting or not self._can_start(cmd):
             self._waiting.append(cmd)
+            self._data_pool.budget.waiters.add(self._start_waiting)  # another queue may free
             return
         self._start(cmd)
 
@@ -589,8 +646,8 @@ class NvmfConnection(asyncio.BufferedProtocol):
             if cmd.sqe.opcode == IoOpcode.READ:
                 return self._send_data(cmd, cmd.view)
         else:
-            buf = self._data_pool.take()
-            assert buf is not None
+            buf = self._data_pool.take(cmd.length)
+            assert buf is not None, cmd.length
             cmd.buf, cmd.view = buf, memoryview(buf)[: cmd.length]
             if cmd.sqe.opcode == IoOpcode.READ:
                 return self._submit(cmd, dev.read_into, cmd.slba, cmd.view)
@@ -599,6 +656,7 @@ class NvmfConnection(asyncio.BufferedProtocol):
             ttag = (ttag + 1) & 0xFFFF
         self._next_ttag = (ttag + 1) & 0xFFFF
         cmd.ttag = ttag
+        cmd.r2t_at = time.monotonic()
         self._ttags[ttag] = cmd
         # One R2T for the whole transfer (as SPDK); the host splits it by MAXH2CDATA.
         self._write(R2T(cccid=cmd.sqe.cid, ttag=ttag, r2to=0, r2tl=cmd.length))
@@ -606,6 +664,8 @@ class NvmfConnection(asyncio.BufferedProtocol):
     def _start_waiting(self) -> None:
         while self._waiting and not self.closed and self._can_start(self._waiting[0]):
             self._start(self._waiting.popleft())
+        if not self._waiting:
+            self._data_pool.budget.waiters.discard(self._start_waiting)
 
     def _data_ready(self, cmd: _Cmd, view: memoryview) -> None:
         assert cmd.dev is not None

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+from dpu_agent.nvmf._limits import ADMIN_REPLY_BYTES_MAX, KATO_IDLE_MS, BufferBudget
 from dpu_agent.nvmf._subsystem import BLOCK_SIZE, Subsystem, TargetOptions, namespace_ids
 from kvproto.nvme import (
     AdminOpcode,
@@ -100,6 +101,7 @@ class Controller:
         self.features: dict[int, int] = {f: 0 for f in _STORED_FEATURES}
         self.features[FeatureId.TEMPERATURE_THRESHOLD] = 0x0157  # 343 K, the spec's default
         self.closed = False
+        self.buffers = BufferBudget()  # data buffers of all its queues together
 
     @property
     def is_discovery(self) -> bool:
@@ -110,9 +112,11 @@ class Controller:
         return bool(self.csts & _CSTS_RDY)
 
     def _round_kato(self, kato_ms: int) -> int:
-        """SPDK rounds KATO up to a multiple of the KAS granularity."""
+        """SPDK rounds KATO up to a multiple of the KAS granularity (10 s by default, so also
+        its minimum); kato 0 still times out after KATO_IDLE_MS without any command."""
         g = self.options.keep_alive_granularity_ms
-        return -(-kato_ms // g) * g if kato_ms else 0
+        kato_ms = kato_ms or KATO_IDLE_MS
+        return -(-kato_ms // g) * g
 
     def keep_alive(self) -> None:
         self.last_keep_alive_s = self._clock()
@@ -256,8 +260,12 @@ class Controller:
             page = b""  # nothing to report: all zeros
         else:
             return Completion(Status.INVALID_LOG_PAGE)
+        # the page's bytes, zero-padded to one 4 KiB structure at most: never to the host's
+        # length (up to 16 GiB) nor its SGL's (a 4 MiB reply per command was the attack)
         chunk = page[offset : offset + length]
-        return Completion(data=chunk + bytes(length - len(chunk)))
+        return Completion(
+            data=chunk + bytes(max(0, min(length, ADMIN_REPLY_BYTES_MAX) - len(chunk)))
+        )
 
     def _set_features(self, sqe: Sqe) -> Completion:
         fid = sqe.cdw10 & 0xFF

@@ -81,6 +81,9 @@ class Subsystem:
     nqn: str
     allowed_hosts: set[str] = field(default_factory=set)
     namespaces: dict[int, BlockDevice] = field(default_factory=dict)
+    # host NQN -> the peer addresses it may connect from (the agent binds each allowed host
+    # to its authenticated control session's address); a host not named here: any address
+    host_peers: dict[str, frozenset[str]] = field(default_factory=dict)
     allow_any_host: bool = False
     serial: str = ""
     model: str = MODEL_DEFAULT
@@ -103,8 +106,14 @@ class Subsystem:
         if len(self.serial) > 20 or len(self.model) > 40:
             raise ValueError("serial is at most 20 and model at most 40 ASCII characters")
 
-    def host_allowed(self, hostnqn: str) -> bool:
-        return self.allow_any_host or hostnqn in self.allowed_hosts
+    def host_allowed(self, hostnqn: str, peer_ip: str | None = None) -> bool:
+        """`peer_ip` None: whether the NQN is listed at all (the discovery log)."""
+        if self.allow_any_host:
+            return True
+        if hostnqn not in self.allowed_hosts:
+            return False
+        peers = self.host_peers.get(hostnqn)
+        return peer_ip is None or peers is None or peer_ip in peers
 
 
 def tenant_nqn(tenant: str) -> str:

@@ -13,10 +13,15 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from dpu_agent.log import get_logger
+from dpu_agent.log import RateLimitedLog, get_logger, nqn_tag
 from dpu_agent.nvmf._auth import nqn_hash
 from dpu_agent.nvmf._connection import NvmfConnection
 from dpu_agent.nvmf._controller import CNTLID_MAX, CNTLID_MIN, Controller
+from dpu_agent.nvmf._limits import (
+    DISCOVERY_CONTROLLERS_MAX,
+    UNCONNECTED_MAX,
+    UNCONNECTED_PER_ADDRESS_MAX,
+)
 from dpu_agent.nvmf._subsystem import DISCOVERY_NQN, Subsystem, TargetOptions, check_namespace
 from dpu_agent.nvmf._tls import TlsServerProtocol, check_secure, psk_lookup
 from kvproto.nvme import CONNECT_DATA_BYTES, ConnectData, ConnectDataError, Status
@@ -28,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = ["CONNECTIONS_MAX", "NvmeTcpTarget"]
 
 log = get_logger("dpu_agent.nvmf")
+refusals = RateLimitedLog(log)  # refused peers: a flood costs a few lines a second
 
 # Connections served at once; more are closed at accept. 1024 hosts x a few queues is beyond
 # what one DPU agent serves; the bound keeps a connection flood from exhausting descriptors.
@@ -62,6 +68,7 @@ class NvmeTcpTarget:
         self._controllers: dict[int, Controller] = {}
         self._ctrl_conns: dict[int, set[NvmfConnection]] = {}
         self._connections: set[NvmfConnection] = set()
+        self._unconnected: dict[NvmfConnection, str] = {}  # before Connect: conn -> address
         self._next_cntlid = CNTLID_MIN
         self._genctr = 0
         self._server: asyncio.Server | None = None
@@ -171,14 +178,30 @@ class NvmeTcpTarget:
     # -- connections and controllers ------------------------------------------------------
 
     def connection_opened(self, conn: NvmfConnection) -> None:
+        address = conn.peer.rpartition(":")[0]
+        reason = ""
         if len(self._connections) >= CONNECTIONS_MAX:
-            log.warning("nvmf_connection_refused", peer=conn.peer, reason="CONNECTIONS_MAX")
+            reason = "CONNECTIONS_MAX"
+        elif sum(a == address for a in self._unconnected.values()) >= UNCONNECTED_PER_ADDRESS_MAX:
+            reason = "UNCONNECTED_PER_ADDRESS_MAX"
+        elif len(self._unconnected) >= UNCONNECTED_MAX:  # full of strangers: the oldest goes
+            oldest = next(iter(self._unconnected))
+            self._unconnected.pop(oldest)
+            oldest.close()
+        if reason:
+            refusals.warning("nvmf_connection_refused", peer=conn.peer, reason=reason)
             conn.close()
             return
         self._connections.add(conn)
+        self._unconnected[conn] = address
+
+    def connection_connected(self, conn: NvmfConnection) -> None:
+        """Connect succeeded: the connection counts as a known host's from now on."""
+        self._unconnected.pop(conn, None)
 
     def connection_closed(self, conn: NvmfConnection) -> None:
         self._connections.discard(conn)
+        self._unconnected.pop(conn, None)
         ctrl = conn.ctrl
         if ctrl is None:
             return
@@ -200,9 +223,17 @@ class NvmeTcpTarget:
             "nvmf_controller_destroyed",
             cntlid=ctrl.cntlid,
             subnqn=ctrl.subnqn,
-            hostnqn=ctrl.hostnqn,
+            host=nqn_tag(ctrl.hostnqn),
             reason=reason,
         )
+
+    def disconnect_host(self, subnqn: str, hostnqn: str) -> int:
+        """Destroy the controllers `hostnqn` has on `subnqn` (its allowlist entry went)."""
+        gone = [c for c in self._controllers.values()
+                if c.subnqn == subnqn and c.hostnqn == hostnqn]  # fmt: skip
+        for ctrl in gone:
+            self.destroy_controller(ctrl, reason="host no longer allowed")
+        return len(gone)
 
     def reset_io_queues(self, ctrl: Controller) -> None:
         """CC.EN 1 -> 0: the controller resets and its I/O queues go."""
@@ -219,6 +250,9 @@ class NvmeTcpTarget:
             for ctrl in list(self._controllers.values()):
                 if ctrl.keep_alive_expired(now):
                     self.destroy_controller(ctrl, reason=f"keep-alive timeout {ctrl.kato_ms} ms")
+            r2t_now = time.monotonic()
+            for conn in list(self._connections):
+                conn.expire_r2t(r2t_now)
 
     def _new_cntlid(self) -> int | None:
         span = CNTLID_MAX - CNTLID_MIN + 1
@@ -249,17 +283,18 @@ class NvmeTcpTarget:
         qid, sqsize = sqe.cdw10 >> 16, sqe.cdw11 & 0xFFFF
         sub = self._subsystems.get(cd.subnqn)
         if sub is None and cd.subnqn != DISCOVERY_NQN:
-            log.warning(
-                "nvmf_connect_refused", peer=conn.peer, subnqn=cd.subnqn, reason="unknown subsystem"
-            )
+            refusals.warning(
+                "nvmf_connect_refused", peer=conn.peer, subnqn=cd.subnqn[:64],
+                reason="unknown subsystem",
+            )  # fmt: skip
             return conn.connect_refused(cmd, Status.CONNECT_INVALID_PARAMETERS, 1, _IPO_SUBNQN)
-        if sub is not None and not sub.host_allowed(cd.hostnqn):
-            log.warning(
+        if sub is not None and not sub.host_allowed(cd.hostnqn, conn.peer.rpartition(":")[0]):
+            refusals.warning(
                 "nvmf_connect_refused",
                 peer=conn.peer,
                 subnqn=cd.subnqn,
-                hostnqn=cd.hostnqn,
-                reason="host not allowed",
+                host=nqn_tag(cd.hostnqn),
+                reason="host not allowed (from this address)",
             )
             return conn.connect_refused(cmd, Status.CONNECT_INVALID_HOST)
         if not check_secure(conn, sub, cd.subnqn, cd.hostnqn):
@@ -284,7 +319,8 @@ class NvmeTcpTarget:
         if cd.cntlid != 0xFFFF:  # only the dynamic controller model
             return conn.connect_refused(cmd, Status.CONNECT_INVALID_PARAMETERS, 1, _IPO_CNTLID)
         cntlid = self._new_cntlid()
-        if cntlid is None:
+        discovery = sum(c.is_discovery for c in self._controllers.values())
+        if cntlid is None or (sub is None and discovery >= DISCOVERY_CONTROLLERS_MAX):
             return conn.connect_refused(cmd, Status.CONNECT_CONTROLLER_BUSY)
         ctrl = Controller(
             cntlid=cntlid,
@@ -303,7 +339,7 @@ class NvmeTcpTarget:
             "nvmf_controller_created",
             cntlid=cntlid,
             subnqn=cd.subnqn,
-            hostnqn=cd.hostnqn,
+            host=nqn_tag(cd.hostnqn),
             peer=conn.peer,
             kato_ms=ctrl.kato_ms,
         )
