@@ -7,6 +7,7 @@ even a host NQN allowed there) but not that host's secret gets nothing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -45,8 +46,16 @@ def _admin(a: AgentProcess, op: str, **fields: object) -> dict[str, object]:
 
 
 def _hello(a: AgentProcess, tenant: str, token: str, hostnqn: str) -> dict[str, object]:
+    with _session(a, tenant, token, hostnqn) as nvme:
+        return nvme
+
+
+@contextlib.contextmanager
+def _session(a: AgentProcess, tenant: str, token: str, hostnqn: str) -> Iterator[dict[str, object]]:
+    """A control session that said hello with `hostnqn`: the host is allowed on the data path
+    while it stays open (docs/OPERATIONS.md, Tenants)."""
     with ControlChannel(a.control_url, tenant, token, hostnqn=hostnqn) as ch:
-        return dict(ch.connect()["nvme"])
+        yield dict(ch.connect()["nvme"])
 
 
 def _nvme_addr(nv: dict[str, object]) -> tuple[str, int]:
@@ -80,29 +89,33 @@ def test_host_knowing_another_tenants_nqn_but_not_its_secret_gets_nothing(
     token_b = str(_admin(agent, "tenant_add", tenant="bravo")["token"])
     victim = f"nqn.2014-08.org.nvmexpress:uuid:{uuid.uuid4()}"
     attacker = f"nqn.2014-08.org.nvmexpress:uuid:{uuid.uuid4()}"
-    nv_a = _hello(agent, "default", agent.token, victim)  # the victim's host, tenant default
-    nv_b = _hello(agent, "bravo", token_b, attacker)  # the attacker is a real tenant (bravo)
-    host, port = _nvme_addr(nv_a)
-    sub_a = subsystem_nqn("default")
-    assert nv_a["subnqn"] == sub_a and nv_b["subnqn"] != sub_a
-    # 1. its own host NQN on tenant default's subsystem: not allowed there at all
-    with pytest.raises(NvmeStatusError) as e:
-        NvmeTcpController.connect(host, port, sub_a, attacker, dhchap_key=str(nv_b["dhchap_key"]))
-    assert e.value.code == Status.CONNECT_INVALID_HOST
-    # 2. the victim's host NQN (allowed there) with its own, bravo-issued secret: refused
-    with pytest.raises(NvmeAuthError, match="FAILED"):
-        NvmeTcpController.connect(host, port, sub_a, victim, dhchap_key=str(nv_b["dhchap_key"]))
-    # 3. the victim's host NQN and no secret at all: Authentication Required on every command
-    with pytest.raises(NvmeAuthError, match="requires DH-HMAC-CHAP"):
-        NvmeTcpController.connect(host, port, sub_a, victim)
-    # 4. a guessed secret: refused
-    with pytest.raises(NvmeAuthError, match="FAILED"):
-        NvmeTcpController.connect(host, port, sub_a, victim, dhchap_key=DhchapSecret.generate())
-    # the victim itself gets in
-    with NvmeTcpController.connect(
-        host, port, sub_a, victim, dhchap_key=str(nv_a["dhchap_key"])
-    ) as c:
-        assert c.active_namespaces()
+    with (
+        _session(agent, "default", agent.token, victim) as nv_a,  # the victim, tenant default
+        _session(agent, "bravo", token_b, attacker) as nv_b,  # the attacker: a real tenant
+    ):
+        host, port = _nvme_addr(nv_a)
+        sub_a = subsystem_nqn("default")
+        assert nv_a["subnqn"] == sub_a and nv_b["subnqn"] != sub_a
+        # 1. its own host NQN on tenant default's subsystem: not allowed there at all
+        with pytest.raises(NvmeStatusError) as e:
+            NvmeTcpController.connect(
+                host, port, sub_a, attacker, dhchap_key=str(nv_b["dhchap_key"])
+            )
+        assert e.value.code == Status.CONNECT_INVALID_HOST
+        # 2. the victim's host NQN (allowed there) with its own, bravo-issued secret: refused
+        with pytest.raises(NvmeAuthError, match="FAILED"):
+            NvmeTcpController.connect(host, port, sub_a, victim, dhchap_key=str(nv_b["dhchap_key"]))
+        # 3. the victim's host NQN and no secret at all: Authentication Required on every command
+        with pytest.raises(NvmeAuthError, match="requires DH-HMAC-CHAP"):
+            NvmeTcpController.connect(host, port, sub_a, victim)
+        # 4. a guessed secret: refused
+        with pytest.raises(NvmeAuthError, match="FAILED"):
+            NvmeTcpController.connect(host, port, sub_a, victim, dhchap_key=DhchapSecret.generate())
+        # the victim itself gets in
+        with NvmeTcpController.connect(
+            host, port, sub_a, victim, dhchap_key=str(nv_a["dhchap_key"])
+        ) as c:
+            assert c.active_namespaces()
 
 
 def test_dpuctl_hosts_add_issues_a_key(agent: AgentProcess) -> None:
@@ -148,7 +161,8 @@ def test_agent_with_secure_channel_and_auth_issues_both_keys(tmp_path: Path) -> 
     a = spawn_agent(tmp_path / "var", env=env)
     try:
         host = f"nqn.2014-08.org.nvmexpress:uuid:{uuid.uuid4()}"
-        nv = _hello(a, "default", a.token, host)
+        session = _session(a, "default", a.token, host)
+        nv = session.__enter__()  # open until the end: the host is allowed while it is
         assert str(nv["psk"]).startswith("NVMeTLSkey-1:01:") and "dhchap_key" in nv
         addr, port = _nvme_addr(nv)
         sub = str(nv["subnqn"])
@@ -167,5 +181,6 @@ def test_agent_with_secure_channel_and_auth_issues_both_keys(tmp_path: Path) -> 
             assert c.put(tokens, data) == 1
             out = [np.empty(LAYOUT.chunk_shape, np.float16)]
             assert c.get(tokens, out) == 1 and np.array_equal(out[0], data[0])
+        session.__exit__(None, None, None)
     finally:
         a.stop()
