@@ -43,6 +43,7 @@ from dpu_agent.control import (
 from dpu_agent.control_tls import exposure_warning, server_context
 from dpu_agent.crypto import KeyStore
 from dpu_agent.engine import Engine, EngineConfig, EngineError, LimitExceeded, UnknownTenant
+from dpu_agent.engine.backup import backup_tenants
 from dpu_agent.engine.engine import CHUNKS_PAGE_MAX
 from dpu_agent.log import configure_logging, get_logger, nqn_tag
 from dpu_agent.metrics import REGISTRY
@@ -453,8 +454,17 @@ class Agent:
                 )
                 return {"backup": plain(result)}
             if op == "restore":
-                result = await asyncio.to_thread(self.engine.restore, list(fields["dirs"]))
-                return {"restore": plain(result)}
+                dirs = [Path(d) for d in fields["dirs"]]
+                missing = [t for t in backup_tenants(dirs) if t not in self.cfg.tenants]
+                if self.engine.stats()["records"]:  # before adding tenants (the engine checks too)
+                    raise ValueError(
+                        "restore needs an agent that holds no chunks; start a fresh agent on an "
+                        "empty data dir (with the old key file) and restore there"
+                    )
+                added = [self._tenant_add(name, None) for name in missing]  # new tokens
+                result = await asyncio.to_thread(self.engine.restore, dirs)
+                tokens = {a["tenant"]: a["token_file"] for a in added}
+                return {"restore": plain(result), "tenants_added": tokens}
         raise AssertionError(f"admin op {op} has no handler")
 
     def _known(self, tenant: str) -> None:

@@ -37,7 +37,7 @@ from kvproto.checksum import chunk_checksum
 if TYPE_CHECKING:
     from dpu_agent.engine._core import EngineCore
 
-__all__ = ["BACKUP_FORMAT", "backup", "restore"]
+__all__ = ["BACKUP_FORMAT", "backup", "backup_tenants", "restore"]
 
 log = get_logger(__name__)
 
@@ -191,16 +191,39 @@ def _copy_out(engine: EngineCore, columns: dict[str, np.ndarray], path: Path) ->
     return total
 
 
-def restore(engine: EngineCore, dirs: list[Path]) -> dict[str, Any]:
-    """Apply a full backup and then each incremental, in order, to a fresh engine."""
-    if not dirs:
-        raise EngineError("restore needs at least one backup directory (a full backup first)")
+def read_manifests(dirs: list[Path]) -> list[dict[str, Any]]:
+    """Each backup's manifest; EngineError names a directory that is not a finished backup."""
     manifests = []
     for d in dirs:
         path = d / MANIFEST
-        if not path.exists():
-            raise EngineError(f"{d} has no {MANIFEST}: not a backup, or an unfinished one")
-        manifests.append(json.loads(path.read_text()))
+        try:
+            manifests.append(json.loads(path.read_text()))
+        except FileNotFoundError:
+            why = f"{d} has no {MANIFEST}: not a backup, or an unfinished one"
+            raise EngineError(why) from None
+        except (OSError, ValueError) as e:
+            raise EngineError(f"{path} cannot be read as a backup manifest: {e}") from None
+    return manifests
+
+
+def backup_tenants(dirs: list[Path]) -> list[str]:
+    """The tenants the backups hold chunks of (what a restore needs to exist)."""
+    return sorted({name for m in read_manifests(dirs) for name in m["tenants"].values()})
+
+
+def restore(engine: EngineCore, dirs: list[Path]) -> dict[str, Any]:
+    """Apply a full backup and then each incremental, in order, to a fresh engine (one that
+    holds no chunk: a restore never merges into a cache in use)."""
+    if not dirs:
+        raise EngineError("restore needs at least one backup directory (a full backup first)")
+    manifests = read_manifests(dirs)
+    with engine._lock:
+        held = len(engine._index)
+    if held:
+        raise EngineError(
+            f"restore needs an agent that holds no chunks; this one holds {held}. Start a "
+            "fresh agent on an empty data dir (with the old key file) and restore there"
+        )
     if manifests[0]["kind"] != "full":
         raise EngineError(f"{dirs[0]} is an incremental backup; restore starts from a full one")
     for before, (d, m) in zip(manifests, zip(dirs[1:], manifests[1:], strict=True), strict=False):

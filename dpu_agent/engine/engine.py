@@ -403,12 +403,28 @@ class Engine(EngineCore):
 
     def _background_demote(self) -> int:
         """Demote DRAM chunks until each tenant's DRAM has its free target; returns the count."""
+        return self._demote_outside_lock(DEMOTIONS_PER_TICK_MAX, DEMOTION_BYTES_PER_TICK_MAX)
+
+    def persist_dram(self) -> dict[str, int]:
+        """Move every DRAM chunk to NVMe where NVMe has free room (evicting nothing), one chunk
+        at a time with the data copied outside the lock: what a backup runs first, since DRAM
+        is volatile and a backup holds the persistent tier. `left`: chunks still only in DRAM
+        (leased meanwhile, or no room)."""
+        with self._lock:
+            self._check_open()
+            before = sum(ts.tiers[DRAM].records for ts in self._tenants.values())
+        moved = self._demote_outside_lock(before, 1 << 62, persist=True) if before else 0
+        with self._lock:
+            left = sum(ts.tiers[DRAM].records for ts in self._tenants.values())
+        return {"moved": moved, "left": left}
+
+    def _demote_outside_lock(self, jobs_max: int, bytes_max: int, *, persist: bool = False) -> int:
         moved = copied = 0
-        for _ in range(DEMOTIONS_PER_TICK_MAX):
-            if copied >= DEMOTION_BYTES_PER_TICK_MAX:
+        for _ in range(jobs_max):
+            if copied >= bytes_max:
                 break
             with self._lock:
-                job = self._start_demotion()
+                job = self._start_demotion(persist=persist)
             if job is None:
                 break
             try:
@@ -427,20 +443,25 @@ class Engine(EngineCore):
                     break  # fenced; the chunk stays in DRAM
         return moved
 
-    def _start_demotion(self) -> _Demotion | None:
-        """Pick a DRAM victim of a tenant below its free target, lease it, allocate on NVMe."""
+    def _start_demotion(self, *, persist: bool = False) -> _Demotion | None:
+        """Pick a DRAM victim of a tenant below its free target, lease it, allocate on NVMe.
+        `persist`: any tenant's DRAM chunk, into free NVMe room only (nothing evicted)."""
         now = self._clock()
         for ts in self._tenants.values():
             dram = ts.tiers[DRAM]
             target = int(dram.alloc.block_count * self.config.dram_free_fraction)
-            if dram.alloc.free_blocks >= target:
+            if dram.alloc.free_blocks >= target and not persist:
                 continue
             row = self._victim(dram, now)
             if row is None:
                 continue
             cols = self._index.cols
             n, src = int(cols["block_count"][row]), int(cols["lba"][row])
-            dst = self._make_room(ts, NVME, n, now, evict=True)
+            dst = self._make_room(ts, NVME, n, now, evict=not persist)
+            if dst is None and persist:  # this tenant's NVMe is full: its DRAM chunks stay
+                if self._item(row) not in dram.policy:  # a recovered one off the cold list
+                    self._policy_insert(dram, row, now)  # stays evictable
+                continue
             if dst is None:
                 self._drop(ts, row)  # NVMe has no room at all: an ordinary eviction
                 ts.evictions += 1
@@ -605,8 +626,13 @@ class Engine(EngineCore):
     # --- backup ----------------------------------------------------------------------------
 
     def backup(self, dest_dir: str | Path, incremental: bool = False) -> dict[str, Any]:
-        """Full or incremental backup of the persistent tier's chunks (ciphertext) and records."""
-        return backup_mod.backup(self, Path(dest_dir), incremental=incremental)
+        """Full or incremental backup of the persistent tier's chunks (ciphertext) and records;
+        DRAM chunks are moved to NVMe first where there is room, and the result counts those
+        that could not be (`dram_only_chunks`: not in the backup)."""
+        persisted = self.persist_dram()
+        result = backup_mod.backup(self, Path(dest_dir), incremental=incremental)
+        moved, left = persisted["moved"], persisted["left"]
+        return {**result, "dram_persisted": moved, "dram_only_chunks": left}
 
     def restore(self, backup_dirs: Sequence[str | Path]) -> dict[str, Any]:
         """Load a full backup then its incrementals (oldest first) into this fresh engine."""
