@@ -213,7 +213,7 @@ class _Both:
 
 # --- synthetic traces -------------------------------------------------------------------------
 
-SYNTHETIC_SHAPES = ("chat", "docs", "agent")
+SYNTHETIC_SHAPES = ("chat", "docs", "agent", "mix")
 SYNTHETIC_REQUESTS_MAX = 1_000_000
 
 
@@ -225,12 +225,14 @@ class _TraceBuilder:
         self._ids: dict[tuple[int, object], int] = {}
         self._cum_weights: dict[tuple[int, float], list[float]] = {}
         self.now_ms = 0.0
+        self.tag = 0  # a new tag starts a new namespace of segments (the mix's second half)
 
     def extend(self, prefix: list[int], segment: object, blocks: int) -> list[int]:
         out = list(prefix)
         for i in range(blocks):
             parent = out[-1] if out else -1
-            out.append(self._ids.setdefault((parent, (segment, i)), len(self._ids)))
+            key = (parent, (segment, i) if not self.tag else (self.tag, segment, i))
+            out.append(self._ids.setdefault(key, len(self._ids)))
         return out
 
     def zipf(self, n: int, s: float) -> int:
@@ -252,7 +254,8 @@ def generate_trace(shape: str, requests: int, seed: int = 0) -> list[Request]:
     chat: multi-turn conversations (each prompt extends the previous turn) over Zipf-popular
     system prompts, plus 15% one-off long documents. docs: questions over Zipf-popular shared
     documents behind a few system prompts, plus 30% one-off documents. agent: few long agent
-    sessions that grow by many short steps, little sharing between sessions.
+    sessions that grow by many short steps, little sharing between sessions. mix: the shape
+    changes halfway: `docs` for the first half of the requests, then `chat` over new prompts.
     """
     if shape not in SYNTHETIC_SHAPES:
         raise ValueError(f"unknown trace shape {shape!r}; valid: {', '.join(SYNTHETIC_SHAPES)}")
@@ -260,10 +263,18 @@ def generate_trace(shape: str, requests: int, seed: int = 0) -> list[Request]:
         raise ValueError(f"requests must be in 1..{SYNTHETIC_REQUESTS_MAX}, got {requests}")
     tb = _TraceBuilder(seed)
     if shape == "chat":
-        return _gen_sessions(tb, requests, systems=30, one_off=0.15, turns_mean=6, grow=(1, 4))
+        return _gen_chat(tb, requests)
     if shape == "agent":
         return _gen_sessions(tb, requests, systems=4, one_off=0.02, turns_mean=40, grow=(1, 2))
+    if shape == "mix":
+        first = _gen_docs(tb, requests // 2)
+        tb.tag = 1
+        return first + _gen_chat(tb, requests - requests // 2)
     return _gen_docs(tb, requests)
+
+
+def _gen_chat(tb: _TraceBuilder, requests: int) -> list[Request]:
+    return _gen_sessions(tb, requests, systems=30, one_off=0.15, turns_mean=6, grow=(1, 4))
 
 
 def _gen_sessions(
