@@ -35,6 +35,7 @@ import click
 from dpu_agent.eviction import DEFAULT_POLICY, POLICY_NAMES, make_policy
 
 __all__ = [
+    "BLOCK_BYTES_DEFAULT",
     "DEFAULT_FRACTIONS",
     "SYNTHETIC_SHAPES",
     "Request",
@@ -50,6 +51,8 @@ __all__ = [
 DEFAULT_FRACTIONS = (0.01, 0.02, 0.05, 0.10)
 TRACE_LINE_BYTES_MAX = 10_000_000  # one request line; 374 blocks is ~3 kB, a 1M-token one ~20 kB
 TRACE_REQUESTS_MAX = 10_000_000  # keeps a mistaken input from eating the box
+# two-tier load time: Mooncake's blocks are 512 tokens, Llama-3-8B's KV is 128 KiB per token
+BLOCK_BYTES_DEFAULT = 512 * 128 * 1024
 INF = math.inf
 
 
@@ -421,7 +424,8 @@ def _format_table(report: dict[str, Any]) -> str:
     "--trace",
     "trace_path",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="JSON-lines trace (timestamp ms, hash_ids), as in shared/traces/README.md.",
+    help="JSON-lines trace (timestamp ms, hash_ids), as in docs/EVICTION.md. With --family: "
+    "a real trace added to the report set.",
 )
 @click.option(
     "--synthetic",
@@ -446,6 +450,33 @@ def _format_table(report: dict[str, Any]) -> str:
     help="The policy whose hit_rate and gap_closed are reported.",
 )
 @click.option("--all", "all_policies", is_flag=True, help="Also replay every other policy.")
+@click.option(
+    "--family",
+    is_flag=True,
+    help="Replay the whole trace family (choose and report sets, plus --trace if given): best "
+    "fixed policy per cell and the --policy's gap to it, as a Markdown table.",
+)
+@click.option(
+    "--jobs",
+    type=click.IntRange(1, 64),
+    default=1,
+    show_default=True,
+    help="Worker processes for --family.",
+)
+@click.option(
+    "--dram-fraction",
+    type=float,
+    help="Two tiers: DRAM size as a fraction of distinct blocks (with --nvme-fraction): hits "
+    "per tier and expected load time per request, with and without promotion.",
+)
+@click.option("--nvme-fraction", type=float, help="Two tiers: NVMe size, as --dram-fraction.")
+@click.option(
+    "--block-bytes",
+    type=click.IntRange(1),
+    default=BLOCK_BYTES_DEFAULT,
+    show_default=True,
+    help="Bytes per block for the two-tier load time (default: 512 tokens of Llama-3-8B bf16).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report.")
 @click.option(
     "--plot",
@@ -460,12 +491,22 @@ def replay_command(
     fractions: tuple[float, ...],
     policy: str,
     all_policies: bool,
+    family: bool,
+    jobs: int,
+    dram_fraction: float | None,
+    nvme_fraction: float | None,
+    block_bytes: int,
     as_json: bool,
     plot: Path | None,
 ) -> None:
     """Replay a prefix-cache trace: hit rate of a policy against LRU and Belady's optimum."""
+    if family:
+        _family_command(trace_path, synthetic, fractions, policy, jobs, as_json)
+        return
     if (trace_path is None) == (synthetic is None):
         raise click.UsageError("give exactly one of --trace FILE or --synthetic SHAPE")
+    if (dram_fraction is None) != (nvme_fraction is None):
+        raise click.UsageError("give both --dram-fraction and --nvme-fraction, or neither")
     try:
         if trace_path is not None:
             trace, name = load_trace(trace_path), str(trace_path)
@@ -473,6 +514,15 @@ def replay_command(
             assert synthetic is not None
             trace = generate_trace(synthetic, requests, seed)
             name = f"synthetic:{synthetic}:requests={requests}:seed={seed}"
+        if dram_fraction is not None and nvme_fraction is not None:
+            from dpu_agent.bench.replay_tiers import format_two_tiers, two_tier_report
+
+            tiers = two_tier_report(
+                trace, policy, dram_fraction, nvme_fraction, block_bytes=block_bytes
+            )
+            tiers["trace"] = name
+            click.echo(json.dumps(tiers, indent=2) if as_json else format_two_tiers(tiers))
+            return
         names = POLICY_NAMES if (all_policies or plot) else (policy,)
         rows = replay(trace, fractions or DEFAULT_FRACTIONS, policy, names)
     except ValueError as e:
@@ -481,3 +531,39 @@ def replay_command(
     if plot is not None:
         plot_report(report, plot)
     click.echo(json.dumps(report, indent=2) if as_json else _format_table(report))
+
+
+def _family_command(
+    trace_path: Path | None,
+    synthetic: str | None,
+    fractions: tuple[float, ...],
+    policy: str,
+    jobs: int,
+    as_json: bool,
+) -> None:
+    from dpu_agent.bench.replay_family import (
+        CHOOSE_SET,
+        REPORT_SET,
+        FamilyTrace,
+        format_family,
+        policy_memory_bytes,
+        run_family,
+    )
+
+    if synthetic is not None:
+        raise click.UsageError("--family replays its own synthetic traces; drop --synthetic")
+    traces = [*CHOOSE_SET, *REPORT_SET]
+    if trace_path is not None:
+        traces.append(FamilyTrace(role="report", path=trace_path))
+    try:
+        for f in fractions:
+            if not 0.0 < f <= 1.0:
+                raise ValueError(f"capacity fraction must be in (0, 1], got {f}")
+        rows = run_family(traces, fractions or DEFAULT_FRACTIONS, policy, jobs)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    memory = {n: policy_memory_bytes(n) for n in rows[0]["policies"]}
+    if as_json:
+        click.echo(json.dumps({"cells": rows, "memory_bytes_per_item": memory}, indent=2))
+    else:
+        click.echo(format_family(rows, memory))

@@ -52,11 +52,11 @@ CANDIDATES: dict[str, Callable[[int], EvictionPolicy]] = {
 # Items per shadow at most. SHARDS finds rates of 0.1-1% accurate on large traces; 1024
 # sampled items keep each shadow's hit rate within a fraction of a point of the full cache's
 # on the choose set of the trace family (docs/EVICTION.md), at ~0.5 MB for all seven.
-SHADOW_ITEMS_MAX = 1024
+SHADOW_ITEMS_MAX = 16384
 SAMPLE_SHIFT_MAX = 24  # the sample hash has 24 bits: R >= 2^-24
-HALF_LIFE_TURNOVERS = 8.0  # scores halve every 8 shadow turnovers of sampled references
+HALF_LIFE_TURNOVERS = 32.0  # scores halve every 32 shadow turnovers of sampled references
 SWITCH_MARGIN = 0.002  # a challenger must lead by 0.2% of the decayed references
-SWITCH_Z = 3.0  # ... and by 3 standard errors of its per-request lead
+SWITCH_Z = 2.0  # ... and by 2 standard errors of its per-request lead
 _HASH_MULTIPLIER = 0x9E3779B97F4A7C15  # Fibonacci hashing: the top bits mix every id bit
 _MASK64 = (1 << 64) - 1
 

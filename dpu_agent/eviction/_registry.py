@@ -15,7 +15,7 @@ from dpu_agent.eviction._s3fifo import S3FifoPolicy
 
 __all__ = ["DEFAULT_POLICY", "POLICY_NAMES", "make_policy"]
 
-DEFAULT_POLICY = "prefix-run"
+DEFAULT_POLICY = "adaptive"
 
 _FACTORIES: dict[str, Callable[[int], EvictionPolicy]] = {
     "lru": LruPolicy,
