@@ -10,8 +10,8 @@ import pytest
 from dpu_agent.bench.replay import generate_trace
 from dpu_agent.eviction import (
     DEFAULT_POLICY,
-    AdaptivePolicy,
     POLICY_NAMES,
+    AdaptivePolicy,
     ClockPolicy,
     EvictionPolicy,
     Lru2Policy,

@@ -42,7 +42,7 @@ class _Tiers:
 
     def __init__(self, policy: str, dram_blocks: int, nvme_blocks: int) -> None:
         self.dram = make_policy(policy, dram_blocks)
-        self.nvme = make_policy(policy, nvme_blocks)
+        self.nvme = make_policy(policy, max(1, nvme_blocks))  # holds nothing when 0
         self.caps = (dram_blocks, nvme_blocks)
         self.parent: dict[int, int | None] = {}  # cached blocks only
         self.last_use: dict[int, float] = {}  # cached blocks only
