@@ -543,6 +543,7 @@ def _family_command(
 ) -> None:
     from dpu_agent.bench.replay_family import (
         CHOOSE_SET,
+        HELD_OUT_SET,
         REPORT_SET,
         FamilyTrace,
         format_family,
@@ -552,7 +553,7 @@ def _family_command(
 
     if synthetic is not None:
         raise click.UsageError("--family replays its own synthetic traces; drop --synthetic")
-    traces = [*CHOOSE_SET, *REPORT_SET]
+    traces = [*CHOOSE_SET, *REPORT_SET, *HELD_OUT_SET]
     if trace_path is not None:
         traces.append(FamilyTrace(role="report", path=trace_path))
     try:

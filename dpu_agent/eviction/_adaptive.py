@@ -16,10 +16,11 @@ Two parts, both fed every reference the tier sees:
   would exceed `shadow_items_max` (SHARDS's fixed-size variant: the samples above the new
   threshold are dropped), so shadow memory stays fixed whatever the tier's size.
 
-The leader is the candidate with the most exponentially decayed shadow hits (half-life
-`half_life_turnovers` shadow turnovers, so a change of workload shape is followed); a
-challenger takes over only when it leads by `switch_margin` of the decayed references, so
-near-ties do not thrash. The first leader is the first candidate (`prefix-run`).
+Shadow hits decay (half-life `half_life_turnovers` shadow turnovers, so a change of workload
+shape is followed). A challenger takes over when its lead over the leader is at least
+`switch_margin` of the decayed references and `switch_z` standard errors of the per-request
+hit differences (hits come in bursts of whole chains, so a small lead is usually noise, and
+switching on noise costs hits). The first leader is the first candidate (`prefix-run`).
 
 Items are ids, as for every policy; a request's blocks share `now` (the replay and the engine
 both pass one clock reading per request), which is how a shadow tells one request from the
@@ -49,14 +50,22 @@ CANDIDATES: dict[str, Callable[[int], EvictionPolicy]] = {
     "clock": ClockPolicy,
     "lru": LruPolicy,
 }
-# Items per shadow at most. SHARDS finds rates of 0.1-1% accurate on large traces; 1024
-# sampled items keep each shadow's hit rate within a fraction of a point of the full cache's
-# on the choose set of the trace family (docs/EVICTION.md), at ~0.5 MB for all seven.
+# Items per shadow at most: the shadows' fixed memory (7 x 16,384 items). Below
+# this the shadows simulate every id (R = 1); sampling a prefix tree flatters the candidates
+# that evict parents first (an evicted unsampled ancestor is invisible to the shadow), which
+# cost 0.3 points on the `mix` choose trace at R = 1/4 (docs/EVICTION.md).
 SHADOW_ITEMS_MAX = 16384
 SAMPLE_SHIFT_MAX = 24  # the sample hash has 24 bits: R >= 2^-24
+# Chosen on the choose set of the trace family only (docs/EVICTION.md): 8 turnovers followed
+# noise, 128 did no better than 32; without a significance test the leader flipped on noise.
 HALF_LIFE_TURNOVERS = 32.0  # scores halve every 32 shadow turnovers of sampled references
-SWITCH_MARGIN = 0.002  # a challenger must lead by 0.2% of the decayed references
-SWITCH_Z = 2.0  # ... and by 2 standard errors of its per-request lead
+SWITCH_MARGIN = 0.01  # a challenger must lead by a point of the decayed references
+SWITCH_Z = 3.0  # ... and by 3 standard errors of its per-request lead
+WARMUP_TURNOVERS = 8.0  # no switch before the shadows saw 8 turnovers of sampled references
+# Followers whose victim() moves their own state on (S3-FIFO's small-to-main moves, CLOCK's
+# hand): asked for a victim at every eviction even when not leading, so that state stays what
+# it would be if they led (otherwise a switch to them starts from a stale split and loses hits)
+_STATEFUL_VICTIM = frozenset({"s3fifo", "clock"})
 _HASH_MULTIPLIER = 0x9E3779B97F4A7C15  # Fibonacci hashing: the top bits mix every id bit
 _MASK64 = (1 << 64) - 1
 
@@ -118,6 +127,7 @@ class AdaptivePolicy(EvictionPolicy):
         half_life_turnovers: float = HALF_LIFE_TURNOVERS,
         switch_margin: float = SWITCH_MARGIN,
         switch_z: float = SWITCH_Z,
+        warmup_turnovers: float = WARMUP_TURNOVERS,
     ) -> None:
         super().__init__(capacity)
         assert candidates and set(candidates) <= set(CANDIDATES), candidates
@@ -130,6 +140,9 @@ class AdaptivePolicy(EvictionPolicy):
         self._half_life = half_life_turnovers
         self._margin = switch_margin
         self._z = switch_z
+        self._warmup = warmup_turnovers
+        self._refs_total = 0  # sampled references, not decayed
+        self._exercised = [i for i, n in enumerate(self._names) if n in _STATEFUL_VICTIM]
         self._shift = 0  # sampling rate 2^-shift
         self._held_max = 0
         self._refs = 0.0  # decayed sampled references
@@ -181,6 +194,9 @@ class AdaptivePolicy(EvictionPolicy):
         del self._up[item]
 
     def victim(self, evictable: Evictable) -> int | None:
+        for i in self._exercised:
+            if i != self._leader:
+                self._followers[i].victim(evictable)  # its own aging moves on; nothing leaves
         return self._followers[self._leader].victim(evictable)
 
     def __len__(self) -> int:
@@ -212,6 +228,7 @@ class AdaptivePolicy(EvictionPolicy):
             s.reference(item, up, now, capacity, evictable)
         self._refs += 1.0
         self._refs_since_decay += 1
+        self._refs_total += 1
 
     def _end_request(self) -> None:
         """Score the request that just ended, decay, and elect."""
@@ -242,6 +259,8 @@ class AdaptivePolicy(EvictionPolicy):
         """A challenger takes over when its lead over the leader is large (`switch_margin` of
         the references) and significant (`SWITCH_Z` standard errors of the per-request
         differences): hits come in bursts of a whole chain, so a small lead is often noise."""
+        if self._refs_total < self._warmup * self._shadow_capacity():
+            return
         lead = self._leader
         best = max(range(len(self._shadows)), key=lambda i: self._lead_sum[i][lead])
         margin = self._lead_sum[best][lead]
