@@ -186,3 +186,30 @@ def test_promoted_chunk_survives_a_clean_restart(tmp_path: Path) -> None:
         assert eng.stats("acme")["integrity_failures"] == 0
     finally:
         eng.close()
+
+
+def test_promoted_chunk_is_not_resurrected_on_reused_nvme_blocks_after_a_crash(
+    tmp_path: Path,
+) -> None:
+    """The move journals a delete of the NVMe record: after kill -9 the (volatile) promoted
+    chunk is a miss, never a record pointing at NVMe blocks that were freed by the move and
+    overwritten since (here by a write whose commit the crash prevented)."""
+    clock = FakeClock()
+    eng = make(tmp_path, clock)
+    chunks = fill_and_demote(eng, clock)
+    key, _ = chunks[0]
+    old = eng.lookup("acme", [key], lease=False).hits[0]
+    assert old.nsid == NVME + 1
+    eng.get_chunk("acme", key)
+    assert eng.tick()["promoted"] == 1
+    eng.namespaces("acme")[old.nsid].write(old.lba, memoryview(os.urandom(old.block_count * BS)))
+    eng._sync()
+    eng._journal.close()  # what process death does: files stay as written, the lock goes
+    eng = make(tmp_path, clock)
+    try:
+        assert eng.get_chunk("acme", key) is None  # lost with DRAM, as any DRAM chunk
+        assert eng.stats("acme")["integrity_failures"] == 0  # no stale record was recovered
+        for k, d in chunks[1:]:
+            assert eng.get_chunk("acme", k) in (None, d)  # DRAM ones lost, NVMe ones intact
+    finally:
+        eng.close()

@@ -472,3 +472,28 @@ def test_adaptive_shadows_stay_within_their_budget() -> None:
 def test_adaptive_rejects_unknown_candidates() -> None:
     with pytest.raises(AssertionError):
         AdaptivePolicy(10, candidates=("lru", "mru"))
+
+
+def test_adaptive_does_not_switch_during_warm_up() -> None:
+    trace, capacity = agent_trace()
+    policy = AdaptivePolicy(capacity, candidates=("lru", "prefix"), warmup_turnovers=1e9)
+    assert replay_hits(policy, capacity, trace) == replay_hits(
+        make_policy("lru", capacity), capacity, trace
+    )
+    assert policy.switches == 0 and policy.leader == "lru"
+
+
+def test_adaptive_ages_an_s3fifo_follower_that_does_not_lead() -> None:
+    """S3-FIFO moves reused items from its small queue to its main queue in victim(): a
+    follower that never led still does, so a switch to it starts from its own split."""
+    policy = AdaptivePolicy(20, candidates=("prefix", "s3fifo"), warmup_turnovers=1e9)
+    for i in range(100):
+        if len(policy) >= 20:
+            victim = policy.victim(always)
+            assert victim is not None
+            policy.remove(victim)
+        policy.insert(i, None, float(i))
+        policy.access(i, float(i) + 0.5)  # every item reused once
+    s3fifo = policy._followers[1]
+    assert isinstance(s3fifo, S3FifoPolicy)
+    assert len(s3fifo._main) > len(s3fifo._small)
