@@ -159,3 +159,23 @@ def test_two_tier_cli_measures_bandwidths() -> None:
     assert [r["promotion"] for r in report["results"]] == [True, False]
     result = CliRunner().invoke(replay_command, args)
     assert result.exit_code == 2 and "--nvme-fraction" in result.output
+
+
+def test_family_cli_prints_the_table_with_the_trace_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dpu_agent.bench.replay_family as fam
+
+    monkeypatch.setattr(fam, "CHOOSE_SET", (FamilyTrace(role="choose", shape="docs", requests=80),))
+    monkeypatch.setattr(fam, "REPORT_SET", ())
+    monkeypatch.setattr(fam, "HELD_OUT_SET", ())
+    monkeypatch.setattr(fam, "policy_memory_bytes", lambda name: 1.0)
+    args = ["--family", "--trace", str(SAMPLE), "--capacity-fraction", "0.05"]
+    result = CliRunner().invoke(replay_command, args)
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.output.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| trace | set |") and len(rows) == 1 + 2
+    assert "| docs seed 0, 80 req | choose | 5% (" in rows[1]
+    assert f"| {SAMPLE.name} | report | 5% (" in rows[2]
+    assert "cells within 0.5 points or above" in result.output
+    result = CliRunner().invoke(replay_command, [*args, "--json"])
+    report = json.loads(result.output)
+    assert len(report["cells"]) == 2 and set(report["memory_bytes_per_item"]) == set(POLICY_NAMES)
