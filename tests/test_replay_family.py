@@ -112,6 +112,8 @@ def test_family_rejects_synthetic_and_bad_fractions() -> None:
     assert result.exit_code == 2 and "--family" in result.output
     result = runner.invoke(replay_command, ["--family", "--capacity-fraction", "2"])
     assert result.exit_code == 2 and "fraction" in result.output
+    result = runner.invoke(replay_command, ["--family", "--dram-fraction", "0.1"])
+    assert result.exit_code == 2 and "one tier" in result.output
 
 
 # --- two tiers ---------------------------------------------------------------------------------

@@ -453,8 +453,8 @@ def _format_table(report: dict[str, Any]) -> str:
 @click.option(
     "--family",
     is_flag=True,
-    help="Replay the whole trace family (choose and report sets, plus --trace if given): best "
-    "fixed policy per cell and the --policy's gap to it, as a Markdown table.",
+    help="Replay the whole trace family (choose, report and held-out sets, plus --trace if "
+    "given): best fixed policy per cell and the --policy's gap to it, as a Markdown table.",
 )
 @click.option(
     "--jobs",
@@ -501,6 +501,8 @@ def replay_command(
 ) -> None:
     """Replay a prefix-cache trace: hit rate of a policy against LRU and Belady's optimum."""
     if family:
+        if dram_fraction is not None or nvme_fraction is not None:
+            raise click.UsageError("--family replays one tier; drop --dram/--nvme-fraction")
         _family_command(trace_path, synthetic, fractions, policy, jobs, as_json)
         return
     if (trace_path is None) == (synthetic is None):
