@@ -11,6 +11,7 @@ from dpu_agent.bench.replay import generate_trace
 from dpu_agent.eviction import (
     DEFAULT_POLICY,
     POLICY_NAMES,
+    AdaptivePolicy,
     ClockPolicy,
     EvictionPolicy,
     Lru2Policy,
@@ -38,7 +39,7 @@ def filled(name: str, items: list[int], capacity: int = 100) -> EvictionPolicy:
 
 def test_make_policy_names_and_default() -> None:
     assert set(POLICY_NAMES) >= {"lru", "lru2", "clock", "s3fifo", "arc", "prefix", "prefix-run"}
-    assert DEFAULT_POLICY == "prefix-run"
+    assert "adaptive" in POLICY_NAMES
     for name in POLICY_NAMES:
         assert make_policy(name, 10).name == name
 
@@ -383,3 +384,116 @@ def test_prefix_run_honours_evictable_and_remove() -> None:
     assert policy.victim(always) == 18
     assert policy.victim(lambda i: i in {10, 11}) == 11  # no leaf evictable: deepest parent
     assert 19 not in policy and len(policy) == 11
+
+
+# --- adaptive: victims from whichever candidate's miniature cache hits most -------------------
+
+
+def replay_hits(policy: EvictionPolicy, capacity: int, trace: list[tuple[int, ...]]) -> int:
+    """Prefix hits; a request longer than the cache stores what fits (as the replay does)."""
+    hits = 0
+    for now, ids in enumerate(trace):
+        hits += next((n for n, b in enumerate(ids) if b not in policy), len(ids))
+        parent = None
+        for b in ids:
+            if b in policy:
+                policy.access(b, float(now))
+            else:
+                if len(policy) >= capacity:
+                    victim = policy.victim(outside(set(ids)))
+                    if victim is None:
+                        break
+                    policy.remove(victim)
+                policy.insert(b, parent, float(now))
+            parent = b
+    return hits
+
+
+def agent_trace(requests: int = 500) -> tuple[list[tuple[int, ...]], int]:
+    trace = [r.hash_ids for r in generate_trace("agent", requests, seed=4)]
+    return trace, len({b for ids in trace for b in ids}) // 20
+
+
+def test_adaptive_is_the_default_and_follows_the_better_candidate() -> None:
+    """On agent sessions `prefix` beats `lru` by far: starting from `lru`, the adaptive policy
+    switches to `prefix` and ends close to it; starting from `prefix` it never leaves it."""
+    assert DEFAULT_POLICY == "adaptive"
+    trace, capacity = agent_trace()
+    lru = replay_hits(make_policy("lru", capacity), capacity, trace)
+    prefix = replay_hits(make_policy("prefix", capacity), capacity, trace)
+    assert prefix > 1.1 * lru
+    late = AdaptivePolicy(capacity, candidates=("lru", "prefix"))
+    got = replay_hits(late, capacity, trace)
+    assert late.leader == "prefix" and late.switches >= 1
+    assert got > lru + 0.6 * (prefix - lru)  # the rest: warm-up, evidence, the transition
+    stays = AdaptivePolicy(capacity, candidates=("prefix", "lru"))
+    assert replay_hits(stays, capacity, trace) == prefix  # same victims as `prefix` alone
+    assert stays.switches == 0
+
+
+def test_adaptive_switch_keeps_every_cached_item() -> None:
+    """Switching leader changes which follower picks victims; nothing is flushed."""
+    trace, capacity = agent_trace(300)
+    policy = AdaptivePolicy(capacity, candidates=("lru", "prefix"))
+    cached: set[int] = set()
+    for now, ids in enumerate(trace):
+        leader = policy.leader
+        parent = None
+        for b in ids:
+            if b in policy:
+                policy.access(b, float(now))
+            else:
+                if len(policy) >= capacity:
+                    victim = policy.victim(outside(set(ids)))
+                    if victim is None:
+                        break
+                    policy.remove(victim)
+                    cached.discard(victim)
+                policy.insert(b, parent, float(now))
+                cached.add(b)
+            parent = b
+        if policy.leader != leader:
+            assert len(policy) == len(cached) and all(i in policy for i in cached)
+    assert policy.switches >= 1
+
+
+def test_adaptive_shadows_stay_within_their_budget() -> None:
+    """SHARDS: the sampling rate halves as the tier grows; each shadow holds <= the budget."""
+    policy = AdaptivePolicy(10_000, shadow_items_max=64)
+    for i in range(5000):
+        policy.insert(i, i - 1 if i % 10 else None, float(i // 10))
+        if i % 3 == 0:
+            policy.access(i, float(i // 10) + 0.5)
+    assert policy.sample_rate <= 64 / 5000 * 2
+    assert all(len(s.items) <= 64 for s in policy._shadows)
+    assert len(policy) == 5000
+
+
+def test_adaptive_rejects_unknown_candidates() -> None:
+    with pytest.raises(AssertionError):
+        AdaptivePolicy(10, candidates=("lru", "mru"))
+
+
+def test_adaptive_does_not_switch_during_warm_up() -> None:
+    trace, capacity = agent_trace()
+    policy = AdaptivePolicy(capacity, candidates=("lru", "prefix"), warmup_turnovers=1e9)
+    assert replay_hits(policy, capacity, trace) == replay_hits(
+        make_policy("lru", capacity), capacity, trace
+    )
+    assert policy.switches == 0 and policy.leader == "lru"
+
+
+def test_adaptive_ages_an_s3fifo_follower_that_does_not_lead() -> None:
+    """S3-FIFO moves reused items from its small queue to its main queue in victim(): a
+    follower that never led still does, so a switch to it starts from its own split."""
+    policy = AdaptivePolicy(20, candidates=("prefix", "s3fifo"), warmup_turnovers=1e9)
+    for i in range(100):
+        if len(policy) >= 20:
+            victim = policy.victim(always)
+            assert victim is not None
+            policy.remove(victim)
+        policy.insert(i, None, float(i))
+        policy.access(i, float(i) + 0.5)  # every item reused once
+    s3fifo = policy._followers[1]
+    assert isinstance(s3fifo, S3FifoPolicy)
+    assert len(s3fifo._main) > len(s3fifo._small)

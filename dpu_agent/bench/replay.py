@@ -35,6 +35,7 @@ import click
 from dpu_agent.eviction import DEFAULT_POLICY, POLICY_NAMES, make_policy
 
 __all__ = [
+    "BLOCK_BYTES_DEFAULT",
     "DEFAULT_FRACTIONS",
     "SYNTHETIC_SHAPES",
     "Request",
@@ -50,6 +51,8 @@ __all__ = [
 DEFAULT_FRACTIONS = (0.01, 0.02, 0.05, 0.10)
 TRACE_LINE_BYTES_MAX = 10_000_000  # one request line; 374 blocks is ~3 kB, a 1M-token one ~20 kB
 TRACE_REQUESTS_MAX = 10_000_000  # keeps a mistaken input from eating the box
+# two-tier load time: Mooncake's blocks are 512 tokens, Llama-3-8B's KV is 128 KiB per token
+BLOCK_BYTES_DEFAULT = 512 * 128 * 1024
 INF = math.inf
 
 
@@ -213,7 +216,7 @@ class _Both:
 
 # --- synthetic traces -------------------------------------------------------------------------
 
-SYNTHETIC_SHAPES = ("chat", "docs", "agent")
+SYNTHETIC_SHAPES = ("chat", "docs", "agent", "mix")
 SYNTHETIC_REQUESTS_MAX = 1_000_000
 
 
@@ -225,12 +228,14 @@ class _TraceBuilder:
         self._ids: dict[tuple[int, object], int] = {}
         self._cum_weights: dict[tuple[int, float], list[float]] = {}
         self.now_ms = 0.0
+        self.tag = 0  # a new tag starts a new namespace of segments (the mix's second half)
 
     def extend(self, prefix: list[int], segment: object, blocks: int) -> list[int]:
         out = list(prefix)
         for i in range(blocks):
             parent = out[-1] if out else -1
-            out.append(self._ids.setdefault((parent, (segment, i)), len(self._ids)))
+            key = (parent, (segment, i) if not self.tag else (self.tag, segment, i))
+            out.append(self._ids.setdefault(key, len(self._ids)))
         return out
 
     def zipf(self, n: int, s: float) -> int:
@@ -252,7 +257,8 @@ def generate_trace(shape: str, requests: int, seed: int = 0) -> list[Request]:
     chat: multi-turn conversations (each prompt extends the previous turn) over Zipf-popular
     system prompts, plus 15% one-off long documents. docs: questions over Zipf-popular shared
     documents behind a few system prompts, plus 30% one-off documents. agent: few long agent
-    sessions that grow by many short steps, little sharing between sessions.
+    sessions that grow by many short steps, little sharing between sessions. mix: the shape
+    changes halfway: `docs` for the first half of the requests, then `chat` over new prompts.
     """
     if shape not in SYNTHETIC_SHAPES:
         raise ValueError(f"unknown trace shape {shape!r}; valid: {', '.join(SYNTHETIC_SHAPES)}")
@@ -260,10 +266,18 @@ def generate_trace(shape: str, requests: int, seed: int = 0) -> list[Request]:
         raise ValueError(f"requests must be in 1..{SYNTHETIC_REQUESTS_MAX}, got {requests}")
     tb = _TraceBuilder(seed)
     if shape == "chat":
-        return _gen_sessions(tb, requests, systems=30, one_off=0.15, turns_mean=6, grow=(1, 4))
+        return _gen_chat(tb, requests)
     if shape == "agent":
         return _gen_sessions(tb, requests, systems=4, one_off=0.02, turns_mean=40, grow=(1, 2))
+    if shape == "mix":
+        first = _gen_docs(tb, requests // 2)
+        tb.tag = 1
+        return first + _gen_chat(tb, requests - requests // 2)
     return _gen_docs(tb, requests)
+
+
+def _gen_chat(tb: _TraceBuilder, requests: int) -> list[Request]:
+    return _gen_sessions(tb, requests, systems=30, one_off=0.15, turns_mean=6, grow=(1, 4))
 
 
 def _gen_sessions(
@@ -410,7 +424,8 @@ def _format_table(report: dict[str, Any]) -> str:
     "--trace",
     "trace_path",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="JSON-lines trace (timestamp ms, hash_ids), as in shared/traces/README.md.",
+    help="JSON-lines trace (timestamp ms, hash_ids), as in docs/EVICTION.md. With --family: "
+    "a real trace added to the report set.",
 )
 @click.option(
     "--synthetic",
@@ -435,6 +450,33 @@ def _format_table(report: dict[str, Any]) -> str:
     help="The policy whose hit_rate and gap_closed are reported.",
 )
 @click.option("--all", "all_policies", is_flag=True, help="Also replay every other policy.")
+@click.option(
+    "--family",
+    is_flag=True,
+    help="Replay the whole trace family (choose, report and held-out sets, plus --trace if "
+    "given): best fixed policy per cell and the --policy's gap to it, as a Markdown table.",
+)
+@click.option(
+    "--jobs",
+    type=click.IntRange(1, 64),
+    default=1,
+    show_default=True,
+    help="Worker processes for --family.",
+)
+@click.option(
+    "--dram-fraction",
+    type=float,
+    help="Two tiers: DRAM size as a fraction of distinct blocks (with --nvme-fraction): hits "
+    "per tier and expected load time per request, with and without promotion.",
+)
+@click.option("--nvme-fraction", type=float, help="Two tiers: NVMe size, as --dram-fraction.")
+@click.option(
+    "--block-bytes",
+    type=click.IntRange(1),
+    default=BLOCK_BYTES_DEFAULT,
+    show_default=True,
+    help="Bytes per block for the two-tier load time (default: 512 tokens of Llama-3-8B bf16).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report.")
 @click.option(
     "--plot",
@@ -449,12 +491,24 @@ def replay_command(
     fractions: tuple[float, ...],
     policy: str,
     all_policies: bool,
+    family: bool,
+    jobs: int,
+    dram_fraction: float | None,
+    nvme_fraction: float | None,
+    block_bytes: int,
     as_json: bool,
     plot: Path | None,
 ) -> None:
     """Replay a prefix-cache trace: hit rate of a policy against LRU and Belady's optimum."""
+    if family:
+        if dram_fraction is not None or nvme_fraction is not None:
+            raise click.UsageError("--family replays one tier; drop --dram/--nvme-fraction")
+        _family_command(trace_path, synthetic, fractions, policy, jobs, as_json)
+        return
     if (trace_path is None) == (synthetic is None):
         raise click.UsageError("give exactly one of --trace FILE or --synthetic SHAPE")
+    if (dram_fraction is None) != (nvme_fraction is None):
+        raise click.UsageError("give both --dram-fraction and --nvme-fraction, or neither")
     try:
         if trace_path is not None:
             trace, name = load_trace(trace_path), str(trace_path)
@@ -462,6 +516,15 @@ def replay_command(
             assert synthetic is not None
             trace = generate_trace(synthetic, requests, seed)
             name = f"synthetic:{synthetic}:requests={requests}:seed={seed}"
+        if dram_fraction is not None and nvme_fraction is not None:
+            from dpu_agent.bench.replay_tiers import format_two_tiers, two_tier_report
+
+            tiers = two_tier_report(
+                trace, policy, dram_fraction, nvme_fraction, block_bytes=block_bytes
+            )
+            tiers["trace"] = name
+            click.echo(json.dumps(tiers, indent=2) if as_json else format_two_tiers(tiers))
+            return
         names = POLICY_NAMES if (all_policies or plot) else (policy,)
         rows = replay(trace, fractions or DEFAULT_FRACTIONS, policy, names)
     except ValueError as e:
@@ -470,3 +533,40 @@ def replay_command(
     if plot is not None:
         plot_report(report, plot)
     click.echo(json.dumps(report, indent=2) if as_json else _format_table(report))
+
+
+def _family_command(
+    trace_path: Path | None,
+    synthetic: str | None,
+    fractions: tuple[float, ...],
+    policy: str,
+    jobs: int,
+    as_json: bool,
+) -> None:
+    from dpu_agent.bench.replay_family import (
+        CHOOSE_SET,
+        HELD_OUT_SET,
+        REPORT_SET,
+        FamilyTrace,
+        format_family,
+        policy_memory_bytes,
+        run_family,
+    )
+
+    if synthetic is not None:
+        raise click.UsageError("--family replays its own synthetic traces; drop --synthetic")
+    traces = [*CHOOSE_SET, *REPORT_SET, *HELD_OUT_SET]
+    if trace_path is not None:
+        traces.append(FamilyTrace(role="report", path=trace_path))
+    try:
+        for f in fractions:
+            if not 0.0 < f <= 1.0:
+                raise ValueError(f"capacity fraction must be in (0, 1], got {f}")
+        rows = run_family(traces, fractions or DEFAULT_FRACTIONS, policy, jobs)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    memory = {n: policy_memory_bytes(n) for n in rows[0]["policies"]}
+    if as_json:
+        click.echo(json.dumps({"cells": rows, "memory_bytes_per_item": memory}, indent=2))
+    else:
+        click.echo(format_family(rows, memory))

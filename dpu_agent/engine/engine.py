@@ -24,6 +24,7 @@ from dpu_agent.engine._core import (
     _RECORDS,
     _USED,
     COUNT_MAX,
+    SMALL_FRACTION,
     EngineCore,
     _check_key,
 )
@@ -32,6 +33,7 @@ from dpu_agent.engine.index import NO_ROW, STATE_LIVE
 from dpu_agent.engine.journal import (
     OP_UNQUARANTINE,
     JournalError,
+    pack_delete,
     pack_extent,
     pack_tenant_remove,
 )
@@ -47,11 +49,32 @@ log = get_logger(__name__)
 CHUNKS_PAGE_MAX = 1000  # rows of `dpuctl chunks ls` per request: ~150 KB, well under a frame
 DEMOTIONS_PER_TICK_MAX = 256  # bounds one tick's work; the next tick goes on
 DEMOTION_BYTES_PER_TICK_MAX = 256 << 20  # ~0.1-0.2 s of copying (XTS + checksum) per tick
+PROMOTIONS_PER_TICK_MAX = 256  # as for demotions: bounds one tick's work, the next goes on
+PROMOTION_BYTES_PER_TICK_MAX = 128 << 20  # NVMe reads at ~1.4 GB/s: under 0.1 s per tick
+# Hot: read at least twice, the last two reads at most this far apart (LRU-2's test of a
+# second reference); a conversation's think time is tens of seconds
+PROMOTE_REREAD_S = 60.0
 
 
 @dataclass(slots=True, kw_only=True)
 class _Demotion:
     """A DRAM chunk being copied to NVMe outside the lock (its DRAM extent leased meanwhile)."""
+
+    ts: TenantState
+    row: int
+    seq: int
+    key: bytes
+    checksum: bytes
+    src: int
+    dst: int
+    block_count: int
+    length: int
+    lease: Lease
+
+
+@dataclass(slots=True, kw_only=True)
+class _Promotion:
+    """An NVMe chunk being copied to DRAM outside the lock (its NVMe extent leased meanwhile)."""
 
     ts: TenantState
     row: int
@@ -84,6 +107,7 @@ class Engine(EngineCore):
             clock=clock,
             wall_clock=wall_clock,
         )
+        self._promote_since = 0.0  # engine-clock time of the last promotion scan
         r = self.recovery_report
         if r.torn_segments or r.damaged_frames or r.checkpoints_damaged or r.dropped_records:
             # a verified checkpoint of what survived, now: a later crash replays from it
@@ -267,6 +291,7 @@ class Engine(EngineCore):
                     "misses",
                     "evictions",
                     "demotions",
+                    "promotions",
                     "integrity_failures",
                 )
             }
@@ -306,6 +331,7 @@ class Engine(EngineCore):
             "misses": ts.misses,
             "evictions": ts.evictions,
             "demotions": ts.demotions,
+            "promotions": ts.promotions,
             "integrity_failures": ts.integrity_failures,
             "leases": sum(1 for le in self._leases.values() if le.tenant_id == ts.tenant_id),
             "reservations": sum(
@@ -389,12 +415,14 @@ class Engine(EngineCore):
         if synced:
             self._sync()  # outside the lock: lookups go on while the disk flushes
         demoted = self._background_demote() if self._fence is None else 0
+        promoted = self._background_promote() if self._fence is None else 0
         if due:
             self.checkpoint()
         return {
             "reservations_expired": reservations,
             "leases_expired": leases,
             "demoted": demoted,
+            "promoted": promoted,
             "synced": int(synced),
             "checkpointed": int(due),
         }
@@ -520,6 +548,119 @@ class Engine(EngineCore):
         self._track(ts, NVME, row, self._clock())
         ts.demotions += 1
         _EVICTIONS.labels(ts.name, "dram", "demote").inc()
+        return 1
+
+    # --- background promotion: hot NVMe chunks back to DRAM, copied outside the lock ----------
+
+    def _background_promote(self) -> int:
+        """Move NVMe chunks read twice within PROMOTE_REREAD_S (since the last scan) to free
+        DRAM, hottest first; returns the count. Promotions use DRAM's free space only, keeping
+        half of the `dram_free_fraction` target for writes; the next tick's demotion restores
+        the target by demoting the DRAM policy's victims."""
+        with self._lock:
+            candidates = self._promotion_candidates()
+        moved = copied = 0
+        for row, seq in candidates:
+            if copied >= PROMOTION_BYTES_PER_TICK_MAX:
+                break
+            with self._lock:
+                job = self._start_promotion(row, seq)
+            if job is None:
+                continue
+            try:
+                ok = self._copy_promotion(job)
+            except BlockDeviceError as e:  # a tier's device failed: the chunk stays on NVMe
+                with self._lock:
+                    self._unlease(job.lease)
+                    job.ts.tiers[DRAM].alloc.free(job.dst, job.block_count)
+                log.warning("engine.promotion_failed", tenant=job.ts.name, error=str(e))
+                break
+            copied += job.block_count * BLOCK_SIZE
+            with self._lock:
+                try:
+                    moved += self._finish_promotion(job, ok)
+                except JournalUnavailable:
+                    break  # fenced; the chunk stays on NVMe
+        return moved
+
+    def _promotion_candidates(self) -> list[tuple[int, int]]:
+        """(row, seq) of the NVMe chunks that turned hot since the last scan, hottest first."""
+        self._check_open()
+        cols = self._index.cols
+        since, self._promote_since = self._promote_since, self._clock() - self._epoch
+        live = self._index.live_rows()
+        rows = live[cols["tier"][live] == NVME]
+        last, prev = cols["last_access"][rows], cols["prev_access"][rows]
+        hot = (last >= since) & (cols["access_count"][rows] >= 2)
+        hot &= last - prev <= PROMOTE_REREAD_S
+        rows = rows[hot]
+        rows = rows[np.argsort(-cols["last_access"][rows], kind="stable")]
+        rows = rows[:PROMOTIONS_PER_TICK_MAX]
+        return list(zip(rows.tolist(), cols["seq"][rows].tolist(), strict=True))
+
+    def _start_promotion(self, row: int, seq: int) -> _Promotion | None:
+        """Lease the NVMe extent and allocate free DRAM for it; None if it changed or no room."""
+        cols = self._index.cols
+        if cols["state"][row] != STATE_LIVE or int(cols["seq"][row]) != seq:
+            return None  # deleted, replaced or moved since the scan
+        ts = self._by_id[int(cols["tenant"][row])]
+        dram = ts.tiers[DRAM]
+        n, src = int(cols["block_count"][row]), int(cols["lba"][row])
+        keep = int(dram.alloc.block_count * self.config.dram_free_fraction) // 2
+        if n > dram.alloc.block_count // SMALL_FRACTION or dram.alloc.free_blocks < n + keep:
+            return None  # placement: only small chunks go to DRAM, and only into free room
+        dst = dram.alloc.alloc(n)
+        if dst is None:
+            return None  # free, but fragmented
+        self._lease_extent(ts.tenant_id, NVME, src, row)
+        lease = Lease(
+            lease_id=0, tenant_id=ts.tenant_id, extents=[(NVME, src, n, row)], expires=float("inf")
+        )
+        return _Promotion(ts=ts, row=row, seq=seq, key=self._index.key_of(row),
+                          checksum=self._checksum(row), src=src, dst=dst, block_count=n,
+                          length=int(cols["length"][row]), lease=lease)  # fmt: skip
+
+    def _copy_promotion(self, job: _Promotion) -> bool:
+        buf = bytearray(job.block_count * BLOCK_SIZE)
+        job.ts.tiers[NVME].device.read_into(job.src, memoryview(buf))
+        if chunk_checksum(job.key, memoryview(buf)[: job.length]) != job.checksum:
+            return False
+        job.ts.tiers[DRAM].device.write(job.dst, memoryview(buf))
+        return True
+
+    def _finish_promotion(self, job: _Promotion, ok: bool) -> int:
+        """Switch the record to DRAM unless it changed meanwhile. Readers that leased the NVMe
+        extent keep it: it is freed when their last lease ends (the deferred release)."""
+        ts, row, cols = job.ts, job.row, self._index.cols
+        self._unlease(job.lease)
+        same = cols["state"][row] == STATE_LIVE and int(cols["seq"][row]) == job.seq
+        if not same or not ok:
+            ts.tiers[DRAM].alloc.free(job.dst, job.block_count)
+            if same and not ok:
+                self._integrity_failure(ts, row)  # quarantines the NVMe extent
+            return 0
+        # DRAM is volatile: the persistent record ends here (a restart must not find it
+        # pointing at NVMe blocks that are reused); close() demotes DRAM chunks back. Journal
+        # first: if it cannot be written, nothing changes (and writes are fenced).
+        try:
+            self._wal(pack_delete(ts.tenant_id, self._next_seq(), job.key))
+        except JournalUnavailable:
+            ts.tiers[DRAM].alloc.free(job.dst, job.block_count)
+            raise
+        self._untrack(ts, NVME, row)
+        k = (ts.tenant_id, NVME, job.src)
+        if k in self._extent_leases:
+            self._deferred[k] = (job.block_count, False)
+            cols["lease"][row] = 0  # every lease on the row was on the NVMe extent
+        else:
+            ts.tiers[NVME].alloc.free(job.src, job.block_count)
+        cols["tier"][row] = DRAM
+        cols["lba"][row] = job.dst
+        cols["generation"][row] = ts.tiers[DRAM].devices.key_generation
+        cols["seq"][row] = self._next_seq()
+        self._track(ts, DRAM, row, self._clock())
+        ts.promotions += 1
+        _EVICTIONS.labels(ts.name, "nvme", "promote").inc()
         return 1
 
     def _sync(self) -> None:

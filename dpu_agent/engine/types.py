@@ -126,6 +126,7 @@ class TenantState:
     misses: int = 0
     evictions: int = 0
     demotions: int = 0
+    promotions: int = 0  # NVMe -> DRAM moves of chunks that turned hot
     integrity_failures: int = 0
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from dpu_agent.eviction._adaptive import AdaptivePolicy
 from dpu_agent.eviction._arc import ArcPolicy
 from dpu_agent.eviction._clock import ClockPolicy
 from dpu_agent.eviction._lru import Lru2Policy, LruPolicy
@@ -14,7 +15,7 @@ from dpu_agent.eviction._s3fifo import S3FifoPolicy
 
 __all__ = ["DEFAULT_POLICY", "POLICY_NAMES", "make_policy"]
 
-DEFAULT_POLICY = "prefix-run"
+DEFAULT_POLICY = "adaptive"
 
 _FACTORIES: dict[str, Callable[[int], EvictionPolicy]] = {
     "lru": LruPolicy,
@@ -24,6 +25,7 @@ _FACTORIES: dict[str, Callable[[int], EvictionPolicy]] = {
     "arc": ArcPolicy,
     "prefix": PrefixPolicy,
     "prefix-run": RunAwarePrefixPolicy,
+    "adaptive": AdaptivePolicy,
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
 

@@ -1,0 +1,282 @@
+"""`adaptive`: follow whichever candidate policy is doing best on the running workload.
+
+Two parts, both fed every reference the tier sees:
+
+- **Followers**: one instance of every candidate policy orders the items the tier actually
+  holds (full size; each gets every insert, access and remove). `victim()` asks the current
+  leader's follower. Because every follower always knows the tier's contents and history,
+  switching leader moves nothing and flushes nothing: the next victim simply comes from
+  another ordering of the same items.
+- **Shadows** (miniature simulations, SHARDS: Waldspurger et al., FAST 2015; the use of
+  miniature caches to choose a policy's parameters online follows Waldspurger et al.,
+  USENIX ATC 2017): one small independent cache per candidate, fed only a spatially sampled
+  subset of the ids (hash(id) mod 2^k == 0, rate R = 2^-k) and sized R x the items the tier
+  holds. Each shadow counts its own prefix hits (a sampled block hits when it is cached and
+  its nearest sampled ancestor hit in the same request). The rate halves whenever a shadow
+  would exceed `shadow_items_max` (SHARDS's fixed-size variant: the samples above the new
+  threshold are dropped), so shadow memory stays fixed whatever the tier's size.
+
+Shadow hits decay (half-life `half_life_turnovers` shadow turnovers, so a change of workload
+shape is followed). A challenger takes over when its lead over the leader is at least
+`switch_margin` of the decayed references and `switch_z` standard errors of the per-request
+hit differences (hits come in bursts of whole chains, so a small lead is usually noise, and
+switching on noise costs hits). The first leader is the first candidate (`prefix-run`).
+
+Items are ids, as for every policy; a request's blocks share `now` (the replay and the engine
+both pass one clock reading per request), which is how a shadow tells one request from the
+next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from dpu_agent.eviction._arc import ArcPolicy
+from dpu_agent.eviction._clock import ClockPolicy
+from dpu_agent.eviction._lru import Lru2Policy, LruPolicy
+from dpu_agent.eviction._policy import Evictable, EvictionPolicy
+from dpu_agent.eviction._prefix import PrefixPolicy
+from dpu_agent.eviction._prefix_run import RunAwarePrefixPolicy
+from dpu_agent.eviction._s3fifo import S3FifoPolicy
+
+__all__ = ["CANDIDATES", "AdaptivePolicy"]
+
+CANDIDATES: dict[str, Callable[[int], EvictionPolicy]] = {
+    "prefix-run": RunAwarePrefixPolicy,  # first: the leader until the shadows know better
+    "prefix": PrefixPolicy,
+    "lru2": Lru2Policy,
+    "arc": ArcPolicy,
+    "s3fifo": S3FifoPolicy,
+    "clock": ClockPolicy,
+    "lru": LruPolicy,
+}
+# Items per shadow at most: the shadows' fixed memory (7 x 16,384 items). Below
+# this the shadows simulate every id (R = 1); sampling a prefix tree flatters the candidates
+# that evict parents first (an evicted unsampled ancestor is invisible to the shadow), which
+# cost 0.3 points on the `mix` choose trace at R = 1/4 (docs/EVICTION.md).
+SHADOW_ITEMS_MAX = 16384
+SAMPLE_SHIFT_MAX = 24  # the sample hash has 24 bits: R >= 2^-24
+# Chosen on the choose set of the trace family only (docs/EVICTION.md): 8 turnovers followed
+# noise, 128 did no better than 32; without a significance test the leader flipped on noise.
+HALF_LIFE_TURNOVERS = 32.0  # scores halve every 32 shadow turnovers of sampled references
+SWITCH_MARGIN = 0.01  # a challenger must lead by a point of the decayed references
+SWITCH_Z = 3.0  # ... and by 3 standard errors of its per-request lead
+WARMUP_TURNOVERS = 8.0  # no switch before the shadows saw 8 turnovers of sampled references
+# Followers whose victim() moves their own state on (S3-FIFO's small-to-main moves, CLOCK's
+# hand): asked for a victim at every eviction even when not leading, so that state stays what
+# it would be if they led (otherwise a switch to them starts from a stale split and loses hits)
+_STATEFUL_VICTIM = frozenset({"s3fifo", "clock"})
+_HASH_MULTIPLIER = 0x9E3779B97F4A7C15  # Fibonacci hashing: the top bits mix every id bit
+_MASK64 = (1 << 64) - 1
+
+
+def _sample_hash(item: int) -> int:
+    return ((item * _HASH_MULTIPLIER) & _MASK64) >> 40
+
+
+class _Shadow:
+    """One candidate's miniature cache: its own policy over the sampled ids, its own hits."""
+
+    __slots__ = ("hits", "items", "policy", "request_hits", "scored")
+
+    def __init__(self, policy: EvictionPolicy) -> None:
+        self.policy = policy
+        self.items: set[int] = set()
+        self.hits = 0.0  # decayed
+        self.request_hits = 0  # in the current request
+        self.scored: dict[int, bool] = {}  # sampled id -> prefix hit, in the current request
+
+    def reference(
+        self, item: int, up: int | None, now: float, capacity: int, evictable: Evictable
+    ) -> None:
+        cached = item in self.items
+        chain_ok = up is None or self.scored.get(up, True)
+        hit = cached and chain_ok
+        self.scored[item] = hit
+        if hit:
+            self.hits += 1.0
+            self.request_hits += 1
+        if cached:
+            self.policy.access(item, now)
+            return
+        while len(self.items) >= capacity:
+            victim = self.policy.victim(evictable)
+            if victim is None:
+                return  # everything cached is in flight: do not store this one
+            self.drop(victim)
+        parent = up if up in self.items else None
+        self.policy.insert(item, parent, now)
+        self.items.add(item)
+
+    def drop(self, item: int) -> None:
+        self.policy.remove(item)
+        self.items.discard(item)
+
+
+class AdaptivePolicy(EvictionPolicy):
+    """Victims from the candidate whose miniature cache has the most recent hits."""
+
+    name = "adaptive"
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        candidates: Sequence[str] = tuple(CANDIDATES),
+        shadow_items_max: int = SHADOW_ITEMS_MAX,
+        half_life_turnovers: float = HALF_LIFE_TURNOVERS,
+        switch_margin: float = SWITCH_MARGIN,
+        switch_z: float = SWITCH_Z,
+        warmup_turnovers: float = WARMUP_TURNOVERS,
+    ) -> None:
+        super().__init__(capacity)
+        assert candidates and set(candidates) <= set(CANDIDATES), candidates
+        assert shadow_items_max > 0 and half_life_turnovers > 0 and switch_margin >= 0
+        self._names = tuple(candidates)
+        self._followers = [CANDIDATES[n](capacity) for n in self._names]
+        self._shadows = [_Shadow(CANDIDATES[n](capacity)) for n in self._names]
+        self._leader = 0
+        self._shadow_items_max = shadow_items_max
+        self._half_life = half_life_turnovers
+        self._margin = switch_margin
+        self._z = switch_z
+        self._warmup = warmup_turnovers
+        self._refs_total = 0  # sampled references, not decayed
+        self._exercised = [i for i, n in enumerate(self._names) if n in _STATEFUL_VICTIM]
+        self._shift = 0  # sampling rate 2^-shift
+        self._held_max = 0
+        self._refs = 0.0  # decayed sampled references
+        self._refs_since_decay = 0
+        # nearest sampled proper ancestor of every item the tier holds (None: none known)
+        self._up: dict[int, int | None] = {}
+        self._now: float | None = None
+        self._in_flight: set[int] = set()  # sampled ids of the current request
+        # decayed sums over requests of (hits of shadow i - hits of shadow j), and of squares
+        n = len(self._names)
+        self._lead_sum = [[0.0] * n for _ in range(n)]
+        self._lead_sq = [[0.0] * n for _ in range(n)]
+        self.switches = 0
+
+    @property
+    def leader(self) -> str:
+        return self._names[self._leader]
+
+    @property
+    def sample_rate(self) -> float:
+        return 2.0**-self._shift
+
+    def insert(self, item: int, parent: int | None, now: float) -> None:
+        assert item not in self._up, item
+        for f in self._followers:
+            f.insert(item, parent, now)
+        if parent is None or parent not in self._up:
+            up = None
+        elif self._sampled(parent):
+            up = parent
+        else:
+            up = self._up[parent]
+        self._up[item] = up
+        if len(self._up) > self._held_max:
+            self._held_max = len(self._up)
+            self._resample()
+        if self._sampled(item):
+            self._reference(item, up, now)
+
+    def access(self, item: int, now: float) -> None:
+        for f in self._followers:
+            f.access(item, now)
+        if self._sampled(item):
+            self._reference(item, self._up[item], now)
+
+    def remove(self, item: int) -> None:
+        for f in self._followers:
+            f.remove(item)
+        del self._up[item]
+
+    def victim(self, evictable: Evictable) -> int | None:
+        for i in self._exercised:
+            if i != self._leader:
+                self._followers[i].victim(evictable)  # its own aging moves on; nothing leaves
+        return self._followers[self._leader].victim(evictable)
+
+    def __len__(self) -> int:
+        return len(self._up)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._up
+
+    # --- shadows -------------------------------------------------------------------------------
+
+    def _sampled(self, item: int) -> bool:
+        return not _sample_hash(item) & ((1 << self._shift) - 1)
+
+    def _shadow_capacity(self) -> int:
+        return max(1, self._held_max >> self._shift)
+
+    def _reference(self, item: int, up: int | None, now: float) -> None:
+        if now != self._now:
+            self._end_request()
+            self._now = now
+        self._in_flight.add(item)
+        in_flight = self._in_flight
+        capacity = self._shadow_capacity()
+
+        def evictable(i: int) -> bool:
+            return i not in in_flight
+
+        for s in self._shadows:
+            s.reference(item, up, now, capacity, evictable)
+        self._refs += 1.0
+        self._refs_since_decay += 1
+        self._refs_total += 1
+
+    def _end_request(self) -> None:
+        """Score the request that just ended, decay, and elect."""
+        shadows = self._shadows
+        if self._in_flight:
+            hits = [s.request_hits for s in shadows]
+            for i, row in enumerate(self._lead_sum):
+                sq = self._lead_sq[i]
+                for j in range(len(hits)):
+                    d = hits[i] - hits[j]
+                    row[j] += d
+                    sq[j] += d * d
+            self._elect()
+        self._in_flight.clear()
+        for s in shadows:
+            s.scored.clear()
+            s.request_hits = 0
+        if self._refs_since_decay >= self._half_life * self._shadow_capacity():
+            self._refs_since_decay = 0
+            self._refs /= 2.0
+            for s in shadows:
+                s.hits /= 2.0
+            for rows in (self._lead_sum, self._lead_sq):
+                for row in rows:
+                    row[:] = [v / 2.0 for v in row]
+
+    def _elect(self) -> None:
+        """A challenger takes over when its lead over the leader is large (`switch_margin` of
+        the references) and significant (`SWITCH_Z` standard errors of the per-request
+        differences): hits come in bursts of a whole chain, so a small lead is often noise."""
+        if self._refs_total < self._warmup * self._shadow_capacity():
+            return
+        lead = self._leader
+        best = max(range(len(self._shadows)), key=lambda i: self._lead_sum[i][lead])
+        margin = self._lead_sum[best][lead]
+        if best == lead or margin <= self._margin * self._refs:
+            return
+        if margin * margin > self._z * self._z * self._lead_sq[best][lead]:
+            self._leader = best
+            self.switches += 1
+
+    def _resample(self) -> None:
+        """Halve the sampling rate while a shadow would outgrow its budget (SHARDS-adj)."""
+        while (
+            self._held_max >> self._shift > self._shadow_items_max
+            and self._shift < SAMPLE_SHIFT_MAX
+        ):
+            self._shift += 1
+            for s in self._shadows:
+                for item in [i for i in s.items if not self._sampled(i)]:
+                    s.drop(item)

@@ -1,0 +1,183 @@
+"""The trace family (choose and report sets), the Mooncake sample, the `mix` shape, and the
+two-tier replay (hits per tier, promotion, expected load time)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dpu_agent.bench.replay import (
+    Request,
+    distinct_blocks,
+    generate_trace,
+    load_trace,
+    replay_command,
+    replay_policy,
+)
+from dpu_agent.bench.replay_family import (
+    CHOOSE_SET,
+    REPORT_SET,
+    FamilyTrace,
+    format_family,
+    policy_memory_bytes,
+    run_family,
+)
+from dpu_agent.bench.replay_tiers import replay_two_tiers, two_tier_report
+from dpu_agent.eviction import DEFAULT_POLICY, POLICY_NAMES
+
+SAMPLE = Path(__file__).parent / "data" / "mooncake_synthetic_first500.jsonl"
+
+
+def trace_of(*requests: tuple[float, list[int]]) -> list[Request]:
+    return [Request(t * 1000.0, tuple(ids)) for t, ids in requests]
+
+
+def test_mooncake_sample_is_the_head_of_the_shared_trace() -> None:
+    trace = load_trace(SAMPLE)
+    assert len(trace) == 500
+    assert all(a.timestamp_ms <= b.timestamp_ms for a, b in itertools.pairwise(trace))
+    # prefix-tree consistent: each id always follows the same parent
+    parent: dict[int, int | None] = {}
+    for r in trace:
+        for prev, block in zip((None, *r.hash_ids), r.hash_ids, strict=False):
+            assert parent.setdefault(block, prev) == prev
+
+
+def test_mix_changes_shape_halfway() -> None:
+    trace = generate_trace("mix", 400, seed=1)
+    first, second = trace[:200], trace[200:]
+    ids_first = {b for r in first for b in r.hash_ids}
+    assert not ids_first & {b for r in second for b in r.hash_ids}  # new prompts, new ids
+    assert generate_trace("docs", 200, seed=1)[0].hash_ids == first[0].hash_ids  # docs first
+    roots = {r.hash_ids[0] for r in second}
+    assert len(roots) > 3  # chat: many system prompts, where docs has 3
+
+
+def test_family_sets_are_disjoint_and_choose_is_seed_zero() -> None:
+    assert {t.seed for t in CHOOSE_SET} == {0}
+    assert all(t.seed != 0 for t in REPORT_SET)
+    assert {t.shape for t in CHOOSE_SET} == {t.shape for t in REPORT_SET}
+    assert {t.shape for t in CHOOSE_SET} == {"chat", "docs", "agent", "mix"}
+    assert {t.role for t in CHOOSE_SET} == {"choose"} and {t.role for t in REPORT_SET} == {"report"}
+
+
+def test_run_family_reports_best_fixed_and_the_default_gap() -> None:
+    traces = [
+        FamilyTrace(role="choose", shape="chat", requests=150, seed=0),
+        FamilyTrace(role="report", path=SAMPLE),
+    ]
+    rows = run_family(traces, [0.05], DEFAULT_POLICY)
+    assert [r["trace"] for r in rows] == ["chat seed 0, 150 req", SAMPLE.name]
+    for row in rows:
+        fixed = {n: v for n, v in row["policies"].items() if n != DEFAULT_POLICY}
+        assert set(fixed) == set(POLICY_NAMES) - {DEFAULT_POLICY}
+        assert row["best_fixed_hit_rate"] == max(fixed.values())
+        assert fixed[row["best_fixed"]] == row["best_fixed_hit_rate"]
+        assert row["gap_points"] == pytest.approx(
+            (row["default_hit_rate"] - row["best_fixed_hit_rate"]) * 100
+        )
+        assert all(v <= row["opt_hit_rate"] + 1e-12 for v in row["policies"].values())
+        assert all(v > 0 for v in row["cpu_us_per_access"].values())
+    text = format_family(rows, {"lru": 100.0})
+    assert "| report |" in text and "worst gap" in text and "lru 100 B" in text
+
+
+@pytest.mark.slow
+def test_adaptive_within_half_a_point_of_the_best_fixed_policy_on_the_mooncake_sample() -> None:
+    rows = run_family([FamilyTrace(role="report", path=SAMPLE)], [0.02, 0.1], "adaptive")
+    for row in rows:
+        assert row["gap_points"] >= -0.5, row
+
+
+def test_policy_memory_is_measured() -> None:
+    lru = policy_memory_bytes("lru", 2000)
+    assert 50 < lru < 2000
+    assert policy_memory_bytes("lru2", 2000) > lru  # it keeps a history of evicted ids too
+
+
+def test_replay_help_names_no_path_outside_the_repository() -> None:
+    result = CliRunner().invoke(replay_command, ["--help"])
+    assert result.exit_code == 0
+    assert "shared/" not in result.output and "/work" not in result.output
+    assert "--family" in result.output and "--dram-fraction" in result.output
+
+
+def test_family_rejects_synthetic_and_bad_fractions() -> None:
+    runner = CliRunner()
+    result = runner.invoke(replay_command, ["--family", "--synthetic", "chat"])
+    assert result.exit_code == 2 and "--family" in result.output
+    result = runner.invoke(replay_command, ["--family", "--capacity-fraction", "2"])
+    assert result.exit_code == 2 and "fraction" in result.output
+    result = runner.invoke(replay_command, ["--family", "--dram-fraction", "0.1"])
+    assert result.exit_code == 2 and "one tier" in result.output
+
+
+# --- two tiers ---------------------------------------------------------------------------------
+
+
+def test_two_tiers_without_nvme_are_the_single_tier_replay() -> None:
+    trace = generate_trace("chat", 300, seed=1)
+    capacity = distinct_blocks(trace) // 20
+    for policy in ("lru", "prefix-run"):
+        r = replay_two_tiers(trace, policy, capacity, 0, promote=True)
+        assert r["nvme_hits"] == 0 and r["promotions"] == 0
+        assert r["dram_hits"] == replay_policy(trace, policy, capacity)
+
+
+def test_a_block_reread_soon_from_nvme_is_promoted_and_hits_in_dram() -> None:
+    trace = trace_of((0, [1]), (1, [2]), (2, [1]), (3, [1]))
+    on = replay_two_tiers(trace, "lru", 1, 2, promote=True)
+    assert (on["nvme_hits"], on["dram_hits"], on["promotions"]) == (1, 1, 1)
+    off = replay_two_tiers(trace, "lru", 1, 2, promote=False)
+    assert (off["nvme_hits"], off["dram_hits"], off["promotions"]) == (2, 0, 0)
+    late = trace_of((0, [1]), (1, [2]), (500, [1]), (1000, [1]))  # rereads 500 s apart: cold
+    assert replay_two_tiers(late, "lru", 1, 2, promote=True)["promotions"] == 0
+
+
+def test_two_tier_report_load_time_from_bandwidths() -> None:
+    trace = generate_trace("chat", 300, seed=1)
+    report = two_tier_report(trace, "lru", 0.02, 0.1, block_bytes=1000, bandwidths_gbps=(2.0, 1.0))
+    on, off = report["results"]
+    assert on["promotion"] and not off["promotion"]
+    for r in (on, off):
+        want = (r["dram_hits"] / 2e9 + r["nvme_hits"] / 1e9) * 1000 / len(trace) * 1e3
+        assert r["load_ms_per_request"] == pytest.approx(want)
+    assert on["dram_hits"] > off["dram_hits"]  # promotion serves more from the fast tier
+    assert off["load_vs_no_promotion"] == 1.0
+    with pytest.raises(ValueError, match="dram-fraction"):
+        two_tier_report(trace, "lru", 0.0, 0.1)
+
+
+def test_two_tier_cli_measures_bandwidths() -> None:
+    args = ["--synthetic", "chat", "--requests", "200", "--dram-fraction", "0.02"]
+    result = CliRunner().invoke(replay_command, [*args, "--nvme-fraction", "0.1", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["dram_gbps"] > 0 and report["nvme_gbps"] > 0
+    assert [r["promotion"] for r in report["results"]] == [True, False]
+    result = CliRunner().invoke(replay_command, args)
+    assert result.exit_code == 2 and "--nvme-fraction" in result.output
+
+
+def test_family_cli_prints_the_table_with_the_trace_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dpu_agent.bench.replay_family as fam
+
+    monkeypatch.setattr(fam, "CHOOSE_SET", (FamilyTrace(role="choose", shape="docs", requests=80),))
+    monkeypatch.setattr(fam, "REPORT_SET", ())
+    monkeypatch.setattr(fam, "HELD_OUT_SET", ())
+    monkeypatch.setattr(fam, "policy_memory_bytes", lambda name: 1.0)
+    args = ["--family", "--trace", str(SAMPLE), "--capacity-fraction", "0.05"]
+    result = CliRunner().invoke(replay_command, args)
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.output.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| trace | set |") and len(rows) == 1 + 2
+    assert "| docs seed 0, 80 req | choose | 5% (" in rows[1]
+    assert f"| {SAMPLE.name} | report | 5% (" in rows[2]
+    assert "cells within 0.5 points or above" in result.output
+    result = CliRunner().invoke(replay_command, [*args, "--json"])
+    report = json.loads(result.output)
+    assert len(report["cells"]) == 2 and set(report["memory_bytes_per_item"]) == set(POLICY_NAMES)
