@@ -41,7 +41,7 @@ from typing import Any
 from dpu_agent.eviction import DEFAULT_POLICY, POLICY_NAMES
 from dpu_agent.net import NetConfigError, NetDesired, parse_net
 from dpu_agent.units import SizeError, parse_size
-from kvproto.control import valid_tenant_name
+from kvproto.control import TENANTS_MAX, valid_tenant_name
 from kvproto.placement import REPLICAS_MAX
 from spdk_plugins.desired import DesiredStateError, SpdkDesired, parse_desired
 from spdk_plugins.tiers import TierTarget, agent_tiers
@@ -68,7 +68,6 @@ DATA_DIR_ENV = "DPUKV_DATA_DIR"
 REDACTED = "<redacted>"
 TOKEN_BYTES = 32  # 256-bit random tokens, URL-safe base64
 CONFIG_BYTES_MAX = 1 << 20  # a config file bigger than this is a mistake
-TENANTS_MAX = 4096  # one NVMe-oF subsystem each; far above any DPU's real tenant count
 MODES = ("embedded", "spdk")
 
 

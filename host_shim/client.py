@@ -37,6 +37,7 @@ from host_shim.nvme import NvmeError, NvmeStatusError, NvmeTcpController
 from host_shim.transport import TransportSelector
 from kvproto.checksum import chunk_checksum, verify_checksum
 from kvproto.control import (
+    LOOKUP_KEYS_MAX,
     NEED_DATA,
     PROTOCOL_VERSION,
     FrameDecoder,
@@ -314,7 +315,7 @@ log = logging.getLogger("host_shim.client")
 # over the I/O queues, so decryption on the agent and the socket copies overlap.
 SEGMENT_BYTES = 4 << 20
 IO_QUEUES_MAX = 32  # one connection (and one agent thread) each; beyond this the DPU saturates
-CHUNKS_PER_CALL_MAX = 4096  # kvproto.control.LOOKUP_KEYS_MAX
+CHUNKS_PER_CALL_MAX = LOOKUP_KEYS_MAX  # one lookup request takes this many keys
 # After a failed connect, calls return misses at once for this long instead of each waiting
 # for a connect timeout: the inference loop never stalls on a dead agent.
 RECONNECT_BACKOFF_S = 0.5

@@ -15,10 +15,11 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from kvproto.keys import KEY_BYTES
+
 __all__ = ["CHECKSUM_BYTES", "chunk_checksum", "verify_checksum"]
 
 CHECKSUM_BYTES = 16
-_KEY_BYTES = 16
 
 
 def _byte_view(data: Any) -> memoryview:
@@ -39,8 +40,8 @@ def _byte_view(data: Any) -> memoryview:
 
 def chunk_checksum(key: bytes, data: Any) -> bytes:
     """16 bytes: xxh3-128 of `key` (16 bytes) followed by the plaintext bytes of `data`."""
-    if len(key) != _KEY_BYTES:
-        raise ValueError(f"chunk key must be {_KEY_BYTES} bytes, got {len(key)}")
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"chunk key must be {KEY_BYTES} bytes, got {len(key)}")
     h = xxhash.xxh3_128()
     h.update(key)
     h.update(_byte_view(data))

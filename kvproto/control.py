@@ -59,6 +59,8 @@ from typing import Any, Final, NoReturn
 
 import msgpack
 
+from kvproto.keys import KEY_BYTES
+
 __all__ = [
     "ADMIN_OPS",
     "ADMIN_TENANT",
@@ -71,6 +73,7 @@ __all__ = [
     "NIXL_REGIONS_MAX",
     "OPS",
     "PROTOCOL_VERSION",
+    "TENANTS_MAX",
     "ErrorCode",
     "FrameDecoder",
     "LocalProtocolError",
@@ -92,9 +95,11 @@ PROTOCOL_VERSION: Final = 1
 # A lookup of LOOKUP_KEYS_MAX keys answers with that many hits of ~60 bytes each: 4096 keys is a
 # 1M-token prompt at 256 tokens a chunk, and its reply (~250 KiB) fits the frame limit with room.
 LOOKUP_KEYS_MAX: Final = 4096
+# Tenants one agent serves: each is an NVMe-oF subsystem with its own keys and tiers; far above
+# any DPU's real tenant count, and it bounds every per-tenant table (tokens, keys, engine state).
+TENANTS_MAX: Final = 4096
 # 1 MiB bounds what one peer can make us buffer per connection; no control message needs more.
 CONTROL_FRAME_BYTES_MAX: Final = 1 << 20
-KEY_BYTES: Final = 16
 CHECKSUM_BYTES: Final = 16
 REQUEST_ID_MAX: Final = (1 << 32) - 1
 STRING_BYTES_MAX: Final = 4096  # paths, tokens, names; longer is a bug or an attack

@@ -5,11 +5,10 @@ from __future__ import annotations
 import hmac
 import secrets
 
-from kvproto.control import ADMIN_TENANT, valid_tenant_name
+from kvproto.control import ADMIN_TENANT, TENANTS_MAX, valid_tenant_name
 
 __all__ = ["TENANTS_MAX", "TenantRegistry"]
 
-TENANTS_MAX = 4096  # one NVMe-oF subsystem each (dpu_agent.config.TENANTS_MAX)
 _DUMMY = secrets.token_urlsafe(32)  # compared against when the tenant is unknown
 
 

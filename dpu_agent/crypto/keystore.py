@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dpu_agent.log import get_logger
+from kvproto.control import TENANTS_MAX
 
 __all__ = [
     "ENV_GENERATION_PREFIX",
@@ -37,11 +38,10 @@ __all__ = [
     "env_var_name",
 ]
 
-XTS_KEY_BYTES = 64  # AES-256-XTS key || key2 (as dpu_agent.crypto.xts; no compiled code here)
+XTS_KEY_BYTES = 64  # AES-256-XTS: two distinct 256-bit keys, key || key2 (owner of the size)
 ENV_KEY_PREFIX = "DPUKV_XTS_KEY_"
 ENV_GENERATION_PREFIX = "DPUKV_XTS_GEN_"
 # Bounds that keep the key file small and a typo from growing it without end.
-TENANTS_MAX = 4096
 GENERATIONS_MAX = 256  # rotations kept per tenant; data older than that must be rewritten
 TENANT_NAME_CHARS_MAX = 128
 KEY_FILE_BYTES_MAX = 4 << 20  # TENANTS_MAX * a few generations of ~160-byte entries

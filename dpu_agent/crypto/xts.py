@@ -18,10 +18,10 @@ import threading
 from typing import Any
 
 from dpu_agent.crypto._loader import IMPLEMENTATIONS, best_implementation, ffi, lib
+from dpu_agent.crypto.keystore import XTS_KEY_BYTES
 
 __all__ = ["XTS_KEY_BYTES", "XTS_TWEAK_OFFSET", "XtsCipher", "available_implementations"]
 
-XTS_KEY_BYTES = 64  # AES-256-XTS: two distinct 256-bit keys
 XTS_KEY_BYTES_ALLOWED = (32, 64)
 XTS_TWEAK_OFFSET = 8  # the LBA sits in tweak bytes 8..15 (bytes 0..7 are zero)
 BLOCK_SIZE_MIN = 512

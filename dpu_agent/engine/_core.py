@@ -54,16 +54,14 @@ from dpu_agent.engine.types import (
 from dpu_agent.log import get_logger
 from dpu_agent.metrics import REGISTRY, Counter, Gauge
 from kvproto.checksum import chunk_checksum
-from kvproto.control import valid_tenant_name
+from kvproto.control import LOOKUP_KEYS_MAX, TENANTS_MAX, valid_tenant_name
 
 __all__ = ["EngineCore"]
 
 log = get_logger(__name__)
 
-LOOKUP_KEYS_MAX = 4096  # 1M tokens of context in 256-token chunks
 LEASES_MAX = 65536  # open leases; each costs ~200 B, and readers release within the TTL
 RESERVATIONS_MAX = 65536  # open two-phase writes, same reasoning
-TENANTS_MAX = 4096  # one NVMe-oF subsystem each (matches dpu_agent.config)
 EVICT_STEPS_MAX = 256  # evictions one placement may cause (mixed sizes can need several)
 CHUNK_BYTES_MAX = 1 << 30  # one chunk; a 1 GiB KV chunk is far above any real layout
 COUNT_MAX = 0xFFFF  # pin and lease counts are uint16 columns

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dpu_agent.engine._records import ITEM_ROW_BITS
 from dpu_agent.engine.alloc import AllocError, ExtentAllocator
 from dpu_agent.engine.index import COLUMNS, NO_ROW, TENANT_MIX, RecordIndex
 from dpu_agent.engine.journal import (
@@ -30,7 +31,6 @@ from dpu_agent.engine.tiers import NVME
 from dpu_agent.log import get_logger
 from dpu_agent.metrics import REGISTRY, Gauge
 
-ITEM_ROW_BITS = 32  # as dpu_agent.engine._core: policy item = seq << 32 | row
 BITMAP_BITS = 22  # 512 KiB prefilter for "does the WAL touch this checkpoint key"
 
 if TYPE_CHECKING:
