@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -17,6 +18,7 @@ from spdk_sim.fixtures import KEYS, config_text
 
 from dpu_agent.cli import cli
 from dpu_agent.crypto.keystore import env_var_name
+from spdk_plugins import ops
 from spdk_plugins.rpc import SpdkClient
 from spdk_plugins.sim import SpdkSimulator
 
@@ -139,3 +141,37 @@ def test_sim_command_serves_until_terminated(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         assert proc.wait(timeout=10) == 0
+
+
+def test_plan_with_a_conflict_is_not_in_sync_and_exits_1(setup, tmp_path: Path) -> None:
+    """Finding 5: `plan` printed "in sync: nothing to do" next to a CONFLICT line, exit 0."""
+    cfg, _ = setup
+    assert _run("apply", "--config", cfg)[0] == 0
+    changed = tmp_path / "changed.toml"  # a transport option SPDK cannot change in place
+    changed.write_text(
+        Path(cfg).read_text().replace("in_capsule_data_size = 4096", "in_capsule_data_size = 8192")
+    )
+    code, out = _run("plan", "--config", str(changed))
+    assert code == 1 and "CONFLICT" in out and "in sync" not in out
+    code, out = _run("plan", "--config", str(changed), "--json")
+    assert code == 1 and json.loads(out)["conflicts"]
+
+
+def test_apply_with_conflicts_left_is_not_converged_and_exits_1(
+    setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finding 5: `apply --json` exited 0 and printed "converged" while its re-plan still had
+    conflicts (SPDK mode then refused to start). The CLI's verdict on such a result:"""
+    cfg, _ = setup
+    real = ops.run_apply
+
+    def with_conflict_left(*args: Any) -> Any:
+        result = real(*args)
+        result["after"]["conflicts"].append("spdk.crypto[0].base_bdev_name: left over")
+        return result
+
+    monkeypatch.setattr(ops, "run_apply", with_conflict_left)
+    code, out = _run("apply", "--config", cfg)
+    assert code == 1 and "NOT converged" in out and "CONFLICT spdk.crypto[0]" in out
+    code, out = _run("apply", "--config", cfg, "--json")
+    assert code == 1 and json.loads(out)["converged"] is False

@@ -306,3 +306,15 @@ def test_nvmf_attach_and_uring_then_prune_detaches(tmp_path, aio_file) -> None:
             ]
             apply(trimmed, c, key_provider, prune=True)
             assert plan(trimmed, c, key_provider, prune=True).in_sync
+
+
+def test_crypto_on_lvol_reported_by_uuid_is_in_sync(desired, client) -> None:
+    """Finding 4: SPDK reports a crypto vbdev's base by the lvol's UUID, not the `lvs/lvol`
+    alias it was created with (as v26.05 does: tests/data/spdk); the re-plan after apply called
+    that a conflict and SPDK mode refused to start."""
+    apply(desired, client, key_provider)
+    crypt = next(b for b in client.bdev_get_bdevs() if b["name"] == "crypt-a")
+    lvol = next(b for b in client.bdev_get_bdevs() if "lvs0/tenant-a" in b.get("aliases", ()))
+    assert crypt["driver_specific"]["crypto"]["base_bdev_name"] == lvol["name"] == lvol["uuid"]
+    after = plan(desired, client, key_provider)
+    assert after.in_sync and not after.conflicts, after.to_json()

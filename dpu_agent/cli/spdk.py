@@ -79,7 +79,7 @@ def _render_steps(steps: list[dict[str, Any]]) -> list[str]:
 
 
 def _render_plan(p: dict[str, Any]) -> str:
-    lines = _render_steps(p["steps"]) or ["in sync: nothing to do"]
+    lines = _render_steps(p["steps"]) or ([] if p["conflicts"] else ["in sync: nothing to do"])
     lines += [f"CONFLICT {c}" for c in p["conflicts"]]
     lines += [f"unmanaged {u}" for u in p["unmanaged"]]
     return "\n".join(lines)
@@ -87,8 +87,12 @@ def _render_plan(p: dict[str, Any]) -> str:
 
 def _render_apply(r: dict[str, Any]) -> str:
     lines = [f"applied {len(r['applied'])} step(s)", *_render_steps(r["applied"])]
-    left = r["after"]["steps"]
-    lines.append("converged" if not left else f"NOT converged: {len(left)} step(s) left")
+    left, conflicts = r["after"]["steps"], r["after"]["conflicts"]
+    if not left and not conflicts:
+        lines.append("converged")
+    else:
+        lines.append(f"NOT converged: {len(left)} step(s), {len(conflicts)} conflict(s) left")
+        lines += [f"CONFLICT {c}" for c in conflicts]
     return "\n".join(lines)
 
 
@@ -110,7 +114,9 @@ def spdk_group() -> None:
 @_options
 @_errors
 def plan_cmd(config: str, socket: str | None, key_file: str | None, as_json: bool) -> None:
-    _show(ops.run_plan(config, socket, key_file), as_json, _render_plan)
+    p = ops.run_plan(config, socket, key_file)
+    _show(p, as_json, _render_plan)
+    sys.exit(EXIT_FAILED if p["conflicts"] else EXIT_OK)  # a plan apply would refuse
 
 
 @spdk_group.command("apply", help="Run the plan; stop at the first SPDK error; re-plan.")
@@ -118,8 +124,10 @@ def plan_cmd(config: str, socket: str | None, key_file: str | None, as_json: boo
 @_errors
 def apply_cmd(config: str, socket: str | None, key_file: str | None, as_json: bool) -> None:
     result = ops.run_apply(config, socket, key_file)
+    after = result["after"]
+    result["converged"] = not after["steps"] and not after["conflicts"]
     _show(result, as_json, _render_apply)
-    sys.exit(EXIT_FAILED if result["after"]["steps"] else EXIT_OK)
+    sys.exit(EXIT_OK if result["converged"] else EXIT_FAILED)
 
 
 @spdk_group.command("status", help="Drift report: objects created or removed behind our back.")
