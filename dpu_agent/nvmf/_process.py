@@ -35,7 +35,11 @@ class TargetProcess:
         max_io_size: int = 1 << 20,
         keep_alive_granularity_ms: int = 10000,
         log_level: str = "WARNING",
+        port: int = 0,
+        log_path: str | os.PathLike[str] | None = None,
     ) -> None:
+        """`port` 0 picks a free one; `log_path` receives the target's log (JSON lines)
+        instead of this process's stderr."""
         args = [
             sys.executable,
             "-m",
@@ -50,6 +54,8 @@ class TargetProcess:
             log_level,
             "--keep-alive-granularity-ms",
             str(keep_alive_granularity_ms),
+            "--port",
+            str(port),
         ]
         for h in allow_hosts:
             args += ["--allow-host", h]
@@ -60,7 +66,15 @@ class TargetProcess:
         env = dict(os.environ)
         if xts_key is not None:  # in the child's environment, not on its command line
             env[XTS_KEY_ENV] = xts_key.hex()
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self.log_path = log_path
+        log = open(log_path, "ab") if log_path is not None else None
+        try:
+            self.proc = subprocess.Popen(
+                args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env
+            )
+        finally:
+            if log is not None:
+                log.close()  # the child holds its own descriptor
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
