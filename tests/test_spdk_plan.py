@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from spdk_sim.fixtures import AGENT_NQN, HOST_A, KEYS, NQN_A, config_doc, key_provider
+from spdk_sim.sim import NvmeDevice, SpdkSimulator
 
 from spdk_plugins import (
     ApplyError,
@@ -20,7 +21,6 @@ from spdk_plugins import (
     plan,
     status,
 )
-from spdk_plugins.sim import NvmeDevice, SpdkSimulator
 
 AIO_BYTES = 64 * 1024 * 1024
 

@@ -15,7 +15,7 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
-from spdk_plugins import ops
+from dpu_agent import spdk_ops as ops
 from spdk_plugins.apply import ApplyError, PlanConflict
 from spdk_plugins.desired import DesiredStateError
 from spdk_plugins.rpc import SpdkConnectionError, SpdkError, SpdkTimeout
@@ -175,11 +175,3 @@ def tiers_cmd(config: str, as_json: bool) -> None:
             for t in ts
         ),
     )
-
-
-@spdk_group.command("sim", help="Run the SPDK v26.05 simulator on a socket (demos, tests).")
-@click.option("--socket", required=True, help="Unix socket path to serve on.")
-@click.option("--wait-for-rpc", is_flag=True, help="Start like spdk_tgt --wait-for-rpc.")
-@click.option("--mlx5", is_flag=True, help="Pretend to be a DOCA build with the mlx5 module.")
-def sim_cmd(socket: str, wait_for_rpc: bool, mlx5: bool) -> None:
-    ops.run_simulator(socket, wait_for_rpc=wait_for_rpc, mlx5=mlx5)

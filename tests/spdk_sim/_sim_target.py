@@ -14,8 +14,8 @@ import uuid as uuidlib
 from collections.abc import Callable
 from typing import Any
 
-from spdk_plugins._sim_bdev import BdevMixin
-from spdk_plugins._sim_common import (
+from spdk_sim._sim_bdev import BdevMixin
+from spdk_sim._sim_common import (
     _MSG_RUNTIME_ONLY,
     _MSG_STARTUP_ONLY,
     _STARTUP_AND_RUNTIME,
@@ -29,7 +29,7 @@ from spdk_plugins._sim_common import (
     fits,
     is_hex,
 )
-from spdk_plugins._sim_common import (
+from spdk_sim._sim_common import (
     _Bdev as Bdev,
 )
 

@@ -15,7 +15,7 @@ import uuid as uuidlib
 from collections.abc import Callable
 from typing import Any
 
-from spdk_plugins._sim_common import (
+from spdk_sim._sim_common import (
     CLUSTER_MASK_BITS_PER_PAGE,
     CRYPTO_NAMESPACE_UUID,
     ERR_INVALID_PARAMS,
@@ -27,7 +27,7 @@ from spdk_plugins._sim_common import (
     insert_after,
     make_bdev,
 )
-from spdk_plugins._sim_common import _Bdev as Bdev
+from spdk_sim._sim_common import _Bdev as Bdev
 
 
 class BdevMixin:
