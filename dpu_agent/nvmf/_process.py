@@ -37,6 +37,7 @@ class TargetProcess:
         log_level: str = "WARNING",
         port: int = 0,
         log_path: str | os.PathLike[str] | None = None,
+        tiers_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         """`port` 0 picks a free one; `log_path` receives the target's log (JSON lines)
         instead of this process's stderr."""
@@ -63,6 +64,8 @@ class TargetProcess:
             args.append("--allow-any-host")
         if file is not None:
             args += ["--file", os.fspath(file)]
+        if tiers_dir is not None:  # the agent's namespace stack: nsid 1 DRAM, nsid 2 NVMe tier
+            args += ["--tiers-dir", os.fspath(tiers_dir)]
         env = dict(os.environ)
         if xts_key is not None:  # in the child's environment, not on its command line
             env[XTS_KEY_ENV] = xts_key.hex()
