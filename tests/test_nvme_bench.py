@@ -52,3 +52,15 @@ def test_dpuctl_bench_nvme_is_registered_and_bounds_its_seconds() -> None:
     assert "--json" in result.output and "--queues" in result.output
     result = CliRunner().invoke(cli, ["bench", "nvme", "--seconds", "100"])
     assert result.exit_code == 2 and "100" in result.output  # a usage error, not 10 minutes
+
+
+def test_a_target_that_fails_to_start_is_a_clean_error(tmp_path, monkeypatch) -> None:
+    """SPDK's target dying at start ends the bench with exit 1 and a JSON error, no traceback."""
+    fake = tmp_path / "spdk_tgt"
+    fake.write_text("#!/bin/sh\necho 'no hugepages' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("SPDK_BIN", str(tmp_path))
+    result = CliRunner().invoke(cli, ["bench", "nvme", "--json", "--seconds", "0.05"])
+    assert result.exit_code == 1, result.output
+    doc = json.loads(result.output.strip().splitlines()[-1])
+    assert doc["ok"] is False and "spdk_tgt did not listen" in doc["error"]

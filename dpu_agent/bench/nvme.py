@@ -36,7 +36,7 @@ from typing import Any
 import click
 
 from dpu_agent.nvmf import TargetProcess
-from host_shim.nvme import NvmeTcpController
+from host_shim.nvme import NvmeError, NvmeTcpController
 
 __all__ = ["NvmeBenchRow", "nvme", "run_bench"]
 
@@ -433,7 +433,14 @@ def nvme(as_json: bool, seconds: float, queues: int, no_spdk: bool) -> None:
     def progress(row: dict[str, Any]) -> None:
         click.echo(_line(row), err=as_json)  # progress on stderr under --json
 
-    report = run_bench(seconds=seconds, queues=queues, targets=targets, progress=progress)
+    try:
+        report = run_bench(seconds=seconds, queues=queues, targets=targets, progress=progress)
+    except (NvmeError, OSError, RuntimeError) as e:  # a target died or refused: say so, exit 1
+        if as_json:
+            click.echo(json.dumps({"ok": False, "error": str(e), "exit_code": 1}))
+        else:
+            click.echo(f"bench nvme failed: {e}", err=True)
+        sys.exit(1)
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
