@@ -119,8 +119,14 @@ def bdevperf(
     workload: str = "verify",
     hdgst: bool = False,
     ddgst: bool = False,
+    jobs: int = 1,
+    ns_blocks: int = 0,
 ) -> BdevperfResult:
-    """bdevperf -w verify (by default) against one controller attached over NVMe/TCP."""
+    """bdevperf -w verify (by default) against one controller attached over NVMe/TCP.
+
+    `jobs` > 1: that many jobs on the one namespace, each over its own slice of `ns_blocks`
+    (a job config file; offset and length count blocks). Each job runs on its own SPDK thread,
+    and bdev_nvme gives each thread its own qpair: `jobs` I/O queues on one controller."""
     cfg = tmp / f"bdevperf-{port}-{io_bytes}-{qd}.json"
     attach = attach_params("N0", port, nqn, hostnqn, hdgst=hdgst, ddgst=ddgst)
     cfg.write_text(
@@ -143,15 +149,19 @@ def bdevperf(
         str(tmp / f"bdevperf-{port}.sock"),
         "--json",
         str(cfg),
-        "-q",
-        str(qd),
-        "-o",
-        str(io_bytes),
-        "-w",
-        workload,
         "-t",
         str(seconds),
     ]
+    if jobs > 1:
+        per = ns_blocks // jobs
+        job = tmp / f"bdevperf-{port}-{io_bytes}-{qd}.ini"
+        job.write_text(
+            f"[global]\nfilename=N0n1\nrw={workload}\nbs={io_bytes}\niodepth={qd}\n"
+            + "".join(f"[job{i}]\noffset={i * per}\nlength={per}\n" for i in range(jobs))
+        )
+        args += ["-j", str(job)]
+    else:
+        args += ["-q", str(qd), "-o", str(io_bytes), "-w", workload]
     r = subprocess.run(args, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     out = r.stdout + r.stderr
     m = _TOTAL.search(r.stdout)

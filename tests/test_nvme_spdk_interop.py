@@ -160,6 +160,35 @@ def test_bdevperf_verify_full_matrix(
 
 
 @pytest.mark.parametrize(
+    ("io", "qd", "enc", "hd", "dd"),
+    [(4096, 32, True, True, True), (131072, 8, False, False, False)],
+    ids=["4k-qd32-enc-dig", "128k-qd8-plain"],
+)
+def test_bdevperf_verify_four_queues(
+    targets: dict[bool, LoggedTarget],
+    tmp_path: Path,
+    io: int,
+    qd: int,
+    enc: bool,
+    hd: bool,
+    dd: bool,
+) -> None:
+    """Four bdevperf jobs on one controller, each on its own thread and qpair and its own
+    quarter of the namespace: four I/O queues of one controller, every byte verified."""
+    t = targets[enc]
+    t.new_log()
+    r = bdevperf(
+        tmp_path, t.port, NQN, HOST, io_bytes=io, qd=qd, seconds=2, hdgst=hd, ddgst=dd,
+        jobs=4, ns_blocks=BLOCKS,
+    )  # fmt: skip
+    assert r.clean and r.out.count("Verification LBA range") == 4, r.out[-3000:]
+    log = t.new_log()
+    assert not protocol_errors(log), protocol_errors(log)[:5]
+    qids = {e["qid"] for e in t.events(log, "nvmf_io_queue_connected")}
+    assert qids == {1, 2, 3, 4}, qids
+
+
+@pytest.mark.parametrize(
     ("io", "hd", "dd"), [(4096, True, True), (131072, False, False)], ids=["4k-dig", "128k"]
 )
 def test_spdk_nvme_perf_randrw_four_queues(
