@@ -112,41 +112,45 @@ SHORT = [  # (io bytes, qd, encrypted, hdgst, ddgst)
     (1 << 20, 8, True, False, True),
     (1 << 20, 128, False, False, False),
 ]
+# (io bytes, qd, encrypted, hdgst, ddgst, queues); four queues only where the four jobs'
+# slices of the namespace hold qd x io each (verify needs its I/Os not to overlap)
 FULL = [
-    (io, qd, enc, hd, dd)
-    for io, qd, enc, (hd, dd) in itertools.product(
+    (io, qd, enc, hd, dd, queues)
+    for io, qd, enc, (hd, dd), queues in itertools.product(
         (4096, 16384, 131072, 1 << 20),
         (1, 8, 32, 128),
         (True, False),
         ((False, False), (True, False), (False, True), (True, True)),
+        (1, 4),
     )
+    if queues == 1 or io * qd * queues <= BLOCKS * 4096
 ]
 
 
-def _cell_id(cell: tuple[int, int, bool, bool, bool]) -> str:
-    io, qd, enc, hd, dd = cell
-    return f"{io // 1024}k-qd{qd}-{'enc' if enc else 'plain'}-h{int(hd)}d{int(dd)}"
+def _cell_id(cell: tuple[int, ...]) -> str:
+    io, qd, enc, hd, dd = cell[:5]
+    queues = cell[5] if len(cell) > 5 else 1
+    return f"{io // 1024}k-qd{qd}-{'enc' if enc else 'plain'}-h{int(hd)}d{int(dd)}-q{queues}"
 
 
 def _verify(
-    targets: dict[bool, LoggedTarget],
-    tmp_path: Path,
-    cell: tuple[int, int, bool, bool, bool],
-    seconds: int,
+    targets: dict[bool, LoggedTarget], tmp_path: Path, cell: tuple[int, ...], seconds: int
 ) -> None:
-    io, qd, enc, hd, dd = cell
-    t = targets[enc]
+    io, qd, enc, hd, dd = cell[:5]
+    queues = cell[5] if len(cell) > 5 else 1
+    t = targets[bool(enc)]
     t.new_log()
     r = bdevperf(
-        tmp_path, t.port, NQN, HOST, io_bytes=io, qd=qd, seconds=seconds, hdgst=hd, ddgst=dd
-    )
-    assert r.clean, r.out[-3000:]
+        tmp_path, t.port, NQN, HOST, io_bytes=io, qd=qd, seconds=seconds, hdgst=bool(hd),
+        ddgst=bool(dd), jobs=queues, ns_blocks=BLOCKS,
+    )  # fmt: skip
+    assert r.clean and r.out.count("Verification LBA range") == queues, r.out[-3000:]
     _assert_clean(t)
 
 
 @pytest.mark.parametrize("cell", SHORT, ids=_cell_id)
 def test_bdevperf_verify_against_our_target(
-    targets: dict[bool, LoggedTarget], tmp_path: Path, cell: tuple[int, int, bool, bool, bool]
+    targets: dict[bool, LoggedTarget], tmp_path: Path, cell: tuple[int, ...]
 ) -> None:
     _verify(targets, tmp_path, cell, seconds=2)
 
@@ -154,7 +158,7 @@ def test_bdevperf_verify_against_our_target(
 @pytest.mark.full
 @pytest.mark.parametrize("cell", FULL, ids=_cell_id)
 def test_bdevperf_verify_full_matrix(
-    targets: dict[bool, LoggedTarget], tmp_path: Path, cell: tuple[int, int, bool, bool, bool]
+    targets: dict[bool, LoggedTarget], tmp_path: Path, cell: tuple[int, ...]
 ) -> None:
     _verify(targets, tmp_path, cell, seconds=10)
 
