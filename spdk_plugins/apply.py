@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dpu_agent.log import get_logger
+from spdk_plugins._log import get_logger
 from spdk_plugins.desired import KeyProvider, SpdkDesired
 from spdk_plugins.plan import Plan, Step, plan
 from spdk_plugins.rpc import SpdkClient, SpdkError, SpdkRpcError

@@ -345,6 +345,9 @@ def _plan_crypto(b: _Builder, d: SpdkDesired, live: LiveState) -> None:
         pending = live.crypto_configs.get(c.name)
         if have is None and pending is not None:
             # configured, waiting for its base bdev (SPDK creates it when the base appears)
+            pending = dict(pending)
+            if _same_bdev(live, pending.get("base_bdev_name"), c.base_bdev_name):
+                pending["base_bdev_name"] = c.base_bdev_name
             _compare(
                 b,
                 f"spdk.crypto[{i}]",
@@ -355,13 +358,27 @@ def _plan_crypto(b: _Builder, d: SpdkDesired, live: LiveState) -> None:
         if have is None:
             b.add_call("crypto", f"crypto vbdev {c.name} missing", crypto_call(c))
             continue
-        got = have.get("driver_specific", {}).get("crypto", {})
+        got = dict(have.get("driver_specific", {}).get("crypto", {}))
+        if _same_bdev(live, got.get("base_bdev_name"), c.base_bdev_name):
+            got["base_bdev_name"] = c.base_bdev_name
         _compare(
             b,
             f"spdk.crypto[{i}]",
             got,
             {"base_bdev_name": c.base_bdev_name, "key_name": c.key_name},
         )
+
+
+def _same_bdev(live: LiveState, have: object, want: str) -> bool:
+    """Whether `have` (a name SPDK reports) and `want` (a desired name) are one bdev.
+
+    SPDK reports a crypto vbdev's base by the base's own name: for an lvol that is its UUID,
+    not the `lvs/lvol` alias it was created with (recorded from v26.05, tests/data/spdk).
+    """
+    if not isinstance(have, str):
+        return False
+    a, w = live.resolve(have), live.resolve(want)
+    return have == want or (a is not None and w is not None and a["uuid"] == w["uuid"])
 
 
 def _plan_lvol(b: _Builder, d: SpdkDesired, live: LiveState) -> None:

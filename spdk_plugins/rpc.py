@@ -17,7 +17,7 @@ from typing import Any
 
 from spdk.rpc.client import JSONRPCClient, JSONRPCException
 
-from dpu_agent.log import get_logger
+from spdk_plugins._log import get_logger
 
 __all__ = [
     "SECRET_PARAM_NAMES",

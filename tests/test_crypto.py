@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from dpu_agent.crypto import XtsCipher
 from dpu_agent.crypto.xts import available_implementations
 
-SPDK_DIR = Path(__file__).resolve().parents[2] / "shared" / "spdk"
+SPDK_DIR = Path(__file__).resolve().parent / "data" / "spdk"  # recorded from SPDK v26.05
 VECTORS = SPDK_DIR / "xts_vectors.json"
 KEY = bytes(range(64))
 IMPLS = available_implementations()

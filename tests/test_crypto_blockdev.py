@@ -108,3 +108,33 @@ def test_concurrent_writers_and_readers(tmp_path: Path) -> None:
         t.join(timeout=60)
     assert errors == []
     dev.close()
+
+
+class _NoView:
+    """A MemoryBlockDevice without its `view` capability: the copy path."""
+
+    def __init__(self, base: MemoryBlockDevice) -> None:
+        self.base, self.block_size, self.block_count = base, base.block_size, base.block_count
+
+    def read_into(self, lba: int, buf: memoryview) -> None:
+        self.base.read_into(lba, buf)
+
+    def write(self, lba: int, data: memoryview | bytes) -> None:
+        self.base.write(lba, data)
+
+
+def test_memory_base_encrypts_in_place_with_the_same_ciphertext() -> None:
+    """Over a base that lends its memory (the DRAM tier) the cipher writes into and reads out
+    of it directly (one pass, no copy); the stored bytes are those of the copy path."""
+    key, data = os.urandom(64), os.urandom(300 * 4096)
+    lending, copying = MemoryBlockDevice(512), MemoryBlockDevice(512)
+    a = CryptoBlockDevice(lending, XtsCipher(key))
+    b = CryptoBlockDevice(_NoView(copying), XtsCipher(key))  # type: ignore[arg-type]
+    a.write(7, data)
+    b.write(7, data)
+    assert lending.view(0, 512) == copying.view(0, 512) and lending.view(7, 1) != data[:4096]
+    out = bytearray(len(data))
+    a.read_into(7, memoryview(out))
+    assert out == data
+    with pytest.raises(BlockDeviceError):
+        a.read_into(510, memoryview(bytearray(3 * 4096)))  # past the end: refused, not clipped

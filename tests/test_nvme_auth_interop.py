@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from spdk_peer import (
+from spdk_auth_peer import (
     free_port,
     keyring_config,
     listen_address,

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from spdk_peer import bdevperf, require_spdk, write_key
+from spdk_auth_peer import bdevperf, require_spdk, write_key
 
 from dpu_agent.nvmf import HostKeys, TargetProcess, nqn_hash
 from dpu_agent.nvmf._auth import host_keys_to_dict
@@ -228,7 +228,7 @@ def test_spdk_initiator_reauthenticates(key_files: dict[str, Path], tmp_path: Pa
     import sys
 
     from spdk.rpc.client import JSONRPCException
-    from spdk_peer import bdevperf_waiting
+    from spdk_auth_peer import bdevperf_waiting
 
     keys = {H_BI: host_keys_to_dict(HostKeys(dhchap_key=BI_KEY, dhchap_ctrlr_key=CTRL_KEY))}
     path = write_key(tmp_path, "hosts.json", json.dumps(keys))

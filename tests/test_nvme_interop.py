@@ -1,16 +1,18 @@
 """Live interoperability with third-party NVMe/TCP peers, when they are installed.
 
-- SPDK_NVMF_TGT=/path/to/nvmf_tgt (or spdk_tgt): our initiator against SPDK's target
-  (a malloc bdev with 4096-byte blocks exported over TCP on 127.0.0.1).
+- SPDK_BIN (the SPDK v26.05 peer, tests/spdk_peer.py): our initiator against SPDK's target
+  (a malloc bdev with 4096-byte blocks exported over TCP on 127.0.0.1): I/O sizes x queue
+  depths x queues x digests (a short matrix by default, every cell under `-m full`), allowlist
+  refusal, discovery, clean shutdown.
 - NVME_CLI=/path/to/nvme: nvme-cli's `nvme discover` against our target (needs the kernel's
   nvme-fabrics module, which nvme-cli opens as /dev/nvme-fabrics).
 
-Neither SPDK nor a kernel NVMe/TCP initiator exists on the machines this project builds on,
-so these are skipped there, with that reason.
+Without the peer these are skipped, with the reason.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -21,21 +23,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from spdk_peer import SKIP_REASON, SPDK_BIN, SpdkApp, free_port, protocol_errors, spdk_tgt
 
 from dpu_agent.nvmf import TargetProcess
 from host_shim.nvme import NvmeStatusError, NvmeTcpController, discover
 
-SPDK = os.environ.get("SPDK_NVMF_TGT", "")
 NVME_CLI = os.environ.get("NVME_CLI", "")
 NQN = "nqn.2026-11.io.dpu-kvtier:interop"
 HOST = "nqn.2026-11.io.dpu-kvtier:host:interop"
 START_TIMEOUT_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+SHUTDOWN_WAIT_S_MAX = 5.0  # SPDK reports SHST complete in milliseconds
 
 
 def _spdk_config(port: int) -> dict[str, object]:
@@ -47,7 +44,7 @@ def _spdk_config(port: int) -> dict[str, object]:
                 "config": [
                     {
                         "method": "bdev_malloc_create",
-                        "params": {"name": "Malloc0", "num_blocks": 8192, "block_size": 4096},
+                        "params": {"name": "Malloc0", "num_blocks": 16384, "block_size": 4096},
                     },
                 ],
             },
@@ -86,34 +83,26 @@ def _spdk_config(port: int) -> dict[str, object]:
 
 
 @pytest.fixture(scope="module")
-def spdk_target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    if not SPDK:
-        pytest.skip("SPDK_NVMF_TGT is not set: no SPDK nvmf_tgt to test against on this machine")
-    port = _free_port()
-    cfg = tmp_path_factory.mktemp("spdk") / "nvmf.json"
-    cfg.write_text(json.dumps(_spdk_config(port)))
-    rpc = cfg.parent / "spdk.sock"
-    proc = subprocess.Popen(
-        [SPDK, "--json", str(cfg), "-r", str(rpc), "-m", "0x1", "--no-huge", "-s", "1024"]
-    )
-    try:
+def spdk_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, SpdkApp]]:
+    if not SPDK_BIN:
+        pytest.skip(SKIP_REASON)
+    port = free_port()
+    with spdk_tgt(tmp_path_factory.mktemp("spdk"), _spdk_config(port)) as app:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
                 break
             except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"SPDK target did not listen on {port} (exit {proc.poll()})")
-                time.sleep(0.2)
-        yield port
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+                if app.proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"SPDK target did not listen on {port}: {app.log()[-2000:]}")
+                time.sleep(0.1)
+        yield port, app
+
+
+@pytest.fixture(scope="module")
+def spdk_target(spdk_app: tuple[int, SpdkApp]) -> int:
+    return spdk_app[0]
 
 
 def test_our_initiator_reads_and_writes_spdk_namespace(spdk_target: int) -> None:
@@ -129,8 +118,8 @@ def test_our_initiator_reads_and_writes_spdk_namespace(spdk_target: int) -> None
         c.read(1, 10, out)
         assert out == data
         c.write_zeroes(1, 10, 1)
-        c.read(1, 10, out[:4096])
-        assert bytes(out[:4096]) == bytes(4096)
+        c.read(1, 10, memoryview(out)[:4096])  # a view: `out[:4096]` would read into a copy
+        assert out[:4096] == bytes(4096) and out[4096:] == data[4096:]
 
 
 def test_spdk_refuses_a_host_not_on_its_list(spdk_target: int) -> None:
@@ -172,3 +161,78 @@ def test_nvme_cli_discovers_our_target() -> None:
         )
         records = json.loads(out.stdout).get("records", [])
         assert NQN in [r.get("subnqn") for r in records]
+
+
+SHORT = [  # (io bytes, qd, queues, hdgst, ddgst)
+    (4096, 32, 1, False, False),
+    (4096, 8, 4, True, True),
+    (16384, 1, 1, True, False),
+    (131072, 32, 4, False, True),
+    (1 << 20, 8, 1, False, False),
+    (1 << 20, 128, 4, True, True),
+]
+FULL = [
+    (io, qd, queues, hd, dd)
+    for io, qd, queues, (hd, dd) in itertools.product(
+        (4096, 16384, 131072, 1 << 20),
+        (1, 8, 32, 128),
+        (1, 4),
+        ((False, False), (True, False), (False, True), (True, True)),
+    )
+]
+
+
+def _cell_id(cell: tuple[int, int, int, bool, bool]) -> str:
+    io, qd, queues, hd, dd = cell
+    return f"{io // 1024}k-qd{qd}-q{queues}-h{int(hd)}d{int(dd)}"
+
+
+def _pipelined_write_read(port: int, cell: tuple[int, int, int, bool, bool], rounds: int) -> None:
+    """Many commands in flight per queue (as SPDK's own tools), every byte compared."""
+    io, qd, queues, hd, dd = cell
+    span = 16384 * 4096 // io  # I/Os that fit the namespace
+    with NvmeTcpController.connect(
+        "127.0.0.1", port, NQN, HOST, io_queues=queues, queue_depth=max(qd, 2), hdgst=hd, ddgst=dd
+    ) as c:
+        for r in range(rounds):
+            count = min(span, qd * queues * 2)
+            data = os.urandom(io * count)
+            first = (r * count) % (span - count + 1)
+            c.write(1, first * io // 4096, data)
+            out = bytearray(len(data))
+            c.read(1, first * io // 4096, out)
+            assert out == data, f"round {r}: read back differs"
+
+
+@pytest.mark.parametrize("cell", SHORT, ids=_cell_id)
+def test_our_initiator_matrix_against_spdk(
+    spdk_app: tuple[int, SpdkApp], cell: tuple[int, int, int, bool, bool]
+) -> None:
+    port, app = spdk_app
+    _pipelined_write_read(port, cell, rounds=2)
+    assert not protocol_errors(app.log())
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("cell", FULL, ids=_cell_id)
+def test_our_initiator_full_matrix_against_spdk(
+    spdk_app: tuple[int, SpdkApp], cell: tuple[int, int, int, bool, bool]
+) -> None:
+    port, app = spdk_app
+    _pipelined_write_read(port, cell, rounds=8)
+    assert not protocol_errors(app.log())
+
+
+def test_close_is_a_clean_shutdown_for_spdk(spdk_app: tuple[int, SpdkApp]) -> None:
+    """Finding 3: closing without waiting for CSTS.SHST made SPDK busy-loop ~100 ms per close
+    ("freeing ctrlr with disconnect in progress"). We poll SHST (bounded) before hanging up."""
+    port, app = spdk_app
+    before = app.log().count("disconnect in progress")
+    for _ in range(3):
+        c = NvmeTcpController.connect("127.0.0.1", port, NQN, HOST, io_queues=2)
+        c.write(1, 0, bytes(4096))
+        t0 = time.monotonic()
+        c.close()
+        assert time.monotonic() - t0 < SHUTDOWN_WAIT_S_MAX
+    time.sleep(0.5)  # let SPDK finish tearing the controllers down
+    assert app.log().count("disconnect in progress") == before

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from spdk_peer import (
+from spdk_auth_peer import (
     bdevperf,
     free_port,
     keyring_config,

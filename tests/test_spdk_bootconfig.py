@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 from spdk_sim.fixtures import EXAMPLE, KEYS, config_doc, shared
+from spdk_sim.sim import NvmeDevice, SpdkSimulator
 
 from spdk_plugins import SpdkClient, apply, boot_config, load_desired, parse_desired, plan
-from spdk_plugins.sim import NvmeDevice, SpdkSimulator
 
 
 def _methods(doc: dict, subsystem: str) -> list[str]:

@@ -7,18 +7,18 @@ import os
 import stat
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
 from spdk_sim.fixtures import KEYS, config_text
+from spdk_sim.sim import SpdkSimulator
 
+from dpu_agent import spdk_ops as ops
 from dpu_agent.cli import cli
 from dpu_agent.crypto.keystore import env_var_name
-from spdk_plugins.rpc import SpdkClient
-from spdk_plugins.sim import SpdkSimulator
 
 SPDK_RPC = Path(sys.executable).parent / "spdk-rpc"
 
@@ -111,7 +111,7 @@ def test_rpc_py_plugin_through_real_rpc_py(setup) -> None:
     """SPDK's own rpc.py (the PyPI package's spdk-rpc) loads the plugin with --plugin."""
     cfg, sock = setup
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    cmd = [str(SPDK_RPC), "-s", sock, "--plugin", "spdk_plugins.rpc_plugin"]
+    cmd = [str(SPDK_RPC), "-s", sock, "--plugin", "dpu_agent.spdk_rpc_plugin"]
     for sub, check in (
         ("kvtier_plan", lambda d: d["steps"][0]["params"]["key"] == "<redacted>"),
         ("kvtier_apply", lambda d: d["after"]["steps"] == []),
@@ -125,17 +125,35 @@ def test_rpc_py_plugin_through_real_rpc_py(setup) -> None:
         assert KEYS["key-a"][0] not in proc.stdout + proc.stderr
 
 
-def test_sim_command_serves_until_terminated(tmp_path: Path) -> None:
-    sock = tmp_path / "demo.sock"
-    dpuctl = Path(sys.executable).parent / "dpuctl"
-    proc = subprocess.Popen([str(dpuctl), "spdk", "sim", "--socket", str(sock)])
-    try:
-        for _ in range(300):  # up to 30 s for the interpreter to start on a loaded box
-            if sock.exists():
-                break
-            time.sleep(0.1)
-        with SpdkClient(str(sock), timeout_s=5) as c:
-            assert c.spdk_get_version()["fields"]["major"] == 26
-    finally:
-        proc.terminate()
-        assert proc.wait(timeout=10) == 0
+def test_plan_with_a_conflict_is_not_in_sync_and_exits_1(setup, tmp_path: Path) -> None:
+    """Finding 5: `plan` printed "in sync: nothing to do" next to a CONFLICT line, exit 0."""
+    cfg, _ = setup
+    assert _run("apply", "--config", cfg)[0] == 0
+    changed = tmp_path / "changed.toml"  # a transport option SPDK cannot change in place
+    changed.write_text(
+        Path(cfg).read_text().replace("in_capsule_data_size = 4096", "in_capsule_data_size = 8192")
+    )
+    code, out = _run("plan", "--config", str(changed))
+    assert code == 1 and "CONFLICT" in out and "in sync" not in out
+    code, out = _run("plan", "--config", str(changed), "--json")
+    assert code == 1 and json.loads(out)["conflicts"]
+
+
+def test_apply_with_conflicts_left_is_not_converged_and_exits_1(
+    setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finding 5: `apply --json` exited 0 and printed "converged" while its re-plan still had
+    conflicts (SPDK mode then refused to start). The CLI's verdict on such a result:"""
+    cfg, _ = setup
+    real = ops.run_apply
+
+    def with_conflict_left(*args: Any) -> Any:
+        result = real(*args)
+        result["after"]["conflicts"].append("spdk.crypto[0].base_bdev_name: left over")
+        return result
+
+    monkeypatch.setattr(ops, "run_apply", with_conflict_left)
+    code, out = _run("apply", "--config", cfg)
+    assert code == 1 and "NOT converged" in out and "CONFLICT spdk.crypto[0]" in out
+    code, out = _run("apply", "--config", cfg, "--json")
+    assert code == 1 and json.loads(out)["converged"] is False

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from spdk_sim.fixtures import AGENT_NQN, EXAMPLE, NQN_A, config_doc, key_provider
+from spdk_sim.sim import SpdkSimulator
 
 from spdk_plugins import (
     DesiredStateError,
@@ -19,7 +20,6 @@ from spdk_plugins import (
     plan,
 )
 from spdk_plugins.desired import MallocBdev, NvmeBdev
-from spdk_plugins.sim import SpdkSimulator
 
 
 def _doc() -> dict[str, Any]:

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import pytest
 from spdk_sim.fixtures import AGENT_NQN, HOST_A, NQN_A, config_text
+from spdk_sim.sim import SpdkSimulator
 
 from dpu_agent.blockdev import BLOCK_SIZE, BlockDeviceError, FileBlockDevice, MemoryBlockDevice
 from dpu_agent.config import ConfigError, load_config
@@ -42,7 +43,6 @@ from host_shim.client import ControlChannel, ControlError
 from kvproto.control import ADMIN_TENANT
 from kvproto.keys import ChunkLayout
 from spdk_plugins import SpdkClient
-from spdk_plugins.sim import SpdkSimulator
 
 # 2 layers x K/V x 2 heads x 16 tokens x 64 dims x fp16 = 16 KiB (4 blocks) per chunk
 LAYOUT = ChunkLayout("test-model", "float16", 2, 2, 64, chunk_tokens=16)

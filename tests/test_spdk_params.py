@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from spdk_sim.fixtures import EXAMPLE, config_doc, key_provider, shared
+from spdk_sim.sim import NvmeDevice, SpdkSimulator
 
 from spdk_plugins import SpdkClient, apply, boot_config, load_desired, parse_desired
-from spdk_plugins.sim import NvmeDevice, SpdkSimulator
 
 # Not in rpc_params_used.json; names from SPDK's C decoders (module/accel/mlx5,
 # module/bdev/uring, lib/nvmf/nvmf_rpc.c) and the PyPI client's CLI.

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from spdk_sim.sim import SpdkSimulator
 
 from spdk_plugins import SpdkClient, SpdkConnectionError, SpdkRpcError, SpdkTimeout
 from spdk_plugins.rpc import _params, redact_params
-from spdk_plugins.sim import SpdkSimulator
 
 
 @pytest.fixture

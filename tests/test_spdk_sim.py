@@ -17,10 +17,9 @@ from typing import Any
 
 import pytest
 from spdk.rpc.client import JSONRPCClient, JSONRPCException
+from spdk_sim.sim import _MALFORMED, SpdkSimulator, _Rest, _split_values
 
-from spdk_plugins.sim import _MALFORMED, SpdkSimulator, _Rest, _split_values
-
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "spdk"
+SHARED = Path(__file__).resolve().parent / "data" / "spdk"  # recorded from SPDK v26.05
 # UUIDs the real target generated, in creation order: Malloc0, AIO0, lvs0, lvs0/lvol0
 # (crypto0's is derived from AIO0's and computed by the simulator as SPDK does).
 RECORDED_UUIDS = [
@@ -167,10 +166,10 @@ def test_request_split_across_writes_is_reassembled(recorded_sim: SpdkSimulator)
     assert reply["id"] == 3 and reply["result"]["fields"]["major"] == 26
 
 
-def test_sim_data_is_current_copy_of_shared() -> None:
-    """spdk_plugins/sim_data_v26_05.json must be regenerated when shared/spdk changes."""
+def test_sim_data_is_current_copy_of_the_recordings() -> None:
+    """tests/spdk_sim/sim_data_v26_05.json must be regenerated when tests/data/spdk changes."""
     data = json.loads(
-        (Path(__file__).resolve().parents[1] / "spdk_plugins" / "sim_data_v26_05.json").read_text()
+        (Path(__file__).resolve().parent / "spdk_sim" / "sim_data_v26_05.json").read_text()
     )
     used = _load("rpc_params_used.json")["methods"]
     for method, spec in used.items():

@@ -8,10 +8,9 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from spdk_plugins._sim_common import RpcFail, load_sim_data
-from spdk_plugins._sim_target import SimTarget
-from spdk_plugins.sim import _MALFORMED, _Rest, _split_values
+from spdk_sim._sim_common import RpcFail, load_sim_data
+from spdk_sim._sim_target import SimTarget
+from spdk_sim.sim import _MALFORMED, _Rest, _split_values
 
 DATA = load_sim_data()
 SCALARS: dict[str, st.SearchStrategy[Any]] = {

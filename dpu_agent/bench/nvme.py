@@ -1,17 +1,21 @@
-"""`dpuctl bench nvme`: NVMe/TCP throughput of our target + initiator vs a plain socket pair.
+"""`dpuctl bench nvme`: what hosts get over NVMe/TCP from the agent, vs SPDK and a socket pair.
 
-Topology (the same for every row, so ratios compare like with like): the target runs in a
-separate process (`python -m dpu_agent.nvmf`) on 127.0.0.1 over a MemoryBlockDevice (wrapped
-in a CryptoBlockDevice for the encrypted rows); the initiator (`host_shim.nvme`) runs in this
-process with one I/O queue of depth QD. Each call moves 16 MiB sequentially in commands of
-`io_kib`, QD of them in flight (fio's iodepth). The ceiling is a plain Python socket pair
-across the same two-process boundary moving the same bytes through buffers of the same size
-(blocking `sendall`/`recv_into` of 1 MiB messages walking a 16 MiB buffer on our side, the
-size of the initiator's, and a 64 MiB one on the far side, the size of the namespace: a
-1 MiB buffer that stays in cache would flatter the ceiling by about a third here). It is
-measured in the same direction in slices alternated with the row's own (5 of each), because
-this machine's load drifts within seconds; `ratio` is the median over the slices of NVMe /
-ceiling, so one slice that another job stalled does not decide it.
+Targets, each in its own process on 127.0.0.1, read and written by the same initiator
+(`host_shim.nvme`, in this process, `queues` I/O queues of depth QD) with the same sizes:
+- `agent-dram`, `agent-nvme`: the agent's real namespace stack for one tenant, built by the
+  factory the agent uses (`python -m dpu_agent.nvmf --tiers-dir`): nsid 1 the DRAM tier, nsid 2
+  the NVMe tier (a file), both under the tenant's AES-XTS key, served by our target;
+- `spdk`: SPDK's own nvmf target (`spdk_tgt`, when SPDK_BIN names the peer's binaries) serving
+  a crypto vbdev (AES_XTS, software accel) over a malloc bdev, MDTS 1 MiB like ours: the
+  encrypted-DRAM stack as SPDK does it. Its reactor busy-polls one of this machine's cores.
+Each call moves 16 MiB sequentially in commands of `io_kib`, QD of them in flight per queue
+(fio's iodepth). The ceiling is a plain Python socket pair across the same two-process
+boundary moving the same bytes through buffers of the same size (blocking `sendall`/`recv_into`
+of 1 MiB messages walking a 16 MiB buffer on our side and a 64 MiB one on the far side, the
+size of the namespace). It is measured in the same direction in slices alternated with each
+row's own (5 of each), because this machine's load drifts within seconds; `ratio` is the
+median over the slices of NVMe / ceiling. `vs_spdk` is an agent row's GB/s over the SPDK
+row of the same op, size, depth and queues, measured in the same run.
 """
 
 from __future__ import annotations
@@ -23,15 +27,17 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import click
 
 from dpu_agent.bench.nvme_security import print_rows, security_rows
 from dpu_agent.nvmf import TargetProcess
-from host_shim.nvme import NvmeTcpController
+from host_shim.nvme import NvmeError, NvmeTcpController
 
 __all__ = ["NvmeBenchRow", "nvme", "run_bench"]
 
@@ -42,16 +48,21 @@ MESSAGE_BYTES = 1 << 20
 SPAN_BYTES = 16 << 20  # bytes per call: 16 commands of 1 MiB or 128 of 128 KiB
 ROUNDS = 5  # ceiling and NVMe slices alternated per row (odd: the median is one of them)
 SECONDS_PER_ROW_MAX = 30.0  # a row never runs longer than this, whatever --seconds says
+QUEUES_MAX = 8  # I/O queues of the initiator (each a connection and a thread)
+SPDK_START_TIMEOUT_S = 30.0  # spdk_tgt listens within about a second; loaded boxes get 30
+AGENT_TARGETS = {"agent-dram": 1, "agent-nvme": 2}  # target name -> nsid
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class NvmeBenchRow:
+    target: str
     op: str
     io_kib: int
     qd: int
+    queues: int
     encrypted: bool
     gbps: float
-    ratio: float
+    ratio: float  # over the socket ceiling measured alongside
 
 
 def _ceiling_server() -> None:
@@ -117,7 +128,121 @@ class _CeilingPeer:
             self.proc.wait()
 
 
-def _measure(ctrl: NvmeTcpController, op: str, buf: bytearray, seconds: float) -> tuple[int, float]:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _SpdkTarget:
+    """spdk_tgt serving nsid 1: a crypto vbdev (AES_XTS, random key) over a malloc bdev."""
+
+    def __init__(self, spdk_bin: str, tmp: Path) -> None:
+        self.port = _free_port()
+        key = os.urandom(64).hex()
+        listen = {"trtype": "TCP", "adrfam": "IPv4", "traddr": "127.0.0.1"}
+        listen["trsvcid"] = str(self.port)
+        cfg = {
+            "subsystems": [
+                {
+                    "subsystem": "accel",
+                    "config": [
+                        {
+                            "method": "accel_crypto_key_create",
+                            "params": {
+                                "name": "k0",
+                                "cipher": "AES_XTS",
+                                "key": key[:64],
+                                "key2": key[64:],
+                            },
+                        }
+                    ],
+                },
+                {
+                    "subsystem": "bdev",
+                    "config": [
+                        {
+                            "method": "bdev_malloc_create",
+                            "params": {"name": "M0", "num_blocks": NS_BLOCKS, "block_size": 4096},
+                        },
+                        {
+                            "method": "bdev_crypto_create",
+                            "params": {"base_bdev_name": "M0", "name": "C0", "key_name": "k0"},
+                        },
+                    ],
+                },
+                {
+                    "subsystem": "nvmf",
+                    "config": [
+                        {
+                            "method": "nvmf_create_transport",
+                            "params": {
+                                "trtype": "TCP",
+                                "max_io_size": 1 << 20,
+                                "io_unit_size": 131072,
+                                "in_capsule_data_size": 4096,
+                            },
+                        },
+                        {
+                            "method": "nvmf_create_subsystem",
+                            "params": {"nqn": NQN, "allow_any_host": True},
+                        },
+                        {
+                            "method": "nvmf_subsystem_add_ns",
+                            "params": {"nqn": NQN, "namespace": {"bdev_name": "C0"}},
+                        },
+                        {
+                            "method": "nvmf_subsystem_add_listener",
+                            "params": {"nqn": NQN, "listen_address": listen},
+                        },
+                    ],
+                },
+            ]
+        }
+        path = tmp / "spdk_tgt.json"
+        path.write_text(json.dumps(cfg))
+        self.log = tmp / "spdk_tgt.log"
+        args = [
+            str(Path(spdk_bin, "spdk_tgt")),
+            "--no-huge",
+            "-s",
+            "1024",
+            "--no-pci",
+            "--disable-cpumask-locks",
+            "-m",
+            "0x1",
+            "-r",
+            str(tmp / "spdk.sock"),
+            "--json",
+            str(path),
+        ]
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + SPDK_START_TIMEOUT_S
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.close()
+                    tail = self.log.read_text(errors="replace")[-1000:]
+                    raise RuntimeError(f"spdk_tgt did not listen: {tail}") from None
+                time.sleep(0.1)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _measure(
+    ctrl: NvmeTcpController, nsid: int, op: str, buf: bytearray, seconds: float
+) -> tuple[int, float]:
     """(bytes, seconds) of sequential I/O as fio does it with iodepth=qd: each call moves
     `buf` in commands of the controller's max_transfer_bytes, the queue keeping its depth of
     them in flight (no drain between commands)."""
@@ -127,9 +252,9 @@ def _measure(ctrl: NvmeTcpController, op: str, buf: bytearray, seconds: float) -
         if lba + blocks > NS_BLOCKS:
             lba = 0
         if op == "read":
-            ctrl.read(1, lba, buf)
+            ctrl.read(nsid, lba, buf)
         else:
-            ctrl.write(1, lba, buf)
+            ctrl.write(nsid, lba, buf)
         lba += blocks
         moved += len(buf)
     return moved, time.perf_counter() - start
@@ -140,46 +265,111 @@ def run_bench(
     seconds: float = 1.0,
     sizes_kib: tuple[int, ...] = (128, 1024),
     qds: tuple[int, ...] = (1, 8),
-    encrypted: tuple[bool, ...] = (False, True),
+    queues: int = 1,
+    targets: tuple[str, ...] = ("agent-dram", "agent-nvme", "spdk"),
+    spdk_bin: str | None = None,
+    progress: Any = None,
 ) -> dict[str, Any]:
-    """Each row is measured right after the socket ceiling in the same direction (this
-    machine's load drifts within seconds); its ratio is against that ceiling."""
+    """Every row is measured right after the socket ceiling in the same direction (this
+    machine's load drifts within seconds); its ratio is against that ceiling. `spdk_bin`
+    (default: $SPDK_BIN) names SPDK's binaries; without them the spdk rows are left out and
+    the report says why."""
     seconds = min(seconds, SECONDS_PER_ROW_MAX)
+    queues = max(1, min(queues, QUEUES_MAX))
+    spdk_bin = spdk_bin if spdk_bin is not None else os.environ.get("SPDK_BIN", "")
+    spdk_note = "spdk_tgt from SPDK_BIN, crypto vbdev (AES_XTS, software accel) over malloc"
+    if "spdk" in targets and not (spdk_bin and Path(spdk_bin, "spdk_tgt").exists()):
+        targets = tuple(t for t in targets if t != "spdk")
+        spdk_note = "absent: SPDK_BIN does not name SPDK's binaries (see README, the SPDK peer)"
     peer = _CeilingPeer()
     rows: list[dict[str, Any]] = []
     try:
-        for enc in encrypted:
-            key = os.urandom(64) if enc else None
-            with TargetProcess(NQN, allow_hosts=[HOSTNQN], blocks=NS_BLOCKS, xts_key=key) as t:
-                for io_kib in sizes_kib:
-                    for qd in qds:
-                        rows += _rows(peer, t.port, io_kib, qd, enc, seconds)
+        with tempfile.TemporaryDirectory(prefix="dpukv-bench-nvme-") as tmp:
+            agent = [t for t in targets if t in AGENT_TARGETS]
+            if agent:
+                with TargetProcess(
+                    NQN, allow_hosts=[HOSTNQN], blocks=NS_BLOCKS, tiers_dir=Path(tmp) / "tiers"
+                ) as t:
+                    for name in agent:
+                        rows += _target_rows(
+                            peer, t.port, name, AGENT_TARGETS[name], sizes_kib, qds, queues,
+                            seconds, progress,
+                        )  # fmt: skip
+            if "spdk" in targets:
+                assert spdk_bin
+                spdk = _SpdkTarget(spdk_bin, Path(tmp))
+                try:
+                    rows += _target_rows(
+                        peer, spdk.port, "spdk", 1, sizes_kib, qds, queues, seconds, progress
+                    )
+                finally:
+                    spdk.close()
     finally:
         peer.close()
+    spdk_rows = {
+        (r["op"], r["io_kib"], r["qd"], r["queues"]): r for r in rows if r["target"] == "spdk"
+    }
+    for r in rows:
+        base = spdk_rows.get((r["op"], r["io_kib"], r["qd"], r["queues"]))
+        if r["target"] != "spdk" and base is not None and base["gbps"] > 0:
+            r["vs_spdk"] = round(r["gbps"] / base["gbps"], 3)
     return {
         "socket_ceiling_gbps": round(statistics.median(r["ceiling_gbps"] for r in rows), 3),
-        "target": "subprocess (python -m dpu_agent.nvmf) on 127.0.0.1, MemoryBlockDevice "
-        "(CryptoBlockDevice over it when encrypted), MDTS 1 MiB",
-        "initiator": "host_shim.nvme in this process, 1 I/O queue of depth qd",
+        "targets": {
+            "agent-dram": "python -m dpu_agent.nvmf --tiers-dir: the agent's DRAM tier "
+            "(CryptoBlockDevice over MemoryBlockDevice), nsid 1, MDTS 1 MiB",
+            "agent-nvme": "the same process: the agent's NVMe tier (CryptoBlockDevice over "
+            "FileBlockDevice), nsid 2",
+            "spdk": spdk_note,
+        },
+        "initiator": f"host_shim.nvme in this process, {queues} I/O queue(s) of depth qd",
         "seconds_per_row": seconds,
         "results": rows,
     }
 
 
+def _target_rows(
+    peer: _CeilingPeer,
+    port: int,
+    target: str,
+    nsid: int,
+    sizes_kib: tuple[int, ...],
+    qds: tuple[int, ...],
+    queues: int,
+    seconds: float,
+    progress: Any,
+) -> list[dict[str, Any]]:
+    out = []
+    for io_kib in sizes_kib:
+        for qd in qds:
+            for row in _rows(peer, port, target, nsid, io_kib, qd, queues, seconds):
+                out.append(row)
+                if progress is not None:
+                    progress(row)
+    return out
+
+
 def _rows(
-    peer: _CeilingPeer, port: int, io_kib: int, qd: int, enc: bool, seconds: float
+    peer: _CeilingPeer,
+    port: int,
+    target: str,
+    nsid: int,
+    io_kib: int,
+    qd: int,
+    queues: int,
+    seconds: float,
 ) -> list[dict[str, Any]]:
     ctrl = NvmeTcpController.connect(
         "127.0.0.1",
         port,
         NQN,
         HOSTNQN,
-        io_queues=1,
+        io_queues=queues,
         queue_depth=max(2, qd),
         max_transfer_bytes=io_kib << 10,
     )
     out = []
-    buf = bytearray(max(SPAN_BYTES, (io_kib << 10) * qd))
+    buf = bytearray(max(SPAN_BYTES, (io_kib << 10) * qd * queues))
     try:
         for op in ("write", "read"):
             # Interleaved slices of ceiling and NVMe: load that drifts hits both alike, and the
@@ -187,17 +377,19 @@ def _rows(
             ceilings, nvmes = [], []
             for _ in range(ROUNDS):
                 ceilings.append(peer.moved(op, seconds / ROUNDS))
-                nvmes.append(_measure(ctrl, op, buf, seconds / ROUNDS))
+                nvmes.append(_measure(ctrl, nsid, op, buf, seconds / ROUNDS))
             ratio = statistics.median(
                 (b / t) / (cb / ct) for (b, t), (cb, ct) in zip(nvmes, ceilings, strict=True)
             )
             ceiling = sum(b for b, _ in ceilings) / sum(t for _, t in ceilings) / 1e9
             gbps = sum(b for b, _ in nvmes) / sum(t for _, t in nvmes) / 1e9
             row = NvmeBenchRow(
+                target=target,
                 op=op,
                 io_kib=io_kib,
                 qd=qd,
-                encrypted=enc,
+                queues=queues,
+                encrypted=True,
                 gbps=round(gbps, 3),
                 ratio=round(ratio, 3),
             )
@@ -207,23 +399,59 @@ def _rows(
     return out
 
 
-@click.command("nvme", help="NVMe/TCP read/write GB/s (target in a subprocess) vs a socket pair.")
+def _line(r: dict[str, Any]) -> str:
+    vs = f"  {r['vs_spdk']:.2f}x SPDK" if "vs_spdk" in r else ""
+    return (
+        f"{r['target']:10} {r['op']:5} {r['io_kib']:5} KiB QD{r['qd']:<3} x{r['queues']} "
+        f"{r['gbps']:6.2f} GB/s  {r['ratio']:.2f}x ceiling{vs}"
+    )
+
+
+@click.command(
+    "nvme",
+    help="NVMe/TCP GB/s of the agent's encrypted namespaces, and SPDK's target when SPDK_BIN "
+    "names it, vs a socket pair.",
+)
 @click.option("--json", "as_json", is_flag=True, help="print the JSON report")
-@click.option("--seconds", default=1.0, show_default=True, help="seconds per row (max 30)")
-@click.option("--no-encrypted", is_flag=True, help="skip the CryptoBlockDevice rows")
+@click.option(
+    "--seconds",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(0.05, SECONDS_PER_ROW_MAX),
+    help=f"seconds per row (at most {SECONDS_PER_ROW_MAX:g})",
+)
+@click.option(
+    "--queues",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, QUEUES_MAX),
+    help="I/O queues of the initiator",
+)
+@click.option("--no-spdk", is_flag=True, help="leave out SPDK's target")
 @click.option("--security", is_flag=True, help="add the auth/tls rows (1 MiB QD8, vs plain)")
-def nvme(as_json: bool, seconds: float, no_encrypted: bool, security: bool) -> None:
-    report = run_bench(seconds=seconds, encrypted=(False,) if no_encrypted else (False, True))
-    if security:  # DH-HMAC-CHAP / TLS cost (dpu_agent/bench/nvme_security.py)
-        report["security"] = security_rows(seconds)
+def nvme(as_json: bool, seconds: float, queues: int, no_spdk: bool, security: bool) -> None:
+    targets = ("agent-dram", "agent-nvme") if no_spdk else ("agent-dram", "agent-nvme", "spdk")
+
+    def progress(row: dict[str, Any]) -> None:
+        click.echo(_line(row), err=as_json)  # progress on stderr under --json
+
+    try:
+        report = run_bench(seconds=seconds, queues=queues, targets=targets, progress=progress)
+        if security:  # DH-HMAC-CHAP / TLS cost (dpu_agent/bench/nvme_security.py)
+            report["security"] = security_rows(seconds)
+    except (NvmeError, OSError, RuntimeError) as e:  # a target died or refused: say so, exit 1
+        if as_json:
+            click.echo(json.dumps({"ok": False, "error": str(e), "exit_code": 1}))
+        else:
+            click.echo(f"bench nvme failed: {e}", err=True)
+        sys.exit(1)
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
-    click.echo(f"socket ceiling {report['socket_ceiling_gbps']:.2f} GB/s")
+    click.echo(f"socket ceiling {report['socket_ceiling_gbps']:.2f} GB/s; spdk: "
+               f"{report['targets']['spdk']}")  # fmt: skip
     for r in report["results"]:
-        click.echo(
-            f"{r['op']:5} {r['io_kib']:5} KiB QD{r['qd']:<2} "
-            f"{'enc' if r['encrypted'] else 'plain':5} {r['gbps']:6.2f} GB/s  {r['ratio']:.2f}"
-        )
+        if "vs_spdk" in r:
+            click.echo(_line(r))
     if security:
         print_rows(report["security"], click.echo)

@@ -15,8 +15,8 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
+from dpu_agent import spdk_ops as ops
 from dpu_agent.crypto import KeyStoreError
-from spdk_plugins import ops
 from spdk_plugins.apply import ApplyError, PlanConflict
 from spdk_plugins.desired import DesiredStateError
 from spdk_plugins.rpc import SpdkConnectionError, SpdkError, SpdkTimeout
@@ -80,7 +80,7 @@ def _render_steps(steps: list[dict[str, Any]]) -> list[str]:
 
 
 def _render_plan(p: dict[str, Any]) -> str:
-    lines = _render_steps(p["steps"]) or ["in sync: nothing to do"]
+    lines = _render_steps(p["steps"]) or ([] if p["conflicts"] else ["in sync: nothing to do"])
     lines += [f"CONFLICT {c}" for c in p["conflicts"]]
     lines += [f"unmanaged {u}" for u in p["unmanaged"]]
     return "\n".join(lines)
@@ -88,8 +88,12 @@ def _render_plan(p: dict[str, Any]) -> str:
 
 def _render_apply(r: dict[str, Any]) -> str:
     lines = [f"applied {len(r['applied'])} step(s)", *_render_steps(r["applied"])]
-    left = r["after"]["steps"]
-    lines.append("converged" if not left else f"NOT converged: {len(left)} step(s) left")
+    left, conflicts = r["after"]["steps"], r["after"]["conflicts"]
+    if not left and not conflicts:
+        lines.append("converged")
+    else:
+        lines.append(f"NOT converged: {len(left)} step(s), {len(conflicts)} conflict(s) left")
+        lines += [f"CONFLICT {c}" for c in conflicts]
     return "\n".join(lines)
 
 
@@ -111,7 +115,9 @@ def spdk_group() -> None:
 @_options
 @_errors
 def plan_cmd(config: str, socket: str | None, key_file: str | None, as_json: bool) -> None:
-    _show(ops.run_plan(config, socket, key_file), as_json, _render_plan)
+    p = ops.run_plan(config, socket, key_file)
+    _show(p, as_json, _render_plan)
+    sys.exit(EXIT_FAILED if p["conflicts"] else EXIT_OK)  # a plan apply would refuse
 
 
 @spdk_group.command("apply", help="Run the plan; stop at the first SPDK error; re-plan.")
@@ -119,8 +125,10 @@ def plan_cmd(config: str, socket: str | None, key_file: str | None, as_json: boo
 @_errors
 def apply_cmd(config: str, socket: str | None, key_file: str | None, as_json: bool) -> None:
     result = ops.run_apply(config, socket, key_file)
+    after = result["after"]
+    result["converged"] = not after["steps"] and not after["conflicts"]
     _show(result, as_json, _render_apply)
-    sys.exit(EXIT_FAILED if result["after"]["steps"] else EXIT_OK)
+    sys.exit(EXIT_OK if result["converged"] else EXIT_FAILED)
 
 
 @spdk_group.command("status", help="Drift report: objects created or removed behind our back.")
@@ -168,11 +176,3 @@ def tiers_cmd(config: str, as_json: bool) -> None:
             for t in ts
         ),
     )
-
-
-@spdk_group.command("sim", help="Run the SPDK v26.05 simulator on a socket (demos, tests).")
-@click.option("--socket", required=True, help="Unix socket path to serve on.")
-@click.option("--wait-for-rpc", is_flag=True, help="Start like spdk_tgt --wait-for-rpc.")
-@click.option("--mlx5", is_flag=True, help="Pretend to be a DOCA build with the mlx5 module.")
-def sim_cmd(socket: str, wait_for_rpc: bool, mlx5: bool) -> None:
-    ops.run_simulator(socket, wait_for_rpc=wait_for_rpc, mlx5=mlx5)

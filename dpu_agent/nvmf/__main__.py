@@ -1,7 +1,9 @@
 """Run a standalone target: `python -m dpu_agent.nvmf --nqn NQN --blocks N [...]`.
 
 Serves one subsystem with namespace 1 on a memory device (or `--file`), encrypted when the
-environment holds a key (DPU_NVMF_XTS_KEY_HEX: 64 bytes as 128 hex digits; never on the
+environment holds a key; with `--tiers-dir DIR`, the agent's own namespace stack instead (the
+embedded tier factory: nsid 1 the DRAM tier, nsid 2 the NVMe tier in DIR, both under AES-XTS
+with that key or a random one) (DPU_NVMF_XTS_KEY_HEX: 64 bytes as 128 hex digits; never on the
 command line, where other users could read it), and prints one JSON line `{"port": N}` on stdout
 once it listens. It stops on SIGTERM/SIGINT or when stdin closes (so a parent that dies takes
 it along). Tests and `dpuctl bench nvme` run the target in a separate process this way.
@@ -37,12 +39,30 @@ def _device(args: argparse.Namespace) -> BlockDevice:
     return dev
 
 
+TIERS_TENANT = "bench"  # the tenant whose tiers --tiers-dir builds
+
+
+def _tier_devices(args: argparse.Namespace) -> dict[int, BlockDevice]:
+    """The agent's namespaces for one tenant, from the factory the agent itself uses."""
+    from dpu_agent.crypto import KeyStore
+    from dpu_agent.crypto.keystore import env_var_name
+    from dpu_agent.engine.tiers import DRAM, NVME, EmbeddedDevices, TierSpec
+
+    key_hex = os.environ.get(XTS_KEY_ENV) or os.urandom(64).hex()
+    factory = EmbeddedDevices(args.tiers_dir, KeyStore(env={env_var_name(TIERS_TENANT): key_hex}))
+    specs = (
+        TierSpec(index=DRAM, block_count=args.blocks, persistent=False),
+        TierSpec(index=NVME, block_count=args.blocks, persistent=True),
+    )
+    return {s.nsid: factory(TIERS_TENANT, s).device for s in specs}
+
+
 async def _serve(args: argparse.Namespace) -> None:
     sub = Subsystem(
         nqn=args.nqn,
         allowed_hosts=set(args.allow_host),
         allow_any_host=args.allow_any_host,
-        namespaces={1: _device(args)},
+        namespaces=_tier_devices(args) if args.tiers_dir else {1: _device(args)},
         host_keys=load_host_keys(args.host_keys) if args.host_keys else {},
         require_auth=args.require_auth,
         secure_channel=args.secure_channel,
@@ -75,6 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--blocks", type=int, default=16384)
     p.add_argument("--file")
+    p.add_argument("--tiers-dir", help="serve the agent's DRAM (nsid 1) and NVMe (nsid 2) tiers")
     p.add_argument("--max-io-size", type=int, default=1 << 20)
     p.add_argument("--keep-alive-granularity-ms", type=int, default=10000)
     p.add_argument("--io-workers", type=int, default=4)

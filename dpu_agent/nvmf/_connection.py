@@ -7,8 +7,9 @@ protocol error gets a C2HTermReq and closes this connection only.
 
 Buffers are allocated once per queue (lazily, up to a bound) and reused: in-capsule buffers
 (one per queue slot) and data buffers of `max_io_size` (`data_buffers_per_queue`). A buffer
-that a C2HData references stays out of the pool until the transport has sent it (write
-buffer limits 0/0: `resume_writing` fires exactly when the transport's buffer drains).
+that a C2HData references stays out of the pool until it has been copied out of the cork list
+and the transport has sent it (write buffer limits 0/0: `resume_writing` fires exactly when the
+transport's buffer drains).
 """
 
 from __future__ import annotations
@@ -286,14 +287,26 @@ class NvmfConnection(asyncio.BufferedProtocol):
         pass
 
     def resume_writing(self) -> None:
-        """The transport sent everything: buffers it referenced can be reused."""
-        unsent, self._unsent = self._unsent, []
-        for buf in unsent:
-            self._data_pool.give(buf)
+        """The transport sent everything: buffers it referenced can be reused, and a host
+        paused for unread replies (SEND_QUEUE_BYTES_MAX) is read again."""
+        self._give_back_unsent()
         if self._reading_paused and self.transport is not None:
             self._reading_paused = False
             self.transport.resume_reading()
         self._start_waiting()
+
+    def _give_back_unsent(self) -> None:
+        """Return released data buffers to the pool once no outgoing bytes can reference
+        them: nothing corked in `_out` (small PDUs wait there by reference until the end of
+        the loop turn) and nothing buffered in the transport."""
+        if self._out or not self._unsent:
+            return
+        assert self.transport is not None
+        if self.transport.get_write_buffer_size():
+            return  # resume_writing comes when it drains
+        unsent, self._unsent = self._unsent, []
+        for buf in unsent:
+            self._data_pool.give(buf)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -343,8 +356,13 @@ class NvmfConnection(asyncio.BufferedProtocol):
 
     def _flush(self) -> None:
         if self._out and self.transport is not None and not self.transport.is_closing():
-            self.transport.write(b"".join(self._out))
+            self.transport.write(b"".join(self._out))  # a copy: corked buffers are free now
         self._out.clear()
+        if self._unsent and self.transport is not None:
+            self._give_back_unsent()
+            if self._waiting and not self._unsent:
+                # Not from here: _flush runs inside _write, which must finish its PDU first.
+                asyncio.get_running_loop().call_soon(self._start_waiting)
         self._bound_send_queue()
 
     def _bound_send_queue(self) -> None:
@@ -422,7 +440,10 @@ class NvmfConnection(asyncio.BufferedProtocol):
         if cmd.buf is not None:
             buf, cmd.buf, cmd.view = cmd.buf, None, memoryview(b"")
             assert self.transport is not None
-            if self.transport.get_write_buffer_size():
+            # A corked C2HData (in `_out`) or the transport may still reference `buf`: the
+            # pool gets it back after the flush (issue 9: SPDK's bdevperf read another
+            # command's bytes when the next read decrypted into it before the flush).
+            if self._out or self.transport.get_write_buffer_size():
                 self._unsent.append(buf)
             else:
                 self._data_pool.give(buf)
@@ -476,7 +497,7 @@ class NvmfConnection(asyncio.BufferedProtocol):
                 fes=Fes.INVALID_PDU_HEADER_FIELD,
                 fei=10,
             )
-        if sqe.cid in self._cmds:
+        if sqe.cid in self._cmds and not self._drop_abandoned_aer(sqe.cid):
             if cmd.icd is not None:
                 self._icd_pool.give(cmd.icd)
             raise RemoteProtocolError(
@@ -566,6 +587,18 @@ class NvmfConnection(asyncio.BufferedProtocol):
         out = done.data[:length]
         out += bytes(max(0, min(length, ADMIN_REPLY_BYTES_MAX) - len(out)))
         self._send_data(cmd, out, done.cdw0)
+
+    def _drop_abandoned_aer(self, cid: int) -> bool:
+        """A host reusing the id of an AER we hold has given that AER up: SPDK's initiator
+        completes its AERs locally when it detaches and reuses their ids for the shutdown
+        Property Get/Set (SPDK's target accepts it). Forget the AER; True if there was one."""
+        if self.qid != 0 or self.ctrl is None or cid not in self.ctrl.aer_cids:
+            return False
+        self.ctrl.aer_cids.remove(cid)
+        old = self._cmds.pop(cid)
+        self._release(old)
+        self._sqhd = (self._sqhd + 1) % self.depth  # it was consumed from the SQ
+        return True
 
     def complete_aers(self) -> None:
         """Drop held AERs when the controller goes (their CQEs would go nowhere)."""

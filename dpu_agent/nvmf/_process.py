@@ -38,7 +38,12 @@ class TargetProcess:
         host_keys_file: str | os.PathLike[str] | None = None,
         require_auth: bool = False,
         extra_args: Iterable[str] = (),
+        port: int = 0,
+        log_path: str | os.PathLike[str] | None = None,
+        tiers_dir: str | os.PathLike[str] | None = None,
     ) -> None:
+        """`port` 0 picks a free one; `log_path` receives the target's log (JSON lines)
+        instead of this process's stderr."""
         args = [
             sys.executable,
             "-m",
@@ -53,6 +58,8 @@ class TargetProcess:
             log_level,
             "--keep-alive-granularity-ms",
             str(keep_alive_granularity_ms),
+            "--port",
+            str(port),
         ]
         for h in allow_hosts:
             args += ["--allow-host", h]
@@ -65,10 +72,20 @@ class TargetProcess:
         if require_auth:
             args.append("--require-auth")
         args += list(extra_args)
+        if tiers_dir is not None:  # the agent's namespace stack: nsid 1 DRAM, nsid 2 NVMe tier
+            args += ["--tiers-dir", os.fspath(tiers_dir)]
         env = dict(os.environ)
         if xts_key is not None:  # in the child's environment, not on its command line
             env[XTS_KEY_ENV] = xts_key.hex()
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self.log_path = log_path
+        log = open(log_path, "ab") if log_path is not None else None
+        try:
+            self.proc = subprocess.Popen(
+                args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env
+            )
+        finally:
+            if log is not None:
+                log.close()  # the child holds its own descriptor
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:

@@ -354,4 +354,5 @@ class NvmeTcpTarget:
             return conn.connect_refused(cmd, Status.CONNECT_INVALID_PARAMETERS, 0, _IPO_QID)
         ctrl.io_queue_count += 1
         self._ctrl_conns[ctrl.cntlid].add(conn)
+        log.info("nvmf_io_queue_connected", cntlid=ctrl.cntlid, qid=qid, peer=conn.peer)
         conn.connect_done(cmd, ctrl, qid)

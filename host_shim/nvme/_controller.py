@@ -52,6 +52,13 @@ READY_TIMEOUT_S_MAX = 30.0  # waiting for CSTS.RDY after CC.EN = 1 (CAP.TO, boun
 DISCOVERY_RETRIES_MAX = 8  # re-reads of the discovery log while its genctr keeps changing
 _CC_EN_IOSQES_IOCQES = 0x1 | (6 << 16) | (4 << 20)
 _CC_SHN_NORMAL = 1 << 14
+_CSTS_SHST_MASK = 0x3 << 2
+_CSTS_SHST_COMPLETE = 0x2 << 2
+# Waiting for CSTS.SHST = complete after CC.SHN on close: Linux's default shutdown_timeout
+# (5 s); SPDK's target reports it within milliseconds, and busy-loops ~100 ms per close when
+# the host hangs up before it has (issue 9).
+SHUTDOWN_TIMEOUT_S_MAX = 5.0
+SHUTDOWN_POLL_S = 0.002  # first poll interval; doubles up to 50 ms
 
 
 def default_hostnqn() -> str:
@@ -260,13 +267,25 @@ class NvmeTcpController:
         if self._ka_thread is not None:
             self._ka_thread.join(timeout=5)
         try:
-            self.property_set(Property.CC, _CC_EN_IOSQES_IOCQES | _CC_SHN_NORMAL)
+            self._shutdown()
         except NvmeError:
             pass  # best effort: the target may be gone already
         for q in [*self._io, self._admin]:
             q.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+    def _shutdown(self) -> None:
+        """CC.SHN = normal, then poll CSTS.SHST until the controller reports the shutdown
+        complete (as Linux does), at most SHUTDOWN_TIMEOUT_S_MAX."""
+        self.property_set(Property.CC, _CC_EN_IOSQES_IOCQES | _CC_SHN_NORMAL)
+        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S_MAX
+        pause = SHUTDOWN_POLL_S
+        while self.property_get(Property.CSTS) & _CSTS_SHST_MASK != _CSTS_SHST_COMPLETE:
+            if time.monotonic() + pause > deadline:
+                return  # the controller is slow or gone: close anyway
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
     def __enter__(self) -> NvmeTcpController:
         return self

@@ -7,7 +7,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-SHARED_SPDK = Path(__file__).resolve().parents[3] / "shared" / "spdk"
+SHARED_SPDK = Path(__file__).resolve().parents[1] / "data" / "spdk"  # recorded from SPDK v26.05
 EXAMPLE = Path(__file__).resolve().parents[2] / "spdk_plugins" / "examples" / "bluefield.toml"
 AGENT_NQN = "nqn.2026-11.io.dpu-kvtier:agent"
 HOST_A = "nqn.2014-08.org.nvmexpress:uuid:11111111-2222-3333-4444-555555555555"

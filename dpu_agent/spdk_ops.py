@@ -1,4 +1,7 @@
-"""The composite operations behind `dpuctl spdk ...` and the rpc.py plugin.
+"""The composite operations behind `dpuctl spdk ...` and the rpc.py plugin (spdk_rpc_plugin).
+
+They live in the agent (not in spdk_plugins) because they read the agent's key store:
+spdk_plugins never imports dpu_agent.
 
 Each takes a config path and returns plain JSON-able data, so both front ends stay thin.
 Key material comes from the agent's key store: a key file (`--key-file`) or, without one,
@@ -10,8 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,14 +24,12 @@ from spdk_plugins.desired import KeyProvider, SpdkDesired, load_desired
 from spdk_plugins.keys import keystore_provider
 from spdk_plugins.plan import plan
 from spdk_plugins.rpc import SpdkClient
-from spdk_plugins.sim import SpdkSimulator
 from spdk_plugins.tiers import agent_tiers
 
 __all__ = [
     "run_apply",
     "run_boot_config",
     "run_plan",
-    "run_simulator",
     "run_status",
     "run_tiers",
     "session",
@@ -93,16 +92,3 @@ def run_boot_config(
     with os.fdopen(fd, "w") as f:
         f.write(json.dumps(doc, indent=2) + "\n")
     return {"written": output, "mode": "0600", "keys": [k.name for k in desired.keys]}
-
-
-def run_simulator(socket: str, *, wait_for_rpc: bool = False, mlx5: bool = False) -> None:
-    """Serve the simulator until interrupted (Ctrl-C)."""
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    features = frozenset({"mlx5"} if mlx5 else set())
-    with SpdkSimulator(socket, features=features, wait_for_rpc=wait_for_rpc):
-        try:
-            while not stop.wait(1.0):
-                pass
-        except KeyboardInterrupt:
-            pass

@@ -15,7 +15,7 @@ import uuid as uuidlib
 from collections.abc import Callable
 from typing import Any
 
-from spdk_plugins._sim_common import (
+from spdk_sim._sim_common import (
     CLUSTER_MASK_BITS_PER_PAGE,
     CRYPTO_NAMESPACE_UUID,
     ERR_INVALID_PARAMS,
@@ -27,7 +27,7 @@ from spdk_plugins._sim_common import (
     insert_after,
     make_bdev,
 )
-from spdk_plugins._sim_common import _Bdev as Bdev
+from spdk_sim._sim_common import _Bdev as Bdev
 
 
 class BdevMixin:
@@ -285,6 +285,10 @@ class BdevMixin:
         return name
 
     def _make_crypto(self, name: str, base: Bdev, cfg: dict[str, str]) -> None:
+        # SPDK v26.05 then reports the base by its own name (an lvol's UUID), in the bdev's
+        # driver_specific and in framework_get_config, whatever alias it was created with.
+        cfg = dict(cfg, base_bdev_name=base.name)
+        self.crypto_cfg[name] = cfg
         digest = hashlib.sha1(CRYPTO_NAMESPACE_UUID.bytes + uuidlib.UUID(base.uuid).bytes)
         uid = str(uuidlib.UUID(bytes=digest.digest()[:16], version=5))
         base.claim_type, base.claimed_by = "exclusive_write", name

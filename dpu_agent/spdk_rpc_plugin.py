@@ -1,9 +1,9 @@
 """An rpc.py plugin: the project's composite SPDK operations for operators who live in rpc.py.
 
-    rpc.py -s /var/tmp/spdk.sock --plugin spdk_plugins.rpc_plugin kvtier_plan -c agent.toml
-    rpc.py -s /var/tmp/spdk.sock --plugin spdk_plugins.rpc_plugin kvtier_apply -c agent.toml
-    rpc.py -s /var/tmp/spdk.sock --plugin spdk_plugins.rpc_plugin kvtier_status -c agent.toml
-    rpc.py --plugin spdk_plugins.rpc_plugin kvtier_boot_config -c agent.toml
+    rpc.py -s /var/tmp/spdk.sock --plugin dpu_agent.spdk_rpc_plugin kvtier_plan -c agent.toml
+    rpc.py -s /var/tmp/spdk.sock --plugin dpu_agent.spdk_rpc_plugin kvtier_apply -c agent.toml
+    rpc.py -s /var/tmp/spdk.sock --plugin dpu_agent.spdk_rpc_plugin kvtier_status -c agent.toml
+    rpc.py --plugin dpu_agent.spdk_rpc_plugin kvtier_boot_config -c agent.toml
 
 rpc.py's `-s` socket is used (not `[spdk].socket`); output is JSON with key material redacted.
 SPDK's loader imports the module named by `--plugin` and calls
@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from spdk_plugins import ops
+from dpu_agent import spdk_ops as ops
 from spdk_plugins.desired import DesiredStateError
 from spdk_plugins.rpc import SpdkError
 

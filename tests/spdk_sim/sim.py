@@ -5,7 +5,7 @@ It behaves as the recordings in shared/spdk/ show a real `spdk_tgt` behaving (co
 newline, batches answered as arrays, notifications unanswered, string ids echoed, malformed
 JSON closing the connection, and per-method parameter decoding (unknown, mistyped or missing
 parameters) failing with the code and message SPDK gives. Object semantics (bdevs, claims,
-keys, lvstores, nvmf) live in `spdk_plugins._sim_target`. Threaded: one thread per connection,
+keys, lvstores, nvmf) live in `spdk_sim._sim_target`. Threaded: one thread per connection,
 one lock around the target state, as SPDK serialises RPCs on its app thread.
 """
 
@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from dpu_agent.log import get_logger
-from spdk_plugins._sim_common import NvmeDevice, RpcFail, load_sim_data
-from spdk_plugins._sim_target import SimTarget
+from spdk_plugins._log import get_logger
+from spdk_sim._sim_common import NvmeDevice, RpcFail, load_sim_data
+from spdk_sim._sim_target import SimTarget
 
 __all__ = ["NvmeDevice", "SpdkSimulator"]
 

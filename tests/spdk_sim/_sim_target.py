@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import uuid as uuidlib
 from collections.abc import Callable
 from typing import Any
 
-from spdk_plugins._sim_bdev import BdevMixin
-from spdk_plugins._sim_common import (
+from spdk_sim._sim_bdev import BdevMixin
+from spdk_sim._sim_common import (
     _MSG_RUNTIME_ONLY,
     _MSG_STARTUP_ONLY,
     _STARTUP_AND_RUNTIME,
@@ -29,7 +30,7 @@ from spdk_plugins._sim_common import (
     fits,
     is_hex,
 )
-from spdk_plugins._sim_common import (
+from spdk_sim._sim_common import (
     _Bdev as Bdev,
 )
 
@@ -337,8 +338,10 @@ class SimTarget(BdevMixin):
 
     def rpc_nvmf_subsystem_add_host(self, p: dict[str, Any]) -> Any:
         ss = self._ss(p["nqn"])
-        if any(h["nqn"] == p["host"] for h in ss["hosts"]):
-            raise RpcFail(ERR_INVALID_PARAMS, "Invalid parameters")  # (inferred)
+        # recorded from v26.05 (issue 9): an invalid host NQN ("uuid is not the correct
+        # length") and a host already listed both answer -32603 "Internal error"
+        if not _host_nqn_valid(p["host"]) or any(h["nqn"] == p["host"] for h in ss["hosts"]):
+            raise RpcFail(ERR_INTERNAL, "Internal error")
         ss["hosts"].append({"nqn": p["host"]})
         return True
 
@@ -415,3 +418,16 @@ def _listen_address(a: dict[str, Any]) -> dict[str, str]:
     out["traddr"] = a["traddr"]
     out["trsvcid"] = a.get("trsvcid", "")
     return out
+
+
+_UUID_NQN_PREFIX = "nqn.2014-08.org.nvmexpress:uuid:"
+
+
+def _host_nqn_valid(nqn: str) -> bool:
+    """SPDK's nvmf_nqn_is_valid, in the parts a host NQN meets: at most 223 bytes, `nqn.`
+    followed by a yyyy-mm. date, and a UUID NQN's UUID exactly 36 characters."""
+    if len(nqn.encode()) > 223 or not nqn.startswith("nqn."):
+        return False
+    if nqn.startswith(_UUID_NQN_PREFIX):
+        return len(nqn) - len(_UUID_NQN_PREFIX) == 36
+    return bool(re.match(r"nqn\.\d{4}-\d{2}\.", nqn))

@@ -10,7 +10,7 @@ import json
 import re
 import uuid as uuidlib
 from dataclasses import dataclass, field
-from importlib import resources
+from pathlib import Path
 from typing import Any
 
 SIM_DATA_FILE = "sim_data_v26_05.json"
@@ -66,7 +66,7 @@ def errno_fail(err: int) -> RpcFail:
 
 
 def load_sim_data() -> dict[str, Any]:
-    text = resources.files("spdk_plugins").joinpath(SIM_DATA_FILE).read_text()
+    text = (Path(__file__).parent / SIM_DATA_FILE).read_text()
     data: dict[str, Any] = json.loads(text)
     return data
 
