@@ -90,7 +90,7 @@ def _check_config(path: Path) -> dict[str, Any]:
 def _spdk_json(path: Path, doc: dict[str, Any]) -> bytes | None:
     if "spdk" not in doc:
         return None
-    from spdk_plugins.ops import run_boot_config
+    from dpu_agent.spdk_ops import run_boot_config
 
     return (json.dumps(run_boot_config(path), indent=2) + "\n").encode()
 
