@@ -48,18 +48,17 @@ from dpu_agent.engine.engine import CHUNKS_PAGE_MAX
 from dpu_agent.log import configure_logging, get_logger, nqn_tag
 from dpu_agent.metrics import REGISTRY
 from dpu_agent.nixl import NixlServer
-from dpu_agent.nvmf import NvmeTcpTarget, Subsystem, TargetOptions
+from dpu_agent.nvmf import NvmeTcpTarget, Subsystem, TargetOptions, tenant_nqn
 from dpu_agent.nvmf._keys import HOST_KEYS_FILE, HostKeyIssuer, hello_keys
 from dpu_agent.sdnotify import Notifier
 from dpu_agent.spdk_mode import SpdkDevices, check_spdk, listener_for
 from kvproto.control import valid_tenant_name
 from kvproto.nvme import NQN_BYTES_MAX
 
-__all__ = ["Agent", "AgentProcess", "run_agent", "spawn_agent", "subsystem_nqn"]
+__all__ = ["Agent", "AgentProcess", "run_agent", "spawn_agent"]
 
 log = get_logger("dpu_agent.service")
 
-NQN_PREFIX = "nqn.2026-11.io.dpu-kvtier:tenant:"
 TENANTS_FILE = "tenants.json"  # tenants added or removed at run time (tokens in their own files)
 # Host NQNs allowed per subsystem at once (each bound to a live control session): a fleet of
 # GPU servers. Beyond it a hello is refused; nobody else's entry is pushed out.
@@ -71,10 +70,6 @@ TENANT_EVICT_ALL_BYTES = 1 << 62  # "everything": more than any tier holds
 # The agent process's CPU seconds, RSS and open files on /metrics (process_* series): on a
 # DPU this is the Arm cores' share the agent takes.
 ProcessCollector(registry=REGISTRY)
-
-
-def subsystem_nqn(tenant: str) -> str:
-    return NQN_PREFIX + tenant
 
 
 EXIT_BROKEN_INVARIANT = 70  # EX_SOFTWARE: the agent found a bug in itself
@@ -244,7 +239,7 @@ class Agent:
     def _subsystem(self, tenant: str) -> Subsystem:
         """The tenant's subsystem: its namespaces only, reachable only by hosts it said hello
         from (hello_info adds each authenticated client's host NQN)."""
-        sub = Subsystem(nqn=subsystem_nqn(tenant), namespaces=self.engine.namespaces(tenant))
+        sub = Subsystem(nqn=tenant_nqn(tenant), namespaces=self.engine.namespaces(tenant))
         sub.require_auth = self.cfg.nvmf.require_auth
         sub.secure_channel = self.cfg.nvmf.secure_channel
         self.host_keys.bind(tenant, sub)
@@ -298,7 +293,7 @@ class Agent:
         host, port = self.target.host, self.target.port
         if host in ("0.0.0.0", "::", ""):  # a wildcard bind: the address the client reached
             host = local_host
-        nvme: dict[str, Any] = {"host": host, "port": port, "subnqn": subsystem_nqn(tenant)}
+        nvme: dict[str, Any] = {"host": host, "port": port, "subnqn": tenant_nqn(tenant)}
         if hostnqn and self.host_keys.enabled:  # keys are issued, not invented
             nvme.update(hello_keys(self.host_keys.issue(tenant, self._subsystems[tenant], hostnqn)))
         return {
@@ -509,7 +504,7 @@ class Agent:
         if self.host_keys.enabled:
             keys = hello_keys(self.host_keys.issue(tenant, self._subsystems[tenant], nqn))
         log.info("host_added", tenant=tenant, keys=sorted(keys))
-        return {"tenant": tenant, "hostnqn": nqn, "subnqn": subsystem_nqn(tenant), **keys}
+        return {"tenant": tenant, "hostnqn": nqn, "subnqn": tenant_nqn(tenant), **keys}
 
     def _tenant_remove(self, name: str) -> dict[str, Any]:
         """Crypto-erase: revoke the token, end its sessions, remove its subsystem (its hosts
@@ -519,7 +514,7 @@ class Agent:
         self.registry.remove(name)
         ended = self.control.end_tenant_sessions(name) if self.control is not None else 0
         if self.target is not None:  # SPDK mode: the subsystem is SPDK's, kept
-            self.target.remove_subsystem(subsystem_nqn(name))
+            self.target.remove_subsystem(tenant_nqn(name))
         self._subsystems.pop(name, None)
         self.host_keys.forget_tenant(name)
         self._bindings.pop(name, None)
@@ -593,7 +588,7 @@ def banner(cfg: AgentConfig, addr: Mapping[str, Any]) -> str:
     env = "" if cfg.agent.data_dir == "./var" else f"DPUKV_AGENT_DATA_DIR={cfg.data_dir} "
     opt = "" if cfg.source == "<defaults>" else f" --config {cfg.source}"
     nv = listener_for(cfg.spdk, tenant, "") if cfg.spdk is not None and cfg.spdk_mode else None
-    nqn = nv["subnqn"] if nv else subsystem_nqn(tenant)
+    nqn = nv["subnqn"] if nv else tenant_nqn(tenant)
     return f"""dpukv agent {cfg.agent.node_name} is serving (Ctrl-C stops it)
   control   {addr["control_tcp"]}  {addr["control_unix"]}
   NVMe/TCP  {addr["nvmf"]}  (subsystem {nqn})

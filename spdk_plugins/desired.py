@@ -49,8 +49,10 @@ NSID_MAX = 0xFFFFFFFE
 OBJECTS_PER_KIND_MAX = 1024
 TWEAK_MODES = ("SIMPLE_LBA", "JOIN_NEG_LBA_WITH_LBA", "INCR_512_FULL_LBA", "INCR_512_UPPER_LBA")
 CIPHERS = ("AES_XTS",)  # the project encrypts with AES-XTS only (DESIGN.md)
-MLX5_KEY_BYTES = (16, 32)
-XTS_KEY_BYTES = (16, 32)
+# Bytes of each of the two AES keys of an accel_crypto_key (key and key2), as SPDK takes them
+# (not the 64-byte key || key2 of dpu_agent.crypto.keystore.XTS_KEY_BYTES)
+MLX5_KEY_HALF_BYTES_ALLOWED = (16, 32)
+XTS_KEY_HALF_BYTES_ALLOWED = (16, 32)
 _UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.:\-]{1,64}$")
 _HEX_RE = re.compile(r"^[0-9a-fA-F]*$")
@@ -705,7 +707,11 @@ def check_key_material(desired: SpdkDesired, key_provider: KeyProvider) -> None:
                 f"{path}.key2", "key equal to key2: AES-XTS needs two distinct keys"
             )
         nbytes = len(key) // 2
-        sizes = MLX5_KEY_BYTES if desired.accel.module == "mlx5" else XTS_KEY_BYTES
+        sizes = (
+            MLX5_KEY_HALF_BYTES_ALLOWED
+            if desired.accel.module == "mlx5"
+            else XTS_KEY_HALF_BYTES_ALLOWED
+        )
         if nbytes not in sizes:
             who = "the mlx5 accel module" if desired.accel.module == "mlx5" else "AES_XTS"
             allowed = " or ".join(map(str, sizes)) + " bytes"

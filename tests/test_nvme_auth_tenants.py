@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dpu_agent.service import AgentProcess, spawn_agent, subsystem_nqn
+from dpu_agent.nvmf import tenant_nqn
+from dpu_agent.service import AgentProcess, spawn_agent
 from host_shim.client import ControlChannel, KVClient
 from host_shim.nvme import NvmeAuthError, NvmeError, NvmeStatusError, NvmeTcpController
 from kvproto.control import ADMIN_TENANT
@@ -94,7 +95,7 @@ def test_host_knowing_another_tenants_nqn_but_not_its_secret_gets_nothing(
         _session(agent, "bravo", token_b, attacker) as nv_b,  # the attacker: a real tenant
     ):
         host, port = _nvme_addr(nv_a)
-        sub_a = subsystem_nqn("default")
+        sub_a = tenant_nqn("default")
         assert nv_a["subnqn"] == sub_a and nv_b["subnqn"] != sub_a
         # 1. its own host NQN on tenant default's subsystem: not allowed there at all
         with pytest.raises(NvmeStatusError) as e:

@@ -1,6 +1,6 @@
 """The agent in SPDK mode, end to end, with no SPDK binary here.
 
-Control plane: `spdk_sim.SpdkSimulator` (tests/spdk_sim) on a Unix socket, driven by the agent's real
+Control plane: `spdk_sim.SpdkSimulator` (test support) on a Unix socket, driven by the agent's real
 SPDK client (plan, or apply at start). Data plane: a real NVMe/TCP target, our own
 `dpu_agent.nvmf` target on loopback, serving the subsystem and namespaces [spdk] declares:
 nsid 1 a MemoryBlockDevice (SPDK's malloc bdev), nsid 2 a CryptoBlockDevice over a

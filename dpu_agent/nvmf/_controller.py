@@ -10,8 +10,9 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+from dpu_agent.blockdev import BLOCK_SIZE
 from dpu_agent.nvmf._limits import ADMIN_REPLY_BYTES_MAX, KATO_IDLE_MS, BufferBudget
-from dpu_agent.nvmf._subsystem import BLOCK_SIZE, Subsystem, TargetOptions, namespace_ids
+from dpu_agent.nvmf._subsystem import Subsystem, TargetOptions, namespace_ids
 from kvproto.nvme import (
     AdminOpcode,
     Cns,

@@ -6,7 +6,7 @@ import hashlib
 import uuid
 from dataclasses import dataclass, field
 
-from dpu_agent.blockdev import BlockDevice
+from dpu_agent.blockdev import BLOCK_SIZE, BlockDevice
 from dpu_agent.nvmf._auth import HostKeys
 from kvproto.nvme import DISCOVERY_NQN, NQN_BYTES_MAX
 
@@ -21,7 +21,6 @@ __all__ = [
 
 TENANT_NQN_PREFIX = "nqn.2026-11.io.dpu-kvtier:tenant:"  # docs/ARCHITECTURE.md
 
-BLOCK_SIZE = 4096  # the target serves 4096-byte LBAs only (CAP.MPSMIN is 4 KiB too)
 MODEL_DEFAULT = "dpu-kvtier namespace"
 
 
