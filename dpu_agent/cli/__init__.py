@@ -12,6 +12,7 @@ from dpu_agent import __version__
 from dpu_agent.bench.crypto import crypto_cmd
 from dpu_agent.bench.datapath import datapath
 from dpu_agent.bench.index import index_cmd
+from dpu_agent.bench.lmcache import lmcache_cmd
 from dpu_agent.bench.nvme import nvme as nvme_bench
 from dpu_agent.bench.recovery import recovery_cmd
 from dpu_agent.bench.replay import replay_command
@@ -44,6 +45,7 @@ bench.add_command(replay_command)
 bench.add_command(nvme_bench)
 bench.add_command(index_cmd)
 bench.add_command(recovery_cmd)
+bench.add_command(lmcache_cmd)
 
 
 def main() -> None:
