@@ -15,7 +15,9 @@ import pytest
 
 from dpu_agent.bench.engines import engine_python, run_lmcache
 
-pytestmark = pytest.mark.slow
+ENGINE_TEST_TIMEOUT_S = 900  # three LMCache processes on 2 shared cores (1-3 min quiet)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S)]
 
 PYTHON = engine_python("lmcache")
 if PYTHON is None:

@@ -19,7 +19,9 @@ import pytest
 
 from dpu_agent.bench.engines import EngineError, engine_model, engine_python, run_vllm
 
-pytestmark = pytest.mark.slow
+ENGINE_TEST_TIMEOUT_S = 1800  # a few engine processes on 2 shared cores (3-10 min quiet)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S)]
 
 PYTHON, MODEL = engine_python("vllm"), engine_model()
 if PYTHON is None or MODEL is None:

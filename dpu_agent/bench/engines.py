@@ -32,7 +32,7 @@ __all__ = [
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_MODEL_DIR = ROOT / ".engines" / "smollm2-135m"
 _VENVS = {"vllm": ".venv-vllm", "lmcache": ".venv-lmcache"}
-ENGINE_RUN_TIMEOUT_S = 900  # one engine process: vLLM init (5-40 s) and prefills of 8k tokens
+ENGINE_RUN_TIMEOUT_S = 1200  # one engine process: vLLM init (5-40 s quiet), 8k-token prefills
 HISTORY_TURNS_MAX = 64  # runbooks pasted to reach a history length (8k tokens: ~12)
 
 

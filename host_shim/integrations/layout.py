@@ -7,7 +7,7 @@ A tier chunk is one tensor of `ChunkLayout.chunk_shape` =
 - Hugging Face transformers: per layer ``keys``/``values`` of ``[batch=1, heads, tokens, dim]``
   (`per_layer_to_chunks`, `chunks_to_per_layer`).
 - vLLM: paged, per layer one tensor of blocks of `block_size` tokens, with the block table of a
-  request naming its blocks in token order (`PagedLayout`, `gather_chunk`, `scatter_chunk`).
+  request naming its blocks in token order (`PagedLayout`, `gather_chunks`, `scatter_chunks`).
 
 Every conversion here is a copy with no arithmetic, so a round trip is byte-exact.
 """
