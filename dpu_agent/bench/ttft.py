@@ -222,7 +222,9 @@ def chat_tokens(tokenizer: Any, messages: list[dict[str, str]], *, generation: b
 COLD_BLOCKS = (256, 512, 0)
 
 
-def _measure(engine: Any, prompt: list[int], repeats: int) -> tuple[Any, dict[str, Any]]:
+def _measure(
+    engine: Any, prompt: list[int], repeats: int, cold_blocks: Sequence[int] = COLD_BLOCKS
+) -> tuple[Any, dict[str, Any]]:
     """Cold prefills (every block size of COLD_BLOCKS and the chunk size) and the warm one,
     `repeats` times, interleaved; the fastest of each counts (this machine is shared:
     interference only ever adds time). Returns the last warm result and the row.
@@ -232,7 +234,7 @@ def _measure(engine: Any, prompt: list[int], repeats: int) -> tuple[Any, dict[st
     the fastest cold prefill the difference is float32 rounding (`max_abs_logit_diff_fastest`).
     """
     n = engine.layout.chunk_tokens
-    blocks = sorted({n, *COLD_BLOCKS})
+    blocks = sorted({n, *cold_blocks})
     cold_s: dict[int, list[float]] = {b: [] for b in blocks}
     cold_logits: dict[int, Any] = {}
     warm_s, get_s, fwd_s, same = [], [], [], True
@@ -273,15 +275,19 @@ def run_conversation(
     script: Sequence[tuple[str, str]],
     *,
     repeats: int = 1,
+    cold_blocks: Sequence[int] = COLD_BLOCKS,
     on_turn: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Each turn: cold and warm prefill of the prompt, then the reply appended and stored."""
+    """Each turn: cold and warm prefill of the prompt, then the reply appended and stored.
+
+    `cold_blocks`: the prefill block sizes (0 = one forward) the cold baseline tries besides
+    the chunk size; () times only the chunk-sized blocks (tests: a quarter of the work)."""
     messages: list[dict[str, str]] = []
     rows = []
     for index, (user, reply) in enumerate(script):
         messages.append({"role": "user", "content": user})
         prompt = chat_tokens(tokenizer, messages, generation=True)
-        warm, row = _measure(engine, prompt, repeats)
+        warm, row = _measure(engine, prompt, repeats, cold_blocks)
         messages.append({"role": "assistant", "content": reply})
         convo = chat_tokens(tokenizer, messages, generation=False)
         assert convo[: len(prompt)] == prompt, "chat template does not extend the prompt"
