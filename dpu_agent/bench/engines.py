@@ -78,32 +78,37 @@ def export_model(dest: Path) -> Path:
     return dest
 
 
+HISTORY_QUESTION = "Which rack gives the tier the most NVMe capacity per DPU?"
+
+
 def history_messages(
     tokenizer: Any, min_tokens: int, max_tokens: int | None = None
 ) -> list[dict[str, str]]:
-    """A chat (the ttft script's turns, then more racks' runbooks) whose prompt, with the
-    generation prompt, holds `min_tokens` to `max_tokens` tokens; it ends with a user message
-    (the last one cut short, by whole lines, to stay under `max_tokens`)."""
+    """A chat whose prompt, with the generation prompt, holds `min_tokens` to `max_tokens`
+    tokens: the ttft script's turns, then more racks' runbooks (the last one cut short, by
+    whole lines, to fit), each with its reply, then a short question (`HISTORY_QUESTION`):
+    a returning conversation whose history is all there is to reuse."""
     from dpu_agent.bench.ttft import _RUNBOOK, SCRIPT, chat_tokens
 
     turns = list(SCRIPT)
     for i in range(HISTORY_TURNS_MAX):
         runbook = _RUNBOOK.format(rack=f"E{i}", dram=8 + i, nvme=round(3.84 * (i + 1), 2))
         turns.append((f"One more: the runbook of rack E{i}.\n\n{runbook}", "Noted."))
+    question = {"role": "user", "content": HISTORY_QUESTION}
     messages: list[dict[str, str]] = []
     for user, reply in turns:
-        messages.append({"role": "user", "content": user})
-        size = len(chat_tokens(tokenizer, messages, generation=True))
-        if size >= min_tokens:
-            lines = user.splitlines()
-            while max_tokens is not None and size > max_tokens and len(lines) > 1:
-                lines.pop()
-                messages[-1]["content"] = "\n".join(lines)
-                size = len(chat_tokens(tokenizer, messages, generation=True))
-            if size < min_tokens or (max_tokens is not None and size > max_tokens):
-                raise ValueError(f"no chat of {min_tokens} to {max_tokens} tokens here")
-            return messages
-        messages.append({"role": "assistant", "content": reply})
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+        size = len(chat_tokens(tokenizer, [*messages, question], generation=True))
+        if size < min_tokens:
+            continue
+        lines = user.splitlines()
+        while max_tokens is not None and size > max_tokens and len(lines) > 1:
+            lines.pop()
+            messages[-2]["content"] = "\n".join(lines)
+            size = len(chat_tokens(tokenizer, [*messages, question], generation=True))
+        if size < min_tokens or (max_tokens is not None and size > max_tokens):
+            raise ValueError(f"no chat of {min_tokens} to {max_tokens} tokens here")
+        return [*messages, question]
     raise ValueError(f"{HISTORY_TURNS_MAX} runbooks do not reach {min_tokens} tokens")
 
 
