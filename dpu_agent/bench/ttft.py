@@ -311,7 +311,8 @@ def run_conversation(
 
 # History lengths (tokens) the --history points aim at, each within this many tokens above.
 HISTORY_SLACK_TOKENS = 300
-HISTORY_TOKENS_MAX = 8192 - HISTORY_SLACK_TOKENS - 2  # SmolLM2's context: 8,192 tokens
+CONTEXT_TOKENS = 8192  # SmolLM2's context; a prompt leaves room for the token it predicts
+HISTORY_TOKENS_MAX = 8000
 VLLM_CHUNK_TOKENS = 256  # a multiple of vLLM's CPU block size (128)
 
 
@@ -322,7 +323,8 @@ def history_prompts(tokenizer: Any, points: Sequence[int]) -> list[tuple[list[in
 
     out = []
     for target in points:
-        messages = history_messages(tokenizer, target, target + HISTORY_SLACK_TOKENS)
+        top = min(target + HISTORY_SLACK_TOKENS, CONTEXT_TOKENS - 1)
+        messages = history_messages(tokenizer, target, top)
         prompt = chat_tokens(tokenizer, messages, generation=True)
         previous = chat_tokens(tokenizer, messages[:-1], generation=False)
         assert prompt[: len(previous)] == previous, "chat template does not extend the history"
