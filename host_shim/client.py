@@ -583,6 +583,33 @@ class KVClient:
             except _LOST as e:
                 return self._lost(e)
 
+    def lease(self, tokens: Sequence[int] | np.ndarray) -> tuple[int, int]:
+        """lookup() that also leases the cached prefix (the agent neither evicts nor frees it
+        until release_lease() or the lease TTL): (chunks, lease_id); lease_id 0 holds nothing.
+        For a scheduler that promises chunks now and loads them a step later."""
+        keys = self.keys(tokens)
+        if not keys:
+            return 0, 0
+        with self._lock:
+            try:
+                self._ensure()
+                res = self._channel.call("lookup", keys=keys)
+            except _LOST as e:
+                return self._lost(e), 0
+        return len(res["hits"]), int(res["lease_id"] or 0)
+
+    def release_lease(self, lease_id: int) -> None:
+        """Give back a lease from lease(); a lost agent or an expired lease is not an error
+        (the agent dropped it already)."""
+        if not lease_id:
+            return
+        with self._lock:
+            try:
+                self._ensure()
+                self._channel.post([("release", {"lease_id": lease_id})])
+            except _LOST as e:
+                self._lost(e)
+
     def delete(self, tokens: Sequence[int] | np.ndarray) -> int:
         """Drop the chunks of `tokens`; returns how many were there."""
         keys = self.keys(tokens)

@@ -147,7 +147,8 @@ def test_multi_turn_chat_through_the_agent(smol: tuple[Any, Any], agent: Any) ->
     model, tok = smol
     layout = model_layout(model.config, model_id="smol", dtype=torch.float32, chunk_tokens=128)
     with KVClient(agent.control_url, "default", agent.token, layout, os.urandom(32)) as kv:
-        rows = run_conversation(TieredModel(model, kv, layout=layout), tok, CHAT)
+        engine = TieredModel(model, kv, layout=layout)
+        rows = run_conversation(engine, tok, CHAT, cold_blocks=())  # cold: chunk-sized blocks
     first, second = rows
     assert first["cached_tokens"] == 0 and first["stored_chunks"] >= 3
     assert second["prompt_tokens"] > first["prompt_tokens"]  # the prompt extends the last one

