@@ -12,24 +12,17 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import click
 
 from dpu_agent import net
+from dpu_agent.cli._common import fail as _fail
 
 __all__ = ["net_group"]
 
 EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE, EXIT_CONFIG = 0, 1, 3, 4
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _fail(code: int, message: str, as_json: bool, **extra: Any) -> NoReturn:
-    if as_json:
-        click.echo(json.dumps({"ok": False, "error": message, "exit_code": code, **extra}))
-    else:
-        click.echo(f"error: {message}", err=True)
-    sys.exit(code)
 
 
 def _errors(fn: F) -> F:

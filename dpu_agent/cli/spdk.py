@@ -11,11 +11,12 @@ import functools
 import json
 import sys
 from collections.abc import Callable
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import click
 
 from dpu_agent import spdk_ops as ops
+from dpu_agent.cli._common import fail as _fail
 from dpu_agent.crypto import KeyStoreError
 from spdk_plugins.apply import ApplyError, PlanConflict
 from spdk_plugins.desired import DesiredStateError
@@ -26,14 +27,6 @@ __all__ = ["spdk_group"]
 EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE, EXIT_CONFIG = 0, 1, 3, 4
 F = TypeVar("F", bound=Callable[..., Any])
 _CONFIG = click.Path(dir_okay=False)  # the agent's TOML with [spdk]; or $DPUKV_CONFIG
-
-
-def _fail(exit_code: int, message: str, as_json: bool, **extra: Any) -> NoReturn:
-    if as_json:
-        click.echo(json.dumps({"ok": False, "error": message, "exit_code": exit_code, **extra}))
-    else:
-        click.echo(f"error: {message}", err=True)
-    sys.exit(exit_code)
 
 
 def _errors(fn: F) -> F:
