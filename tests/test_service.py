@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ import pytest
 
 from dpu_agent.service import AgentProcess, spawn_agent
 from host_shim import KVClient
-from host_shim.client import ControlChannel, ControlError
+from host_shim.client import RECONNECT_BACKOFF_S, ControlChannel, ControlError
 from host_shim.nvme import NvmeError, NvmeTcpController
 from kvproto.control import ADMIN_TENANT
 from kvproto.keys import ChunkLayout
@@ -132,6 +133,7 @@ def test_agent_killed_gives_misses_then_reconnects(tmp_path: Path) -> None:
             assert c.get(tokens, out) == 0
             assert c.put(tokens, data) == 0
             a = spawn_agent(tmp_path / "var", env=env)  # same ports: the same client reconnects
+            time.sleep(RECONNECT_BACKOFF_S)  # calls within the backoff are misses by design
             assert c.put(tokens, data) == 4  # DRAM chunks died with the process; put again
             assert c.get(tokens, out) == 4
             assert out[3].tobytes() == data[3].tobytes()
