@@ -109,7 +109,7 @@ class FileBlockDevice:
 
     Uses positional I/O (`os.preadv`/`os.pwritev`); the page cache is kept, since O_DIRECT needs
     aligned user buffers that callers do not always own, and ext4 on virtio measured no faster
-    at QD1 (../shared/MEASURED.md). A full disk surfaces as BlockDeviceError(ENOSPC).
+    at QD1 (docs/MEASURED.md). A full disk surfaces as BlockDeviceError(ENOSPC).
     """
 
     def __init__(

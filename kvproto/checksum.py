@@ -3,7 +3,7 @@ verified on every read (DESIGN.md, Integrity).
 
 Hashing the key too binds the bytes to the name they were stored under, so a chunk served for
 the wrong key (a stale extent, a misdirected read) fails verification like a corrupted one.
-xxh3-128 runs at about 18 GB/s here (../shared/MEASURED.md), far above the data path; it is a
+xxh3-128 runs at about 18 GB/s here (docs/MEASURED.md), far above the data path; it is a
 corruption check, not a MAC (the XTS encryption and tenant isolation handle adversaries).
 """
 

@@ -1,6 +1,6 @@
 """The SPDK JSON config a DPU image loads at boot (`spdk_tgt --json FILE`).
 
-Same shape as `rpc.py save_config` output (shared/spdk/save_config.json):
+Same shape as `rpc.py save_config` output (tests/data/spdk/save_config.json):
 `{"subsystems": [{"subsystem": NAME, "config": [{"method": ..., "params": ...}]}]}`, with
 the same ordering habits: crypto vbdevs before their base bdevs (SPDK defers them until the
 base appears), `bdev_wait_for_examine` last in the bdev subsystem so lvols found on disk exist

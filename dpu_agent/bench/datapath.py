@@ -2,7 +2,7 @@
 (NVMe/TCP, NIXL), next to raw NIXL, Mooncake's transfer engine, Redis and the ceiling of plain
 sockets, plus control-plane lookup latency.
 
-In one run on one machine (figures move 2-3x between runs, ../shared/MEASURED.md):
+In one run on one machine (figures move 2-3x between runs, docs/MEASURED.md):
 
 - agent: a `dpuctl agent run` child on loopback ports; KVClient puts and gets 32 MiB chunks
   (a Llama-3-8B-shaped layout: 32 layers x K/V x 8 KV heads x 256 tokens x 128 dims, fp16)
@@ -112,7 +112,7 @@ conn.sendall(b"k")
 def socket_ceiling(nbytes: int, message_bytes: int = 32 << 20) -> float:
     """GB/s of a blocking TCP loopback pair moving `nbytes` in `message_bytes` messages:
     `sendall` from this thread into `recv_into` a preallocated buffer in another thread (as
-    ../shared/MEASURED.md measures it: the stricter figure, no process switch in the way)."""
+    docs/MEASURED.md measures it: the stricter figure, no process switch in the way)."""
     srv = socket.create_server(("127.0.0.1", 0))
     payload = np.random.default_rng(1).integers(0, 255, message_bytes, dtype=np.uint8)
     sink = memoryview(bytearray(message_bytes))

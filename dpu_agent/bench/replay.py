@@ -1,6 +1,6 @@
 """`dpuctl bench replay`: hit rate of the eviction policies on a prefix-cache request trace.
 
-Trace format (../shared/traces/README.md): JSON lines with `timestamp` (ms) and `hash_ids`
+Trace format (Mooncake's, docs/EVICTION.md): JSON lines with `timestamp` (ms) and `hash_ids`
 (prefix block ids, parent first). Per request the longest cached prefix is looked up first (a
 block hits only if it and every block before it are cached); then every block of the request is
 accessed or inserted with parent = the previous block, evicting as needed. The blocks of the

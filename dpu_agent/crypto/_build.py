@@ -1,7 +1,7 @@
 """Build the AES-XTS sector loop: `python -m dpu_agent.crypto._build` (the Makefile runs it).
 
 Why C: a new tweak per 4 KiB sector from Python runs at 0.27 GB/s, a C loop over OpenSSL's EVP
-at 3.5 GB/s (../shared/MEASURED.md). `xts_loop.c` holds that loop, plus an AVX-512 VAES loop
+at 3.5 GB/s (docs/MEASURED.md). `xts_loop.c` holds that loop, plus an AVX-512 VAES loop
 chosen at run time where the CPU has it (the system OpenSSL 3.0 has no VAES XTS code). cffi's
 API mode releases the GIL around calls, so several threads encrypt in parallel. The compiled
 module `dpu_agent.crypto._xts_cffi` lands in this package directory (gitignored); nothing falls

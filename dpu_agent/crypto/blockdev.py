@@ -16,7 +16,7 @@ __all__ = ["SCRATCH_BYTES_MAX", "CryptoBlockDevice"]
 
 # Writes are encrypted through a per-thread scratch buffer of at most this size (the caller's
 # data is never modified): 4 MiB is where a QD1 pwritev reaches full speed here
-# (../shared/MEASURED.md), and it bounds memory to 4 MiB per writing thread.
+# (docs/MEASURED.md), and it bounds memory to 4 MiB per writing thread.
 SCRATCH_BYTES_MAX = 4 << 20
 
 

@@ -3,7 +3,7 @@
 The XTS key is `key || key2` (64 bytes for AES-256-XTS; 32 for AES-128-XTS, which SPDK accepts
 too and which the recorded vectors use); one data unit per block; the 16-byte tweak is 8 zero
 bytes followed by the LBA as a little-endian u64 (`struct.pack("<QQ", 0, lba)`, checked against
-ciphertext a real SPDK target wrote: ../shared/spdk/xts_vectors.json). A namespace written by
+ciphertext a real SPDK target wrote: tests/data/spdk/xts_vectors.json). A namespace written by
 the DPU's crypto engine is therefore readable here and the other way round.
 
 The per-sector loop runs in C (`xts_loop.c`, built by `_build.py`): AVX-512 VAES where the CPU

@@ -56,7 +56,7 @@ __all__ = [
 log = get_logger("dpu_agent.nixl")
 
 # One WRITE/READ moves a segment: 4 MiB is where UCX-TCP and one AES-XTS call run at full speed
-# here (../shared/MEASURED.md), and it bounds staging per slot.
+# here (docs/MEASURED.md), and it bounds staging per slot.
 NIXL_SEGMENT_BYTES = 4 << 20
 # Segments in flight: 8 x 4 MiB = 32 MiB registered once; enough to keep decryption and the
 # wire both busy (more only adds memory).

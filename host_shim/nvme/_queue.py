@@ -1,7 +1,7 @@
 """One initiator queue pair: a blocking TCP socket around the sans-I/O codec.
 
 Blocking sockets with `recv_into`/`sendmsg` are the fastest model measured here
-(../shared/MEASURED.md: 3.0 GB/s vs 2.6 for asyncio). Data of a read lands straight in the
+(docs/MEASURED.md: 3.0 GB/s vs 2.6 for asyncio). Data of a read lands straight in the
 caller's buffer: the codec's sink hands `recv_into` the slice of the caller's memory that the
 C2HData PDU covers (the rest of a large PDU in one MSG_WAITALL call). Writes go out with
 `sendmsg` from the caller's buffer (no copy). Timeouts are SO_RCVTIMEO/SO_SNDTIMEO on a
