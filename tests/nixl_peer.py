@@ -1,7 +1,7 @@
 """The host side of the NIXL tests, run as its own process (python tests/nixl_peer.py SCENARIO
 CONTROL_URL TOKEN [ADMIN_TOKEN]): the agent is another process, UCX moves bytes between them
 over TCP. Prints one JSON line with what it saw; exits with os._exit, because a process that
-used NIXL may crash in NIXL's teardown at exit (../shared/MEASURED.md), which says nothing
+used NIXL may crash in NIXL's teardown at exit (docs/MEASURED.md), which says nothing
 about the transfers tested here."""
 
 from __future__ import annotations
