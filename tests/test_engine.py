@@ -377,12 +377,12 @@ def test_background_demotion_yields_to_a_reader_that_leased_meanwhile(eng: Engin
         eng.put_chunk("acme", *chunk(i))
     nvme_free = eng.stats("acme")["tiers"]["nvme"]["free_bytes"]
     with eng._lock:
-        job = eng._start_demotion()
+        job = eng._mover.start_demotion()
     assert job is not None
     res = eng.lookup("acme", [job.key])  # a host reads the DRAM copy during the move
-    assert eng._copy_demotion(job)
+    assert eng._mover.copy(job, DRAM, NVME)
     with eng._lock:
-        assert eng._finish_demotion(job, True) == 0
+        assert eng._mover.finish_demotion(job, True) == 0
     assert res.hits[0].nsid == DRAM + 1
     assert eng.lookup("acme", [job.key]).hits[0].nsid == DRAM + 1  # it stayed
     assert eng.stats("acme")["tiers"]["nvme"]["free_bytes"] == nvme_free  # target freed

@@ -142,7 +142,7 @@ def test_failed_wal_append_fences_writes_and_loses_no_later_commit(
         key, data = chunk(i, blocks=1)
         eng.put_chunk("acme", key, data)
         acked[key] = data
-    eng._journal.close()  # kill -9: no checkpoint, the WAL as written
+    eng._commit.journal.close()  # kill -9: no checkpoint, the WAL as written
     again = Engine(cfg)
     try:
         for key, data in acked.items():

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from dpu_agent.engine import Engine, EngineConfig, LimitExceeded
-from dpu_agent.engine._core import COUNT_MAX, SCALAR_HITS_MAX
+from dpu_agent.engine._leases import COUNT_MAX, SCALAR_HITS_MAX
 from dpu_agent.engine.index import PREFIX_HEAD_MAX, PREFIX_SCALAR_MAX
 
 BS = 4096

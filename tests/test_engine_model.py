@@ -41,12 +41,12 @@ def check_blocks(eng: Engine) -> None:
             extents = [(int(cols["lba"][r]), int(cols["block_count"][r])) for r in mine]
             extents += [
                 (r.lba, r.block_count)
-                for r in eng._reservations.values()
+                for r in eng._leases.reservations.values()
                 if r.tenant_id == ts.tenant_id and r.tier == t
             ]
             extents += [
                 (lba, n)
-                for (tid, tt, lba), (n, _q) in eng._deferred.items()
+                for (tid, tt, lba), (n, _q) in eng._leases.deferred.items()
                 if tid == ts.tenant_id and tt == t
             ]
             extents += list(tier.quarantined.items())

@@ -204,7 +204,7 @@ def test_promoted_chunk_is_not_resurrected_on_reused_nvme_blocks_after_a_crash(
     assert eng.tick()["promoted"] == 1
     eng.namespaces("acme")[old.nsid].write(old.lba, memoryview(os.urandom(old.block_count * BS)))
     eng._sync()
-    eng._journal.close()  # what process death does: files stay as written, the lock goes
+    eng._commit.journal.close()  # what process death does: files stay as written, the lock goes
     eng = make(tmp_path, clock)
     try:
         assert eng.get_chunk("acme", key) is None  # lost with DRAM, as any DRAM chunk

@@ -44,7 +44,7 @@ def test_flipped_bit_mid_segment_loses_only_that_frame(tmp_path: Path) -> None:
     eng = Engine(cfg(tmp_path))
     for i in range(120):
         eng.put_chunk("acme", *chunk(i))
-    eng._journal.close()  # kill -9: files as written, no checkpoint
+    eng._commit.journal.close()  # kill -9: files as written, no checkpoint
     wal = sorted((tmp_path / "journal").glob("wal-*.log"))[-1]
     data = bytearray(wal.read_bytes())
     frames = len(data) // FRAME_BYTES
@@ -158,7 +158,7 @@ def test_failed_demotion_write_gives_the_nvme_extent_back(tmp_path: Path) -> Non
         with eng._lock:
             row = eng._index.find(ts.tenant_id, key)
             try:
-                eng._demote(ts, row, eng._clock(), evict=False)
+                eng._mover.demote(ts, row, eng._clock(), evict=False)
             except BlockDeviceError:
                 pass
         assert nvme.alloc.free_blocks == free_before  # nothing leaked

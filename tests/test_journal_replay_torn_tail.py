@@ -27,7 +27,7 @@ def crash_after_puts(tmp_path: Path, n: int) -> Path:
     eng = Engine(cfg(tmp_path))
     for i in range(n):
         eng.put_chunk("acme", *chunk(i))
-    eng._journal.close()  # what process death does: files stay as written, the lock goes
+    eng._commit.journal.close()  # what process death does: files stay as written, the lock goes
     segments = sorted((tmp_path / "journal").glob("wal-*.log"))
     return segments[-1]
 
@@ -62,7 +62,7 @@ def test_delete_in_wal_hides_checkpointed_record(tmp_path: Path) -> None:
     eng.checkpoint()
     eng.delete("acme", chunk(1)[0])
     eng.put_chunk("acme", chunk(2)[0], b"new" * 5000)  # replaced after the checkpoint
-    eng._journal.close()  # abandon it as a crash would
+    eng._commit.journal.close()  # abandon it as a crash would
     eng2 = Engine(cfg(tmp_path))
     try:
         assert eng2.recovery_report.checkpoint_records == 4

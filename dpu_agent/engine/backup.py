@@ -35,7 +35,7 @@ from dpu_agent.log import get_logger
 from kvproto.checksum import chunk_checksum
 
 if TYPE_CHECKING:
-    from dpu_agent.engine._core import EngineCore
+    from dpu_agent.engine.engine import Engine
 
 __all__ = ["BACKUP_FORMAT", "backup", "backup_tenants", "restore"]
 
@@ -47,7 +47,7 @@ STATE_FILE = "backup_state.json"  # in data_dir: the last backup this engine too
 COPY_BYTES_MAX = 8 << 20  # read/write buffer for copying chunk blocks
 
 
-def _state_path(engine: EngineCore) -> Path:
+def _state_path(engine: Engine) -> Path:
     return engine.config.data_dir / STATE_FILE
 
 
@@ -74,7 +74,7 @@ def _save_arrays(path: Path, arrays: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-def backup(engine: EngineCore, dest: Path, *, incremental: bool) -> dict[str, Any]:
+def backup(engine: Engine, dest: Path, *, incremental: bool) -> dict[str, Any]:
     state_path = _state_path(engine)
     prev = json.loads(state_path.read_text()) if state_path.exists() else None
     if incremental and prev is None:
@@ -88,13 +88,13 @@ def backup(engine: EngineCore, dest: Path, *, incremental: bool) -> dict[str, An
         engine._check_open()
         sel, live_keys, deleted, seq = _select(engine, prev, prev_seq, incremental)
         columns, leases = _columns_and_lease(engine, sel)
-        names = {str(tid): ts.name for tid, ts in engine._by_id.items()}
+        names = {str(tid): name for tid, name in engine._tenants.names_by_id().items()}
     try:
         data_bytes = _copy_out(engine, columns, dest / "data.bin")
     finally:
         with engine._lock:
             for lease in leases:
-                engine._unlease(lease)
+                engine._leases.unlease(lease)
     for name, arrays in (("records", columns), ("keys", live_keys), ("deleted", deleted)):
         _save_arrays(dest / f"{name}.npz", arrays)
     manifest = {
@@ -120,7 +120,7 @@ def backup(engine: EngineCore, dest: Path, *, incremental: bool) -> dict[str, An
 
 
 def _select(
-    engine: EngineCore, prev: dict[str, Any] | None, prev_seq: int, incremental: bool
+    engine: Engine, prev: dict[str, Any] | None, prev_seq: int, incremental: bool
 ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray], int]:
     """Rows to back up, all live persistent keys, and the keys deleted since `prev`."""
     index = engine._index
@@ -149,11 +149,11 @@ def _select(
         safe = np.where(rows >= 0, rows, 0)
         gone = (rows == NO_ROW) | (cols["tier"][safe] != NVME)
         deleted = {name: col[gone] for name, col in before.items()}
-    return sel, live_keys, deleted, engine._seq
+    return sel, live_keys, deleted, engine._commit.seq
 
 
 def _columns_and_lease(
-    engine: EngineCore, sel: np.ndarray
+    engine: Engine, sel: np.ndarray
 ) -> tuple[dict[str, np.ndarray], list[Lease]]:
     """Copy the rows' columns and lease their extents so they stay put while being copied."""
     cols = engine._index.cols
@@ -172,15 +172,15 @@ def _columns_and_lease(
             tid, Lease(lease_id=0, tenant_id=tid, extents=[], expires=float("inf"))
         )
         lease.extents.append((NVME, lba, int(cols["block_count"][row]), row))
-        engine._lease_extent(tid, NVME, lba, row)
+        engine._leases.lease_extent(tid, NVME, lba, row)
     return columns, list(leases.values())
 
 
-def _copy_out(engine: EngineCore, columns: dict[str, np.ndarray], path: Path) -> int:
+def _copy_out(engine: Engine, columns: dict[str, np.ndarray], path: Path) -> int:
     total = 0
     with open(path, "wb", opener=_private) as f:
         for i in range(len(columns["k0"])):
-            ts = engine._by_id[int(columns["tenant"][i])]
+            ts = engine._tenants.by_id(int(columns["tenant"][i]))
             raw = ts.tiers[NVME].devices.raw
             buf = bytearray(int(columns["block_count"][i]) * BLOCK_SIZE)
             raw.read_into(int(columns["lba"][i]), memoryview(buf))
@@ -211,7 +211,7 @@ def backup_tenants(dirs: list[Path]) -> list[str]:
     return sorted({name for m in read_manifests(dirs) for name in m["tenants"].values()})
 
 
-def restore(engine: EngineCore, dirs: list[Path]) -> dict[str, Any]:
+def restore(engine: Engine, dirs: list[Path]) -> dict[str, Any]:
     """Apply a full backup and then each incremental, in order, to a fresh engine (one that
     holds no chunk: a restore never merges into a cache in use)."""
     if not dirs:
@@ -239,10 +239,10 @@ def restore(engine: EngineCore, dirs: list[Path]) -> dict[str, Any]:
         with engine._lock:
             deleted += _apply_deletes(engine, d, m)
             restored += _apply_records(engine, d, m)
-    engine.checkpoint()  # type: ignore[attr-defined]
+    engine.checkpoint()
     with engine._lock:
         state = {
-            "seq": engine._seq,
+            "seq": engine._commit.seq,
             "dir": str(dirs[-1].absolute()),
             "backup_id": manifests[-1]["backup_id"],
         }
@@ -251,11 +251,11 @@ def restore(engine: EngineCore, dirs: list[Path]) -> dict[str, Any]:
     return {"backups": len(dirs), "records": restored, "deleted": deleted}
 
 
-def _tenant_of(engine: EngineCore, manifest: dict[str, Any], tid: int) -> TenantState:
+def _tenant_of(engine: Engine, manifest: dict[str, Any], tid: int) -> TenantState:
     return engine._tenants[manifest["tenants"][str(tid)]]
 
 
-def _apply_deletes(engine: EngineCore, d: Path, m: dict[str, Any]) -> int:
+def _apply_deletes(engine: Engine, d: Path, m: dict[str, Any]) -> int:
     count = 0
     with np.load(d / "deleted.npz") as dz:
         tenants, k0s, k1s = dz["tenant"], dz["k0"], dz["k1"]
@@ -264,12 +264,12 @@ def _apply_deletes(engine: EngineCore, d: Path, m: dict[str, Any]) -> int:
         key = k0.to_bytes(8, "little") + k1.to_bytes(8, "little")
         row = engine._index.find(ts.tenant_id, key)
         if row != NO_ROW:
-            engine._drop(ts, row)
+            engine._records.drop(ts, row)
             count += 1
     return count
 
 
-def _apply_records(engine: EngineCore, d: Path, m: dict[str, Any]) -> int:
+def _apply_records(engine: Engine, d: Path, m: dict[str, Any]) -> int:
     """Drop every older version of the backup's keys first (their extents may be where the new
     versions go), then put each chunk back at its LBA."""
     with np.load(d / "records.npz") as rz:
@@ -280,7 +280,7 @@ def _apply_records(engine: EngineCore, d: Path, m: dict[str, Any]) -> int:
         key = int(rec["k0"][i]).to_bytes(8, "little") + int(rec["k1"][i]).to_bytes(8, "little")
         old = engine._index.find(ts.tenant_id, key)
         if old != NO_ROW:
-            engine._drop(ts, old)
+            engine._records.drop(ts, old)
         keys.append((ts, key))
     with open(d / "data.bin", "rb") as f:
         for i, (ts, key) in enumerate(keys):
@@ -290,7 +290,7 @@ def _apply_records(engine: EngineCore, d: Path, m: dict[str, Any]) -> int:
 
 
 def _place_chunk(
-    engine: EngineCore, ts: TenantState, key: bytes, rec: dict[str, np.ndarray], i: int, data: bytes
+    engine: Engine, ts: TenantState, key: bytes, rec: dict[str, np.ndarray], i: int, data: bytes
 ) -> None:
     tier = ts.tiers[NVME]
     n, lba, length = int(rec["block_count"][i]), int(rec["lba"][i]), int(rec["length"][i])
@@ -325,4 +325,4 @@ def _place_chunk(
         block_count=n,
         expires=0.0,
     )
-    engine._insert_record(ts, res, checksum, engine._clock())
+    engine._records.insert(ts, res, checksum, engine._clock())

@@ -34,7 +34,8 @@ from dpu_agent.metrics import REGISTRY, Gauge
 BITMAP_BITS = 22  # 512 KiB prefilter for "does the WAL touch this checkpoint key"
 
 if TYPE_CHECKING:
-    from dpu_agent.engine._core import EngineCore
+    from dpu_agent.engine._commit import CommitLog
+    from dpu_agent.engine._tenants import Tenants
 
 __all__ = ["RecoveryReport", "recover", "segment_header", "snapshot"]
 
@@ -64,10 +65,13 @@ class RecoveryReport:
     total_s: float
 
 
-def recover(engine: EngineCore) -> RecoveryReport:
-    """Fill a new engine from its journal directory and open a fresh WAL segment."""
+def recover(
+    commit: CommitLog, tenants: Tenants, index: RecordIndex, quotas: dict[str, int]
+) -> RecoveryReport:
+    """Fill a new engine's parts from its journal directory and open a fresh WAL segment
+    (`quotas`: the configured tenants' quotas, tenant name -> bytes)."""
     t0 = time.perf_counter()
-    rec = engine._journal.load()
+    rec = commit.journal.load()
     t1 = time.perf_counter()
     fields = _merge(rec)
     dropped = [0]
@@ -79,24 +83,24 @@ def recover(engine: EngineCore) -> RecoveryReport:
                 "device has one key: restore from a backup"
             )
         gen = int(gens[0]) if len(gens) else None
-        engine._build_tenant(name, tid, engine.config.tenants.get(name, 0), gen)
-    fields = _drop_out_of_range(engine, fields, dropped)
-    fields = _drop_overlaps(engine, fields, dropped)
+        tenants.build(name, tid, quotas.get(name, 0), gen)
+    fields = _drop_out_of_range(tenants, fields, dropped)
+    fields = _drop_overlaps(fields, dropped)
     parents = (
         fields.pop("pk0"),
         fields.pop("pk1"),
         fields.pop("hp").astype(bool),
         fields.pop("pidx"),
     )
-    rows = engine._index.insert_many(fields)
-    _link_parents(engine._index, rows, parents)
-    _rebuild_allocators(engine, rows, rec)
+    rows = index.insert_many(fields)
+    _link_parents(index, rows, parents)
+    _rebuild_allocators(tenants, index, rows, rec)
     t2 = time.perf_counter()
-    _cold_lists(engine, rows)
+    _cold_lists(tenants, index, rows)
     t3 = time.perf_counter()
-    engine._seq = rec.next_seq
-    engine._journal.open_segment(engine._journal.segment)
-    segment_header(engine)
+    commit.seq = rec.next_seq
+    commit.journal.open_segment(commit.journal.segment)
+    segment_header(commit, tenants)
     report = RecoveryReport(
         records=len(rows),
         checkpoint_records=rec.checkpoint_records,
@@ -127,24 +131,24 @@ def recover(engine: EngineCore) -> RecoveryReport:
     return report
 
 
-def segment_header(engine: EngineCore) -> None:
+def segment_header(commit: CommitLog, tenants: Tenants) -> None:
     """Tenant and NVMe quarantine records at the start of each segment, so the WAL alone
     names every tenant when no checkpoint verifies. A failing append fences the engine."""
-    for ts in sorted(engine._by_id.values(), key=lambda t: t.tenant_id):
-        engine._wal_soft(pack_tenant(ts.tenant_id, engine._next_seq(), ts.name))
+    for ts in tenants.by_ids():
+        commit.append_soft(pack_tenant(ts.tenant_id, commit.next_seq(), ts.name))
         for lba, n in sorted(ts.tiers[NVME].quarantined.items()):
-            seq = engine._next_seq()
-            engine._wal_soft(pack_extent(OP_QUARANTINE, ts.tenant_id, seq, NVME, lba, n))
+            seq = commit.next_seq()
+            commit.append_soft(pack_extent(OP_QUARANTINE, ts.tenant_id, seq, NVME, lba, n))
 
 
-def _cold_lists(engine: EngineCore, rows: np.ndarray) -> None:
+def _cold_lists(tenants: Tenants, index: RecordIndex, rows: np.ndarray) -> None:
     """Per tenant: record counts, and the recovered rows in eviction order (leaves first, then
     parents; oldest first within each) for the policy to take over as they are used."""
-    cols = engine._index.cols
+    cols = index.cols
     is_parent = np.zeros(len(cols["parent"]), dtype=bool)
     parents = cols["parent"][rows]
     is_parent[parents[parents >= 0]] = True
-    for ts in engine._by_id.values():
+    for ts in tenants.by_ids():
         tier = ts.tiers[NVME]
         mine = rows[cols["tenant"][rows] == ts.tenant_id]
         tier.records = len(mine)
@@ -232,14 +236,14 @@ def _untouched(
 
 
 def _drop_out_of_range(
-    engine: EngineCore, fields: dict[str, np.ndarray], dropped: list[int]
+    tenants: Tenants, fields: dict[str, np.ndarray], dropped: list[int]
 ) -> dict[str, np.ndarray]:
     """Records outside their tenant's device (it shrank), or of a tenant no surviving record
     names (a damaged checkpoint), are dropped and counted."""
     keep = np.ones(len(fields["k0"]), dtype=bool)
     for tid in np.unique(fields["tenant"]).tolist():
         mine = fields["tenant"] == tid
-        ts = engine._by_id.get(tid)
+        ts = tenants.find_id(tid)
         if ts is None:
             log.error("engine.recovery_dropped", tenant_id=tid, records=int(mine.sum()),
                       reason="no tenant record survived")  # fmt: skip
@@ -255,9 +259,7 @@ def _drop_out_of_range(
     return _filter_rows(fields, keep)
 
 
-def _drop_overlaps(
-    engine: EngineCore, fields: dict[str, np.ndarray], dropped: list[int]
-) -> dict[str, np.ndarray]:
+def _drop_overlaps(fields: dict[str, np.ndarray], dropped: list[int]) -> dict[str, np.ndarray]:
     """Records whose extents overlap (a skipped frame was the delete before a reuse): the
     newest keeps the extent, the older ones are dropped and counted."""
     tenant, lba = fields["tenant"].astype(np.int64), fields["lba"].astype(np.int64)
@@ -291,9 +293,11 @@ def _link_parents(index: RecordIndex, rows: np.ndarray, parents: tuple[np.ndarra
         index.cols["parent"][rows[by_key]] = found.astype(np.int32)
 
 
-def _rebuild_allocators(engine: EngineCore, rows: np.ndarray, rec: Recovered) -> None:
-    cols = engine._index.cols
-    for ts in engine._by_id.values():
+def _rebuild_allocators(
+    tenants: Tenants, index: RecordIndex, rows: np.ndarray, rec: Recovered
+) -> None:
+    cols = index.cols
+    for ts in tenants.by_ids():
         tier = ts.tiers[NVME]
         mine = rows[cols["tenant"][rows] == ts.tenant_id]
         quarantined = [
@@ -314,10 +318,12 @@ def _rebuild_allocators(engine: EngineCore, rows: np.ndarray, rec: Recovered) ->
         tier.quarantined = dict(quarantined)
 
 
-def snapshot(engine: EngineCore) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def snapshot(
+    index: RecordIndex, commit: CommitLog, tenants: Tenants, wall_now: float
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Columns of the persistent records and the checkpoint's metadata; rotates the WAL, so
-    every record appended after this call lands in a segment the checkpoint does not cover."""
-    index = engine._index
+    every record appended after this call lands in a segment the checkpoint does not cover.
+    `wall_now`: the unix time the checkpoint records as its creation."""
     cols = index.cols
     live = index.live_rows()
     sel = live[cols["tier"][live] == NVME]
@@ -331,18 +337,18 @@ def snapshot(engine: EngineCore) -> tuple[dict[str, np.ndarray], dict[str, Any]]
     position = np.full(len(cols["parent"]), -1, np.int64)
     position[sel] = np.arange(len(sel))
     columns["pidx"] = np.where(has, position[safe], -1)  # parent's position in this checkpoint
-    engine._journal.open_segment(engine._journal.segment + 1)
-    segment_header(engine)
+    commit.journal.open_segment(commit.journal.segment + 1)
+    segment_header(commit, tenants)
     quarantined = [
         [ts.tenant_id, NVME, lba, n]
-        for ts in engine._by_id.values()
+        for ts in tenants.by_ids()
         for lba, n in ts.tiers[NVME].quarantined.items()
     ]
     meta = {
-        "tenants": {str(tid): ts.name for tid, ts in engine._by_id.items()},
+        "tenants": {str(tid): name for tid, name in tenants.names_by_id().items()},
         "quarantined": quarantined,
-        "next_seq": engine._seq,
-        "segment": engine._journal.segment,
-        "created_unix": engine._wall(),
+        "next_seq": commit.seq,
+        "segment": commit.journal.segment,
+        "created_unix": wall_now,
     }
     return columns, meta

@@ -1,0 +1,246 @@
+"""Leases and reservations: who holds which extent, and when an extent may go back.
+
+Extent safety: an extent under lease is never freed, reused, evicted or demoted; a record
+dropped while its extent is leased leaves the extent "deferred" until the last lease ends
+(`release_extent`). Reserved extents belong to their reservation until commit or expiry.
+Called with the engine lock held.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from collections import OrderedDict
+
+import numpy as np
+
+from dpu_agent.engine import journal as jr
+from dpu_agent.engine._commit import CommitLog
+from dpu_agent.engine._tenants import Tenants
+from dpu_agent.engine.errors import LeaseExpired, LimitExceeded, ReservationExpired
+from dpu_agent.engine.index import STATE_LIVE, RecordIndex
+from dpu_agent.engine.types import Lease, PendingReservation, TenantState
+
+__all__ = ["COUNT_MAX", "LEASES_MAX", "RESERVATIONS_MAX", "SCALAR_HITS_MAX", "Leases"]
+
+LEASES_MAX = 65536  # open leases; each costs ~200 B, and readers release within the TTL
+RESERVATIONS_MAX = 65536  # open two-phase writes, same reasoning
+COUNT_MAX = 0xFFFF  # pin and lease counts are uint16 columns
+UNLEASE_SCALAR_MAX = 16  # leases of up to this many extents are undone row by row
+EXPIRED_REMEMBERED_MAX = 4096  # expired lease/reservation ids kept for precise error messages
+SCALAR_HITS_MAX = 16  # a lookup's hit rows read and updated row by row; more through numpy
+
+Extent = tuple[int, int, int]  # tenant id, tier, lba
+
+
+class Leases:
+    """Owns the open leases and reservations (both in expiry order), the lease count of each
+    leased extent, the deferred extents, the recently expired ids and the id counter."""
+
+    def __init__(self, index: RecordIndex, tenants: Tenants, commit: CommitLog) -> None:
+        self._index, self._tenants, self._commit = index, tenants, commit
+        self.leases: OrderedDict[int, Lease] = OrderedDict()
+        self.extent_counts: dict[Extent, int] = {}  # leased extent -> open leases on it
+        self.deferred: dict[Extent, tuple[int, bool]] = {}  # -> (block count, quarantine)
+        self.reservations: OrderedDict[int, PendingReservation] = OrderedDict()
+        self._expired_leases: OrderedDict[int, float] = OrderedDict()
+        self._expired_reservations: OrderedDict[int, float] = OrderedDict()
+        # random start: ids from an earlier run are not mistaken for live ones
+        self._ids = itertools.count(secrets.randbits(40) + 1)
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def count(self, tenant_id: int) -> tuple[int, int]:
+        """(open leases, open reservations) of a tenant."""
+        leases = sum(1 for le in self.leases.values() if le.tenant_id == tenant_id)
+        return leases, sum(1 for r in self.reservations.values() if r.tenant_id == tenant_id)
+
+    # --- leases --------------------------------------------------------------------------------
+
+    def check_room(self, rows: list[int], now: float) -> None:
+        """Room for one more lease over `rows` (expiring old ones first), or LimitExceeded."""
+        if len(self.leases) >= LEASES_MAX:
+            self.expire(now)
+            if len(self.leases) >= LEASES_MAX:
+                raise LimitExceeded(f"{LEASES_MAX} leases are open; release() leases after reading")
+        if len(rows) > SCALAR_HITS_MAX:
+            most = int(self._index.cols["lease"][rows].max())
+        else:
+            lease_v = self._index.col_views["lease"]
+            most = max(lease_v[r] for r in rows)
+        if most >= COUNT_MAX:
+            raise LimitExceeded(f"a chunk already has {COUNT_MAX} leases; release some first")
+
+    def open(self, tenant_id: int, extents: list[tuple[int, int, int, int]], expires: float) -> int:
+        """Record a lease over extents whose counts the caller already raised; its id."""
+        held = Lease(lease_id=self.next_id(), tenant_id=tenant_id, extents=extents,
+                     expires=expires)  # fmt: skip
+        self.leases[held.lease_id] = held
+        return held.lease_id
+
+    def lease_extent(self, tid: int, tier: int, lba: int, row: int) -> None:
+        k = (tid, tier, lba)
+        self.extent_counts[k] = self.extent_counts.get(k, 0) + 1
+        self._index.cols["lease"][row] += 1
+
+    def release(self, ts: TenantState, lease_id: int, now: float) -> None:
+        """End a lease. Raises LeaseExpired when it was already reclaimed after its TTL."""
+        lease = self.leases.get(lease_id)
+        if lease is None or lease.tenant_id != ts.tenant_id:
+            raise self._lease_gone(ts, lease_id, now)
+        del self.leases[lease_id]
+        self.unlease(lease)
+
+    def unlease(self, lease: Lease) -> None:
+        """Undo a lease's counts; extents deferred under it go back once no lease holds them."""
+        cols = self._index.cols
+        ts = self._tenants.by_id(lease.tenant_id)
+        if len(lease.extents) > UNLEASE_SCALAR_MAX:
+            # rows that still hold the leased extent (not deleted, moved or reused since)
+            tiers, lbas, _counts, rows = (np.array(v) for v in zip(*lease.extents, strict=True))
+            same = (cols["state"][rows] == STATE_LIVE) & (cols["tenant"][rows] == lease.tenant_id)
+            same &= (cols["tier"][rows] == tiers) & (cols["lba"][rows] == lbas.astype(np.uint64))
+            held = rows[same]
+            assert (cols["lease"][held] > 0).all(), lease.lease_id
+            cols["lease"][held] -= 1  # numpy subtracts once per distinct row
+        elif lease.extents:  # the same, row by row through memoryviews (cheaper for a few)
+            v = self._index.col_views
+            state_v, tenant_v, tier_v, lba_v = v["state"], v["tenant"], v["tier"], v["lba"]
+            lease_v = v["lease"]
+            for tier, lba, _count, row in {e[3]: e for e in lease.extents}.values():
+                if (state_v[row] == STATE_LIVE and tenant_v[row] == lease.tenant_id
+                        and tier_v[row] == tier and lba_v[row] == lba):  # fmt: skip
+                    assert lease_v[row] > 0, lease.lease_id
+                    lease_v[row] -= 1
+        for tier, lba, _count, _row in lease.extents:
+            k = (lease.tenant_id, tier, lba)
+            left = self.extent_counts[k] - 1
+            assert left >= 0, k
+            if left:
+                self.extent_counts[k] = left
+                continue
+            del self.extent_counts[k]
+            if k in self.deferred:
+                count, quarantine = self.deferred.pop(k)
+                self._finish_release(ts, tier, lba, count, quarantine)
+
+    def _lease_gone(self, ts: TenantState, lease_id: int, now: float) -> LeaseExpired:
+        expired_at = self._expired_leases.get(lease_id)
+        if expired_at is not None:
+            return LeaseExpired(
+                f"lease {lease_id:#x} expired {(now - expired_at) * 1e3:.0f} ms ago and its "
+                "extents may have been reused; discard what was read under it and lookup() again"
+            )
+        return LeaseExpired(
+            f"lease {lease_id:#x} is not held by tenant {ts.name!r} (never granted, already "
+            "released, or expired long ago); lookup() again"
+        )
+
+    # --- extents going back --------------------------------------------------------------------
+
+    def release_extent(self, ts: TenantState, t: int, lba: int, n: int, quarantine: bool) -> bool:
+        """Free (or quarantine) an extent no record holds any more; while a lease holds it, it
+        is deferred to the last lease's end instead (returns True then)."""
+        k = (ts.tenant_id, t, lba)
+        if k in self.extent_counts:
+            prior = self.deferred.get(k, (n, False))[1]
+            self.deferred[k] = (n, quarantine or prior)
+            return True
+        self._finish_release(ts, t, lba, n, quarantine)
+        return False
+
+    def _finish_release(self, ts: TenantState, t: int, lba: int, n: int, quarantine: bool) -> None:
+        tier = ts.tiers[t]
+        if not quarantine:
+            tier.alloc.free(lba, n)
+            return
+        tier.quarantined[lba] = n
+        if tier.spec.persistent:
+            seq = self._commit.next_seq()
+            self._commit.append_soft(jr.pack_extent(jr.OP_QUARANTINE, ts.tenant_id, seq, t, lba, n))
+
+    # --- reservations --------------------------------------------------------------------------
+
+    def check_reservation_room(self, now: float) -> None:
+        if len(self.reservations) >= RESERVATIONS_MAX:
+            self.expire(now)
+            if len(self.reservations) >= RESERVATIONS_MAX:
+                raise LimitExceeded(
+                    f"{RESERVATIONS_MAX} reservations are open; commit or let them expire"
+                )
+
+    def add_reservation(self, res: PendingReservation) -> None:
+        self.reservations[res.reservation_id] = res
+        self._tenants.by_id(res.tenant_id).reserved_blocks += res.block_count
+
+    def take_reservation(
+        self, ts: TenantState, rid: int, now: float, ttl_s: float
+    ) -> PendingReservation:
+        """Remove an open reservation of the tenant (its blocks still counted as reserved), or
+        ReservationExpired (an expired one's blocks reclaimed first)."""
+        res = self.reservations.get(rid)
+        if res is None or res.tenant_id != ts.tenant_id:
+            expired_at = self._expired_reservations.get(rid)
+            if expired_at is not None:
+                raise ReservationExpired(
+                    f"reservation {rid:#x} expired {(now - expired_at) * 1e3:.0f} ms ago and its "
+                    "extent was reclaimed; reserve() again and rewrite the chunk"
+                )
+            raise ReservationExpired(
+                f"reservation {rid:#x} is not open for tenant {ts.name!r} (never made, already "
+                "committed, or expired long ago); reserve() again and rewrite the chunk"
+            )
+        del self.reservations[rid]
+        if now > res.expires:
+            self.reclaim_reservation(res)
+            self._remember(self._expired_reservations, rid, res.expires)
+            raise ReservationExpired(
+                f"reservation {rid:#x} expired {(now - res.expires) * 1e3:.0f} ms ago "
+                f"(TTL {ttl_s} s); reserve() again and rewrite the chunk"
+            )
+        return res
+
+    def reclaim_reservation(self, res: PendingReservation) -> None:
+        ts = self._tenants.by_id(res.tenant_id)
+        ts.reserved_blocks -= res.block_count
+        ts.tiers[res.tier].alloc.free(res.lba, res.block_count)
+
+    # --- expiry and removal --------------------------------------------------------------------
+
+    @staticmethod
+    def _remember(table: OrderedDict[int, float], ident: int, when: float) -> None:
+        table[ident] = when
+        while len(table) > EXPIRED_REMEMBERED_MAX:
+            table.popitem(last=False)
+
+    def expire(self, now: float) -> tuple[int, int]:
+        """Reclaim reservations and leases past their TTL (both tables are in expiry order)."""
+        reservations = leases = 0
+        while self.reservations:
+            rid, res = next(iter(self.reservations.items()))
+            if res.expires > now:
+                break
+            del self.reservations[rid]
+            self.reclaim_reservation(res)
+            self._remember(self._expired_reservations, rid, res.expires)
+            reservations += 1
+        while self.leases:
+            lease_id, lease = next(iter(self.leases.items()))
+            if lease.expires > now:
+                break
+            del self.leases[lease_id]
+            self.unlease(lease)
+            self._remember(self._expired_leases, lease_id, lease.expires)
+            leases += 1
+        return reservations, leases
+
+    def forget_tenant(self, tid: int) -> None:
+        """Drop a removed tenant's leases, reservations, lease counts and deferred extents."""
+        for table in (self.leases, self.reservations):
+            for ident in [i for i, v in table.items() if v.tenant_id == tid]:
+                del table[ident]
+        for k in [k for k in self.extent_counts if k[0] == tid]:
+            del self.extent_counts[k]
+        for k in [k for k in self.deferred if k[0] == tid]:
+            del self.deferred[k]
