@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import secrets
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 
@@ -84,11 +85,12 @@ class Leases:
         self.extent_counts[k] = self.extent_counts.get(k, 0) + 1
         self._index.cols["lease"][row] += 1
 
-    def release(self, ts: TenantState, lease_id: int, now: float) -> None:
-        """End a lease. Raises LeaseExpired when it was already reclaimed after its TTL."""
+    def release(self, ts: TenantState, lease_id: int, clock: Callable[[], float]) -> None:
+        """End a lease. Raises LeaseExpired when it was already reclaimed after its TTL (the
+        clock is read only then: releases are on the hot path)."""
         lease = self.leases.get(lease_id)
         if lease is None or lease.tenant_id != ts.tenant_id:
-            raise self._lease_gone(ts, lease_id, now)
+            raise self._lease_gone(ts, lease_id, clock())
         del self.leases[lease_id]
         self.unlease(lease)
 

@@ -51,7 +51,9 @@ def joined_keys(keys: Sequence[bytes]) -> bytes:
 class Reads:
     """Serves lookups. Owns the per-tenant lookup counters (label children bound once)."""
 
-    def __init__(self, records: Records, leases: Leases, *, epoch: float, lease_ttl_s: float):
+    def __init__(
+        self, records: Records, leases: Leases, *, epoch: float, lease_ttl_s: float
+    ) -> None:
         self._records, self._leases = records, leases
         self._epoch, self._lease_ttl_s = epoch, lease_ttl_s
         self._counters: dict[int, tuple[Any, Any]] = {}  # tenant id -> hit/miss counters

@@ -242,7 +242,7 @@ class Engine:
         """End a lease. Raises LeaseExpired when it was already reclaimed after its TTL."""
         with self._lock:
             ts = self._tenant(tenant)
-            self._leases.release(ts, lease_id, self._clock())
+            self._leases.release(ts, lease_id, self._clock)
 
     # --- writes: reserve and commit --------------------------------------------------------
 
