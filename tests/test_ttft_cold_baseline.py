@@ -4,7 +4,9 @@ and overstated the speedup). A stand-in engine with fixed timings, so no model i
 
 from __future__ import annotations
 
+import fcntl
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,7 +14,8 @@ import pytest
 pytest.importorskip("torch", reason="needs the [inference] extra (torch)")
 import torch
 
-from dpu_agent.bench.ttft import COLD_BLOCKS, _measure
+from dpu_agent.bench._lock import bench_lock
+from dpu_agent.bench.ttft import COLD_BLOCKS, _logprob_diffs, _markdown, _measure
 from kvproto.keys import ChunkLayout
 
 
@@ -54,18 +57,82 @@ class _Engine:
 
 
 def test_ttft_cold_baseline_is_the_fastest_prefill() -> None:
-    engine = _Engine({64: 3.0, 256: 2.0, 512: 2.2, 0: 2.5})
+    engine = _Engine({64: 3.0, 0: 2.5})
     _, row = _measure(engine, list(range(2048)), repeats=2)
-    assert row["cold_block_tokens"] == 256 and row["cold_ttft_s"] == 2.0
-    assert row["speedup"] == 20.0 and row["speedup_vs_chunk_blocks"] == 30.0
+    assert row["cold_block_tokens"] == 2048 and row["cold_ttft_s"] == 2.5
+    assert row["speedup"] == 25.0 and row["speedup_vs_chunk_blocks"] == 30.0
     assert row["max_abs_logit_diff"] == 0.0  # warm vs cold in chunk-sized blocks
     assert row["max_abs_logit_diff_fastest"] == pytest.approx(2e-5)
-    tried = {b for tier, b in engine.calls if not tier}
-    assert tried == {64, 256, 512, 2048}  # every block size, and the whole prompt at once
-    assert sorted(COLD_BLOCKS) == [0, 256, 512]
+    assert row["cold_logit_spread"] == pytest.approx(2e-5)
+    assert COLD_BLOCKS == (0,)  # one forward: measured fastest (comment at COLD_BLOCKS)
 
 
-def test_ttft_whole_prompt_counts_when_it_is_fastest() -> None:
-    engine = _Engine({64: 3.0, 256: 2.0, 512: 2.2, 0: 1.0})
+def test_ttft_chunk_blocks_count_when_they_are_fastest() -> None:
+    engine = _Engine({64: 1.0, 0: 2.0}, rounding=0.0)
     _, row = _measure(engine, list(range(2048)), repeats=1)
-    assert row["cold_block_tokens"] == 2048 and row["speedup"] == 10.0
+    assert row["cold_block_tokens"] == 64 and row["speedup"] == 10.0
+
+
+def test_ttft_chunk_block_reference_runs_once() -> None:
+    """The slowest cold prefill (chunk-sized blocks) is the logits reference: first repeat
+    only; the baseline candidates run every repeat."""
+    engine = _Engine({64: 3.0, 0: 2.5})
+    _measure(engine, list(range(2048)), repeats=3)
+    cold = [b for tier, b in engine.calls if not tier]
+    assert cold.count(64) == 1 and cold.count(2048) == 3
+    assert sum(1 for tier, _ in engine.calls if tier) == 3
+
+
+def test_ttft_constant_logit_shift_is_no_logprob_difference() -> None:
+    """A shift of every logit (what `_Engine` does) changes the logits, not the output."""
+    engine = _Engine({64: 3.0, 0: 2.5}, rounding=1e-3)
+    _, row = _measure(engine, list(range(2048)), repeats=1)
+    assert row["max_abs_logit_diff_fastest"] == pytest.approx(1e-3)
+    assert row["max_abs_logprob_diff_fastest"] < 1e-12
+    assert row["top_logprob_diff_fastest"] < 1e-12
+
+
+def test_ttft_logprob_difference_is_reported() -> None:
+    warm = torch.tensor([0.0, 1.0, 2.0])
+    cold = torch.tensor([0.0, 1.0, 2.5])
+    every, top = _logprob_diffs(warm, cold)
+    lw, lc = torch.log_softmax(warm.double(), -1), torch.log_softmax(cold.double(), -1)
+    assert every == pytest.approx(float((lw - lc).abs().max()))
+    assert top == pytest.approx(float((lw[2] - lc[2]).abs())) and top > 0
+
+
+def test_bench_lock_excludes_another_holder(tmp_path: Path) -> None:
+    """While one step holds the lock, another flock on the file fails (non-blocking try)."""
+    path = tmp_path / "bench.lock"
+    with bench_lock(path):
+        with open(path) as f, pytest.raises(BlockingIOError):
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(path) as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # released after the block
+    with bench_lock(None):
+        pass  # no file: no lock
+
+
+def _row(turn: int, prompt: int) -> dict[str, Any]:
+    return {
+        "turn": turn, "prompt_tokens": prompt, "previous_tokens": prompt - 40,
+        "cached_tokens": prompt - 40, "cold_ttft_s": 4.0, "cold_block_tokens": prompt,
+        "warm_ttft_s": 0.25, "speedup": 16.0, "warm_get_s": 0.05, "max_abs_logit_diff": 0.0,
+        "max_abs_logit_diff_fastest": 2.5e-5, "cold_logit_spread": 2.4e-5,
+        "max_abs_logprob_diff_fastest": 2.6e-5, "top_logprob_diff_fastest": 3.1e-6,
+    }  # fmt: skip
+
+
+def test_ttft_docs_show_the_baseline_and_the_logprob_columns() -> None:
+    report = {
+        "model": "m", "torch_threads": 2, "repeats": 3, "chunk_tokens": 64,
+        "chunk_bytes": 64 * 46080, "turns": [_row(1, 2100)], "history": [_row(0, 8100)],
+    }  # fmt: skip
+    text = _markdown([report], "dpuctl bench ttft --repeats 3 --history 8000")
+    assert "`dpuctl bench ttft --repeats 3 --history 8000`" in text
+    assert "| history 8060 | 8100 | 8060 | 40 | 4.000 | 8100 | 0.250 | 16.0x |" in text
+    assert "| 0.0e+00 / 2.5e-05 | 2.4e-05 | 2.6e-05 / 3.1e-06 |" in text
+    assert "16.0x to 16.0x faster than the fastest cold prefill" in text
+    assert (
+        "top token's log-probability differs from the fastest cold one's by at most 3.1e-06" in text
+    )

@@ -18,18 +18,24 @@ from typing import Any
 
 import click
 
+from host_shim.client import IO_QUEUES_MAX
+
 __all__ = ["lmcache_cmd", "run_lmcache_bench"]
 
 MIB_MAX = 4096  # LMCache's local CPU buffer holds the objects twice (written and read back)
 REPEATS_MAX = 20
 
 
-def run_lmcache_bench(*, mib: int = 256, repeats: int = 3) -> dict[str, Any]:
+def run_lmcache_bench(
+    *, mib: int = 256, repeats: int = 3, io_queues: int | None = None
+) -> dict[str, Any]:
     """The report: per backend, each repeat's put/get GB/s and the best; and the ratios."""
     if not 16 <= mib <= MIB_MAX:
         raise click.BadParameter(f"--mib {mib} outside [16, {MIB_MAX}]")
     if not 1 <= repeats <= REPEATS_MAX:
         raise click.BadParameter(f"--repeats {repeats} outside [1, {REPEATS_MAX}]")
+    if io_queues is not None and not 1 <= io_queues <= IO_QUEUES_MAX:
+        raise click.BadParameter(f"--io-queues {io_queues} outside [1, {IO_QUEUES_MAX}]")
     from dpu_agent.bench.engines import engine_python, run_lmcache
     from dpu_agent.service import spawn_agent
 
@@ -43,6 +49,7 @@ def run_lmcache_bench(*, mib: int = 256, repeats: int = 3) -> dict[str, Any]:
                 "mode": "bench", "mib": mib, "repeats": repeats,
                 "control": agent.control_url, "tenant": "default", "token": agent.token,
                 "salt": os.urandom(32).hex(), "max_local_cpu_gb": 2 * mib / 1024 + 0.5,
+                "io_queues": io_queues,
             }  # fmt: skip
             row = run_lmcache(spec, python)
         finally:
@@ -55,10 +62,16 @@ def run_lmcache_bench(*, mib: int = 256, repeats: int = 3) -> dict[str, Any]:
 @click.command("lmcache")
 @click.option("--mib", default=256, show_default=True, help="MiB of LMCache objects per run.")
 @click.option("--repeats", default=3, show_default=True, help="Interleaved runs; best counts.")
+@click.option(
+    "--io-queues",
+    type=int,
+    default=None,
+    help="The plugin's NVMe/TCP queues (extra_config dpukv.io_queues; default: the plugin's).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def lmcache_cmd(mib: int, repeats: int, as_json: bool) -> None:
+def lmcache_cmd(mib: int, repeats: int, io_queues: int | None, as_json: bool) -> None:
     """LMCache remote storage: the agent (dpukv plugin) against LMCache's lm:// server."""
-    report = run_lmcache_bench(mib=mib, repeats=repeats)
+    report = run_lmcache_bench(mib=mib, repeats=repeats, io_queues=io_queues)
     if as_json:
         click.echo(json.dumps(report))
         return

@@ -31,6 +31,8 @@ from typing import Any
 
 import click
 
+from dpu_agent.bench._lock import bench_lock
+
 __all__ = [
     "MODEL_ID",
     "SCRIPT",
@@ -217,21 +219,39 @@ def chat_tokens(tokenizer: Any, messages: list[dict[str, str]], *, generation: b
 # --- the conversation -----------------------------------------------------------------------
 
 
-# Prefill block sizes the cold baseline tries besides the chunk size; 0 = the whole prompt in
-# one forward. The fastest counts: the tier is compared with the best prefill there is.
-COLD_BLOCKS = (256, 512, 0)
+# Prefill block sizes the cold baseline times besides the chunk size; 0 = the whole prompt in
+# one forward. Measured 2026-12-01 (this model, float32, 2 threads, quiet machine, best of 2):
+# 2,279 tokens: one forward 4.01 s, blocks of 1024 4.06 s, 512 4.28, 256 4.48, 128 5.09, 64
+# 6.18; 8,114 tokens: one forward 23.2 s, 1024 24.2, 512 25.1, 2048 25.6, 64 35.0. One forward
+# is the fastest at every length measured, so it is the cold baseline (`block` in the tables
+# says which won in each row: the chunk-sized blocks are timed too).
+COLD_BLOCKS = (0,)
+
+
+def _logprob_diffs(warm: Any, cold: Any) -> tuple[float, float]:
+    """(max over the vocabulary, the cold top token's) |log-softmax difference|: a constant
+    shift of all logits changes neither (vLLM reports the second, for the sampled token)."""
+    import torch
+
+    a, b = torch.log_softmax(warm.double(), -1), torch.log_softmax(cold.double(), -1)
+    top = int(cold.argmax())
+    return float((a - b).abs().max()), float((a[top] - b[top]).abs())
 
 
 def _measure(
     engine: Any, prompt: list[int], repeats: int, cold_blocks: Sequence[int] = COLD_BLOCKS
 ) -> tuple[Any, dict[str, Any]]:
-    """Cold prefills (every block size of COLD_BLOCKS and the chunk size) and the warm one,
+    """Cold prefills (every block size of `cold_blocks`, and the chunk size) and the warm one,
     `repeats` times, interleaved; the fastest of each counts (this machine is shared:
-    interference only ever adds time). Returns the last warm result and the row.
+    interference only ever adds time). Returns the last warm result and the row. The cold
+    prefill in chunk-sized blocks runs in the first repeat only unless `cold_blocks` names it:
+    it is the logits reference, and the slowest prefill.
 
     Logits: the warm path prefills in chunk-sized blocks after the cached prefix, so it is
-    bit-identical to the cold prefill in chunk-sized blocks (`max_abs_logit_diff`); against
-    the fastest cold prefill the difference is float32 rounding (`max_abs_logit_diff_fastest`).
+    bit-identical to the cold prefill in chunk-sized blocks (`max_abs_logit_diff`: the tier
+    returned exact bytes); against the fastest cold prefill the difference is float32 rounding
+    of other shapes (`..._fastest`), the same size as between the two cold prefills
+    (`cold_logit_spread`): docs/INFERENCE.md.
     """
     n = engine.layout.chunk_tokens
     blocks = sorted({n, *cold_blocks})
@@ -239,8 +259,11 @@ def _measure(
     cold_logits: dict[int, Any] = {}
     warm_s, get_s, fwd_s, same = [], [], [], True
     diff: dict[int, float] = {b: 0.0 for b in blocks}
-    for _ in range(repeats):
-        for b in blocks:
+    lp_all: dict[int, float] = {b: 0.0 for b in blocks}
+    lp_top: dict[int, float] = {b: 0.0 for b in blocks}
+    for i in range(repeats):
+        timed = [b for b in blocks if i == 0 or b != n or n in cold_blocks]
+        for b in timed:
             cold = engine.prefill(prompt, use_tier=False, block_tokens=b or len(prompt))
             cold_logits[b], cold_s[b] = cold.logits, [*cold_s[b], cold.timings_s["total_s"]]
             del cold  # its cache: ~46 KiB per token
@@ -250,6 +273,8 @@ def _measure(
         fwd_s.append(warm.timings_s["forward_s"])
         for b in blocks:
             diff[b] = max(diff[b], float((cold_logits[b] - warm.logits).abs().max()))
+            dl, dt = _logprob_diffs(warm.logits, cold_logits[b])
+            lp_all[b], lp_top[b] = max(lp_all[b], dl), max(lp_top[b], dt)
             same = same and int(cold_logits[b].argmax()) == int(warm.logits.argmax())
     best = min(blocks, key=lambda b: min(cold_s[b]))
     cold, chunked = min(cold_s[best]), min(cold_s[n])
@@ -263,6 +288,9 @@ def _measure(
         "speedup_vs_chunk_blocks": round(chunked / min(warm_s), 2),
         "max_abs_logit_diff": diff[n],
         "max_abs_logit_diff_fastest": diff[best],
+        "max_abs_logprob_diff_fastest": lp_all[best],
+        "top_logprob_diff_fastest": lp_top[best],
+        "cold_logit_spread": float((cold_logits[n] - cold_logits[best]).abs().max()),
         "same_next_token": same,
         "warm_get_s": round(min(get_s), 4),
         "warm_forward_s": round(min(fwd_s), 4),
@@ -277,24 +305,27 @@ def run_conversation(
     repeats: int = 1,
     cold_blocks: Sequence[int] = COLD_BLOCKS,
     on_turn: Callable[[dict[str, Any]], None] | None = None,
+    lock_file: Path | None = None,
 ) -> list[dict[str, Any]]:
     """Each turn: cold and warm prefill of the prompt, then the reply appended and stored.
 
     `cold_blocks`: the prefill block sizes (0 = one forward) the cold baseline tries besides
-    the chunk size; () times only the chunk-sized blocks (tests: a quarter of the work)."""
+    the chunk size; () times only the chunk-sized blocks (tests: half the work). `lock_file`:
+    each turn holds an exclusive flock on it (`bench_lock`)."""
     messages: list[dict[str, str]] = []
     rows = []
     for index, (user, reply) in enumerate(script):
         messages.append({"role": "user", "content": user})
         prompt = chat_tokens(tokenizer, messages, generation=True)
-        warm, row = _measure(engine, prompt, repeats, cold_blocks)
-        messages.append({"role": "assistant", "content": reply})
-        convo = chat_tokens(tokenizer, messages, generation=False)
-        assert convo[: len(prompt)] == prompt, "chat template does not extend the prompt"
-        engine.extend(convo, warm.cache)  # the reply, as decoding it would have cached it
-        t0 = time.perf_counter()
-        stored = engine.store(convo, warm.cache)
-        put_s = time.perf_counter() - t0
+        with bench_lock(lock_file):
+            warm, row = _measure(engine, prompt, repeats, cold_blocks)
+            messages.append({"role": "assistant", "content": reply})
+            convo = chat_tokens(tokenizer, messages, generation=False)
+            assert convo[: len(prompt)] == prompt, "chat template does not extend the prompt"
+            engine.extend(convo, warm.cache)  # the reply, as decoding it would have cached it
+            t0 = time.perf_counter()
+            stored = engine.store(convo, warm.cache)
+            put_s = time.perf_counter() - t0
         rows.append(
             {
                 "turn": index + 1,
@@ -333,16 +364,21 @@ def history_prompts(tokenizer: Any, points: Sequence[int]) -> list[tuple[list[in
 
 
 def run_history(
-    engine: Any, prompts: Sequence[tuple[list[int], list[int]]], *, repeats: int
+    engine: Any,
+    prompts: Sequence[tuple[list[int], list[int]]],
+    *,
+    repeats: int,
+    lock_file: Path | None = None,
 ) -> list[dict[str, Any]]:
     """TTFT at given history lengths: the previous conversation prefilled and stored (as the
     last turn left it), then cold against warm on the prompt with the new message."""
     rows = []
     for prompt, previous in prompts:
-        out = engine.prefill(previous, use_tier=False)
-        engine.store(previous, out.cache)
-        del out
-        _, row = _measure(engine, prompt, repeats)
+        with bench_lock(lock_file):
+            out = engine.prefill(previous, use_tier=False)
+            engine.store(previous, out.cache)
+            del out
+            _, row = _measure(engine, prompt, repeats)
         rows.append({"prompt_tokens": len(prompt), "previous_tokens": len(previous), **row})
     return rows
 
@@ -399,6 +435,7 @@ def run_ttft(
     history: Sequence[int] = (),
     vllm: bool = False,
     on_turn: Callable[[dict[str, Any]], None] | None = None,
+    lock_file: Path | None = None,
 ) -> dict[str, Any]:
     """The whole benchmark: agent child process, model, conversation; the JSON report.
 
@@ -433,9 +470,10 @@ def run_ttft(
                 with KVClient(agent.control_url, "default", agent.token, layout, salt) as kv:
                     engine = TieredModel(model, kv, layout=layout)
                     rows = run_conversation(
-                        engine, tokenizer, SCRIPT[:turns], repeats=repeats, on_turn=on_turn
-                    )
-                    points = run_history(engine, prompts, repeats=repeats) if prompts else []
+                        engine, tokenizer, SCRIPT[:turns], repeats=repeats, on_turn=on_turn,
+                        lock_file=lock_file,
+                    )  # fmt: skip
+                    points = run_history(engine, prompts, repeats=repeats, lock_file=lock_file)
                 runs.append(
                     {
                         "model": MODEL_ID,
@@ -529,13 +567,18 @@ def _summary(rep: dict[str, Any]) -> str:
     if not long:
         return "No turn reached 2,000 tokens of history."
     speedups = sorted(r["speedup"] for r in long)
-    diff = max(r["max_abs_logit_diff"] for r in rep["turns"])
-    fastest = max(r["max_abs_logit_diff_fastest"] for r in rep["turns"])
+    rows = [*rep["turns"], *rep.get("history", [])]
+    diff = max(r["max_abs_logit_diff"] for r in rows)
+    fastest = max(r["max_abs_logit_diff_fastest"] for r in rows)
+    spread = max(r["cold_logit_spread"] for r in rows)
+    top = max(r["top_logprob_diff_fastest"] for r in rows)
     return (
         f"Turns with >= 2,000 prompt tokens: warm is {speedups[0]:.1f}x to {speedups[-1]:.1f}x "
-        f"faster than the fastest cold prefill (median {statistics.median(speedups):.1f}x); "
-        f"the largest logit difference over all turns is {diff:.1e} against the cold prefill "
-        f"in chunk-sized blocks, {fastest:.1e} against the fastest one."
+        f"faster than the fastest cold prefill (median {statistics.median(speedups):.1f}x). "
+        f"Largest logit difference over all rows: {diff:.1e} against the cold prefill in "
+        f"chunk-sized blocks, {fastest:.1e} against the fastest one (the two cold prefills "
+        f"differ by up to {spread:.1e} between themselves); the top token's log-probability "
+        f"differs from the fastest cold one's by at most {top:.1e}."
     )
 
 
@@ -548,14 +591,19 @@ def _markdown(reports: Sequence[dict[str, Any]], command: str) -> str:
         f"the CPU ({first['torch_threads']} torch threads, on a 2-core machine shared with other "
         "jobs, so each time is the fastest of "
         f"{first['repeats']} interleaved repeats). The agent runs in a child process on "
-        "loopback. Cold = the fastest prefill of the whole prompt with the tier off: prefilled "
-        f"in blocks of the chunk size, of {', '.join(str(b) for b in COLD_BLOCKS if b)} tokens "
-        "and in one forward, each timed, the fastest counts (`block`); warm = lookup + get "
-        "over NVMe/TCP + prefill of the uncached rest (`new`) in chunk-sized blocks. Scripted "
+        "loopback. Cold = the fastest prefill of the whole prompt with the tier off: the "
+        "whole prompt in one forward and in chunk-sized blocks, both timed, the fastest counts "
+        "(`block`; blocks of 128 to 2,048 tokens were measured slower than one forward at "
+        "2,279 and 8,114 tokens, docs/INFERENCE.md); warm = lookup + get over NVMe/TCP + "
+        "prefill of the uncached rest (`new`) in chunk-sized blocks. `history N` rows: a chat "
+        "of N tokens stored as its last turn left it, then a short new question. Scripted "
         "chat: a runbook, questions, two more runbooks pasted at turns 5 and 11 (most of those "
         "prompts is new, so little is saved there). Logits: next-token logits, warm against "
-        "the cold prefill in chunk-sized blocks (bit-identical, docs/INFERENCE.md says why) "
-        "and against the fastest cold prefill (float32 rounding of other block shapes).",
+        "the cold prefill in chunk-sized blocks (bit-identical: the tier returns the exact "
+        "bytes) and against the fastest cold prefill (float32 rounding of other shapes, as "
+        "large as between the two cold prefills: `cold spread`); log-probabilities against "
+        "the fastest cold prefill, over the vocabulary and of its top token "
+        "(docs/INFERENCE.md says where the rounding comes from).",
         "",
         "Reading it: the warm time is mostly the prefill of the `new` tokens (the agent's `get` "
         "is its own column). Those are the partial last chunk of the previous turn plus the new "
@@ -573,8 +621,9 @@ def _markdown(reports: Sequence[dict[str, Any]], command: str) -> str:
             + _summary(rep),
             "",
             "| turn | prompt tokens | cached | new | cold TTFT s | block | warm TTFT s | speedup "
-            "| of which get s | max abs logit diff (chunk blocks / fastest) |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| of which get s | max abs logit diff (chunk blocks / fastest) | cold spread "
+            "| max abs logprob diff (all / top) |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         rows = [(str(r["turn"]), r) for r in rep["turns"]]
         rows += [(f"history {r['previous_tokens']}", r) for r in rep.get("history", [])]
@@ -584,7 +633,8 @@ def _markdown(reports: Sequence[dict[str, Any]], command: str) -> str:
                 f"{r['prompt_tokens'] - r['cached_tokens']} | {r['cold_ttft_s']:.3f} | "
                 f"{r['cold_block_tokens']} | {r['warm_ttft_s']:.3f} | {r['speedup']:.1f}x | "
                 f"{r['warm_get_s']:.3f} | {r['max_abs_logit_diff']:.1e} / "
-                f"{r['max_abs_logit_diff_fastest']:.1e} |"
+                f"{r['max_abs_logit_diff_fastest']:.1e} | {r['cold_logit_spread']:.1e} | "
+                f"{r['max_abs_logprob_diff_fastest']:.1e} / {r['top_logprob_diff_fastest']:.1e} |"
             )
         out.append("")
     vllm = first.get("vllm")
@@ -662,6 +712,13 @@ def _progress(row: dict[str, Any]) -> None:
     help="Also measure the --history points through real vLLM (needs make test-engines).",
 )
 @click.option(
+    "--lock-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Hold an exclusive flock on FILE during each turn and point (a machine shared with "
+    "other benchmarks: they wait while this one measures, and run between its turns).",
+)
+@click.option(
     "--write-docs",
     "docs",
     type=click.Path(file_okay=False, path_type=Path),
@@ -676,6 +733,7 @@ def ttft_cmd(
     repeats: int,
     history: tuple[int, ...],
     vllm: bool,
+    lock_file: Path | None,
     docs: Path | None,
 ) -> None:
     """Time to first token of a real model (SmolLM2-135M), cold against through the tier."""
@@ -686,9 +744,17 @@ def ttft_cmd(
             raise click.BadParameter(f"--history {n} outside [300, {HISTORY_TOKENS_MAX}]")
     report = run_ttft(
         turns=turns, chunk_tokens=chunk_tokens, threads=threads, repeats=repeats,
-        history=history, vllm=vllm, on_turn=_progress,
+        history=history, vllm=vllm, on_turn=_progress, lock_file=lock_file,
     )  # fmt: skip
     runs = report.get("runs", [report])
     if docs is not None:
-        write_docs(runs, docs)
+        command = " ".join(
+            ["dpuctl bench ttft", f"--repeats {repeats}"]
+            + [f"--turns {turns}"] * (turns != len(SCRIPT))
+            + [f"--chunk-tokens {n}" for n in chunk_tokens if chunk_tokens != (DEMO_CHUNK_TOKENS,)]
+            + [f"--history {n}" for n in history]
+            + ["--vllm"] * vllm
+            + [f"--write-docs {docs}"]
+        )
+        write_docs(runs, docs, command)
     click.echo(json.dumps(report) if as_json else "\n\n".join(_table(r) for r in runs))
