@@ -16,6 +16,7 @@ from dpu_agent.cli import cli
         (["--io-queues", "33"], "--io-queues 33 outside [1, 32]"),
         (["--mib", "8"], "--mib 8 outside [16, 4096]"),
         (["--repeats", "0"], "--repeats 0 outside [1, 20]"),
+        (["--mib", "4096", "--repeats", "3"], "the agent's DRAM tier would need 15424 MiB"),
     ],
 )
 def test_bench_lmcache_bad_option_is_a_usage_error(args: list[str], message: str) -> None:

@@ -5,7 +5,8 @@ Real LMCache 0.5.6 in its own venv (`make test-engines` builds ``.venv-lmcache``
 `dpu_agent.bench.lmcache_run` in ``bench`` mode: LMCache's `RemoteBackend` puts `--mib` MiB of
 memory objects (SmolLM2-135M's 256-token chunks, 11.25 MiB each) in one batch and gets them
 back, first through its ``lm://`` server (started by the driver), then through the agent (an
-embedded agent started here, on loopback), `--repeats` times interleaved; the best of each
+embedded agent started here, on loopback, its DRAM tier sized to hold every repeat's
+objects), `--repeats` times interleaved; the best of each
 counts (this machine is shared: interference only ever slows a run).
 """
 
@@ -24,6 +25,10 @@ __all__ = ["lmcache_cmd", "run_lmcache_bench"]
 
 MIB_MAX = 4096  # LMCache's local CPU buffer holds the objects twice (written and read back)
 REPEATS_MAX = 20
+# The agent's DRAM tier holds every repeat's objects (LMCache's lm:// server keeps them all in
+# memory too; the embedded default of 256 MiB would spill most of them to the file tier,
+# demoting while the next put runs). Bounded: the tier is an anonymous mapping of this size.
+DRAM_TIER_MIB_MAX = 8192
 
 
 def run_lmcache_bench(
@@ -36,6 +41,12 @@ def run_lmcache_bench(
         raise click.BadParameter(f"--repeats {repeats} outside [1, {REPEATS_MAX}]")
     if io_queues is not None and not 1 <= io_queues <= IO_QUEUES_MAX:
         raise click.BadParameter(f"--io-queues {io_queues} outside [1, {IO_QUEUES_MAX}]")
+    dram_mib = mib * repeats * 5 // 4 + 64  # objects round up to whole 4 KiB blocks
+    if dram_mib > DRAM_TIER_MIB_MAX:
+        raise click.BadParameter(
+            f"--mib {mib} x --repeats {repeats}: the agent's DRAM tier would need {dram_mib} "
+            f"MiB, over {DRAM_TIER_MIB_MAX}"
+        )
     from dpu_agent.bench.engines import engine_python, run_lmcache
     from dpu_agent.service import spawn_agent
 
@@ -43,7 +54,8 @@ def run_lmcache_bench(
     if python is None:
         raise click.ClickException("LMCache's venv is missing: run make test-engines")
     with tempfile.TemporaryDirectory(prefix="dpukv-lmcache-") as tmp:
-        agent = spawn_agent(tmp)
+        env = {"DPUKV_STORAGE_DRAM_BYTES": str(dram_mib << 20), "DPUKV_METRICS_ENABLED": "false"}
+        agent = spawn_agent(tmp, env=env)
         try:
             spec = {
                 "mode": "bench", "mib": mib, "repeats": repeats,

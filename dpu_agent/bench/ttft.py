@@ -31,8 +31,6 @@ from typing import Any
 
 import click
 
-from dpu_agent.bench._lock import bench_lock
-
 __all__ = [
     "MODEL_ID",
     "SCRIPT",
@@ -241,59 +239,67 @@ def _logprob_diffs(warm: Any, cold: Any) -> tuple[float, float]:
 def _measure(
     engine: Any, prompt: list[int], repeats: int, cold_blocks: Sequence[int] = COLD_BLOCKS
 ) -> tuple[Any, dict[str, Any]]:
-    """Cold prefills (every block size of `cold_blocks`, and the chunk size) and the warm one,
+    """Cold prefills (every block size of `cold_blocks`, and the chunk size) and the warm ones,
     `repeats` times, interleaved; the fastest of each counts (this machine is shared:
-    interference only ever adds time). Returns the last warm result and the row. The cold
-    prefill in chunk-sized blocks runs in the first repeat only unless `cold_blocks` names it:
-    it is the logits reference, and the slowest prefill.
+    interference only ever adds time). Returns the last warm result in chunk-sized blocks and
+    the row. The cold prefill in chunk-sized blocks runs in the first repeat only unless
+    `cold_blocks` names it: it is the logits reference, and the slowest prefill.
 
-    Logits: the warm path prefills in chunk-sized blocks after the cached prefix, so it is
-    bit-identical to the cold prefill in chunk-sized blocks (`max_abs_logit_diff`: the tier
-    returned exact bytes); against the fastest cold prefill the difference is float32 rounding
-    of other shapes (`..._fastest`), the same size as between the two cold prefills
-    (`cold_logit_spread`): docs/INFERENCE.md.
+    Warm runs the rest after the cached prefix two ways: in chunk-sized blocks, bit-identical
+    to the cold prefill in chunk-sized blocks (`max_abs_logit_diff`: the tier returned exact
+    bytes), and in one forward (faster when the rest spans two blocks); the faster counts
+    (`warm_rest`). Against the fastest cold prefill both differ by float32 rounding (the
+    largest of the two, `..._fastest`), as much as the two cold prefills differ between
+    themselves (`cold_logit_spread`): docs/INFERENCE.md.
     """
     n = engine.layout.chunk_tokens
     blocks = sorted({n, *cold_blocks})
     cold_s: dict[int, list[float]] = {b: [] for b in blocks}
     cold_logits: dict[int, Any] = {}
-    warm_s, get_s, fwd_s, same = [], [], [], True
-    diff: dict[int, float] = {b: 0.0 for b in blocks}
-    lp_all: dict[int, float] = {b: 0.0 for b in blocks}
-    lp_top: dict[int, float] = {b: 0.0 for b in blocks}
+    rests = {"blocks": None, "one": len(prompt)}  # warm: the rest in chunk blocks / 1 forward
+    warm_s: dict[str, list[float]] = {r: [] for r in rests}
+    fwd_s: dict[str, list[float]] = {r: [] for r in rests}
+    warm_logits: dict[str, Any] = {}
+    get_s = []
     for i in range(repeats):
-        timed = [b for b in blocks if i == 0 or b != n or n in cold_blocks]
-        for b in timed:
+        for b in [b for b in blocks if i == 0 or b != n or n in cold_blocks]:
             cold = engine.prefill(prompt, use_tier=False, block_tokens=b or len(prompt))
             cold_logits[b], cold_s[b] = cold.logits, [*cold_s[b], cold.timings_s["total_s"]]
             del cold  # its cache: ~46 KiB per token
-        warm = engine.prefill(prompt)
-        warm_s.append(warm.timings_s["total_s"])
-        get_s.append(warm.timings_s.get("get_s", 0.0))
-        fwd_s.append(warm.timings_s["forward_s"])
-        for b in blocks:
-            diff[b] = max(diff[b], float((cold_logits[b] - warm.logits).abs().max()))
-            dl, dt = _logprob_diffs(warm.logits, cold_logits[b])
-            lp_all[b], lp_top[b] = max(lp_all[b], dl), max(lp_top[b], dt)
-            same = same and int(cold_logits[b].argmax()) == int(warm.logits.argmax())
+        for rest, block in rests.items():
+            out = engine.prefill(prompt, block_tokens=block)
+            warm_s[rest].append(out.timings_s["total_s"])
+            fwd_s[rest].append(out.timings_s["forward_s"])
+            get_s.append(out.timings_s.get("get_s", 0.0))
+            warm_logits[rest] = out.logits  # the same shapes every repeat: the same logits
+            if rest == "blocks":
+                warm = out
+    # Logits are deterministic for a given schedule, so the last repeat's stand for all.
     best = min(blocks, key=lambda b: min(cold_s[b]))
-    cold, chunked = min(cold_s[best]), min(cold_s[n])
+    rest = min(rests, key=lambda r: min(warm_s[r]))
+    cold, chunked, hot = min(cold_s[best]), min(cold_s[n]), min(warm_s[rest])
+    lps = [_logprob_diffs(w, cold_logits[best]) for w in warm_logits.values()]
+    tops = {int(x.argmax()) for x in [*cold_logits.values(), *warm_logits.values()]}
     return warm, {
         "cached_tokens": warm.cached_tokens,
         "cold_ttft_s": round(cold, 4),
         "cold_block_tokens": best or len(prompt),
         "cold_chunk_blocks_s": round(chunked, 4),
-        "warm_ttft_s": round(min(warm_s), 4),
-        "speedup": round(cold / min(warm_s), 2),
-        "speedup_vs_chunk_blocks": round(chunked / min(warm_s), 2),
-        "max_abs_logit_diff": diff[n],
-        "max_abs_logit_diff_fastest": diff[best],
-        "max_abs_logprob_diff_fastest": lp_all[best],
-        "top_logprob_diff_fastest": lp_top[best],
+        "warm_ttft_s": round(hot, 4),
+        "warm_rest": rest,
+        "warm_blocks_ttft_s": round(min(warm_s["blocks"]), 4),
+        "speedup": round(cold / hot, 2),
+        "speedup_vs_chunk_blocks": round(chunked / hot, 2),
+        "max_abs_logit_diff": float((cold_logits[n] - warm_logits["blocks"]).abs().max()),
+        "max_abs_logit_diff_fastest": max(
+            float((cold_logits[best] - w).abs().max()) for w in warm_logits.values()
+        ),
+        "max_abs_logprob_diff_fastest": max(every for every, _ in lps),
+        "top_logprob_diff_fastest": max(top for _, top in lps),
         "cold_logit_spread": float((cold_logits[n] - cold_logits[best]).abs().max()),
-        "same_next_token": same,
+        "same_next_token": len(tops) == 1,
         "warm_get_s": round(min(get_s), 4),
-        "warm_forward_s": round(min(fwd_s), 4),
+        "warm_forward_s": round(min(fwd_s[rest]), 4),
     }
 
 
@@ -305,27 +311,24 @@ def run_conversation(
     repeats: int = 1,
     cold_blocks: Sequence[int] = COLD_BLOCKS,
     on_turn: Callable[[dict[str, Any]], None] | None = None,
-    lock_file: Path | None = None,
 ) -> list[dict[str, Any]]:
     """Each turn: cold and warm prefill of the prompt, then the reply appended and stored.
 
     `cold_blocks`: the prefill block sizes (0 = one forward) the cold baseline tries besides
-    the chunk size; () times only the chunk-sized blocks (tests: half the work). `lock_file`:
-    each turn holds an exclusive flock on it (`bench_lock`)."""
+    the chunk size; () times only the chunk-sized blocks (tests: half the work)."""
     messages: list[dict[str, str]] = []
     rows = []
     for index, (user, reply) in enumerate(script):
         messages.append({"role": "user", "content": user})
         prompt = chat_tokens(tokenizer, messages, generation=True)
-        with bench_lock(lock_file):
-            warm, row = _measure(engine, prompt, repeats, cold_blocks)
-            messages.append({"role": "assistant", "content": reply})
-            convo = chat_tokens(tokenizer, messages, generation=False)
-            assert convo[: len(prompt)] == prompt, "chat template does not extend the prompt"
-            engine.extend(convo, warm.cache)  # the reply, as decoding it would have cached it
-            t0 = time.perf_counter()
-            stored = engine.store(convo, warm.cache)
-            put_s = time.perf_counter() - t0
+        warm, row = _measure(engine, prompt, repeats, cold_blocks)
+        messages.append({"role": "assistant", "content": reply})
+        convo = chat_tokens(tokenizer, messages, generation=False)
+        assert convo[: len(prompt)] == prompt, "chat template does not extend the prompt"
+        engine.extend(convo, warm.cache)  # the reply, as decoding it would have cached it
+        t0 = time.perf_counter()
+        stored = engine.store(convo, warm.cache)
+        put_s = time.perf_counter() - t0
         rows.append(
             {
                 "turn": index + 1,
@@ -364,21 +367,16 @@ def history_prompts(tokenizer: Any, points: Sequence[int]) -> list[tuple[list[in
 
 
 def run_history(
-    engine: Any,
-    prompts: Sequence[tuple[list[int], list[int]]],
-    *,
-    repeats: int,
-    lock_file: Path | None = None,
+    engine: Any, prompts: Sequence[tuple[list[int], list[int]]], *, repeats: int
 ) -> list[dict[str, Any]]:
     """TTFT at given history lengths: the previous conversation prefilled and stored (as the
     last turn left it), then cold against warm on the prompt with the new message."""
     rows = []
     for prompt, previous in prompts:
-        with bench_lock(lock_file):
-            out = engine.prefill(previous, use_tier=False)
-            engine.store(previous, out.cache)
-            del out
-            _, row = _measure(engine, prompt, repeats)
+        out = engine.prefill(previous, use_tier=False)
+        engine.store(previous, out.cache)
+        del out
+        _, row = _measure(engine, prompt, repeats)
         rows.append({"prompt_tokens": len(prompt), "previous_tokens": len(previous), **row})
     return rows
 
@@ -435,7 +433,6 @@ def run_ttft(
     history: Sequence[int] = (),
     vllm: bool = False,
     on_turn: Callable[[dict[str, Any]], None] | None = None,
-    lock_file: Path | None = None,
 ) -> dict[str, Any]:
     """The whole benchmark: agent child process, model, conversation; the JSON report.
 
@@ -470,10 +467,9 @@ def run_ttft(
                 with KVClient(agent.control_url, "default", agent.token, layout, salt) as kv:
                     engine = TieredModel(model, kv, layout=layout)
                     rows = run_conversation(
-                        engine, tokenizer, SCRIPT[:turns], repeats=repeats, on_turn=on_turn,
-                        lock_file=lock_file,
-                    )  # fmt: skip
-                    points = run_history(engine, prompts, repeats=repeats, lock_file=lock_file)
+                        engine, tokenizer, SCRIPT[:turns], repeats=repeats, on_turn=on_turn
+                    )
+                    points = run_history(engine, prompts, repeats=repeats) if prompts else []
                 runs.append(
                     {
                         "model": MODEL_ID,
@@ -542,7 +538,7 @@ def _plot(reports: Sequence[dict[str, Any]], png: Path) -> None:
             [r["prompt_tokens"] for r in rows],
             [r["cold_ttft_s"] for r in rows],
             "o--",
-            label=f"cold: full prefill, tier off ({rep['chunk_tokens']}-token blocks)",
+            label="cold: fastest prefill of the whole prompt, tier off",
         )
         ax.plot(
             [r["prompt_tokens"] for r in rows],
@@ -595,13 +591,15 @@ def _markdown(reports: Sequence[dict[str, Any]], command: str) -> str:
         "whole prompt in one forward and in chunk-sized blocks, both timed, the fastest counts "
         "(`block`; blocks of 128 to 2,048 tokens were measured slower than one forward at "
         "2,279 and 8,114 tokens, docs/INFERENCE.md); warm = lookup + get over NVMe/TCP + "
-        "prefill of the uncached rest (`new`) in chunk-sized blocks. `history N` rows: a chat "
+        "prefill of the uncached rest (`new`), in chunk-sized blocks and in one forward, both "
+        "timed, the faster counts (`rest`). `history N` rows: a chat "
         "of N tokens stored as its last turn left it, then a short new question. Scripted "
         "chat: a runbook, questions, two more runbooks pasted at turns 5 and 11 (most of those "
-        "prompts is new, so little is saved there). Logits: next-token logits, warm against "
-        "the cold prefill in chunk-sized blocks (bit-identical: the tier returns the exact "
-        "bytes) and against the fastest cold prefill (float32 rounding of other shapes, as "
-        "large as between the two cold prefills: `cold spread`); log-probabilities against "
+        "prompts is new, so little is saved there). Logits: next-token logits, warm (rest in "
+        "chunk-sized blocks) against the cold prefill in chunk-sized blocks (bit-identical: "
+        "the tier returns the exact bytes), and both warm ones against the fastest cold "
+        "prefill (float32 rounding of other shapes, as large as between the two cold "
+        "prefills: `cold spread`); log-probabilities against "
         "the fastest cold prefill, over the vocabulary and of its top token "
         "(docs/INFERENCE.md says where the rounding comes from).",
         "",
@@ -620,10 +618,11 @@ def _markdown(reports: Sequence[dict[str, Any]], command: str) -> str:
             f"Chunks of {rep['chunk_tokens']} tokens ({rep['chunk_bytes'] / 2**20:.1f} MiB each). "
             + _summary(rep),
             "",
-            "| turn | prompt tokens | cached | new | cold TTFT s | block | warm TTFT s | speedup "
+            "| turn | prompt tokens | cached | new | cold TTFT s | block | warm TTFT s | rest "
+            "| speedup "
             "| of which get s | max abs logit diff (chunk blocks / fastest) | cold spread "
             "| max abs logprob diff (all / top) |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
         ]
         rows = [(str(r["turn"]), r) for r in rep["turns"]]
         rows += [(f"history {r['previous_tokens']}", r) for r in rep.get("history", [])]
@@ -631,7 +630,8 @@ def _markdown(reports: Sequence[dict[str, Any]], command: str) -> str:
             out.append(
                 f"| {name} | {r['prompt_tokens']} | {r['cached_tokens']} | "
                 f"{r['prompt_tokens'] - r['cached_tokens']} | {r['cold_ttft_s']:.3f} | "
-                f"{r['cold_block_tokens']} | {r['warm_ttft_s']:.3f} | {r['speedup']:.1f}x | "
+                f"{r['cold_block_tokens']} | {r['warm_ttft_s']:.3f} | "
+                f"{r.get('warm_rest', 'blocks')} | {r['speedup']:.1f}x | "
                 f"{r['warm_get_s']:.3f} | {r['max_abs_logit_diff']:.1e} / "
                 f"{r['max_abs_logit_diff_fastest']:.1e} | {r['cold_logit_spread']:.1e} | "
                 f"{r['max_abs_logprob_diff_fastest']:.1e} / {r['top_logprob_diff_fastest']:.1e} |"
@@ -684,6 +684,43 @@ def _progress(row: dict[str, Any]) -> None:
     )
 
 
+def _command(
+    turns: int, chunk_tokens: Sequence[int], repeats: int, history: Sequence[int], vllm: bool
+) -> str:
+    """The command line that reproduces a run (recorded in its report and in the docs)."""
+    return " ".join(
+        ["dpuctl bench ttft", f"--repeats {repeats}"]
+        + [f"--turns {turns}"] * (turns != len(SCRIPT))
+        + [
+            f"--chunk-tokens {n}"
+            for n in chunk_tokens
+            if tuple(chunk_tokens) != (DEMO_CHUNK_TOKENS,)
+        ]
+        + [f"--history {n}" for n in history]
+        + ["--vllm"] * vllm
+    )
+
+
+def merge_reports(reports: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Saved reports (runs split to keep each short on a shared machine) as one list of runs,
+    one per chunk size: the turns of the run with the most turns, the history points of all
+    (in order), the vLLM points of any; `command` lists every run's command."""
+    by_chunk: dict[int, dict[str, Any]] = {}
+    commands = [str(r.get("command", "dpuctl bench ttft")) for r in reports]
+    for report in reports:
+        for run in report.get("runs", [report]):
+            into = by_chunk.setdefault(run["chunk_tokens"], {**run, "history": []})
+            if len(run["turns"]) > len(into["turns"]):
+                into["turns"] = run["turns"]
+            into["history"] = [*into["history"], *run.get("history", [])]
+            if "vllm" in report and "vllm" not in into:
+                into["vllm"] = report["vllm"]
+    runs = list(by_chunk.values())
+    for run in runs:
+        run["command"] = "; ".join(commands)
+    return runs
+
+
 @click.command("ttft")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--turns", default=len(SCRIPT), show_default=True, help="Turns of the script.")
@@ -712,11 +749,12 @@ def _progress(row: dict[str, Any]) -> None:
     help="Also measure the --history points through real vLLM (needs make test-engines).",
 )
 @click.option(
-    "--lock-file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=None,
-    help="Hold an exclusive flock on FILE during each turn and point (a machine shared with "
-    "other benchmarks: they wait while this one measures, and run between its turns).",
+    "--from-json",
+    "from_json",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    multiple=True,
+    help="Measure nothing: merge saved --json reports (turns from the one with most turns, "
+    "history points from all, per chunk size) and print or --write-docs them.",
 )
 @click.option(
     "--write-docs",
@@ -733,7 +771,7 @@ def ttft_cmd(
     repeats: int,
     history: tuple[int, ...],
     vllm: bool,
-    lock_file: Path | None,
+    from_json: tuple[Path, ...],
     docs: Path | None,
 ) -> None:
     """Time to first token of a real model (SmolLM2-135M), cold against through the tier."""
@@ -742,19 +780,22 @@ def ttft_cmd(
     for n in history:
         if not 300 <= n <= HISTORY_TOKENS_MAX:
             raise click.BadParameter(f"--history {n} outside [300, {HISTORY_TOKENS_MAX}]")
+    if from_json:
+        try:
+            saved = [json.loads(p.read_text()) for p in from_json]
+            runs = merge_reports(saved)
+        except (ValueError, KeyError, TypeError) as e:
+            raise click.BadParameter(f"not a saved ttft --json report: {e!r}") from None
+        if docs is not None:
+            write_docs(runs, docs, runs[0]["command"] + f"; --from-json ... --write-docs {docs}")
+        click.echo("\n\n".join(_table(r) for r in runs))
+        return
     report = run_ttft(
         turns=turns, chunk_tokens=chunk_tokens, threads=threads, repeats=repeats,
-        history=history, vllm=vllm, on_turn=_progress, lock_file=lock_file,
+        history=history, vllm=vllm, on_turn=_progress,
     )  # fmt: skip
+    report["command"] = _command(turns, chunk_tokens, repeats, history, vllm)
     runs = report.get("runs", [report])
     if docs is not None:
-        command = " ".join(
-            ["dpuctl bench ttft", f"--repeats {repeats}"]
-            + [f"--turns {turns}"] * (turns != len(SCRIPT))
-            + [f"--chunk-tokens {n}" for n in chunk_tokens if chunk_tokens != (DEMO_CHUNK_TOKENS,)]
-            + [f"--history {n}" for n in history]
-            + ["--vllm"] * vllm
-            + [f"--write-docs {docs}"]
-        )
-        write_docs(runs, docs, command)
+        write_docs(runs, docs, f"{report['command']} --write-docs {docs}")
     click.echo(json.dumps(report) if as_json else "\n\n".join(_table(r) for r in runs))
