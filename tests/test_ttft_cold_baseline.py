@@ -142,15 +142,20 @@ def test_ttft_docs_show_the_baseline_and_the_logprob_columns() -> None:
 
 def test_ttft_saved_reports_merge_per_chunk_size() -> None:
     """Runs split to stay short on a shared machine come back as one table per chunk size."""
-    turns = {"chunk_tokens": 64, "turns": [_row(1, 600), _row(2, 700)], "history": []}
+    meta = {"model": "m", "torch_threads": 2, "repeats": 3, "chunk_bytes": 64 * 46080}
+    turns = {**meta, "chunk_tokens": 64, "turns": [_row(1, 600), _row(2, 700)], "history": []}
     hist = {
-        "chunk_tokens": 64, "turns": [_row(1, 600)], "history": [_row(0, 2300), _row(0, 8100)],
+        **meta, "chunk_tokens": 64, "turns": [_row(1, 600)],
+        "history": [_row(0, 2300), _row(0, 8100)],
         "command": "dpuctl bench ttft --turns 1 --history 2000 --history 8000",
+        "measured": "started 2026-12-01 12:00 UTC, load average 1.50 / 1.70",
     }  # fmt: skip
     (run,) = merge_reports([{**turns, "command": "dpuctl bench ttft"}, hist])
     assert [r["turn"] for r in run["turns"]] == [1, 2]
     assert [r["prompt_tokens"] for r in run["history"]] == [2300, 8100]
     assert run["command"] == "dpuctl bench ttft; " + hist["command"]
+    assert run["measured"] == f"`{hist['command']}`: {hist['measured']}"  # when and under what load
+    assert f"Measured: {run['measured']}." in _markdown([run], run["command"])
 
 
 def test_ttft_from_json_that_is_not_a_report_is_a_usage_error(tmp_path: Path) -> None:

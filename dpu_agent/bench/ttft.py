@@ -453,6 +453,8 @@ def run_ttft(
     from host_shim.client import KVClient
     from host_shim.integrations.transformers import TieredModel, model_layout
 
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    load_start = os.getloadavg()[0]
     model, tokenizer = load_model(threads)
     prompts = history_prompts(tokenizer, history)
     runs = []
@@ -487,6 +489,9 @@ def run_ttft(
             vllm_rows = run_vllm_history(agent, prompts, repeats=repeats) if vllm else []
         finally:
             agent.stop()
+    measured = f"started {started}, load average {load_start:.2f} / {os.getloadavg()[0]:.2f}"
+    for run in runs:
+        run["measured"] = measured  # the 1-minute load average at the start / at the end
     report = dict(runs[0])
     if vllm_rows:
         report["vllm"] = {"chunk_tokens": VLLM_CHUNK_TOKENS, "points": vllm_rows}
@@ -610,6 +615,7 @@ def _markdown(reports: Sequence[dict[str, Any]], command: str) -> str:
         "two cores, and the fastest of the repeats does not remove all of it, so single "
         "speedups are noisy; the trend and the logit differences are not.",
         "",
+        *([f"Measured: {first['measured']}.", ""] if first.get("measured") else []),
         "![TTFT against history length](ttft.png)",
         "",
     ]
@@ -707,6 +713,9 @@ def merge_reports(reports: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     (in order), the vLLM points of any; `command` lists every run's command."""
     by_chunk: dict[int, dict[str, Any]] = {}
     commands = [str(r.get("command", "dpuctl bench ttft")) for r in reports]
+    measured = [
+        f"`{c}`: {r['measured']}" for c, r in zip(commands, reports, strict=True) if "measured" in r
+    ]
     for report in reports:
         for run in report.get("runs", [report]):
             into = by_chunk.setdefault(run["chunk_tokens"], {**run, "history": []})
@@ -718,6 +727,7 @@ def merge_reports(reports: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     runs = list(by_chunk.values())
     for run in runs:
         run["command"] = "; ".join(commands)
+        run["measured"] = "; ".join(measured)
     return runs
 
 
@@ -787,7 +797,9 @@ def ttft_cmd(
         except (ValueError, KeyError, TypeError) as e:
             raise click.BadParameter(f"not a saved ttft --json report: {e!r}") from None
         if docs is not None:
-            write_docs(runs, docs, runs[0]["command"] + f"; --from-json ... --write-docs {docs}")
+            files = " ".join(f"--from-json {p.name}" for p in from_json)
+            write_docs(runs, docs, f"{runs[0]['command']} (each --json > a file); dpuctl bench "
+                       f"ttft {files} --write-docs {docs}")  # fmt: skip
         click.echo("\n\n".join(_table(r) for r in runs))
         return
     report = run_ttft(
