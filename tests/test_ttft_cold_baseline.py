@@ -13,7 +13,8 @@ import pytest
 pytest.importorskip("torch", reason="needs the [inference] extra (torch)")
 import torch
 
-from dpu_agent.bench.ttft import COLD_BLOCKS, _logprob_diffs, _markdown, _measure, merge_reports
+from dpu_agent.bench._ttft_report import markdown, merge_reports
+from dpu_agent.bench.ttft import COLD_BLOCKS, _logprob_diffs, _measure
 from kvproto.keys import ChunkLayout
 
 
@@ -130,7 +131,7 @@ def test_ttft_docs_show_the_baseline_and_the_logprob_columns() -> None:
         "model": "m", "torch_threads": 2, "repeats": 3, "chunk_tokens": 64,
         "chunk_bytes": 64 * 46080, "turns": [_row(1, 2100)], "history": [_row(0, 8100)],
     }  # fmt: skip
-    text = _markdown([report], "dpuctl bench ttft --repeats 3 --history 8000")
+    text = markdown([report], "dpuctl bench ttft --repeats 3 --history 8000")
     assert "`dpuctl bench ttft --repeats 3 --history 8000`" in text
     assert "| history 8060 | 8100 | 8060 | 40 | 4.000 | 8100 | 0.250 | one | 16.0x |" in text
     assert "| 0.0e+00 / 2.5e-05 | 2.4e-05 | 2.6e-05 / 3.1e-06 |" in text
@@ -155,7 +156,7 @@ def test_ttft_saved_reports_merge_per_chunk_size() -> None:
     assert [r["prompt_tokens"] for r in run["history"]] == [2300, 8100]
     assert run["command"] == "dpuctl bench ttft; " + hist["command"]
     assert run["measured"] == f"`{hist['command']}`: {hist['measured']}"  # when and under what load
-    assert f"Measured: {run['measured']}." in _markdown([run], run["command"])
+    assert f"Measured: {run['measured']}." in markdown([run], run["command"])
 
 
 def test_ttft_from_json_that_is_not_a_report_is_a_usage_error(tmp_path: Path) -> None:
