@@ -12,9 +12,16 @@ import errno
 import mmap
 import os
 import stat
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 BLOCK_SIZE = 4096
+# A file-backed tier starts the kernel's write-out after this many bytes written (as RocksDB's
+# `bytes_per_sync` and PostgreSQL's `backend_flush_after`): without it, a second of puts leaves
+# hundreds of MiB dirty and the group-commit fsync then flushes them in one burst, which on the
+# 2-vCPU box stalled every thread of the machine for 2-6 ms (docs/BENCHMARKS.md, "lookup during
+# sync"). 1 MiB: one KV chunk; smaller kicks cost a syscall per write for no gain measured.
+WRITEBACK_AFTER_BYTES = 1 << 20
+_SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start write-out of dirty pages, do not wait for it
 
 
 class BlockDeviceError(Exception):
@@ -117,9 +124,15 @@ class FileBlockDevice:
         path: str | os.PathLike[str],
         block_count: int | None = None,
         block_size: int = BLOCK_SIZE,
+        *,
+        writeback_after_bytes: int = WRITEBACK_AFTER_BYTES,
     ) -> None:
+        """`writeback_after_bytes`: start the kernel's write-out of this file's dirty pages each
+        time that many bytes were written since the last start (0: leave it all to flush())."""
         self._block_size = block_size
         self.path = os.fspath(path)
+        self._writeback_after = writeback_after_bytes if _sync_file_range() else 0
+        self._unkicked = 0
         try:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as e:
@@ -173,6 +186,18 @@ class FileBlockDevice:
                 raise BlockDeviceError(
                     f"write {self.path} at LBA {lba} ({code}): {e.strerror}"
                 ) from e
+        self._unkicked += len(view)
+        if self._writeback_after and self._unkicked >= self._writeback_after:
+            self._start_writeback()
+
+    def _start_writeback(self) -> None:
+        """Start write-out of the whole file's dirty pages without waiting for it (flush() still
+        makes them durable). A failure here is not an error of the write that triggered it: the
+        data is in the page cache and flush() reports what the disk refused."""
+        self._unkicked = 0
+        sync_file_range = _sync_file_range()
+        assert sync_file_range is not None
+        sync_file_range(self._fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
     def flush(self) -> None:
         try:
@@ -189,3 +214,22 @@ class FileBlockDevice:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+_SFR: list[Any] = []  # [function or None], with the ffi and library objects it needs kept alive
+
+
+def _sync_file_range() -> Any:
+    """glibc's sync_file_range(2) through cffi (Python's os module does not expose it), loaded
+    once; None where the C library lacks it (not Linux). cffi drops the GIL during the call."""
+    if not _SFR:
+        import cffi
+
+        ffi = cffi.FFI()
+        ffi.cdef("int sync_file_range(int fd, int64_t offset, int64_t nbytes, unsigned int flags);")
+        try:
+            lib = ffi.dlopen(None)
+            _SFR[:] = [lib.sync_file_range, ffi, lib]
+        except (OSError, AttributeError):
+            _SFR[:] = [None]
+    return _SFR[0]

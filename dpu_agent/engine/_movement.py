@@ -10,6 +10,7 @@ flush (`demote_all_dram`, inline `demote`) copies under the lock.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,6 +38,11 @@ DEMOTIONS_PER_TICK_MAX = 256  # bounds one tick's work; the next tick goes on
 DEMOTION_BYTES_PER_TICK_MAX = 256 << 20  # ~0.1-0.2 s of copying (XTS + checksum) per tick
 PROMOTIONS_PER_TICK_MAX = 256  # as for demotions: bounds one tick's work, the next goes on
 PROMOTION_BYTES_PER_TICK_MAX = 128 << 20  # NVMe reads at ~1.4 GB/s: under 0.1 s per tick
+# After each chunk a background loop sleeps this long (0: just yield). Neither the engine lock
+# nor the GIL is fair: a loop that drops both and takes them straight back kept a waiting
+# lookup out for up to the interpreter's 5 ms switch interval (docs/BENCHMARKS.md, "lookup
+# during sync": p99 2.5 -> 1.3 ms with the yield, interleaved runs).
+YIELD_S = 0.0
 # Hot: read at least twice, the last two reads at most this far apart (LRU-2's test of a
 # second reference); a conversation's think time is tens of seconds
 PROMOTE_REREAD_S = 60.0
@@ -183,6 +189,7 @@ class Mover:
                     moved += self.finish_demotion(job, ok)
                 except JournalUnavailable:
                     break  # fenced; the chunk stays in DRAM
+            time.sleep(YIELD_S)  # let a waiting lookup in (see YIELD_S)
         return moved
 
     def start_demotion(self, *, persist: bool = False) -> _Move | None:
@@ -283,6 +290,7 @@ class Mover:
                     moved += self._finish_promotion(job, ok)
                 except JournalUnavailable:
                     break  # fenced; the chunk stays on NVMe
+            time.sleep(YIELD_S)  # let a waiting lookup in (see YIELD_S)
         return moved
 
     def _promotion_candidates(self) -> list[tuple[int, int]]:

@@ -116,7 +116,9 @@ class Engine:
         if device_factory is None:
             config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             keystore = keystore if keystore is not None else KeyStore(config.key_path)
-            device_factory = EmbeddedDevices(config.nvme_path, keystore)
+            device_factory = EmbeddedDevices(
+                config.nvme_path, keystore, writeback_after_bytes=config.writeback_after_bytes
+            )
         self._last_sync = clock()  # the tick's group-commit schedule
         self._closed = False
         self._index = RecordIndex()

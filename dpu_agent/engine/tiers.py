@@ -15,7 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
-from dpu_agent.blockdev import BLOCK_SIZE, BlockDevice, FileBlockDevice, MemoryBlockDevice
+from dpu_agent.blockdev import (
+    BLOCK_SIZE,
+    WRITEBACK_AFTER_BYTES,
+    BlockDevice,
+    FileBlockDevice,
+    MemoryBlockDevice,
+)
 from dpu_agent.crypto import CryptoBlockDevice, KeyStore, XtsCipher
 from dpu_agent.engine.alloc import ExtentAllocator
 from dpu_agent.eviction import EvictionPolicy, make_policy
@@ -71,9 +77,16 @@ DeviceFactory = Callable[[str, TierSpec], TierDevices]
 class EmbeddedDevices:
     """The embedded-mode factory: MemoryBlockDevice / FileBlockDevice under AES-XTS."""
 
-    def __init__(self, nvme_dir: str | Path, keystore: KeyStore) -> None:
+    def __init__(
+        self,
+        nvme_dir: str | Path,
+        keystore: KeyStore,
+        *,
+        writeback_after_bytes: int = WRITEBACK_AFTER_BYTES,
+    ) -> None:
         self.nvme_dir = Path(nvme_dir)
         self.keystore = keystore
+        self.writeback_after_bytes = writeback_after_bytes
 
     def nvme_path(self, tenant: str) -> Path:
         return self.nvme_dir / tenant / "nvme.img"
@@ -95,7 +108,9 @@ class EmbeddedDevices:
         if spec.persistent:
             path = self.nvme_path(tenant)
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            raw = FileBlockDevice(path, spec.block_count)
+            raw = FileBlockDevice(
+                path, spec.block_count, writeback_after_bytes=self.writeback_after_bytes
+            )
         else:
             raw = MemoryBlockDevice(spec.block_count)
         generation = spec.key_generation

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dpu_agent.blockdev import WRITEBACK_AFTER_BYTES
 from dpu_agent.engine.tiers import Tier
 from dpu_agent.eviction import DEFAULT_POLICY
 
@@ -36,6 +37,9 @@ class EngineConfig:
     # tick() demotes DRAM chunks (copying outside the lock) until this share of DRAM is free,
     # so reserve() rarely has to demote inline, under the lock
     dram_free_fraction: float = 0.1
+    # the NVMe tier's file starts the kernel's write-out after this many bytes written, so the
+    # group commit's fsync finds little left to flush (0: leave everything to that fsync)
+    writeback_after_bytes: int = WRITEBACK_AFTER_BYTES
     nvme_dir: Path | None = None  # default data_dir: <nvme_dir>/<tenant>/nvme.img
     journal_dir: Path | None = None  # default data_dir/journal
     key_file: Path | None = None  # default data_dir/keys.json
@@ -47,6 +51,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value < 4096 or value % 4096:
                 raise ValueError(f"{name}={value}: give a positive multiple of 4096 bytes")
+        if self.writeback_after_bytes < 0:
+            raise ValueError(f"writeback_after_bytes={self.writeback_after_bytes}: give >= 0")
 
     @property
     def nvme_path(self) -> Path:
