@@ -20,6 +20,7 @@ from dpu_agent.bench.replay import (
 )
 from dpu_agent.bench.replay_family import (
     CHOOSE_SET,
+    HELD_OUT_SET,
     REPORT_SET,
     FamilyTrace,
     format_family,
@@ -61,8 +62,42 @@ def test_family_sets_are_disjoint_and_choose_is_seed_zero() -> None:
     assert {t.seed for t in CHOOSE_SET} == {0}
     assert all(t.seed != 0 for t in REPORT_SET)
     assert {t.shape for t in CHOOSE_SET} == {t.shape for t in REPORT_SET}
-    assert {t.shape for t in CHOOSE_SET} == {"chat", "docs", "agent", "mix"}
+    assert {t.shape for t in CHOOSE_SET} == {"chat", "docs", "agent", "mix", "conv", "scan"}
     assert {t.role for t in CHOOSE_SET} == {"choose"} and {t.role for t in REPORT_SET} == {"report"}
+    # the held-out set: every shape, a seed no other set uses
+    assert {t.shape for t in HELD_OUT_SET} == {t.shape for t in CHOOSE_SET}
+    assert not {t.seed for t in HELD_OUT_SET} & {t.seed for t in (*CHOOSE_SET, *REPORT_SET)}
+    assert {t.role for t in HELD_OUT_SET} == {"held-out"}
+
+
+def test_conv_is_mostly_one_hit_blocks_with_a_reused_shared_set() -> None:
+    """`conv`: most blocks are used once (one-off contexts, a conversation's last turn), a
+    Zipf-skewed set of shared prefixes is used often, conversations come back after gaps."""
+    trace = generate_trace("conv", 600, seed=1)
+    uses: dict[int, int] = {}
+    for r in trace:
+        for b in r.hash_ids:
+            uses[b] = uses.get(b, 0) + 1
+    once = sum(1 for n in uses.values() if n == 1)
+    assert once > 0.6 * len(uses)
+    assert max(uses.values()) > 50  # the most popular shared prefix
+    roots = {r.hash_ids[0] for r in trace}
+    assert len(roots) > 50  # many shared prefixes, not a handful of system prompts
+
+
+def test_scan_interrupts_reused_documents_with_runs_of_new_ones() -> None:
+    trace = generate_trace("scan", 1000, seed=1)
+    seen: set[int] = set()
+    new_run = longest = again = 0
+    for r in trace:
+        body = set(r.hash_ids[2:-1])  # between the system prompt and the question
+        fresh = bool(body) and not seen & body
+        new_run = new_run + 1 if fresh else 0
+        longest = max(longest, new_run)
+        again += bool(body) and body <= seen
+        seen.update(r.hash_ids)
+    assert longest >= 20  # a scan: many requests in a row that bring only new documents
+    assert again > 0.05 * len(trace)  # and documents asked again, whole
 
 
 def test_run_family_reports_best_fixed_and_the_default_gap() -> None:

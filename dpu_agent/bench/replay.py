@@ -216,7 +216,7 @@ class _Both:
 
 # --- synthetic traces -------------------------------------------------------------------------
 
-SYNTHETIC_SHAPES = ("chat", "docs", "agent", "mix")
+SYNTHETIC_SHAPES = ("chat", "docs", "agent", "mix", "conv", "scan")
 SYNTHETIC_REQUESTS_MAX = 1_000_000
 
 
@@ -259,6 +259,11 @@ def generate_trace(shape: str, requests: int, seed: int = 0) -> list[Request]:
     documents behind a few system prompts, plus 30% one-off documents. agent: few long agent
     sessions that grow by many short steps, little sharing between sessions. mix: the shape
     changes halfway: `docs` for the first half of the requests, then `chat` over new prompts.
+    conv: conversation-like: 45% one-off questions with a long unique context, conversations
+    whose first turn is as long and which come back after long gaps (up to 400 open at once),
+    all behind a Zipf-skewed set of 300 shared prefixes: most blocks are used once, and which
+    policy is best changes as the open conversations pile up. scan: Zipf-popular documents,
+    interrupted by scans (runs of 20-120 requests over new documents).
     """
     if shape not in SYNTHETIC_SHAPES:
         raise ValueError(f"unknown trace shape {shape!r}; valid: {', '.join(SYNTHETIC_SHAPES)}")
@@ -269,6 +274,10 @@ def generate_trace(shape: str, requests: int, seed: int = 0) -> list[Request]:
         return _gen_chat(tb, requests)
     if shape == "agent":
         return _gen_sessions(tb, requests, systems=4, one_off=0.02, turns_mean=40, grow=(1, 2))
+    if shape == "conv":
+        return _gen_conv(tb, requests)
+    if shape == "scan":
+        return _gen_scan(tb, requests)
     if shape == "mix":
         first = _gen_docs(tb, requests // 2)
         tb.tag = 1
@@ -311,6 +320,59 @@ def _gen_sessions(
             active.pop(k)
         else:
             active[k] = (prompt, left - 1)
+    return out
+
+
+CONV_ACTIVE_MAX = 400  # conversations open at once in `conv`: long think times interleave many
+
+
+def _gen_conv(tb: _TraceBuilder, requests: int) -> list[Request]:
+    """Conversation-like: most blocks are used once, a frequency-skewed set is reused."""
+    rng = tb.rng
+    shared = 300
+    shared_lens = [rng.randint(2, 12) for _ in range(shared)]
+    active: list[tuple[list[int], int]] = []  # (prompt so far, turns left)
+    out: list[Request] = []
+    for n in range(requests):
+        s = tb.zipf(shared, 1.1)
+        base = tb.extend([], ("shared", s), shared_lens[s])
+        if rng.random() < 0.45:  # a one-off question with a long unique context
+            out.append(tb.request(tb.extend(base, ("oneoff", n), rng.randint(10, 40)), 2.0))
+            continue
+        if not active or (len(active) < CONV_ACTIVE_MAX and rng.random() < 0.3):
+            ids = tb.extend(base, ("first", n), rng.randint(10, 40))
+            active.append((ids, max(1, int(rng.expovariate(1.0 / 3)))))
+            out.append(tb.request(ids, 2.0))
+            continue
+        k = rng.randrange(len(active))
+        prompt, left = active[k]
+        prompt = tb.extend(prompt, ("turn", n), rng.randint(1, 4))
+        out.append(tb.request(prompt, 2.0))
+        if left <= 1:
+            active[k] = active[-1]
+            active.pop()
+        else:
+            active[k] = (prompt, left - 1)
+    return out
+
+
+def _gen_scan(tb: _TraceBuilder, requests: int) -> list[Request]:
+    """A frequency-skewed reusable set of documents, interrupted by scans of new documents."""
+    rng = tb.rng
+    doc_lens = [rng.randint(4, 30) for _ in range(600)]
+    out: list[Request] = []
+    scan_left = 0
+    for n in range(requests):
+        base = tb.extend([], ("sys", tb.zipf(8, 1.0)), 2)
+        if scan_left == 0 and rng.random() < 0.02:
+            scan_left = rng.randint(20, 120)
+        if scan_left:
+            scan_left -= 1
+            ids = tb.extend(base, ("scan", n), rng.randint(10, 60))
+        else:
+            d = tb.zipf(len(doc_lens), 0.8)
+            ids = tb.extend(base, ("doc", d), doc_lens[d])
+        out.append(tb.request(tb.extend(ids, ("q", n), 1), 4.0))
     return out
 
 

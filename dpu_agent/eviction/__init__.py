@@ -4,7 +4,7 @@ Items are integer ids. A tier calls `insert`, `access` and `remove` as chunks co
 `victim(evictable)` when it needs room; `make_policy(name, capacity)` builds one by name.
 """
 
-from dpu_agent.eviction._adaptive import AdaptivePolicy
+from dpu_agent.eviction._adaptive import DEFAULT_CANDIDATES, AdaptivePolicy
 from dpu_agent.eviction._arc import ArcPolicy
 from dpu_agent.eviction._clock import ClockPolicy
 from dpu_agent.eviction._lru import Lru2Policy, LruPolicy
@@ -16,6 +16,7 @@ from dpu_agent.eviction._s3fifo import S3FifoPolicy
 
 __all__ = [
     "CAPACITY_ITEMS_MAX",
+    "DEFAULT_CANDIDATES",
     "DEFAULT_POLICY",
     "POLICY_NAMES",
     "AdaptivePolicy",
