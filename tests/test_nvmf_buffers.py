@@ -9,9 +9,10 @@ import pytest
 
 from dpu_agent.blockdev import FileBlockDevice, MemoryBlockDevice
 from dpu_agent.crypto import CryptoBlockDevice, XtsCipher
-from dpu_agent.nvmf._connection import _in_memory
+from dpu_agent.nvmf._connection import _inline
 from dpu_agent.nvmf._limits import QUEUE_CACHE_BYTES_MAX, BufferBudget, SizedPool
 from dpu_agent.nvmf._subsystem import TargetOptions
+from kvproto.nvme import IoOpcode
 
 MIB = 1 << 20
 
@@ -63,14 +64,15 @@ def test_closed_queue_leaves_the_budget_pools() -> None:
 
 
 @pytest.mark.parametrize("lends", [True, False])
-def test_encrypted_dram_tier_is_memory_work_and_file_tier_is_not(
+def test_target_writes_encrypted_dram_inline_and_nothing_of_the_file_tier(
     tmp_path: Path, lends: bool
 ) -> None:
     base = MemoryBlockDevice(64) if lends else FileBlockDevice(tmp_path / "n.img", block_count=64)
     dev = CryptoBlockDevice(base, XtsCipher(bytes(range(64))))
     try:
         assert dev.in_memory is lends
-        assert _in_memory(dev) is lends
-        assert _in_memory(MemoryBlockDevice(8))
+        assert _inline(dev, IoOpcode.WRITE) is lends  # one cipher pass into the tier
+        assert not _inline(dev, IoOpcode.READ)  # decrypts on the other core while sending
+        assert _inline(MemoryBlockDevice(8), IoOpcode.READ)
     finally:
         dev.close()
