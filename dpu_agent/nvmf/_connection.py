@@ -367,8 +367,8 @@ class NvmfConnection(asyncio.BufferedProtocol):
         two send()s and two TCP_CORK toggles, and no segment of its own for the header.
 
         Only with nothing buffered in the transport (order). What the socket does not take is
-        handed to the transport, which copies it (asyncio 3.11 buffers a bytearray), so no
-        outgoing byte references `parts` once this returns.
+        handed to the transport (3.11 copies it; 3.12+ keeps a reference, and `_release` then
+        holds the buffer in `_unsent` until the transport has drained).
         """
         assert self.transport is not None
         if self._out:
