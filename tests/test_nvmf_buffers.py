@@ -3,6 +3,7 @@ the DRAM tier's encrypted I/O counts as memory work (run inline by the target)."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,47 @@ def test_target_writes_encrypted_dram_inline_and_nothing_of_the_file_tier(
         assert _inline(MemoryBlockDevice(8), IoOpcode.READ)
     finally:
         dev.close()
+
+
+def test_pool_io_reports_result_and_exception_on_the_loop_thread() -> None:
+    """submit_io: one call back per command, on the loop, with the device's exception."""
+    import asyncio
+    import threading
+
+    from dpu_agent.blockdev import BlockDeviceError
+    from dpu_agent.nvmf import NvmeTcpTarget
+
+    async def main() -> list[tuple[str, object, bool]]:
+        target = NvmeTcpTarget((), "127.0.0.1", 0)
+        await target.start()
+        got: list[tuple[str, object, bool]] = []
+        finished = asyncio.Event()
+        ran_in: list[str] = []
+
+        def ok() -> None:
+            ran_in.append(threading.current_thread().name)
+
+        def bad() -> None:
+            raise BlockDeviceError("media error")
+
+        def done(name: str) -> Callable[[Exception | None], None]:
+            def cb(exc: Exception | None) -> None:
+                got.append((name, exc, threading.current_thread() is threading.main_thread()))
+                if len(got) == 2:
+                    finished.set()
+
+            return cb
+
+        try:
+            target.submit_io(done("ok"), ok)
+            target.submit_io(done("bad"), bad)
+            await asyncio.wait_for(finished.wait(), 10)
+        finally:
+            await target.stop()
+        assert ran_in and ran_in[0].startswith("nvmf-io")  # not on the loop
+        return sorted(got, key=lambda g: str(g[0]))
+
+    (bad_name, bad_exc, bad_loop), (ok_name, ok_exc, ok_loop) = asyncio.run(main())
+    assert (bad_name, ok_name) == ("bad", "ok")
+    assert isinstance(bad_exc, BlockDeviceError) and ok_exc is None
+    assert bad_loop and ok_loop

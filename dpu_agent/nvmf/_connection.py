@@ -750,8 +750,7 @@ class NvmfConnection(asyncio.BufferedProtocol):
             except Exception as e:
                 return self._io_done(cmd, e)
             return self._io_done(cmd, None)
-        fut = self.target.run_io(fn, *args)
-        fut.add_done_callback(lambda f: self._io_done(cmd, f.exception()))
+        self.target.submit_io(lambda exc: self._io_done(cmd, exc), fn, *args)
 
     def _io_done(self, cmd: _Cmd, exc: BaseException | None) -> None:
         if self.closed:
