@@ -61,6 +61,13 @@ class CryptoBlockDevice:
     def block_count(self) -> int:
         return self._base.block_count
 
+    @property
+    def in_memory(self) -> bool:
+        """Whether reads and writes are memory work only: the base lends its memory (the DRAM
+        tier), so an I/O is one cipher pass between the caller's buffer and the base's bytes,
+        with no system call that could block (the NVMe/TCP target runs these inline)."""
+        return self._lends
+
     def _scratch(self) -> memoryview:
         view: memoryview | None = getattr(self._local, "scratch", None)
         if view is None:

@@ -48,7 +48,7 @@ R2T_TIMEOUT_S = 10.0
 # queues move 4 MiB each at once; 127 queues of one host cannot pin 127 x 16 MiB.
 CONTROLLER_BUFFER_BYTES_MAX = 64 << 20
 # Free buffers one queue keeps for reuse; the rest go back to the budget (and the allocator).
-QUEUE_CACHE_BYTES_MAX = 4 << 20
+QUEUE_CACHE_BYTES_MAX = 8 << 20
 # Smallest buffer: commands are sized up to a power of two from here (16 KiB chunks get 16
 # KiB, not max_io_size), so a few classes cover every command and buffers are reused.
 BUFFER_CLASS_BYTES_MIN = 16 << 10
@@ -63,12 +63,21 @@ class BufferBudget:
     """Bytes of data buffers one controller's queues hold; queues waiting for room register
     a wake-up callback, called when another queue gives bytes back."""
 
-    __slots__ = ("bytes_max", "used", "waiters")
+    __slots__ = ("bytes_max", "pools", "used", "waiters")
 
     def __init__(self, bytes_max: int = CONTROLLER_BUFFER_BYTES_MAX) -> None:
         self.bytes_max = bytes_max
         self.used = 0
         self.waiters: set[Callable[[], None]] = set()
+        self.pools: set[SizedPool] = set()  # the queues charging this budget
+
+    def reclaim(self) -> None:
+        """Every queue drops its idle cached buffers: a queue short of room must not wait on
+        bytes that other, idle queues only keep for reuse. Silent (no waiter is called back
+        from inside another queue's check); the caller checks again."""
+        for pool in list(self.pools):
+            self.used -= pool._drop_cache_bytes()
+        assert self.used >= 0, self.used
 
     def charge(self, nbytes: int) -> bool:
         if self.used + nbytes > self.bytes_max:
@@ -103,11 +112,14 @@ class SizedPool:
         self.closed = False
         self._free: dict[int, list[bytearray]] = {}
         self.budget = BufferBudget(size_max * count_max)
+        self.budget.pools.add(self)
 
     def attach(self, budget: BufferBudget) -> None:
         """Charge the controller's budget from now on (called at Connect, before any I/O)."""
         assert self.in_use == 0 and self.cached_bytes == 0, self.in_use
+        self.budget.pools.discard(self)
         self.budget = budget
+        budget.pools.add(self)
 
     def can_take(self, nbytes: int) -> bool:
         size = size_class(nbytes)
@@ -115,7 +127,10 @@ class SizedPool:
             return False
         if self._free.get(size):
             return True
-        return self.budget.used + size - self.cached_bytes <= self.budget.bytes_max
+        if self.budget.used + size - self.cached_bytes <= self.budget.bytes_max:
+            return True
+        self.budget.reclaim()  # idle caches of the controller's other queues
+        return self.budget.used + size <= self.budget.bytes_max
 
     def take(self, nbytes: int) -> bytearray | None:
         assert 0 < nbytes <= self.size_max, nbytes
@@ -128,7 +143,7 @@ class SizedPool:
             self.in_use += 1
             return free.pop()
         if not self.budget.charge(size):
-            self._drop_cache()  # room held by this queue's idle buffers of other sizes
+            self.budget.reclaim()  # room held by idle buffers (this queue's other sizes too)
             if not self.budget.charge(size):
                 return None
         self.in_use += 1
@@ -151,12 +166,13 @@ class SizedPool:
         go back to the budget; a buffer given back later is ignored."""
         total = self.cached_bytes + sum(len(b) for b in held)
         self.cached_bytes, self.in_use, self.closed = 0, 0, True
+        self.budget.pools.discard(self)
         self._free.clear()
         if total:
             self.budget.refund(total)
 
-    def _drop_cache(self) -> None:
+    def _drop_cache_bytes(self) -> int:
+        """Forget the cached buffers; the bytes they were charged (the caller refunds)."""
         cached, self.cached_bytes = self.cached_bytes, 0
         self._free.clear()
-        if cached:
-            self.budget.refund(cached)
+        return cached
