@@ -55,7 +55,7 @@ CANDIDATES: dict[str, Callable[[int], EvictionPolicy]] = {
 # requests while a `conv` cache fills (recency is all there is to go on) and then falls to the
 # bottom: following it there cost 3.4 points (`conv` choose trace at 5%, docs/EVICTION.md).
 DEFAULT_CANDIDATES: tuple[str, ...] = tuple(n for n in CANDIDATES if n != "lru")
-# Items per shadow at most: the shadows' fixed memory (7 x 16,384 items). Below
+# Items per shadow at most: the shadows' fixed memory (16,384 items per candidate). Below
 # this the shadows simulate every id (R = 1); sampling a prefix tree flatters the candidates
 # that evict parents first (an evicted unsampled ancestor is invisible to the shadow), which
 # cost 0.3 points on the `mix` choose trace at R = 1/4 (docs/EVICTION.md).
