@@ -1,8 +1,8 @@
-"""SPDK (the real peer in ../shared/spdk, see PEER.md) for the DH-HMAC-CHAP and TLS interop
+"""SPDK (the real peer: README, "The SPDK peer in the tests") for the DH-HMAC-CHAP and TLS interop
 tests: keyring files, a target with keys, bdevperf with keys. The general helpers are
 `spdk_peer`'s.
 
-`SPDK_TGT` / `SPDK_BIN` come from `eval "$(../shared/spdk/install.sh .spdk)"`; tests skip
+`SPDK_TGT` / `SPDK_BIN` come from the environment (README says how); tests skip
 with that reason when they are not set.
 """
 
@@ -26,7 +26,7 @@ __all__ = ["free_port"]  # re-exported for the auth tests
 SPDK_TGT = os.environ.get("SPDK_TGT", "")
 SPDK_BIN = os.environ.get("SPDK_BIN", "")
 START_TIMEOUT_S = 60.0
-SKIP_REASON = 'SPDK_TGT is not set: eval "$(../shared/spdk/install.sh .spdk)" first'
+SKIP_REASON = 'SPDK_TGT is not set: install the SPDK peer (README: "The SPDK peer in the tests")'
 
 
 def require_spdk() -> None:

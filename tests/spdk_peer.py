@@ -1,9 +1,9 @@
 """Test support: run the SPDK v26.05 peer (bdevperf, spdk_nvme_perf/identify/discover, spdk_tgt).
 
-The peer is installed by `eval "$(../shared/spdk/install.sh .spdk)"` (`.ci/run` does it when
-`../shared/spdk` exists), which exports SPDK_BIN. Without it every live test skips with
-`SKIP_REASON`. Every run is bounded in time (`RUN_TIMEOUT_S`) and uses one core (`-m 0x1`):
-SPDK's reactor busy-polls it.
+The peer is found through SPDK_BIN only (README, "The SPDK peer in the tests", says how to
+install it; `.ci/run` does it where the workspace provides it); nothing else is read.
+Without it every live test skips with `SKIP_REASON`. Every run is bounded in time
+(`RUN_TIMEOUT_S`) and uses one core (`-m 0x1`): SPDK's reactor busy-polls it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import pytest
 SPDK_BIN = os.environ.get("SPDK_BIN", "")
 SKIP_REASON = (
     "SPDK_BIN is not set: the SPDK v26.05 peer is not installed "
-    '(eval "$(../shared/spdk/install.sh .spdk)", see README)'
+    '(README: "The SPDK peer in the tests")'
 )
 needs_spdk = pytest.mark.skipif(
     not (SPDK_BIN and Path(SPDK_BIN, "bdevperf").exists()), reason=SKIP_REASON

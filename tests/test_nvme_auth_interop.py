@@ -1,4 +1,4 @@
-"""DH-HMAC-CHAP against SPDK (v26.05, ../shared/spdk): our initiator -> SPDK's target.
+"""DH-HMAC-CHAP against SPDK (v26.05, found through SPDK_TGT): our initiator -> SPDK's target.
 
 SPDK's target holds the host secrets as keyring files (`keyring_file_add_key`) bound with
 `nvmf_subsystem_add_host --dhchap-key [--dhchap-ctrlr-key]`. Each hash, ffdhe2048 and null,

@@ -102,7 +102,7 @@ def _spdk_tgt() -> str | None:
     return None
 
 
-@pytest.mark.skipif(_spdk_tgt() is None, reason="SPDK_TGT not set (eval ../shared/spdk/install.sh)")
+@pytest.mark.skipif(_spdk_tgt() is None, reason="SPDK_TGT not set (see README)")
 def test_spdk_collector_against_a_real_spdk_tgt(tmp_path: Path) -> None:
     from spdk_plugins.rpc import SpdkClient
 

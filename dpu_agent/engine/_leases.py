@@ -12,6 +12,7 @@ import itertools
 import secrets
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 
@@ -21,6 +22,8 @@ from dpu_agent.engine._tenants import Tenants
 from dpu_agent.engine.errors import LeaseExpired, LimitExceeded, ReservationExpired
 from dpu_agent.engine.index import STATE_LIVE, RecordIndex
 from dpu_agent.engine.types import Lease, PendingReservation, TenantState
+
+_Expiring = TypeVar("_Expiring", Lease, PendingReservation)  # entries with an `expires` time
 
 __all__ = ["COUNT_MAX", "LEASES_MAX", "RESERVATIONS_MAX", "SCALAR_HITS_MAX", "Leases"]
 
@@ -218,24 +221,30 @@ class Leases:
 
     def expire(self, now: float) -> tuple[int, int]:
         """Reclaim reservations and leases past their TTL (both tables are in expiry order)."""
-        reservations = leases = 0
-        while self.reservations:
-            rid, res = next(iter(self.reservations.items()))
-            if res.expires > now:
-                break
-            del self.reservations[rid]
-            self.reclaim_reservation(res)
-            self._remember(self._expired_reservations, rid, res.expires)
-            reservations += 1
-        while self.leases:
-            lease_id, lease = next(iter(self.leases.items()))
-            if lease.expires > now:
-                break
-            del self.leases[lease_id]
-            self.unlease(lease)
-            self._remember(self._expired_leases, lease_id, lease.expires)
-            leases += 1
+        reservations = self._expire_table(
+            self.reservations, self.reclaim_reservation, self._expired_reservations, now
+        )
+        leases = self._expire_table(self.leases, self.unlease, self._expired_leases, now)
         return reservations, leases
+
+    def _expire_table(
+        self,
+        table: OrderedDict[int, _Expiring],
+        reclaim: Callable[[_Expiring], None],
+        remembered: OrderedDict[int, float],
+        now: float,
+    ) -> int:
+        """Drop the entries of `table` (in expiry order) past their TTL, reclaiming each."""
+        count = 0
+        while table:
+            ident, entry = next(iter(table.items()))
+            if entry.expires > now:
+                break
+            del table[ident]
+            reclaim(entry)
+            self._remember(remembered, ident, entry.expires)
+            count += 1
+        return count
 
     def forget_tenant(self, tid: int) -> None:
         """Drop a removed tenant's leases, reservations, lease counts and deferred extents."""

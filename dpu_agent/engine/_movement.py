@@ -175,22 +175,35 @@ class Mover:
                 job = self.start_demotion(persist=persist)
             if job is None:
                 break
-            try:
-                ok = self.copy(job, DRAM, NVME)
-            except BlockDeviceError as e:  # a tier's device failed (SPDK mode: a lost link)
-                with self._lock:
-                    self._leases.unlease(job.lease)
-                    job.ts.tiers[NVME].alloc.free(job.dst, job.block_count)
-                log.warning("engine.demotion_failed", tenant=job.ts.name, error=str(e))
+            done = self._move_one(job, DRAM, NVME, self.finish_demotion)
+            if done is None:
                 break  # the chunk stays in DRAM; the next tick tries again
+            moved += done
             copied += job.block_count * BLOCK_SIZE
-            with self._lock:
-                try:
-                    moved += self.finish_demotion(job, ok)
-                except JournalUnavailable:
-                    break  # fenced; the chunk stays in DRAM
-            time.sleep(YIELD_S)  # let a waiting lookup in (see YIELD_S)
         return moved
+
+    def _move_one(
+        self, job: _Move, src_tier: int, dst_tier: int, finish: Callable[[_Move, bool], int]
+    ) -> int | None:
+        """Copy one chunk outside the lock, then `finish` it under the lock; 1 if it moved, 0
+        if not, None when the loop must stop: a tier's device failed (SPDK mode: a lost link)
+        or writes are fenced. The chunk then stays where it was."""
+        try:
+            ok = self.copy(job, src_tier, dst_tier)
+        except BlockDeviceError as e:
+            with self._lock:
+                self._leases.unlease(job.lease)
+                job.ts.tiers[dst_tier].alloc.free(job.dst, job.block_count)
+            what = "demotion" if dst_tier == NVME else "promotion"
+            log.warning(f"engine.{what}_failed", tenant=job.ts.name, error=str(e))
+            return None
+        try:
+            with self._lock:
+                done = finish(job, ok)
+        except JournalUnavailable:
+            return None  # fenced
+        time.sleep(YIELD_S)  # let a waiting lookup in (see YIELD_S)
+        return done
 
     def start_demotion(self, *, persist: bool = False) -> _Move | None:
         """Pick a DRAM victim of a tenant below its free target, lease it, allocate on NVMe.
@@ -276,21 +289,11 @@ class Mover:
                 job = self._start_promotion(row, seq)
             if job is None:
                 continue
-            try:
-                ok = self.copy(job, NVME, DRAM)
-            except BlockDeviceError as e:  # a tier's device failed: the chunk stays on NVMe
-                with self._lock:
-                    self._leases.unlease(job.lease)
-                    job.ts.tiers[DRAM].alloc.free(job.dst, job.block_count)
-                log.warning("engine.promotion_failed", tenant=job.ts.name, error=str(e))
-                break
+            done = self._move_one(job, NVME, DRAM, self._finish_promotion)
+            if done is None:
+                break  # the chunk stays on NVMe
+            moved += done
             copied += job.block_count * BLOCK_SIZE
-            with self._lock:
-                try:
-                    moved += self._finish_promotion(job, ok)
-                except JournalUnavailable:
-                    break  # fenced; the chunk stays on NVMe
-            time.sleep(YIELD_S)  # let a waiting lookup in (see YIELD_S)
         return moved
 
     def _promotion_candidates(self) -> list[tuple[int, int]]:
