@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 
 from click.testing import CliRunner
 from spdk_peer import needs_spdk
 
-from dpu_agent.bench.nvme import run_bench
+from dpu_agent.bench.nvme import NS_BLOCKS, _DeviceCeiling, run_bench
 from dpu_agent.cli import cli
 
 KEYS = {"target", "op", "io_kib", "qd", "queues", "encrypted", "gbps", "ratio", "ceiling_gbps"}
@@ -28,6 +30,52 @@ def test_run_bench_reads_and_writes_the_agents_tier_stack() -> None:
     for r in rows:
         assert KEYS <= set(r) and r["encrypted"] is True
         assert r["gbps"] > 0 and r["ratio"] > 0 and r["ceiling_gbps"] > 0
+        # the NVMe tier is measured next to its device's own bandwidth, the DRAM tier is not
+        has_device = r["target"] == "agent-nvme"
+        assert ("device_gbps" in r) is has_device and ("vs_device" in r) is has_device
+        if has_device:
+            assert r["device_gbps"] > 0 and r["vs_device"] > 0
+    assert report["device_ceiling"].endswith("a file beside the tier file")
+
+
+def test_tier_files_go_in_the_directory_given_and_are_removed(tmp_path) -> None:
+    report = run_bench(
+        seconds=0.1, sizes_kib=(128,), qds=(1,), targets=("agent-nvme",), tier_dir=tmp_path
+    )
+    assert report["tier_dir"] == str(tmp_path)
+    assert [r["target"] for r in report["results"]] == ["agent-nvme", "agent-nvme"]
+    assert list(tmp_path.iterdir()) == []  # tier, device and SPDK files all gone
+
+
+def test_device_ceiling_moves_bytes_both_ways_and_cleans_up(tmp_path) -> None:
+    dev = _DeviceCeiling(tmp_path / "device.img")
+    try:
+        assert os.path.getsize(tmp_path / "device.img") == NS_BLOCKS * 4096
+        for op in ("write", "read"):
+            moved, seconds = dev.moved(op, 128 << 10, 4, 0.05)
+            assert moved > 0 and moved % (128 << 10) == 0 and seconds > 0
+    finally:
+        dev.close()
+    assert not (tmp_path / "device.img").exists()
+
+
+def test_device_ceiling_without_o_direct_runs_buffered_and_says_so(tmp_path, monkeypatch) -> None:
+    """A file system that refuses O_DIRECT (EINVAL at open, as older tmpfs): the ceiling runs
+    through the page cache and `direct` is False, which the report prints."""
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    dev = _DeviceCeiling(tmp_path / "device.img")
+    try:
+        assert dev.direct is False
+        assert dev.moved("write", 128 << 10, 2, 0.02)[0] > 0
+    finally:
+        dev.close()
 
 
 def test_without_spdk_the_report_says_why(monkeypatch) -> None:
@@ -44,6 +92,20 @@ def test_spdk_column_in_the_same_run() -> None:
     assert set(by) == {(t, op) for t in ("agent-dram", "spdk") for op in ("write", "read")}
     assert by[("agent-dram", "read")]["vs_spdk"] > 0 and "vs_spdk" not in by[("spdk", "read")]
     assert json.loads(json.dumps(report))["results"][0]["target"] == "agent-dram"
+
+
+@needs_spdk
+def test_spdk_on_the_same_device_pairs_with_the_nvme_tier() -> None:
+    """spdk-nvme (crypto over aio on a file beside the tier file) is agent-nvme's vs_spdk."""
+    report = run_bench(
+        seconds=0.2, sizes_kib=(1024,), qds=(2,), targets=("agent-nvme", "spdk-nvme")
+    )
+    by = {(r["target"], r["op"]): r for r in report["results"]}
+    assert set(by) == {(t, op) for t in ("agent-nvme", "spdk-nvme") for op in ("write", "read")}
+    for op in ("write", "read"):
+        agent, spdk = by[("agent-nvme", op)], by[("spdk-nvme", op)]
+        assert agent["vs_spdk"] == round(agent["gbps"] / spdk["gbps"], 3)
+        assert spdk["device_gbps"] > 0 and spdk["gbps"] > 0 and "vs_spdk" not in spdk
 
 
 def test_dpuctl_bench_nvme_is_registered_and_bounds_its_seconds() -> None:

@@ -8,6 +8,9 @@ Targets, each in its own process on 127.0.0.1, read and written by the same init
 - `spdk`: SPDK's own nvmf target (`spdk_tgt`, when SPDK_BIN names the peer's binaries) serving
   a crypto vbdev (AES_XTS, software accel) over a malloc bdev, MDTS 1 MiB like ours: the
   encrypted-DRAM stack as SPDK does it. Its reactor busy-polls one of this machine's cores.
+- `spdk-nvme`: the same SPDK target's nsid 2, a crypto vbdev over an `aio` bdev on a file in
+  the directory of the agent's NVMe tier file (same file system, same device): the encrypted
+  NVMe-tier stack as SPDK does it.
 Each call moves 16 MiB sequentially in commands of `io_kib`, QD of them in flight per queue
 (fio's iodepth). The ceiling is a plain Python socket pair across the same two-process
 boundary moving the same bytes through buffers of the same size (blocking `sendall`/`recv_into`
@@ -15,19 +18,31 @@ of 1 MiB messages walking a 16 MiB buffer on our side and a 64 MiB one on the fa
 size of the namespace). It is measured in the same direction in slices alternated with each
 row's own (5 of each), because this machine's load drifts within seconds; `ratio` is the
 median over the slices of NVMe / ceiling. `vs_spdk` is an agent row's GB/s over the SPDK
-row of the same op, size, depth and queues, measured in the same run.
+row of the same op, size, depth and queues, measured in the same run (agent-dram against
+`spdk`, agent-nvme against `spdk-nvme`: the same kind of store).
+
+The NVMe-tier rows (agent-nvme, spdk-nvme) also get a device ceiling, measured in slices
+alternated with theirs: the tier file system's own bandwidth at the same I/O size and depth
+(`qd` threads each keeping one O_DIRECT `pwritev`/`preadv` of `io_kib` in flight on a file
+next to the tier file): `device_gbps`, and `vs_device` the median of the slices' row / device.
+A row above 1.0 there is served from the page cache faster than the disk moves bytes; below,
+the device may be what bounds it. Where the file system refuses O_DIRECT (tmpfs), the device
+ceiling is the same loop without it, and `device_direct` says so.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
+import mmap
 import os
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -51,6 +66,10 @@ SECONDS_PER_ROW_MAX = 30.0  # a row never runs longer than this, whatever --seco
 QUEUES_MAX = 8  # I/O queues of the initiator (each a connection and a thread)
 SPDK_START_TIMEOUT_S = 30.0  # spdk_tgt listens within about a second; loaded boxes get 30
 AGENT_TARGETS = {"agent-dram": 1, "agent-nvme": 2}  # target name -> nsid
+SPDK_TARGETS = {"spdk": 1, "spdk-nvme": 2}  # target name -> nsid of the SPDK target
+TARGETS = ("agent-dram", "agent-nvme", "spdk", "spdk-nvme")
+DEVICE_ROWS = frozenset({"agent-nvme", "spdk-nvme"})  # rows measured next to the device ceiling
+SAME_STORE_SPDK = {"agent-dram": "spdk", "agent-nvme": "spdk-nvme"}  # vs_spdk pairs
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -128,6 +147,70 @@ class _CeilingPeer:
             self.proc.wait()
 
 
+class _DeviceCeiling:
+    """The tier file system's own bandwidth: `qd` threads, each keeping one `io_kib` I/O in
+    flight (O_DIRECT `pwritev`/`preadv`, which release the GIL) on a file of the namespace's
+    size, walking it sequentially as the NVMe rows do."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+        try:
+            self.fd = os.open(path, flags | os.O_DIRECT, 0o600)
+            self.direct = True
+        except OSError as e:  # tmpfs: no O_DIRECT
+            if e.errno != errno.EINVAL:
+                raise
+            self.fd = os.open(path, flags, 0o600)
+            self.direct = False
+        os.ftruncate(self.fd, NS_BLOCKS * 4096)
+        # Written once in full, so that reads move bytes and not holes of a sparse file.
+        self._run("write", MESSAGE_BYTES, 1, float("inf"), NS_BLOCKS * 4096)
+
+    def moved(self, op: str, io_bytes: int, qd: int, seconds: float) -> tuple[int, float]:
+        return self._run(op, io_bytes, qd, seconds, None)
+
+    def _run(
+        self, op: str, io_bytes: int, qd: int, seconds: float, total: int | None
+    ) -> tuple[int, float]:
+        size = NS_BLOCKS * 4096
+        slots = itertools.count()  # next() is atomic under the GIL: one I/O per slot
+        moved = [0] * qd
+        errors: list[OSError] = []
+        start = time.perf_counter()
+
+        def worker(i: int) -> None:
+            buf = mmap.mmap(-1, io_bytes)  # page-aligned, as O_DIRECT needs
+            try:
+                with memoryview(buf) as view:
+                    while time.perf_counter() - start < seconds:
+                        offset = next(slots) * io_bytes
+                        if total is not None and offset >= total:
+                            break
+                        offset %= size
+                        if op == "read":
+                            moved[i] += os.preadv(self.fd, [view], offset)
+                        else:
+                            moved[i] += os.pwritev(self.fd, [view], offset)
+            except OSError as e:
+                errors.append(e)
+            finally:
+                buf.close()
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(qd)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return sum(moved), time.perf_counter() - start
+
+    def close(self) -> None:
+        os.close(self.fd)
+        self.path.unlink(missing_ok=True)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -135,9 +218,10 @@ def _free_port() -> int:
 
 
 class _SpdkTarget:
-    """spdk_tgt serving nsid 1: a crypto vbdev (AES_XTS, random key) over a malloc bdev."""
+    """spdk_tgt serving nsid 1: a crypto vbdev (AES_XTS, random key) over a malloc bdev, and
+    with `aio_file` nsid 2: a crypto vbdev over an aio bdev on that file (same key)."""
 
-    def __init__(self, spdk_bin: str, tmp: Path) -> None:
+    def __init__(self, spdk_bin: str, tmp: Path, aio_file: Path | None = None) -> None:
         self.port = _free_port()
         key = os.urandom(64).hex()
         listen = {"trtype": "TCP", "adrfam": "IPv4", "traddr": "127.0.0.1"}
@@ -169,6 +253,7 @@ class _SpdkTarget:
                             "method": "bdev_crypto_create",
                             "params": {"base_bdev_name": "M0", "name": "C0", "key_name": "k0"},
                         },
+                        *self._aio_bdevs(aio_file),
                     ],
                 },
                 {
@@ -189,8 +274,21 @@ class _SpdkTarget:
                         },
                         {
                             "method": "nvmf_subsystem_add_ns",
-                            "params": {"nqn": NQN, "namespace": {"bdev_name": "C0"}},
+                            "params": {"nqn": NQN, "namespace": {"bdev_name": "C0", "nsid": 1}},
                         },
+                        *(
+                            [
+                                {
+                                    "method": "nvmf_subsystem_add_ns",
+                                    "params": {
+                                        "nqn": NQN,
+                                        "namespace": {"bdev_name": "C1", "nsid": 2},
+                                    },
+                                }
+                            ]
+                            if aio_file is not None
+                            else []
+                        ),
                         {
                             "method": "nvmf_subsystem_add_listener",
                             "params": {"nqn": NQN, "listen_address": listen},
@@ -230,6 +328,25 @@ class _SpdkTarget:
                     raise RuntimeError(f"spdk_tgt did not listen: {tail}") from None
                 time.sleep(0.1)
 
+    @staticmethod
+    def _aio_bdevs(aio_file: Path | None) -> list[dict[str, Any]]:
+        """An aio bdev (libaio; SPDK opens the file O_DIRECT where the file system allows)
+        on a file of the namespace's size, under a crypto vbdev C1."""
+        if aio_file is None:
+            return []
+        with open(aio_file, "wb") as f:
+            f.truncate(NS_BLOCKS * 4096)
+        return [
+            {
+                "method": "bdev_aio_create",
+                "params": {"name": "A0", "filename": str(aio_file), "block_size": 4096},
+            },
+            {
+                "method": "bdev_crypto_create",
+                "params": {"base_bdev_name": "A0", "name": "C1", "key_name": "k0"},
+            },
+        ]
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -266,52 +383,73 @@ def run_bench(
     sizes_kib: tuple[int, ...] = (128, 1024),
     qds: tuple[int, ...] = (1, 8),
     queues: int = 1,
-    targets: tuple[str, ...] = ("agent-dram", "agent-nvme", "spdk"),
+    targets: tuple[str, ...] = TARGETS,
     spdk_bin: str | None = None,
     progress: Any = None,
+    tier_dir: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """Every row is measured right after the socket ceiling in the same direction (this
     machine's load drifts within seconds); its ratio is against that ceiling. `spdk_bin`
     (default: $SPDK_BIN) names SPDK's binaries; without them the spdk rows are left out and
-    the report says why."""
+    the report says why. `tier_dir`: the directory (file system) the NVMe-tier files go in
+    (a temporary directory under it; default: the system's temporary directory)."""
     seconds = min(seconds, SECONDS_PER_ROW_MAX)
     queues = max(1, min(queues, QUEUES_MAX))
     spdk_bin = spdk_bin if spdk_bin is not None else os.environ.get("SPDK_BIN", "")
     spdk_note = "spdk_tgt from SPDK_BIN, crypto vbdev (AES_XTS, software accel) over malloc"
-    if "spdk" in targets and not (spdk_bin and Path(spdk_bin, "spdk_tgt").exists()):
-        targets = tuple(t for t in targets if t != "spdk")
+    spdk_nvme_note = (
+        "the same spdk_tgt, nsid 2: crypto vbdev over an aio bdev on a file beside the tier file"
+    )
+    if any(t in SPDK_TARGETS for t in targets) and not (
+        spdk_bin and Path(spdk_bin, "spdk_tgt").exists()
+    ):
+        targets = tuple(t for t in targets if t not in SPDK_TARGETS)
         spdk_note = "absent: SPDK_BIN does not name SPDK's binaries (see README, the SPDK peer)"
+        spdk_nvme_note = spdk_note
     peer = _CeilingPeer()
     rows: list[dict[str, Any]] = []
+    device_direct: bool | None = None
     try:
-        with tempfile.TemporaryDirectory(prefix="dpukv-bench-nvme-") as tmp:
-            agent = [t for t in targets if t in AGENT_TARGETS]
-            if agent:
-                with TargetProcess(
-                    NQN, allow_hosts=[HOSTNQN], blocks=NS_BLOCKS, tiers_dir=Path(tmp) / "tiers"
-                ) as t:
-                    for name in agent:
-                        rows += _target_rows(
-                            peer, t.port, name, AGENT_TARGETS[name], sizes_kib, qds, queues,
-                            seconds, progress,
-                        )  # fmt: skip
-            if "spdk" in targets:
-                assert spdk_bin
-                spdk = _SpdkTarget(spdk_bin, Path(tmp))
-                try:
-                    rows += _target_rows(
-                        peer, spdk.port, "spdk", 1, sizes_kib, qds, queues, seconds, progress
-                    )
-                finally:
-                    spdk.close()
+        with tempfile.TemporaryDirectory(prefix="dpukv-bench-nvme-", dir=tier_dir) as tmp:
+            tiers = Path(tmp) / "tiers"
+            tiers.mkdir()
+            device = _DeviceCeiling(tiers / "device.img") if DEVICE_ROWS & set(targets) else None
+            device_direct = device.direct if device is not None else None
+            try:
+                agent = [t for t in targets if t in AGENT_TARGETS]
+                if agent:
+                    with TargetProcess(
+                        NQN, allow_hosts=[HOSTNQN], blocks=NS_BLOCKS, tiers_dir=tiers
+                    ) as t:
+                        for name in agent:
+                            rows += _target_rows(
+                                peer, t.port, name, AGENT_TARGETS[name], sizes_kib, qds, queues,
+                                seconds, progress, device if name in DEVICE_ROWS else None,
+                            )  # fmt: skip
+                spdk_names = [t for t in targets if t in SPDK_TARGETS]
+                if spdk_names:
+                    assert spdk_bin
+                    aio = tiers / "spdk-nvme.img" if "spdk-nvme" in spdk_names else None
+                    spdk = _SpdkTarget(spdk_bin, Path(tmp), aio)
+                    try:
+                        for name in spdk_names:
+                            rows += _target_rows(
+                                peer, spdk.port, name, SPDK_TARGETS[name], sizes_kib, qds,
+                                queues, seconds, progress,
+                                device if name in DEVICE_ROWS else None,
+                            )  # fmt: skip
+                    finally:
+                        spdk.close()
+            finally:
+                if device is not None:
+                    device.close()
     finally:
         peer.close()
-    spdk_rows = {
-        (r["op"], r["io_kib"], r["qd"], r["queues"]): r for r in rows if r["target"] == "spdk"
-    }
+    by_key = {(r["target"], r["op"], r["io_kib"], r["qd"], r["queues"]): r for r in rows}
     for r in rows:
-        base = spdk_rows.get((r["op"], r["io_kib"], r["qd"], r["queues"]))
-        if r["target"] != "spdk" and base is not None and base["gbps"] > 0:
+        pair = SAME_STORE_SPDK.get(r["target"])
+        base = by_key.get((pair, r["op"], r["io_kib"], r["qd"], r["queues"]))
+        if base is not None and base["gbps"] > 0:
             r["vs_spdk"] = round(r["gbps"] / base["gbps"], 3)
     return {
         "socket_ceiling_gbps": round(statistics.median(r["ceiling_gbps"] for r in rows), 3),
@@ -321,7 +459,15 @@ def run_bench(
             "agent-nvme": "the same process: the agent's NVMe tier (CryptoBlockDevice over "
             "FileBlockDevice), nsid 2",
             "spdk": spdk_note,
+            "spdk-nvme": spdk_nvme_note,
         },
+        "tier_dir": str(Path(tier_dir) if tier_dir is not None else tempfile.gettempdir()),
+        "device_ceiling": (
+            None
+            if device_direct is None
+            else f"{'O_DIRECT' if device_direct else 'buffered (no O_DIRECT here)'} "
+            "pwritev/preadv of io_kib, qd threads, a file beside the tier file"
+        ),
         "initiator": f"host_shim.nvme in this process, {queues} I/O queue(s) of depth qd",
         "seconds_per_row": seconds,
         "results": rows,
@@ -338,11 +484,12 @@ def _target_rows(
     queues: int,
     seconds: float,
     progress: Any,
+    device: _DeviceCeiling | None = None,
 ) -> list[dict[str, Any]]:
     out = []
     for io_kib in sizes_kib:
         for qd in qds:
-            for row in _rows(peer, port, target, nsid, io_kib, qd, queues, seconds):
+            for row in _rows(peer, port, target, nsid, io_kib, qd, queues, seconds, device):
                 out.append(row)
                 if progress is not None:
                     progress(row)
@@ -358,6 +505,7 @@ def _rows(
     qd: int,
     queues: int,
     seconds: float,
+    device: _DeviceCeiling | None = None,
 ) -> list[dict[str, Any]]:
     ctrl = NvmeTcpController.connect(
         "127.0.0.1",
@@ -374,10 +522,12 @@ def _rows(
         for op in ("write", "read"):
             # Interleaved slices of ceiling and NVMe: load that drifts hits both alike, and the
             # median of the slices' ratios ignores a slice that another job stalled.
-            ceilings, nvmes = [], []
+            ceilings, nvmes, devices = [], [], []
             for _ in range(ROUNDS):
                 ceilings.append(peer.moved(op, seconds / ROUNDS))
                 nvmes.append(_measure(ctrl, nsid, op, buf, seconds / ROUNDS))
+                if device is not None:
+                    devices.append(device.moved(op, io_kib << 10, qd * queues, seconds / ROUNDS))
             ratio = statistics.median(
                 (b / t) / (cb / ct) for (b, t), (cb, ct) in zip(nvmes, ceilings, strict=True)
             )
@@ -393,7 +543,18 @@ def _rows(
                 gbps=round(gbps, 3),
                 ratio=round(ratio, 3),
             )
-            out.append({**asdict(row), "ceiling_gbps": round(ceiling, 3)})
+            extra: dict[str, Any] = {"ceiling_gbps": round(ceiling, 3)}
+            if devices:
+                extra["device_gbps"] = round(
+                    sum(b for b, _ in devices) / sum(t for _, t in devices) / 1e9, 3
+                )
+                extra["vs_device"] = round(
+                    statistics.median(
+                        (b / t) / (db / dt) for (b, t), (db, dt) in zip(nvmes, devices, strict=True)
+                    ),
+                    3,
+                )
+            out.append({**asdict(row), **extra})
     finally:
         ctrl.close()
     return out
@@ -401,6 +562,8 @@ def _rows(
 
 def _line(r: dict[str, Any]) -> str:
     vs = f"  {r['vs_spdk']:.2f}x SPDK" if "vs_spdk" in r else ""
+    if "device_gbps" in r:
+        vs += f"  {r['vs_device']:.2f}x device ({r['device_gbps']:.2f} GB/s)"
     return (
         f"{r['target']:10} {r['op']:5} {r['io_kib']:5} KiB QD{r['qd']:<3} x{r['queues']} "
         f"{r['gbps']:6.2f} GB/s  {r['ratio']:.2f}x ceiling{vs}"
@@ -429,14 +592,25 @@ def _line(r: dict[str, Any]) -> str:
 )
 @click.option("--no-spdk", is_flag=True, help="leave out SPDK's target")
 @click.option("--security", is_flag=True, help="add the auth/tls rows (1 MiB QD8, vs plain)")
-def nvme(as_json: bool, seconds: float, queues: int, no_spdk: bool, security: bool) -> None:
-    targets = ("agent-dram", "agent-nvme") if no_spdk else ("agent-dram", "agent-nvme", "spdk")
+@click.option(
+    "--dir",
+    "tier_dir",
+    type=click.Path(exists=True, file_okay=False, writable=True),
+    default=None,
+    help="directory for the NVMe-tier files (default: the temporary directory)",
+)
+def nvme(
+    as_json: bool, seconds: float, queues: int, no_spdk: bool, security: bool, tier_dir: str | None
+) -> None:
+    targets = tuple(t for t in TARGETS if not (no_spdk and t in SPDK_TARGETS))
 
     def progress(row: dict[str, Any]) -> None:
         click.echo(_line(row), err=as_json)  # progress on stderr under --json
 
     try:
-        report = run_bench(seconds=seconds, queues=queues, targets=targets, progress=progress)
+        report = run_bench(
+            seconds=seconds, queues=queues, targets=targets, progress=progress, tier_dir=tier_dir
+        )
         if security:  # DH-HMAC-CHAP / TLS cost (dpu_agent/bench/nvme_security.py)
             report["security"] = security_rows(seconds)
     except (NvmeError, OSError, RuntimeError) as e:  # a target died or refused: say so, exit 1
@@ -451,7 +625,7 @@ def nvme(as_json: bool, seconds: float, queues: int, no_spdk: bool, security: bo
     click.echo(f"socket ceiling {report['socket_ceiling_gbps']:.2f} GB/s; spdk: "
                f"{report['targets']['spdk']}")  # fmt: skip
     for r in report["results"]:
-        if "vs_spdk" in r:
+        if "vs_spdk" in r or "device_gbps" in r:
             click.echo(_line(r))
     if security:
         print_rows(report["security"], click.echo)
