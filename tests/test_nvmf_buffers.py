@@ -10,7 +10,7 @@ import pytest
 
 from dpu_agent.blockdev import FileBlockDevice, MemoryBlockDevice
 from dpu_agent.crypto import CryptoBlockDevice, XtsCipher
-from dpu_agent.nvmf._connection import _inline
+from dpu_agent.nvmf._connection import _inline, _memory_lane
 from dpu_agent.nvmf._limits import QUEUE_CACHE_BYTES_MAX, BufferBudget, SizedPool
 from dpu_agent.nvmf._subsystem import TargetOptions
 from kvproto.nvme import IoOpcode
@@ -74,6 +74,8 @@ def test_target_writes_encrypted_dram_inline_and_nothing_of_the_file_tier(
         assert dev.in_memory is lends
         assert _inline(dev, IoOpcode.WRITE) is lends  # one cipher pass into the tier
         assert not _inline(dev, IoOpcode.READ)  # decrypts on the other core while sending
+        assert _memory_lane(dev, IoOpcode.READ) is lends  # the DRAM tier's reads: one lane
+        assert not _memory_lane(dev, IoOpcode.WRITE_ZEROES)
         assert _inline(MemoryBlockDevice(8), IoOpcode.READ)
     finally:
         dev.close()
@@ -121,3 +123,48 @@ def test_pool_io_reports_result_and_exception_on_the_loop_thread() -> None:
     assert (bad_name, ok_name) == ("bad", "ok")
     assert isinstance(bad_exc, BlockDeviceError) and ok_exc is None
     assert bad_loop and ok_loop
+
+
+def test_memory_lane_runs_in_arrival_order_on_its_own_thread() -> None:
+    """Reads of the encrypted DRAM tier are decrypted by one lane thread in the order they
+    came (the order the loop sends them); four pool threads decrypting at once on two vCPUs
+    preempted the loop's sends (issue 9, 1 MiB QD8 reads)."""
+    import asyncio
+    import threading
+    import time
+
+    from dpu_agent.nvmf import NvmeTcpTarget
+
+    async def main() -> tuple[list[int], set[str], list[int]]:
+        target = NvmeTcpTarget((), "127.0.0.1", 0)
+        await target.start()
+        ran: list[int] = []
+        threads: set[str] = set()
+        done: list[int] = []
+        finished = asyncio.Event()
+
+        def work(i: int) -> None:
+            time.sleep(0.002 * (8 - i))  # earlier ones take longer: a pool would reorder
+            ran.append(i)
+            threads.add(threading.current_thread().name)
+
+        def cb(i: int) -> Callable[[Exception | None], None]:
+            def f(exc: Exception | None) -> None:
+                assert exc is None
+                done.append(i)
+                if len(done) == 8:
+                    finished.set()
+
+            return f
+
+        try:
+            for i in range(8):
+                target.submit_io(cb(i), work, i, memory=True)
+            await asyncio.wait_for(finished.wait(), 10)
+        finally:
+            await target.stop()
+        return ran, threads, done
+
+    ran, threads, done = asyncio.run(main())
+    assert ran == list(range(8)) and done == list(range(8))
+    assert len(threads) == 1 and threads.pop().startswith("nvmf-mem")

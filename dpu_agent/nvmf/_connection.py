@@ -750,7 +750,8 @@ class NvmfConnection(asyncio.BufferedProtocol):
             except Exception as e:
                 return self._io_done(cmd, e)
             return self._io_done(cmd, None)
-        self.target.submit_io(lambda exc: self._io_done(cmd, exc), fn, *args)
+        memory = _memory_lane(cmd.dev, cmd.sqe.opcode)
+        self.target.submit_io(lambda exc: self._io_done(cmd, exc), fn, *args, memory=memory)
 
     def _io_done(self, cmd: _Cmd, exc: BaseException | None) -> None:
         if self.closed:
@@ -800,6 +801,14 @@ def _inline(dev: object, opcode: int) -> bool:
     if type(dev) is MemoryBlockDevice:
         return True
     return opcode == IoOpcode.WRITE and getattr(dev, "in_memory", False) is True
+
+
+def _memory_lane(dev: object, opcode: int) -> bool:
+    """Whether a command that leaves the loop goes to the target's memory lane (one thread,
+    arrival order) rather than the I/O pool: reads of the encrypted DRAM tier, whose only
+    work is the decryption (MEMORY_LANE_WORKERS). Write Zeroes and the rest stay in the pool,
+    so a long one never holds up the reads queued behind it."""
+    return opcode == IoOpcode.READ and getattr(dev, "in_memory", False) is True
 
 
 def _lends_memory(dev: object) -> bool:
