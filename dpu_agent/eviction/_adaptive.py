@@ -168,6 +168,9 @@ class AdaptivePolicy(EvictionPolicy):
         self._held_max = 0
         self._refs = 0.0  # decayed sampled references
         self._refs_since_decay = 0
+        # called at the end of every scored request with each candidate's shadow hits in it
+        # and the leader for the next request (the replay's --timeline; None: no one listens)
+        self.observer: Callable[[list[int], str], None] | None = None
         # nearest sampled proper ancestor of every item the tier holds (None: none known)
         self._up: dict[int, int | None] = {}
         self._now: float | None = None
@@ -189,6 +192,10 @@ class AdaptivePolicy(EvictionPolicy):
     @property
     def leader(self) -> str:
         return self._names[self._leader]
+
+    @property
+    def candidates(self) -> tuple[str, ...]:
+        return self._names
 
     @property
     def sample_rate(self) -> float:
@@ -292,6 +299,8 @@ class AdaptivePolicy(EvictionPolicy):
                     row[j] += d
                     sq[j] += d * d
             self._elect()
+            if self.observer is not None:
+                self.observer(hits, self.leader)
         self._in_flight.clear()
         for s in shadows:
             s.scored.clear()
