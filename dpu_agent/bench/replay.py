@@ -539,6 +539,14 @@ def _format_table(report: dict[str, Any]) -> str:
     show_default=True,
     help="Bytes per block for the two-tier load time (default: 512 tokens of Llama-3-8B bf16).",
 )
+@click.option(
+    "--timeline",
+    type=int,
+    default=None,
+    metavar="N",
+    help="What the adaptive default did, per window of N requests, at one --capacity-fraction: "
+    "the candidates' true and estimated hit rates and whom it followed.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report.")
 @click.option(
     "--plot",
@@ -558,6 +566,7 @@ def replay_command(
     dram_fraction: float | None,
     nvme_fraction: float | None,
     block_bytes: int,
+    timeline: int | None,
     as_json: bool,
     plot: Path | None,
 ) -> None:
@@ -578,6 +587,15 @@ def replay_command(
             assert synthetic is not None
             trace = generate_trace(synthetic, requests, seed)
             name = f"synthetic:{synthetic}:requests={requests}:seed={seed}"
+        if timeline is not None:
+            from dpu_agent.bench.replay_timeline import adaptive_timeline, format_timeline
+
+            if len(fractions) != 1:
+                raise ValueError("--timeline replays one capacity: give one --capacity-fraction")
+            t = adaptive_timeline(trace, fractions[0], timeline)
+            t["trace"] = name
+            click.echo(json.dumps(t, indent=2) if as_json else format_timeline(t))
+            return
         if dram_fraction is not None and nvme_fraction is not None:
             from dpu_agent.bench.replay_tiers import format_two_tiers, two_tier_report
 
