@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import xxhash
 
-from dpu_agent.crypto import _build
+from dpu_agent.blockdev import BlockDevice, FileBlockDevice, MemoryBlockDevice
+from dpu_agent.crypto import CryptoBlockDevice, _build
 from dpu_agent.crypto._loader import lib
 from dpu_agent.crypto.xts import XtsCipher, Xxh3, available_implementations
 
@@ -130,3 +131,27 @@ def test_source_digest_covers_the_xxh3_variant_files(
     assert _build.source_digest() == before
     copies[0].write_text(copies[0].read_text() + "\n/* edited */\n")
     assert _build.source_digest() != before
+
+
+@pytest.mark.parametrize("base_kind", ["memory", "file"])
+@pytest.mark.parametrize("nbytes", [4096 * 5, 4096 * 5 - 1000])  # whole blocks; a partial tail
+def test_read_hashed_into_equals_read_into_then_xxhash(
+    tmp_path: Path, base_kind: str, nbytes: int
+) -> None:
+    """Both kinds of tier (memory that lends itself: the DRAM tier; a file: the NVMe tier)."""
+    base: BlockDevice = (
+        MemoryBlockDevice(64)
+        if base_kind == "memory"
+        else FileBlockDevice(tmp_path / "ns", block_count=64)
+    )
+    dev = CryptoBlockDevice(base, XtsCipher(KEYS[64]))
+    plain = random_bytes(4096 * 5, 11)
+    plain[nbytes:] = 0  # the tail block's padding, as the engine writes it
+    dev.write(9, memoryview(plain))
+    want, got = bytearray(4096 * 5), bytearray(4096 * 5)
+    dev.read_into(9, memoryview(want))
+    hasher = Xxh3(b"chunk")
+    dev.read_hashed_into(9, memoryview(got), hasher, nbytes)
+    assert got == want == plain.tobytes()
+    assert hasher.digest() == xxhash.xxh3_128(b"chunk" + plain.tobytes()[:nbytes]).digest()
+    dev.close()
