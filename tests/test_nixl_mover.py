@@ -5,6 +5,7 @@ UCX runs in test_nixl_path.py hit only by chance. The real NIXL runs in test_nix
 from __future__ import annotations
 
 import ctypes
+import itertools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 from dpu_agent.crypto import CryptoBlockDevice
 from dpu_agent.engine import Engine, EngineConfig
 from dpu_agent.nixl import NIXL_SEGMENT_BYTES, NIXL_STAGING_SLOTS, NixlServer
-from dpu_agent.nixl._server import _Mover, _Session
+from dpu_agent.nixl._server import NIXL_FIRST_SEGMENT_BYTES, _Mover, _Session
 
 TENANT = "acme"
 CHUNK = 2 * NIXL_SEGMENT_BYTES + 1000  # three segments, the last one not whole blocks
@@ -147,11 +148,21 @@ def test_nixl_get_of_a_corrupted_chunk_is_a_miss(engine: Engine) -> None:
 
 
 def test_nixl_interleaved_keeps_each_chunks_segments_in_order() -> None:
-    seg = NIXL_SEGMENT_BYTES
-    jobs = list(_Mover.interleaved([3 * seg, seg + 5, 2 * seg], 2))
-    assert [(ci, off // seg) for ci, off, _ in jobs] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2),
-                                                         (2, 0), (2, 1)]  # fmt: skip
-    assert [n for ci, _, n in jobs if ci == 1] == [seg, 5]
+    seg, first = NIXL_SEGMENT_BYTES, NIXL_FIRST_SEGMENT_BYTES
+    jobs = list(_Mover.interleaved([3 * seg, seg + 5, 2 * seg, seg], 2))
+    # chunks 0 and 1 side by side, their first segments short (the wire starts sooner); then
+    # chunks 2 and 3 in whole segments
+    assert [(ci, off) for ci, off, _ in jobs] == [
+        (0, 0), (1, 0), (0, first), (1, first), (0, first + seg), (0, first + 2 * seg),
+        (2, 0), (3, 0), (2, seg),
+    ]  # fmt: skip
+    assert [n for ci, _, n in jobs if ci == 1] == [first, seg + 5 - first]
+    for ci, length in enumerate([3 * seg, seg + 5, 2 * seg, seg]):
+        mine = [(off, n) for c, off, n in jobs if c == ci]
+        assert all(n <= seg for _, n in mine)  # each fits a staging slot
+        assert [off for off, _ in mine] == sorted(off for off, _ in mine)
+        assert sum(n for _, n in mine) == length and mine[0][0] == 0
+        assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(mine))
 
 
 def test_nixl_get_of_uneven_chunks_hashes_each_in_order(
