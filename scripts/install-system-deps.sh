@@ -4,11 +4,13 @@
 # the parts that need a missing package skip with a reason instead of failing obscurely.
 set -u
 # libssl-dev + gcc: the batched AES-XTS loop (cffi over OpenSSL EVP) is compiled at install.
+# libxxhash-dev: xxhash.h, inlined into that loop (xxh3-128 fused into the cipher pass: the
+#   NIXL path's checksum); header only, nothing new at run time.
 # redis-server: the datapath benchmark compares against a real Redis.
 # serf: cluster membership (HashiCorp Serf).  iproute2: network namespaces and dcb in tests.
 # mstflint: mstconfig (firmware tests). systemd: systemd-analyze verify of the agent unit.
 # python3-pyverbs: rdma-core's pyverbs (host_shim.rdma, doctor), loaded into the venv by itself.
-PKGS=(gcc libssl-dev redis-server serf iproute2 mstflint systemd python3-pyverbs)
+PKGS=(gcc libssl-dev libxxhash-dev redis-server serf iproute2 mstflint systemd python3-pyverbs)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

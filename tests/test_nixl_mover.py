@@ -5,6 +5,8 @@ UCX runs in test_nixl_path.py hit only by chance. The real NIXL runs in test_nix
 from __future__ import annotations
 
 import ctypes
+import itertools
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,9 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from dpu_agent.crypto import CryptoBlockDevice
 from dpu_agent.engine import Engine, EngineConfig
 from dpu_agent.nixl import NIXL_SEGMENT_BYTES, NIXL_STAGING_SLOTS, NixlServer
-from dpu_agent.nixl._server import _Mover, _Session
+from dpu_agent.nixl._server import NIXL_FIRST_SEGMENT_BYTES, _Mover, _Session
 
 TENANT = "acme"
 CHUNK = 2 * NIXL_SEGMENT_BYTES + 1000  # three segments, the last one not whole blocks
@@ -114,7 +117,8 @@ def test_nixl_failed_transfer_ends_the_prefix(engine: Engine) -> None:
     src = [np.full(CHUNK, i, np.uint8) for i in range(COUNT)]
     s, spans = _session(src)
     assert _Mover(server, s, TENANT).put(KEYS, [None] * COUNT, spans) == COUNT
-    server._agent = LoopbackAgent(fail_at=5)  # the 5th segment: chunk 1's second
+    # the 4th WRITE posted: chunk 1's second segment (chunks 0 and 1 go side by side: 0, 1, 0, 1)
+    server._agent = LoopbackAgent(fail_at=4)
     dst = [np.zeros(CHUNK, np.uint8) for _ in KEYS]
     s2, targets = _session(dst)
     hits, lease_id, _ = engine.lookup_lists(TENANT, KEYS)
@@ -141,3 +145,55 @@ def test_nixl_get_of_a_corrupted_chunk_is_a_miss(engine: Engine) -> None:
     engine.release(TENANT, lease_id)
     assert (loaded, corrupt) == (1, KEYS[1])
     assert np.array_equal(dst[0], src[0])
+
+
+def test_nixl_interleaved_keeps_each_chunks_segments_in_order() -> None:
+    seg, first = NIXL_SEGMENT_BYTES, NIXL_FIRST_SEGMENT_BYTES
+    jobs = list(_Mover.interleaved([3 * seg, seg + 5, 2 * seg, seg], 2))
+    # chunks 0 and 1 side by side, their first segments short (the wire starts sooner); then
+    # chunks 2 and 3 in whole segments
+    assert [(ci, off) for ci, off, _ in jobs] == [
+        (0, 0), (1, 0), (0, first), (1, first), (0, first + seg), (0, first + 2 * seg),
+        (2, 0), (3, 0), (2, seg),
+    ]  # fmt: skip
+    assert [n for ci, _, n in jobs if ci == 1] == [first, seg + 5 - first]
+    for ci, length in enumerate([3 * seg, seg + 5, 2 * seg, seg]):
+        mine = [(off, n) for c, off, n in jobs if c == ci]
+        assert all(n <= seg for _, n in mine)  # each fits a staging slot
+        assert [off for off, _ in mine] == sorted(off for off, _ in mine)
+        assert sum(n for _, n in mine) == length and mine[0][0] == 0
+        assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(mine))
+
+
+def test_nixl_get_of_uneven_chunks_hashes_each_in_order(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long chunk beside short ones: both I/O threads then take segments of the same chunk,
+    and each must feed the chunk's hash after the segment before it (else the long chunk's
+    digest mismatches and the get stops before it). The long chunk's first segment is made
+    slow, so its second one would otherwise be hashed first."""
+    server = _server(engine, LoopbackAgent(polls=1))
+    rng = np.random.default_rng(5)
+    sizes = [NIXL_SEGMENT_BYTES // 2, 7 * NIXL_SEGMENT_BYTES + 4096, 4096 + 17]
+    keys = [b"u%d" % i * 8 for i in range(len(sizes))]
+    src = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    s, spans = _session(src)
+    assert _Mover(server, s, TENANT).put(keys, [None, *keys[:-1]], spans) == len(keys)
+    hits, lease_id, _ = engine.lookup_lists(TENANT, keys)
+    slow_lba = int(hits[1][2])
+    engine.release(TENANT, lease_id)
+    read = CryptoBlockDevice.read_hashed_into
+
+    def slow_first_segment(dev: CryptoBlockDevice, lba: int, *args: Any) -> None:
+        if lba == slow_lba:
+            time.sleep(0.2)
+        read(dev, lba, *args)
+
+    monkeypatch.setattr(CryptoBlockDevice, "read_hashed_into", slow_first_segment)
+    dst = [np.zeros(n, np.uint8) for n in sizes]
+    s2, targets = _session(dst)
+    hits, lease_id, _ = engine.lookup_lists(TENANT, keys)
+    loaded, corrupt = _Mover(server, s2, TENANT).get(hits, targets)
+    engine.release(TENANT, lease_id)
+    assert (loaded, corrupt) == (len(keys), None)
+    assert all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))

@@ -23,6 +23,9 @@ MODULE_NAME = "dpu_agent.crypto._xts_cffi"
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 C_FILE = PACKAGE_DIR / "xts_loop.c"
+# xxh3's update compiled for wider vectors (each file its own `#pragma GCC target`); xts_loop.c
+# picks one at run time.
+EXTRA_C_FILES = (PACKAGE_DIR / "xxh3_avx2.c", PACKAGE_DIR / "xxh3_avx512.c")
 
 CDEF = """
 typedef struct dpukv_xts dpukv_xts;
@@ -33,18 +36,29 @@ int dpukv_xts_impl(const dpukv_xts *h);
 void dpukv_xts_free(dpukv_xts *h);
 int dpukv_xts_run(dpukv_xts *h, const unsigned char *src, unsigned char *dst,
                   size_t sector_bytes, size_t sector_count, uint64_t first_lba);
+typedef struct XXH3_state_s XXH3_state_t;
+XXH3_state_t *dpukv_xxh3_new(const unsigned char *prefix, size_t prefix_len);
+void dpukv_xxh3_free(XXH3_state_t *s);
+void dpukv_xxh3_update(XXH3_state_t *s, const unsigned char *data, size_t len);
+void dpukv_xxh3_digest(const XXH3_state_t *s, unsigned char out[16]);
+int dpukv_xxh3_set_variant(int variant);
+int dpukv_xts_run_xxh3(dpukv_xts *h, const unsigned char *src, unsigned char *dst,
+                       size_t sector_bytes, size_t sector_count, uint64_t first_lba,
+                       XXH3_state_t *state);
 """
 
 
 def source_digest() -> str:
     """Digest of the declarations and C source; the built module carries the one it was built
     from, so an import after a source change says "rebuild" instead of misbehaving."""
-    text = CDEF + "\0" + C_FILE.read_text()
+    text = "\0".join([CDEF, *(path.read_text() for path in (C_FILE, *EXTRA_C_FILES))])
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def make_ffibuilder() -> cffi.FFI:
     macros = [("DPUKV_SOURCE_DIGEST", f'"{source_digest()}"')]
+    if os.environ.get("DPUKV_XXH3_GROUP_BYTES"):  # experiments only
+        macros.append(("DPUKV_XXH3_GROUP_BYTES", os.environ["DPUKV_XXH3_GROUP_BYTES"]))
     if os.environ.get("DPUKV_XTS_NO_VAES"):
         macros.append(("DPUKV_NO_VAES", "1"))
     ffibuilder = cffi.FFI()
@@ -52,6 +66,7 @@ def make_ffibuilder() -> cffi.FFI:
     ffibuilder.set_source(
         MODULE_NAME,
         C_FILE.read_text(),
+        sources=[str(path) for path in EXTRA_C_FILES],
         libraries=["crypto"],
         extra_compile_args=["-O2", "-Wno-deprecated-declarations"],
         define_macros=macros,
@@ -77,7 +92,8 @@ def main() -> int:
     except Exception as e:  # a compiler or header problem: say what to install
         print(
             f"building {MODULE_NAME} failed: {e}\n"
-            "needs a C compiler and OpenSSL headers (Debian: apt-get install gcc libssl-dev)",
+            "needs a C compiler, OpenSSL headers and xxHash's header xxhash.h "
+            "(Debian: apt-get install gcc libssl-dev libxxhash-dev)",
             file=sys.stderr,
         )
         return 1

@@ -18,7 +18,8 @@ try:
 except ImportError as e:
     raise ImportError(
         f"the compiled AES-XTS module dpu_agent.crypto._xts_cffi is missing or stale ({e}); "
-        f"build it with `{BUILD_COMMAND}` (or `make install`); needs gcc and libssl-dev"
+        f"build it with `{BUILD_COMMAND}` (or `make install`); needs gcc, libssl-dev and "
+        "libxxhash-dev"
     ) from e
 
 from dpu_agent.crypto._build import source_digest  # noqa: E402  (after the clear ImportError)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 
 from dpu_agent.blockdev import BlockDevice, check_range
-from dpu_agent.crypto.xts import XtsCipher
+from dpu_agent.crypto.xts import XtsCipher, Xxh3
 
 __all__ = ["SCRATCH_BYTES_MAX", "CryptoBlockDevice"]
 
@@ -85,6 +85,23 @@ class CryptoBlockDevice:
             return
         self._base.read_into(lba, buf)
         self._cipher.decrypt_into(buf, buf, lba)
+
+    def read_hashed_into(self, lba: int, buf: memoryview, hasher: Xxh3, nbytes: int) -> None:
+        """`read_into`, and the first `nbytes` of plaintext fed to `hasher` inside the same
+        cipher pass (the NIXL get's checksum, issue 14); a partial tail block is hashed after."""
+        check_range(self, lba, len(buf))
+        assert 0 <= nbytes <= len(buf), (nbytes, len(buf))
+        whole = nbytes // self._block_size * self._block_size
+        if self._lends:
+            src = self._base.view(lba, len(buf) // self._block_size)  # type: ignore[attr-defined]
+        else:
+            self._base.read_into(lba, buf)
+            src = buf
+        self._cipher.decrypt_into(src[:whole], buf[:whole], lba, hasher=hasher)
+        if whole < len(buf):
+            tail_lba = lba + whole // self._block_size
+            self._cipher.decrypt_into(src[whole:], buf[whole:], tail_lba)
+            hasher.update(buf[whole:nbytes])
 
     def write(self, lba: int, data: memoryview | bytes) -> None:
         """Encrypt `data` piecewise into this thread's scratch buffer and write each piece."""

@@ -9,6 +9,10 @@ the DPU's crypto engine is therefore readable here and the other way round.
 The per-sector loop runs in C (`xts_loop.c`, built by `_build.py`): AVX-512 VAES where the CPU
 has it, else OpenSSL's EVP. Each thread gets its own pair of handles (key schedules done once
 per cipher), so calls from several threads run in parallel without a lock.
+
+`Xxh3` is an xxh3-128 state in the same C module (the real xxHash, inlined from Debian's
+`libxxhash-dev`); handed to `encrypt_into`/`decrypt_into` as `hasher`, it is fed each sector's
+plaintext inside the cipher pass, while the sector is in L1, instead of in a second pass.
 """
 
 from __future__ import annotations
@@ -20,7 +24,13 @@ from typing import Any
 from dpu_agent.crypto._loader import IMPLEMENTATIONS, best_implementation, ffi, lib
 from dpu_agent.crypto.keystore import XTS_KEY_BYTES
 
-__all__ = ["XTS_KEY_BYTES", "XTS_TWEAK_OFFSET", "XtsCipher", "available_implementations"]
+__all__ = [
+    "XTS_KEY_BYTES",
+    "XTS_TWEAK_OFFSET",
+    "XtsCipher",
+    "Xxh3",
+    "available_implementations",
+]
 
 XTS_KEY_BYTES_ALLOWED = (32, 64)
 XTS_TWEAK_OFFSET = 8  # the LBA sits in tweak bytes 8..15 (bytes 0..7 are zero)
@@ -47,6 +57,29 @@ def _c_buffer(buf: Any, *, writable: bool) -> Any:
         raise ValueError(f"destination buffer ({type(buf).__name__}) is read-only") from None
     except (TypeError, ValueError) as e:
         raise ValueError(f"XTS buffers must be C-contiguous bytes-like objects: {e}") from None
+
+
+class Xxh3:
+    """A streaming xxh3-128 (seed 0) over `prefix` and then whatever is fed to it: `digest()`
+    equals `xxhash.xxh3_128(prefix).update(...).digest()` bit for bit. Feed it in order, from
+    one thread at a time (the C state has no lock)."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self, prefix: bytes = b"") -> None:
+        raw = lib.dpukv_xxh3_new(prefix, len(prefix))
+        if raw == ffi.NULL:
+            raise MemoryError("could not allocate an xxh3 state")
+        self._state = ffi.gc(raw, lib.dpukv_xxh3_free)
+
+    def update(self, data: Any) -> None:
+        buf = _c_buffer(data, writable=False)
+        lib.dpukv_xxh3_update(self._state, buf, len(buf))
+
+    def digest(self) -> bytes:
+        out = ffi.new("unsigned char[16]")
+        lib.dpukv_xxh3_digest(self._state, out)
+        return bytes(ffi.buffer(out, 16))
 
 
 class XtsCipher:
@@ -115,7 +148,9 @@ class XtsCipher:
             setattr(self._local, attr, handle)
         return handle
 
-    def _run(self, src: Any, dst: Any, first_lba: int, encrypt: bool) -> None:
+    def _run(
+        self, src: Any, dst: Any, first_lba: int, encrypt: bool, hasher: Xxh3 | None = None
+    ) -> None:
         # Lean on purpose: a 4 KiB call spends more time here than in the cipher.
         src_c = _c_buffer(src, writable=False)
         dst_c = _c_buffer(dst, writable=True)
@@ -137,9 +172,15 @@ class XtsCipher:
         while done < count:
             n = min(count - done, SECTORS_PER_CALL_MAX)
             off = done * self._block_size
-            rc = lib.dpukv_xts_run(
-                handle, src_c + off, dst_c + off, self._block_size, n, first_lba + done
-            )
+            if hasher is None:
+                rc = lib.dpukv_xts_run(
+                    handle, src_c + off, dst_c + off, self._block_size, n, first_lba + done
+                )
+            else:
+                rc = lib.dpukv_xts_run_xxh3(
+                    handle, src_c + off, dst_c + off, self._block_size, n, first_lba + done,
+                    hasher._state,
+                )  # fmt: skip
             if rc == _RC_OVERLAP:
                 raise ValueError("src and dst overlap without being the same buffer (in place)")
             if rc != 0:
@@ -148,10 +189,16 @@ class XtsCipher:
                 )
             done += n
 
-    def encrypt_into(self, src: Any, dst: Any, first_lba: int) -> None:
-        """Encrypt `src` into `dst` (same length, may be the same buffer)."""
-        self._run(src, dst, first_lba, True)
+    def encrypt_into(
+        self, src: Any, dst: Any, first_lba: int, *, hasher: Xxh3 | None = None
+    ) -> None:
+        """Encrypt `src` into `dst` (same length, may be the same buffer); with `hasher`, feed it
+        the plaintext `src` in the same pass."""
+        self._run(src, dst, first_lba, True, hasher)
 
-    def decrypt_into(self, src: Any, dst: Any, first_lba: int) -> None:
-        """Decrypt `src` into `dst` (same length, may be the same buffer)."""
-        self._run(src, dst, first_lba, False)
+    def decrypt_into(
+        self, src: Any, dst: Any, first_lba: int, *, hasher: Xxh3 | None = None
+    ) -> None:
+        """Decrypt `src` into `dst` (same length, may be the same buffer); with `hasher`, feed it
+        the plaintext `dst` in the same pass."""
+        self._run(src, dst, first_lba, False, hasher)

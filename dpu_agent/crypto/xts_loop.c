@@ -9,11 +9,18 @@
  *    system OpenSSL 3.0 has no VAES XTS code, so without this path a sector loop reaches only
  *    about 0.65 of what the `cryptography` wheel's newer OpenSSL does in one call.
  * Sectors are multiples of 512 bytes (power-of-two blocks >= 512): no ciphertext stealing.
+ *
+ * dpukv_xts_run_xxh3 fuses the chunk checksum (xxh3-128, the real xxHash from Debian's
+ * libxxhash-dev, inlined: nothing new at run time) into the cipher pass: the plaintext is hashed
+ * while it is in cache (after decrypting, before encrypting), in groups of sectors that fit in
+ * L2, instead of a second pass over buffers that do not fit in cache.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <openssl/evp.h>
+#define XXH_INLINE_ALL /* header-only: the build needs xxhash.h (libxxhash-dev), not the .so */
+#include <xxhash.h>
 
 /* Build with -DDPUKV_NO_VAES (env DPUKV_XTS_NO_VAES=1 for _build.py) for the EVP loop only. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(DPUKV_NO_VAES)
@@ -297,4 +304,118 @@ int dpukv_xts_run(dpukv_xts *h, const unsigned char *src, unsigned char *dst,
         return vaes_run(h, src, dst, sector_bytes, sector_count, first_lba);
 #endif
     return evp_run(h, src, dst, sector_bytes, sector_count, first_lba);
+}
+
+/* ---------------------------------------------------------------- xxh3-128 ----------------- */
+
+/* The update loop by vector width: the portable inlined one (SSE2 on x86-64, NEON on Arm), or
+   xxh3_avx2.c / xxh3_avx512.c where the CPU has them. Digests are identical across variants. */
+#define DPUKV_XXH3_PORTABLE 1
+#define DPUKV_XXH3_AVX2 2
+#define DPUKV_XXH3_AVX512 3
+typedef void (*xxh3_update_fn)(void *state, const void *data, size_t len);
+
+static void xxh3_update_portable(void *state, const void *data, size_t len)
+{
+    XXH3_128bits_update((XXH3_state_t *)state, data, len);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+void dpukv_xxh3_update_avx2(void *state, const void *data, size_t len);
+void dpukv_xxh3_update_avx512(void *state, const void *data, size_t len);
+#endif
+
+static int xxh3_variant_best(void)
+{
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
+        return DPUKV_XXH3_AVX512;
+    if (__builtin_cpu_supports("avx2")) return DPUKV_XXH3_AVX2;
+#endif
+    return DPUKV_XXH3_PORTABLE;
+}
+
+static int xxh3_variant;  /* 0 until first use; a benign race: every thread stores the same */
+static xxh3_update_fn xxh3_update = xxh3_update_portable;
+
+/* Use `variant` (DPUKV_XXH3_*; 0 = the best this CPU runs) from now on: tests compare them.
+   Returns the variant in use; a variant the CPU lacks is refused (the one in use stays). */
+int dpukv_xxh3_set_variant(int variant)
+{
+    int best = xxh3_variant_best();
+    if (variant == 0) variant = best;
+    if (variant < DPUKV_XXH3_PORTABLE || variant > best)
+        return xxh3_variant ? xxh3_variant : dpukv_xxh3_set_variant(0);
+#if defined(__x86_64__) && defined(__GNUC__)
+    xxh3_update = variant == DPUKV_XXH3_AVX512 ? dpukv_xxh3_update_avx512
+                : variant == DPUKV_XXH3_AVX2 ? dpukv_xxh3_update_avx2 : xxh3_update_portable;
+#endif
+    xxh3_variant = variant;
+    return variant;
+}
+
+/* A streaming xxh3-128 state, seed 0, fed `prefix` first: the digest equals Python's
+   xxhash.xxh3_128(prefix).update(data...).digest(). NULL on allocation failure. */
+XXH3_state_t *dpukv_xxh3_new(const unsigned char *prefix, size_t prefix_len)
+{
+    XXH3_state_t *s;
+    if (!xxh3_variant) dpukv_xxh3_set_variant(0);
+    s = XXH3_createState();
+    if (s == NULL) return NULL;
+    if (XXH3_128bits_reset(s) != XXH_OK || XXH3_128bits_update(s, prefix, prefix_len) != XXH_OK) {
+        XXH3_freeState(s);
+        return NULL;
+    }
+    return s;
+}
+
+void dpukv_xxh3_free(XXH3_state_t *s) { XXH3_freeState(s); }
+
+void dpukv_xxh3_update(XXH3_state_t *s, const unsigned char *data, size_t len)
+{
+    xxh3_update(s, data, len);
+}
+
+/* The 16-byte canonical (big-endian) digest, as xxhash's digest(); the state stays usable. */
+void dpukv_xxh3_digest(const XXH3_state_t *s, unsigned char out[16])
+{
+    XXH128_canonical_t c;
+    XXH128_canonicalFromHash(&c, XXH3_128bits_digest(s));
+    memcpy(out, c.digest, 16);
+}
+
+/* Bytes ciphered before they are hashed: a quarter of a 1 MiB L2, so the hash reads what the
+   cipher just wrote from L2. Measured on AMD EPYC (Zen 4, VAES), 256 MiB decrypted from cold
+   memory and hashed, ms: separate passes 18.4; fused per 4 KiB 21.9, 16 KiB 24.5, 64 KiB 18.9,
+   128 KiB 18.5, 256 KiB 16.4, 512 KiB 16.4, 1 MiB 17.1 (per sector, the hash reads lines the
+   cipher's stores have not yet written back). */
+#ifndef DPUKV_XXH3_GROUP_BYTES
+#define DPUKV_XXH3_GROUP_BYTES 262144
+#endif
+/* dpukv_xts_run, and every sector's plaintext fed to `state` in order: decrypting, the output
+   right after it is written; encrypting, the input right before it is read. Sectors go in
+   groups of DPUKV_XXH3_GROUP_BYTES (at least one sector). Same return codes as dpukv_xts_run. */
+int dpukv_xts_run_xxh3(dpukv_xts *h, const unsigned char *src, unsigned char *dst,
+                       size_t sector_bytes, size_t sector_count, uint64_t first_lba,
+                       XXH3_state_t *state)
+{
+    uintptr_t s = (uintptr_t)src, d = (uintptr_t)dst, n = sector_bytes * sector_count;
+    size_t group = sector_bytes >= DPUKV_XXH3_GROUP_BYTES ? 1
+                 : DPUKV_XXH3_GROUP_BYTES / sector_bytes;
+    if (s != d && s < d + n && d < s + n) return 1;
+    for (size_t i = 0; i < sector_count; i += group) {
+        size_t off = i * sector_bytes, k = sector_count - i < group ? sector_count - i : group;
+        int rc;
+        if (h->encrypt) xxh3_update(state, src + off, k * sector_bytes);
+#ifdef DPUKV_HAVE_X86
+        if (h->impl == DPUKV_IMPL_VAES)
+            rc = vaes_run(h, src + off, dst + off, sector_bytes, k, first_lba + i);
+        else
+#endif
+            rc = evp_run(h, src + off, dst + off, sector_bytes, k, first_lba + i);
+        if (rc != 0) return rc < 0 ? rc - (int)i : rc;
+        if (!h->encrypt) xxh3_update(state, dst + off, k * sector_bytes);
+    }
+    return 0;
 }

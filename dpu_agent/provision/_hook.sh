@@ -43,7 +43,7 @@ dpukv_install() (
     "${run[@]}" "$venv/bin/python" -I -m pip install --quiet --no-index --disable-pip-version-check \
         --find-links "$inner/opt/dpukv/payload/wheels" 'dpu-kvtier[agent]'
     if ! "${run[@]}" "$venv/bin/python" -I -m dpu_agent.crypto._build >/dev/null 2>&1; then
-        log "WARNING: AES-XTS sector loop not built (the image needs gcc and libssl-dev); dpuctl doctor reports it"
+        log "WARNING: AES-XTS sector loop not built (the image needs gcc, libssl-dev and libxxhash-dev); dpuctl doctor reports it"
     fi
     install -d -m 0755 "$root/etc/dpukv" "$root/etc/systemd/system/multi-user.target.wants" \
         "$root/usr/lib/sysusers.d"
