@@ -392,22 +392,7 @@ def test_prefix_run_honours_evictable_and_remove() -> None:
 
 def replay_hits(policy: EvictionPolicy, capacity: int, trace: list[tuple[int, ...]]) -> int:
     """Prefix hits; a request longer than the cache stores what fits (as the replay does)."""
-    hits = 0
-    for now, ids in enumerate(trace):
-        hits += next((n for n, b in enumerate(ids) if b not in policy), len(ids))
-        parent = None
-        for b in ids:
-            if b in policy:
-                policy.access(b, float(now))
-            else:
-                if len(policy) >= capacity:
-                    victim = policy.victim(outside(set(ids)))
-                    if victim is None:
-                        break
-                    policy.remove(victim)
-                policy.insert(b, parent, float(now))
-            parent = b
-    return hits
+    return sum(replay_request(policy, capacity, ids, float(now)) for now, ids in enumerate(trace))
 
 
 def agent_trace(requests: int = 500) -> tuple[list[tuple[int, ...]], int]:

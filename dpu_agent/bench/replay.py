@@ -32,7 +32,7 @@ from typing import Any
 
 import click
 
-from dpu_agent.eviction import DEFAULT_POLICY, POLICY_NAMES, make_policy
+from dpu_agent.eviction import DEFAULT_POLICY, POLICY_NAMES, EvictionPolicy, make_policy
 
 __all__ = [
     "BLOCK_BYTES_DEFAULT",
@@ -45,6 +45,7 @@ __all__ = [
     "replay_belady",
     "replay_policy",
     "replay_popularity_oracle",
+    "replay_request",
     "write_trace",
 ]
 
@@ -113,33 +114,37 @@ def _prefix_hits(ids: tuple[int, ...], cached: Container[int]) -> int:
     return count
 
 
-def replay_policy(trace: Sequence[Request], policy_name: str, capacity: int) -> int:
-    """Prefix hits of one online policy at `capacity` blocks (`now` = timestamp in seconds)."""
-    policy = make_policy(policy_name, capacity)
-    hits = 0
-    for req in trace:
-        ids = req.hash_ids
-        hits += _prefix_hits(ids, policy)
-        now = req.timestamp_ms / 1000.0
-        in_flight = set(ids)
+def replay_request(policy: EvictionPolicy, req: Request, capacity: int) -> int:
+    """One request of a replay: its prefix hits, then its blocks accessed or inserted
+    (`now` = timestamp in seconds; a request larger than the cache stores what fits)."""
+    ids = req.hash_ids
+    hits = _prefix_hits(ids, policy)
+    now = req.timestamp_ms / 1000.0
+    in_flight = set(ids)
 
-        def evictable(item: int, in_flight: set[int] = in_flight) -> bool:
-            return item not in in_flight
+    def evictable(item: int) -> bool:
+        return item not in in_flight
 
-        parent: int | None = None
-        for b in ids:
-            if b in policy:
-                policy.access(b, now)
-            else:
-                if len(policy) >= capacity:
-                    victim = policy.victim(evictable)
-                    if victim is None:
-                        break  # the request is larger than the cache: store what fits
-                    policy.remove(victim)
-                policy.insert(b, parent, now)
-            parent = b
-        assert len(policy) <= capacity, (len(policy), capacity)
+    parent: int | None = None
+    for b in ids:
+        if b in policy:
+            policy.access(b, now)
+        else:
+            if len(policy) >= capacity:
+                victim = policy.victim(evictable)
+                if victim is None:
+                    break  # the request is larger than the cache: store what fits
+                policy.remove(victim)
+            policy.insert(b, parent, now)
+        parent = b
+    assert len(policy) <= capacity, (len(policy), capacity)
     return hits
+
+
+def replay_policy(trace: Sequence[Request], policy_name: str, capacity: int) -> int:
+    """Prefix hits of one online policy at `capacity` blocks."""
+    policy = make_policy(policy_name, capacity)
+    return sum(replay_request(policy, req, capacity) for req in trace)
 
 
 def _next_uses(trace: Sequence[Request]) -> list[list[float]]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from dpu_agent.bench.replay import Request, distinct_blocks
+from dpu_agent.bench.replay import Request, distinct_blocks, replay_request
 from dpu_agent.eviction import AdaptivePolicy, EvictionPolicy, make_policy
 
 __all__ = ["adaptive_timeline", "format_timeline"]
@@ -25,34 +25,7 @@ WINDOW_REQUESTS_MAX = 1_000_000  # a window longer than any trace we replay is o
 
 def _per_request_hits(trace: Sequence[Request], policy: EvictionPolicy, capacity: int) -> list[int]:
     """The replay's loop (replay.replay_policy), keeping each request's prefix hits."""
-    out = []
-    for req in trace:
-        ids = req.hash_ids
-        hits = 0
-        for b in ids:
-            if b not in policy:
-                break
-            hits += 1
-        out.append(hits)
-        now = req.timestamp_ms / 1000.0
-        in_flight = set(ids)
-
-        def evictable(item: int, in_flight: set[int] = in_flight) -> bool:
-            return item not in in_flight
-
-        parent: int | None = None
-        for b in ids:
-            if b in policy:
-                policy.access(b, now)
-            else:
-                if len(policy) >= capacity:
-                    victim = policy.victim(evictable)
-                    if victim is None:
-                        break
-                    policy.remove(victim)
-                policy.insert(b, parent, now)
-            parent = b
-    return out
+    return [replay_request(policy, req, capacity) for req in trace]
 
 
 def adaptive_timeline(trace: Sequence[Request], fraction: float, window: int) -> dict[str, Any]:
