@@ -1,5 +1,6 @@
-"""Issue 9, NVMe-tier writes: the target writes a page-cache device on its loop (no thread
-hops), and sends a queue's writes to the I/O pool after one that the kernel made wait."""
+"""Issue 9, writes at 1 MiB QD8: the target writes a page-cache device on its loop (no thread
+hops), sends a queue's writes to the I/O pool after one that the kernel made wait, and sends
+an R2T at once instead of corking it until the end of the loop turn."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from dpu_agent.nvmf import NvmeTcpTarget, Subsystem, TargetOptions
 from dpu_agent.nvmf import _connection as nvmf_connection
 from dpu_agent.nvmf._connection import _inline, _page_cache_write
 from host_shim.nvme import NvmeTcpController
-from kvproto.nvme import IoOpcode
+from kvproto.nvme import R2T, ICReq, ICResp, IoOpcode, QueuePair, Role
+from kvproto.nvme import _commands as cmds
 
 NQN = "nqn.2026-11.io.dpu-kvtier:tenant:inline"
 HOST = "nqn.2026-11.io.dpu-kvtier:host:gpu0"
@@ -110,3 +112,83 @@ def test_slow_inline_write_sends_the_queue_to_the_pool_then_back(
         for lba in (0, 4, 8, 12):
             c.read(1, lba, got)
             assert got == data
+
+
+class _Transport:
+    """What the connection writes, in order (no socket: `_fd` stays -1)."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+
+    def get_extra_info(self, name: str) -> None:
+        return None
+
+    def set_write_buffer_limits(self, high: int, low: int) -> None:
+        pass
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+class _Target:
+    options = TargetOptions()
+
+    def connection_opened(self, conn: object) -> None:
+        pass
+
+    def connection_closed(self, conn: object) -> None:
+        pass
+
+
+def _feed(conn: nvmf_connection.NvmfConnection, data: bytes) -> None:
+    while data:
+        buf = conn.get_buffer(len(data))
+        n = min(len(buf), len(data))
+        buf[:n] = data[:n]
+        conn.buffer_updated(n)
+        data = data[n:]
+
+
+def test_r2t_leaves_before_the_loop_turn_ends() -> None:
+    """A corked R2T waited behind the rest of the loop turn (an inline write's cipher pass,
+    the next PDU's parse) while the host's data waited on it: the host idled 24-30 % of a
+    1 MiB QD8 write run."""
+
+    async def main() -> None:
+        conn = nvmf_connection.NvmfConnection(_Target())  # type: ignore[arg-type]
+        transport = _Transport()
+        conn.connection_made(transport)  # type: ignore[arg-type]
+        host = QueuePair(Role.HOST)
+        _feed(
+            conn,
+            b"".join(
+                bytes(p) for p in host.send(ICReq(hpda=0, hdgst=False, ddgst=False, maxr2t=0))
+            ),
+        )
+        await asyncio.sleep(0)  # the ICResp is corked until the end of the turn
+        before = b"".join(transport.written)
+        transport.written.clear()
+        cmd = nvmf_connection._Cmd(cmds.write(cid=7, nsid=1, slba=0, nlb=2))
+        cmd.dev, cmd.slba, cmd.nlb, cmd.length = MemoryBlockDevice(8), 0, 2, 8192
+        conn._cmds[7] = cmd
+        conn._start(cmd)
+        assert transport.written, "the R2T waits for the end of the loop turn"
+        wire = before + b"".join(transport.written)
+        view = host.get_buffer(len(wire))
+        view[: len(wire)] = wire
+        host.buffer_updated(len(wire))
+        assert isinstance(host.next_event(), ICResp)
+        r2t = host.next_event()
+        assert isinstance(r2t, R2T) and (r2t.cccid, r2t.r2tl) == (7, 8192)
+        conn.close()
+
+    asyncio.run(main())

@@ -370,6 +370,20 @@ class NvmfConnection(asyncio.BufferedProtocol):
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 0)
         self._bound_send_queue()
 
+    def _write_now(self, pdu: Any) -> None:
+        """Send a small PDU at once, after whatever is corked, instead of at the end of the loop
+        turn: an R2T, which the host's data waits on. Corked, it waited behind the rest of the
+        turn (an inline write's cipher pass, the next data PDU's parse): at 1 MiB QD8 the host
+        sat idle 24-30 % of the time waiting for R2Ts, and DRAM-tier writes moved 0.90-0.92 of
+        the socket ceiling sent at once vs 0.77-0.78 corked (interleaved A/B under the bench
+        lock, issue 9)."""
+        assert self.transport is not None
+        parts = self.qp.send(pdu)
+        if self._fd >= 0 and not self.transport.get_write_buffer_size():
+            return self._writev(parts)
+        self._out.extend(parts)
+        self._flush()
+
     def _writev(self, parts: list[bytes | bytearray | memoryview]) -> None:
         """A data PDU, after whatever is corked, in one writev(): one system call instead of
         two send()s and two TCP_CORK toggles, and no segment of its own for the header.
@@ -734,7 +748,7 @@ class NvmfConnection(asyncio.BufferedProtocol):
         cmd.r2t_at = time.monotonic()
         self._ttags[ttag] = cmd
         # One R2T for the whole transfer (as SPDK); the host splits it by MAXH2CDATA.
-        self._write(R2T(cccid=cmd.sqe.cid, ttag=ttag, r2to=0, r2tl=cmd.length))
+        self._write_now(R2T(cccid=cmd.sqe.cid, ttag=ttag, r2to=0, r2tl=cmd.length))
 
     def _start_waiting(self) -> None:
         while self._waiting and not self.closed and self._can_start(self._waiting[0]):
