@@ -119,6 +119,10 @@ class FileBlockDevice:
     at QD1 (docs/MEASURED.md). A full disk surfaces as BlockDeviceError(ENOSPC).
     """
 
+    # Writes are copies into the page cache (no O_DIRECT): the NVMe/TCP target runs them on its
+    # loop, and sends them to its I/O pool when the kernel makes one wait (nvmf/_connection.py).
+    buffered_writes = True
+
     def __init__(
         self,
         path: str | os.PathLike[str],

@@ -163,6 +163,20 @@ def test_bdevperf_verify_full_matrix(
     _verify(targets, tmp_path, cell, seconds=10)
 
 
+@pytest.mark.parametrize(("io", "qd"), [(4096, 32), (1 << 20, 8)], ids=["4k-qd32", "1m-qd8"])
+def test_bdevperf_verify_encrypted_file_namespace(tmp_path: Path, io: int, qd: int) -> None:
+    """The NVMe tier's stack (AES-XTS over a page-cache file), whose writes the target runs
+    on its loop (a cipher pass into a scratch buffer, then pwritev): SPDK pipelines writes
+    and verifies every byte it reads back."""
+    t = LoggedTarget(tmp_path, encrypted=True, file=tmp_path / "ns.img")
+    try:
+        r = bdevperf(tmp_path, t.port, NQN, HOST, io_bytes=io, qd=qd, seconds=2, ns_blocks=BLOCKS)
+        assert r.clean and r.out.count("Verification LBA range") == 1, r.out[-3000:]
+        _assert_clean(t)
+    finally:
+        t.close()
+
+
 @pytest.mark.parametrize(
     ("io", "qd", "enc", "hd", "dd"),
     [(4096, 32, True, True, True), (131072, 8, False, False, False)],

@@ -68,6 +68,12 @@ class CryptoBlockDevice:
         with no system call that could block (the NVMe/TCP target runs these inline)."""
         return self._lends
 
+    @property
+    def buffered_writes(self) -> bool:
+        """Whether writes end in the base's page cache (a file tier): a cipher pass and a copy
+        that only block when the kernel throttles the writer (see FileBlockDevice)."""
+        return getattr(self._base, "buffered_writes", False) is True
+
     def _scratch(self) -> memoryview:
         view: memoryview | None = getattr(self._local, "scratch", None)
         if view is None:
