@@ -4,7 +4,10 @@ decision table) and the fallback to NVMe/TCP when NIXL is missing or fails to lo
 from __future__ import annotations
 
 import logging
+import os
 import struct
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -183,3 +186,26 @@ def test_nixl_failing_on_a_live_agent_falls_back_to_nvme_tcp(
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert any("data path nvme-tcp" in r.getMessage() and "injected" in r.getMessage()
                for r in warned), [r.getMessage() for r in caplog.records]  # fmt: skip
+
+
+def test_nixl_log_lines_stay_off_stdout() -> None:
+    """The failure: NIXL's import puts a handler on stdout at INFO, so `dpuctl bench datapath
+    --json` printed "NIXL INFO ... Backend UCX was instantiated" before the JSON report."""
+    from host_shim.transport import nixl_status
+
+    if not nixl_status()["available"]:
+        pytest.skip(f"NIXL not installed here: {nixl_status()['reason']}")
+    code = (
+        "import logging, sys\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stderr)\n"
+        "from host_shim.transport._lib import load_nixl\n"
+        "load_nixl()\n"
+        "logging.getLogger('nixl.api').info('line-from-nixl')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NIXL_LOG_LEVEL"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert "line-from-nixl" not in done.stdout
+    assert "line-from-nixl" in done.stderr

@@ -10,6 +10,7 @@ NixlUnavailable with the reason, which callers log once and then use NVMe/TCP.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import sys
 import threading
@@ -70,6 +71,7 @@ def load_nixl() -> ModuleType:
                 problems.append(f"{name}: {type(e).__name__}: {e}")
                 continue
             if hasattr(mod, "nixl_agent") and hasattr(mod, "nixl_agent_config"):
+                _route_nixl_logs()
                 _loaded = mod
                 return mod
             problems.append(f"{name}: no nixl_agent in the module")
@@ -79,6 +81,19 @@ def load_nixl() -> ModuleType:
             + "); install it with `pip install --no-deps nixl-cu12` (the `nixl` extra)"
         )
         raise NixlUnavailable(_failure)
+
+
+def _route_nixl_logs() -> None:
+    """NIXL's import configures its `nixl` logger with its own handler on stdout, at INFO
+    (nixl_cu12/logging.py), so "Backend UCX was instantiated" lines landed in the middle of
+    `dpuctl bench datapath --json` output. Its records go through the root logger instead:
+    stderr, at the level the process configured (NIXL_LOG_LEVEL still sets NIXL's own)."""
+    logger = logging.getLogger("nixl")
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    logger.propagate = True
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        logger.setLevel(logging.NOTSET)
 
 
 def new_agent(name: str, *, progress_thread: bool) -> Any:
