@@ -97,3 +97,46 @@ def test_auth_key_required_and_checked() -> None:
             assert [m.name for m in c.members()] == ["auth1"]
     finally:
         p.kill()
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+def test_serf_dies_with_a_killed_parent() -> None:
+    """The failure: an agent killed with kill -9 left its `serf agent` child running, holding
+    the node's ports and gossiping a member nobody served (two per kill -9 test)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, time\n"
+        "from dpu_agent.cluster import SerfProcess, free_port\n"
+        "s = SerfProcess('orphan', bind=f'127.0.0.1:{free_port()}',"
+        " rpc_addr=f'127.0.0.1:{free_port()}')\n"
+        "s.wait_ready().close()\n"
+        "print(s.proc.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        serf_pid = int(parent.stdout.readline())
+        os.kill(serf_pid, 0)  # running while its parent lives
+    finally:
+        parent.kill()
+        parent.wait()
+
+    def gone() -> bool:
+        try:
+            os.kill(serf_pid, 0)
+        except ProcessLookupError:
+            return True
+        # reaped by init, or a zombie init has not reaped yet: only 'Z' counts as gone
+        with open(f"/proc/{serf_pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+    try:
+        wait_for(gone, timeout_s=10.0)
+    finally:
+        if not gone():
+            os.kill(serf_pid, signal.SIGKILL)

@@ -1,7 +1,8 @@
 """A `serf agent` child process: the agent's own Serf, or the ones tests and benchmarks start.
 
 Ports are explicit (Serf has no port 0); `free_port()` picks one. The child dies with us:
-`stop()` asks it to leave (SIGINT: Serf's graceful leave), `kill()` is kill -9 (a crash).
+`stop()` asks it to leave (SIGINT: Serf's graceful leave), `kill()` is kill -9 (a crash), and
+the kernel stops it when its parent dies (`_dies_with_parent`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise OSError(f"no free TCP+UDP port in {PICK_PORT_RANGE} on {host}")
 
 
+def _dies_with_parent() -> list[str]:
+    """`setpriv --pdeathsig TERM` (util-linux): the kernel sends Serf SIGTERM when its parent
+    dies, kill -9 included, so a crashed agent leaves no Serf behind holding its ports and
+    gossiping a member nobody serves (without it, every kill -9 test left two `serf agent`
+    processes running). The signal comes when the thread that spawned Serf exits; the agent
+    spawns it from a thread of its loop's executor, which lives as long as the agent. SIGTERM
+    makes Serf exit without a graceful leave, so the others see a failure, as for kill -9.
+    Without setpriv (not Linux, no util-linux) Serf runs as before and can outlive a crash."""
+    path = shutil.which("setpriv")
+    return [path, "--pdeathsig", "TERM"] if path else []
+
+
 class SerfProcess:
     """`serf agent -node NAME -bind HOST:PORT -rpc-addr HOST:PORT [-tag k=v ...] [-join ...]`."""
 
@@ -75,6 +88,7 @@ class SerfProcess:
                 f"-profile={profile}", "-log-level=warn", *extra_args]  # fmt: skip
         if netns:  # a network namespace the caller made (tests: a partitionable node)
             args = ["ip", "netns", "exec", netns, *args]
+        args = [*_dies_with_parent(), *args]
         for k, v in (tags or {}).items():
             args += ["-tag", f"{k}={v}"]
         for seed in join:
