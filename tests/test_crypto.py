@@ -192,7 +192,7 @@ def test_build_command_works_without_a_built_module(tmp_path: Path) -> None:
     for name in ("__init__.py", "log.py", "blockdev.py"):
         shutil.copy(src / name, pkg / name)
     for path in (src / "crypto").iterdir():
-        if path.suffix in (".py", ".c") and not path.name.startswith("_xts_cffi"):
+        if path.suffix in (".py", ".c", ".h") and not path.name.startswith("_xts_cffi"):
             shutil.copy(path, pkg / "crypto" / path.name)
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     build = [sys.executable, "-m", "dpu_agent.crypto._build"]

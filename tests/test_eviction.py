@@ -423,21 +423,11 @@ def test_adaptive_switch_keeps_every_cached_item() -> None:
     policy = AdaptivePolicy(capacity, candidates=("lru", "prefix"))
     cached: set[int] = set()
     for now, ids in enumerate(trace):
-        leader = policy.leader
-        parent = None
-        for b in ids:
-            if b in policy:
-                policy.access(b, float(now))
-            else:
-                if len(policy) >= capacity:
-                    victim = policy.victim(outside(set(ids)))
-                    if victim is None:
-                        break
-                    policy.remove(victim)
-                    cached.discard(victim)
-                policy.insert(b, parent, float(now))
-                cached.add(b)
-            parent = b
+        leader, victims = policy.leader, []
+        replay_request(policy, capacity, ids, float(now), victims)
+        # what the replay stored: every earlier item but the victims, and this request's blocks
+        # up to the first it could not store (in-flight blocks are never victims)
+        cached = (cached - set(victims)) | {b for b in ids if b in policy}
         if policy.leader != leader:
             assert len(policy) == len(cached) and all(i in policy for i in cached)
     assert policy.switches >= 1
@@ -511,8 +501,15 @@ def test_adaptive_revises_its_leader_within_a_short_trace() -> None:
     assert got >= max(fixed.values()) - 0.005 * accesses
 
 
-def replay_request(policy: EvictionPolicy, capacity: int, ids: tuple[int, ...], now: float) -> int:
-    """One request of replay_hits: its prefix hits, then its blocks accessed or inserted."""
+def replay_request(
+    policy: EvictionPolicy,
+    capacity: int,
+    ids: tuple[int, ...],
+    now: float,
+    victims: list[int] | None = None,
+) -> int:
+    """One request of replay_hits: its prefix hits, then its blocks accessed or inserted
+    (each evicted item appended to `victims` when given)."""
     hits = next((n for n, b in enumerate(ids) if b not in policy), len(ids))
     parent = None
     for b in ids:
@@ -524,6 +521,8 @@ def replay_request(policy: EvictionPolicy, capacity: int, ids: tuple[int, ...], 
                 if victim is None:
                     break
                 policy.remove(victim)
+                if victims is not None:
+                    victims.append(victim)
             policy.insert(b, parent, now)
         parent = b
     return hits

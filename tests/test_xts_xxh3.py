@@ -118,16 +118,18 @@ def test_digest_leaves_the_state_usable() -> None:
     assert hasher.digest() == xxhash.xxh3_128(b"abcd").digest()
 
 
+@pytest.mark.parametrize("group", ["EXTRA_C_FILES", "HEADER_FILES"])
 def test_source_digest_covers_the_xxh3_variant_files(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, group: str
 ) -> None:
-    """Regression guard: an edited xxh3_avx2.c must make the built module stale."""
+    """Regression guard: an edited xxh3_avx2.c, or the xxh3_variant.h both variants include,
+    must make the built module stale."""
     before = _build.source_digest()
     copies = []
-    for path in _build.EXTRA_C_FILES:
+    for path in getattr(_build, group):
         shutil.copy(path, tmp_path / path.name)
         copies.append(tmp_path / path.name)
-    monkeypatch.setattr(_build, "EXTRA_C_FILES", tuple(copies))
+    monkeypatch.setattr(_build, group, tuple(copies))
     assert _build.source_digest() == before
     copies[0].write_text(copies[0].read_text() + "\n/* edited */\n")
     assert _build.source_digest() != before

@@ -23,9 +23,10 @@ MODULE_NAME = "dpu_agent.crypto._xts_cffi"
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 C_FILE = PACKAGE_DIR / "xts_loop.c"
-# xxh3's update compiled for wider vectors (each file its own `#pragma GCC target`); xts_loop.c
-# picks one at run time.
+# xxh3's update compiled for wider vectors (each file its own `#pragma GCC target` around the
+# shared xxh3_variant.h); xts_loop.c picks one at run time.
 EXTRA_C_FILES = (PACKAGE_DIR / "xxh3_avx2.c", PACKAGE_DIR / "xxh3_avx512.c")
+HEADER_FILES = (PACKAGE_DIR / "xxh3_variant.h",)
 
 CDEF = """
 typedef struct dpukv_xts dpukv_xts;
@@ -51,7 +52,8 @@ int dpukv_xts_run_xxh3(dpukv_xts *h, const unsigned char *src, unsigned char *ds
 def source_digest() -> str:
     """Digest of the declarations and C source; the built module carries the one it was built
     from, so an import after a source change says "rebuild" instead of misbehaving."""
-    text = "\0".join([CDEF, *(path.read_text() for path in (C_FILE, *EXTRA_C_FILES))])
+    sources = (C_FILE, *EXTRA_C_FILES, *HEADER_FILES)
+    text = "\0".join([CDEF, *(path.read_text() for path in sources)])
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 

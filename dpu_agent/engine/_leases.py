@@ -132,15 +132,7 @@ class Leases:
 
     def _lease_gone(self, ts: TenantState, lease_id: int, now: float) -> LeaseExpired:
         expired_at = self._expired_leases.get(lease_id)
-        if expired_at is not None:
-            return LeaseExpired(
-                f"lease {lease_id:#x} expired {(now - expired_at) * 1e3:.0f} ms ago and its "
-                "extents may have been reused; discard what was read under it and lookup() again"
-            )
-        return LeaseExpired(
-            f"lease {lease_id:#x} is not held by tenant {ts.name!r} (never granted, already "
-            "released, or expired long ago); lookup() again"
-        )
+        return LeaseExpired(_gone_text("lease", lease_id, ts.name, expired_at, now))
 
     # --- extents going back --------------------------------------------------------------------
 
@@ -187,15 +179,7 @@ class Leases:
         res = self.reservations.get(rid)
         if res is None or res.tenant_id != ts.tenant_id:
             expired_at = self._expired_reservations.get(rid)
-            if expired_at is not None:
-                raise ReservationExpired(
-                    f"reservation {rid:#x} expired {(now - expired_at) * 1e3:.0f} ms ago and its "
-                    "extent was reclaimed; reserve() again and rewrite the chunk"
-                )
-            raise ReservationExpired(
-                f"reservation {rid:#x} is not open for tenant {ts.name!r} (never made, already "
-                "committed, or expired long ago); reserve() again and rewrite the chunk"
-            )
+            raise ReservationExpired(_gone_text("reservation", rid, ts.name, expired_at, now))
         del self.reservations[rid]
         if now > res.expires:
             self.reclaim_reservation(res)
@@ -255,3 +239,28 @@ class Leases:
             del self.extent_counts[k]
         for k in [k for k in self.deferred if k[0] == tid]:
             del self.deferred[k]
+
+
+# Why a lease or reservation is not there, by kind: what its expiry lost, what "not there for
+# this tenant" means, and what the caller does about either.
+_GONE = {
+    "lease": (
+        "its extents may have been reused; discard what was read under it",
+        "is not held by tenant {tenant!r} (never granted, already released",
+        "lookup() again",
+    ),
+    "reservation": (
+        "its extent was reclaimed",
+        "is not open for tenant {tenant!r} (never made, already committed",
+        "reserve() again and rewrite the chunk",
+    ),
+}
+
+
+def _gone_text(kind: str, ident: int, tenant: str, expired_at: float | None, now: float) -> str:
+    """It expired (when, and what that lost), or it was never there for this tenant."""
+    lost, unknown, retry = _GONE[kind]
+    if expired_at is not None:
+        ago_ms = (now - expired_at) * 1e3
+        return f"{kind} {ident:#x} expired {ago_ms:.0f} ms ago and {lost}; {retry}"
+    return f"{kind} {ident:#x} {unknown.format(tenant=tenant)}, or expired long ago); {retry}"
