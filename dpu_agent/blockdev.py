@@ -117,6 +117,12 @@ class FileBlockDevice:
     Uses positional I/O (`os.preadv`/`os.pwritev`); the page cache is kept, since O_DIRECT needs
     aligned user buffers that callers do not always own, and ext4 on virtio measured no faster
     at QD1 (docs/MEASURED.md). A full disk surfaces as BlockDeviceError(ENOSPC).
+
+    `mapped(lba, block_count)` lends a read-only view of the file's page cache (one shared
+    mmap of the whole device), so a reader that can survive a page the kernel cannot supply
+    (CryptoBlockDevice: its cipher pass catches the SIGBUS) reads without the preadv copy.
+    Writes never go through the mapping: a write fault on a sparse file with a full disk is a
+    SIGBUS too, where pwritev says ENOSPC.
     """
 
     # Writes are copies into the page cache (no O_DIRECT): the NVMe/TCP target runs them on its
@@ -157,6 +163,13 @@ class FileBlockDevice:
         if self._block_count <= 0:
             os.close(self._fd)
             raise BlockDeviceError(f"{self.path} has no blocks; give block_count to create it")
+        self._map: mmap.mmap | None = None
+        self._map_view: memoryview | None = None
+        try:  # address space only: pages come in as they are read
+            self._map = mmap.mmap(self._fd, self._block_count * block_size, prot=mmap.PROT_READ)
+            self._map_view = memoryview(self._map)
+        except (OSError, ValueError):  # a file system or device that cannot be mapped
+            pass
 
     @property
     def block_size(self) -> int:
@@ -178,6 +191,17 @@ class FileBlockDevice:
                 buf[done:] = bytes(len(buf) - done)
                 return
             done += n
+
+    def mapped(self, lba: int, block_count: int) -> memoryview | None:
+        """A read-only view of blocks `lba`.. in the file's memory mapping, or None where the
+        file cannot be mapped (then use read_into). Reading it raises SIGBUS where a page
+        cannot be read: only for callers that catch that (XtsCipher.decrypt_mapped_into)."""
+        check_range(self, lba, block_count * self._block_size)
+        view = self._map_view
+        if view is None:
+            return None
+        start = lba * self._block_size
+        return view[start : start + block_count * self._block_size]
 
     def write(self, lba: int, data: memoryview | bytes) -> None:
         check_range(self, lba, len(data))
@@ -215,6 +239,14 @@ class FileBlockDevice:
         self.write(lba, bytes(block_count * self._block_size))
 
     def close(self) -> None:
+        if self._map is not None:
+            assert self._map_view is not None
+            self._map_view.release()
+            try:
+                self._map.close()
+            except BufferError:  # a view still lent out: the mapping goes with its last user
+                pass
+            self._map = self._map_view = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

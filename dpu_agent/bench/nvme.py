@@ -28,6 +28,13 @@ next to the tier file): `device_gbps`, and `vs_device` the median of the slices'
 A row above 1.0 there is served from the page cache faster than the disk moves bytes; below,
 the device may be what bounds it. Where the file system refuses O_DIRECT (tmpfs), the device
 ceiling is the same loop without it, and `device_direct` says so.
+
+Those rows also get a socket+device ceiling, in slices of their own: the socket ceiling and
+the device ceiling run at the same time, and the lower of the two rates is what a target
+that only moved bytes between the socket and the disk (no protocol, no cipher) could keep up
+on this machine, where a virtual disk's I/O costs CPU on the cores the network needs:
+`socket_device_gbps` (median of the slices), and `vs_socket_device` the median of the slices'
+row / socket+device.
 """
 
 from __future__ import annotations
@@ -209,6 +216,34 @@ class _DeviceCeiling:
     def close(self) -> None:
         os.close(self.fd)
         self.path.unlink(missing_ok=True)
+
+
+def _socket_and_device(
+    peer: _CeilingPeer, device: _DeviceCeiling, op: str, io_bytes: int, qd: int, seconds: float
+) -> float:
+    """Bytes/s that the socket ceiling and the device ceiling both keep up when they run at
+    the same time (the lower of the two): what a target doing nothing but moving bytes
+    between the socket and the device could reach on this machine, where the disk's I/O costs
+    CPU on the same cores the network needs (a virtual disk: docs/BENCHMARKS.md)."""
+    got: list[tuple[int, float] | OSError] = []
+
+    def run_device() -> None:
+        try:
+            got.append(device.moved(op, io_bytes, qd, seconds / ROUNDS))
+        except OSError as e:
+            got.append(e)
+
+    t = threading.Thread(target=run_device)
+    t.start()
+    try:
+        sb, st = peer.moved(op, seconds / ROUNDS)
+    finally:
+        t.join()
+    result = got[0]
+    if isinstance(result, OSError):
+        raise result
+    db, dt = result
+    return min(sb / st, db / dt)
 
 
 def _free_port() -> int:
@@ -522,12 +557,15 @@ def _rows(
         for op in ("write", "read"):
             # Interleaved slices of ceiling and NVMe: load that drifts hits both alike, and the
             # median of the slices' ratios ignores a slice that another job stalled.
-            ceilings, nvmes, devices = [], [], []
+            ceilings, nvmes, devices, joints = [], [], [], []
             for _ in range(ROUNDS):
                 ceilings.append(peer.moved(op, seconds / ROUNDS))
                 nvmes.append(_measure(ctrl, nsid, op, buf, seconds / ROUNDS))
                 if device is not None:
                     devices.append(device.moved(op, io_kib << 10, qd * queues, seconds / ROUNDS))
+                    joints.append(
+                        _socket_and_device(peer, device, op, io_kib << 10, qd * queues, seconds)
+                    )
             ratio = statistics.median(
                 (b / t) / (cb / ct) for (b, t), (cb, ct) in zip(nvmes, ceilings, strict=True)
             )
@@ -554,6 +592,11 @@ def _rows(
                     ),
                     3,
                 )
+                extra["socket_device_gbps"] = round(statistics.median(joints) / 1e9, 3)
+                extra["vs_socket_device"] = round(
+                    statistics.median((b / t) / j for (b, t), j in zip(nvmes, joints, strict=True)),
+                    3,
+                )
             out.append({**asdict(row), **extra})
     finally:
         ctrl.close()
@@ -564,6 +607,7 @@ def _line(r: dict[str, Any]) -> str:
     vs = f"  {r['vs_spdk']:.2f}x SPDK" if "vs_spdk" in r else ""
     if "device_gbps" in r:
         vs += f"  {r['vs_device']:.2f}x device ({r['device_gbps']:.2f} GB/s)"
+        vs += f"  {r['vs_socket_device']:.2f}x socket+device ({r['socket_device_gbps']:.2f} GB/s)"
     return (
         f"{r['target']:10} {r['op']:5} {r['io_kib']:5} KiB QD{r['qd']:<3} x{r['queues']} "
         f"{r['gbps']:6.2f} GB/s  {r['ratio']:.2f}x ceiling{vs}"

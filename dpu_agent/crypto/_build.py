@@ -46,6 +46,9 @@ int dpukv_xxh3_set_variant(int variant);
 int dpukv_xts_run_xxh3(dpukv_xts *h, const unsigned char *src, unsigned char *dst,
                        size_t sector_bytes, size_t sector_count, uint64_t first_lba,
                        XXH3_state_t *state);
+int dpukv_xts_run_mapped(dpukv_xts *h, const unsigned char *src, unsigned char *dst,
+                         size_t sector_bytes, size_t sector_count, uint64_t first_lba,
+                         XXH3_state_t *state);
 """
 
 

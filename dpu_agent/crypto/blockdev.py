@@ -45,6 +45,9 @@ class CryptoBlockDevice:
         # A base that lends its memory (`view`, the DRAM tier): encrypt into and decrypt out of
         # it directly, one pass over the bytes instead of a cipher pass plus a copy.
         self._lends = callable(getattr(type(base), "view", None))
+        # A base that maps its page cache for reading (`mapped`, the NVMe tier's file): reads
+        # decrypt straight out of it, guarded against a page the kernel cannot supply.
+        self._maps = callable(getattr(type(base), "mapped", None))
 
     def __repr__(self) -> str:
         return f"CryptoBlockDevice(base={self._base!r}, cipher={self._cipher!r})"
@@ -69,6 +72,12 @@ class CryptoBlockDevice:
         return self._lends
 
     @property
+    def mapped_reads(self) -> bool:
+        """Whether reads are one cipher pass out of the base's page cache (a mapped file tier):
+        memory work while the pages are cached, a wait on the disk where they are not."""
+        return self._maps
+
+    @property
     def buffered_writes(self) -> bool:
         """Whether writes end in the base's page cache (a file tier): a cipher pass and a copy
         that only block when the kernel throttles the writer (see FileBlockDevice)."""
@@ -82,13 +91,19 @@ class CryptoBlockDevice:
         return view
 
     def read_into(self, lba: int, buf: memoryview) -> None:
-        """Decrypt the blocks at `lba` into `buf`: straight out of a base that lends its memory,
-        else read the ciphertext into `buf` and decrypt it there (no extra buffer)."""
+        """Decrypt the blocks at `lba` into `buf`: straight out of a base that lends its memory
+        or maps its page cache, else read the ciphertext into `buf` and decrypt it there (no
+        extra buffer). A mapped page that cannot be read is read again with the base's
+        read_into, which raises its error."""
         check_range(self, lba, len(buf))
         if self._lends:
             src = self._base.view(lba, len(buf) // self._block_size)  # type: ignore[attr-defined]
             self._cipher.decrypt_into(src, buf, lba)
             return
+        if self._maps:
+            src = self._base.mapped(lba, len(buf) // self._block_size)  # type: ignore[attr-defined]
+            if src is not None and self._cipher.decrypt_mapped_into(src, buf, lba):
+                return
         self._base.read_into(lba, buf)
         self._cipher.decrypt_into(buf, buf, lba)
 

@@ -41,6 +41,7 @@ LBA_MAX = (1 << 64) - 1
 # bounded; larger buffers are processed in several calls.
 SECTORS_PER_CALL_MAX = 1 << 20
 _RC_OVERLAP = 1  # dpukv_xts_run: src and dst overlap without being the same buffer
+_RC_FAULT = 2  # dpukv_xts_run_mapped: reading the mapped source raised SIGBUS
 
 
 def available_implementations() -> list[str]:
@@ -149,8 +150,14 @@ class XtsCipher:
         return handle
 
     def _run(
-        self, src: Any, dst: Any, first_lba: int, encrypt: bool, hasher: Xxh3 | None = None
-    ) -> None:
+        self,
+        src: Any,
+        dst: Any,
+        first_lba: int,
+        encrypt: bool,
+        hasher: Xxh3 | None = None,
+        mapped: bool = False,
+    ) -> bool:
         # Lean on purpose: a 4 KiB call spends more time here than in the cipher.
         src_c = _c_buffer(src, writable=False)
         dst_c = _c_buffer(dst, writable=True)
@@ -172,7 +179,14 @@ class XtsCipher:
         while done < count:
             n = min(count - done, SECTORS_PER_CALL_MAX)
             off = done * self._block_size
-            if hasher is None:
+            if mapped:
+                rc = lib.dpukv_xts_run_mapped(
+                    handle, src_c + off, dst_c + off, self._block_size, n, first_lba + done,
+                    ffi.NULL if hasher is None else hasher._state,
+                )  # fmt: skip
+                if rc == _RC_FAULT:
+                    return False
+            elif hasher is None:
                 rc = lib.dpukv_xts_run(
                     handle, src_c + off, dst_c + off, self._block_size, n, first_lba + done
                 )
@@ -188,6 +202,7 @@ class XtsCipher:
                     f"AES-XTS ({self._impl}) failed at LBA {first_lba + done - rc - 1}"
                 )
             done += n
+        return True
 
     def encrypt_into(
         self, src: Any, dst: Any, first_lba: int, *, hasher: Xxh3 | None = None
@@ -202,3 +217,10 @@ class XtsCipher:
         """Decrypt `src` into `dst` (same length, may be the same buffer); with `hasher`, feed it
         the plaintext `dst` in the same pass."""
         self._run(src, dst, first_lba, False, hasher)
+
+    def decrypt_mapped_into(self, src: Any, dst: Any, first_lba: int) -> bool:
+        """`decrypt_into` from `src` in a file's memory mapping (the NVMe tier's page cache):
+        False, with `dst` partly written, where a page of `src` could not be read (the SIGBUS
+        of an I/O error or of a file cut short, caught in C); read the range again with preadv
+        then, which reports the error."""
+        return self._run(src, dst, first_lba, False, mapped=True)

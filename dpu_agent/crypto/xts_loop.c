@@ -14,7 +14,15 @@
  * libxxhash-dev, inlined: nothing new at run time) into the cipher pass: the plaintext is hashed
  * while it is in cache (after decrypting, before encrypting), in groups of sectors that fit in
  * L2, instead of a second pass over buffers that do not fit in cache.
+ *
+ * dpukv_xts_run_mapped runs either of them over a source that is a file's memory mapping (the
+ * NVMe tier's page cache): a page the kernel cannot supply (an I/O error, a file cut short
+ * under the mapping) raises SIGBUS in the reading thread; the guard turns it into a return
+ * code, so the caller reads that range again with preadv and reports its error.
  */
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -418,4 +426,61 @@ int dpukv_xts_run_xxh3(dpukv_xts *h, const unsigned char *src, unsigned char *ds
         if (!h->encrypt) xxh3_update(state, dst + off, k * sector_bytes);
     }
     return 0;
+}
+
+/* ---------------------------------------------------------------- mapped sources ----------- */
+
+#define DPUKV_RC_FAULT 2 /* the source raised SIGBUS: a page of the mapping could not be read */
+
+static __thread sigjmp_buf *guard_jump; /* set while this thread reads a guarded mapping */
+static struct sigaction guard_previous;
+static pthread_once_t guard_once = PTHREAD_ONCE_INIT;
+static int guard_installed; /* 1 when the handler is in place */
+
+static void guard_handler(int sig, siginfo_t *info, void *uctx)
+{
+    sigjmp_buf *jump = guard_jump;
+    if (jump != NULL) {
+        guard_jump = NULL;
+        siglongjmp(*jump, 1);
+    }
+    /* Not ours: hand it to whoever had SIGBUS before (Python's faulthandler, say), or let the
+       default action end the process as it would have without this handler. */
+    if (guard_previous.sa_flags & SA_SIGINFO) {
+        guard_previous.sa_sigaction(sig, info, uctx);
+    } else if (guard_previous.sa_handler != SIG_DFL && guard_previous.sa_handler != SIG_IGN) {
+        guard_previous.sa_handler(sig);
+    } else {
+        signal(sig, SIG_DFL); /* the faulting access runs again on return and ends the process */
+    }
+}
+
+static void guard_install(void)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_sigaction = guard_handler;
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER;
+    sigemptyset(&sa.sa_mask);
+    guard_installed = sigaction(SIGBUS, &sa, &guard_previous) == 0;
+}
+
+/* dpukv_xts_run (state NULL) or dpukv_xts_run_xxh3 over a memory-mapped `src`. Returns their
+   codes, or DPUKV_RC_FAULT when reading `src` raised SIGBUS (dst then holds part of the
+   output). Returns DPUKV_RC_FAULT at once where the handler could not be installed. */
+int dpukv_xts_run_mapped(dpukv_xts *h, const unsigned char *src, unsigned char *dst,
+                         size_t sector_bytes, size_t sector_count, uint64_t first_lba,
+                         XXH3_state_t *state)
+{
+    sigjmp_buf jump;
+    int rc;
+    pthread_once(&guard_once, guard_install);
+    if (!guard_installed) return DPUKV_RC_FAULT;
+    if (sigsetjmp(jump, 1) != 0) return DPUKV_RC_FAULT; /* the handler cleared guard_jump */
+    guard_jump = &jump;
+    rc = state == NULL ? dpukv_xts_run(h, src, dst, sector_bytes, sector_count, first_lba)
+                       : dpukv_xts_run_xxh3(h, src, dst, sector_bytes, sector_count,
+                                            first_lba, state);
+    guard_jump = NULL;
+    return rc;
 }

@@ -852,9 +852,13 @@ def _page_cache_write(dev: object, opcode: int) -> bool:
 def _memory_lane(dev: object, opcode: int) -> bool:
     """Whether a command that leaves the loop goes to the target's memory lane (one thread,
     arrival order) rather than the I/O pool: reads of the encrypted DRAM tier, whose only
-    work is the decryption (MEMORY_LANE_WORKERS). Write Zeroes and the rest stay in the pool,
-    so a long one never holds up the reads queued behind it."""
-    return opcode == IoOpcode.READ and getattr(dev, "in_memory", False) is True
+    work is the decryption (MEMORY_LANE_WORKERS), and reads of the NVMe tier's mapped file,
+    the same while its pages are cached (the target watches for those that are not,
+    LANE_SLOW_S). Write Zeroes and the rest stay in the pool, so a long one never holds up the
+    reads queued behind it."""
+    return opcode == IoOpcode.READ and (
+        getattr(dev, "in_memory", False) is True or getattr(dev, "mapped_reads", False) is True
+    )
 
 
 def _lends_memory(dev: object) -> bool:

@@ -49,6 +49,13 @@ _IPO_QID, _IPO_SQSIZE = 42, 44
 # at once on the 2-vCPU box preempted the loop's send and the host: at 1 MiB QD8, 4.3 GB/s
 # with the four-thread pool vs 4.5-4.7 with one (issue 9, A/B runs under the bench lock).
 MEMORY_LANE_WORKERS = 1
+# Reads of the NVMe tier's mapped file share the lane (a cipher pass out of the page cache, as
+# for DRAM: 1 MiB QD8 moved 0.75-0.81 of the socket ceiling there against 0.58-0.73 through
+# preadv in the pool, docs/BENCHMARKS.md). A read whose pages are not cached waits on the disk
+# and would hold up every read queued behind it: one that took longer than this sends the
+# lane's work to the pool (its threads wait on the disk side by side) for LANE_BACKOFF_S.
+LANE_SLOW_S = 0.002  # a cached 1 MiB read decrypts in ~0.05 ms with VAES, ~0.3 with EVP
+LANE_BACKOFF_S = 1.0
 
 
 class NvmeTcpTarget:
@@ -82,6 +89,7 @@ class NvmeTcpTarget:
         self._server: asyncio.Server | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._memory_lane: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lane_slow_until = 0.0  # monotonic: a lane call took longer than LANE_SLOW_S
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ka_task: asyncio.Task[None] | None = None
 
@@ -201,18 +209,23 @@ class NvmeTcpTarget:
         one loop wake-up per command, where run_in_executor's chain of futures takes a
         wake-up and another loop turn (issue 9: per-command work at 1 MiB QD8).
 
-        `memory`: memory-only work (decrypting a read of the DRAM tier) goes to the memory
-        lane instead, one thread that runs it in arrival order (MEMORY_LANE_WORKERS)."""
+        `memory`: memory-only work (decrypting a read of the DRAM tier or of the NVMe tier's
+        page cache) goes to the memory lane instead, one thread that runs it in arrival order
+        (MEMORY_LANE_WORKERS), unless a lane call was slow lately (LANE_SLOW_S)."""
         loop = self._loop
-        executor = self._memory_lane if memory else self._executor
+        lane = memory and time.monotonic() >= self._lane_slow_until
+        executor = self._memory_lane if lane else self._executor
         assert loop is not None and executor is not None
 
         def work() -> None:
             exc: Exception | None = None
+            t0 = time.perf_counter()
             try:
                 fn(*args)
             except Exception as e:
                 exc = e
+            if lane and time.perf_counter() - t0 > LANE_SLOW_S:
+                self._lane_slow_until = time.monotonic() + LANE_BACKOFF_S
             try:
                 loop.call_soon_threadsafe(done, exc)
             except RuntimeError:  # the loop has closed: nobody waits for this command

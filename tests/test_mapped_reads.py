@@ -1,0 +1,175 @@
+"""Issue 9, the NVMe tier's reads: decrypted straight out of the tier file's page cache (a
+read-only mapping) instead of preadv into the buffer and a cipher pass over it, with a page the
+kernel cannot supply (SIGBUS) turned into a fallback to preadv, not a dead agent."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from dpu_agent.blockdev import FileBlockDevice
+from dpu_agent.crypto import CryptoBlockDevice, XtsCipher
+from dpu_agent.nvmf import NvmeTcpTarget
+from dpu_agent.nvmf import _target as target_module
+
+KEY = bytes(range(64))
+BS = 4096
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_reads_decrypt_out_of_the_mapping_without_preadv(tmp_path: Path) -> None:
+    dev = CryptoBlockDevice(FileBlockDevice(tmp_path / "t.img", block_count=64), XtsCipher(KEY))
+    try:
+        data = os.urandom(16 * BS)
+        dev.write(8, data)
+        assert dev.mapped_reads
+
+        def no_preadv(lba: int, buf: memoryview) -> None:
+            raise AssertionError("read through preadv, not the mapping")
+
+        dev.base.read_into = no_preadv  # type: ignore[method-assign]
+        out = bytearray(16 * BS)
+        dev.read_into(8, memoryview(out))
+        assert out == data
+        dev.write(12, bytes(4 * BS))  # a later write is seen through the mapping (one cache)
+        dev.read_into(8, memoryview(out))
+        assert out == data[: 4 * BS] + bytes(4 * BS) + data[8 * BS :]
+    finally:
+        dev.close()
+
+
+def test_a_file_that_cannot_be_mapped_reads_through_preadv(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mmap
+
+    def refuse(*args: object, **kwargs: object) -> mmap.mmap:
+        raise OSError(19, "No such device")  # what mmap says of a file system without it
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    base = FileBlockDevice(tmp_path / "t.img", block_count=16)
+    dev = CryptoBlockDevice(base, XtsCipher(KEY))
+    try:
+        assert base.mapped(0, 1) is None
+        data = os.urandom(4 * BS)
+        dev.write(2, data)
+        out = bytearray(4 * BS)
+        dev.read_into(2, memoryview(out))
+        assert out == data
+    finally:
+        dev.close()
+
+
+def run_child(code: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, timeout=60, env=env, check=False,
+    )  # fmt: skip
+
+
+def test_file_cut_short_under_the_mapping_is_a_fallback_not_a_sigbus(tmp_path: Path) -> None:
+    """A page past the end of a file cut short (as an I/O error) raises SIGBUS in the reading
+    thread; unguarded, that ends the agent (the child dies with -SIGBUS). Guarded, the read
+    goes to preadv, which sees the file's end."""
+    r = run_child(
+        f"""
+        import os
+        from dpu_agent.blockdev import FileBlockDevice
+        from dpu_agent.crypto import CryptoBlockDevice, XtsCipher
+        base = FileBlockDevice({str(tmp_path / "t.img")!r}, block_count=64)
+        dev = CryptoBlockDevice(base, XtsCipher({KEY!r}))
+        data = os.urandom(16 * {BS})
+        dev.write(0, data)
+        out = bytearray(16 * {BS})
+        dev.read_into(0, memoryview(out)); assert out == data
+        os.truncate(base.path, 4 * {BS})  # pages 4.. of the mapping are gone
+        calls = []
+        read_into = base.read_into
+        base.read_into = lambda lba, buf: (calls.append(lba), read_into(lba, buf))
+        dev.read_into(0, memoryview(out))
+        assert calls == [0], calls  # the mapped pass failed over to preadv
+        assert out[: 4 * {BS}] == data[: 4 * {BS}]
+        print("survived")
+        """
+    )
+    assert r.returncode == 0 and "survived" in r.stdout, (r.returncode, r.stderr[-2000:])
+
+
+def test_sigbus_outside_a_guarded_read_still_ends_the_process(tmp_path: Path) -> None:
+    """The guard catches only its own reads: any other SIGBUS keeps its default action."""
+    r = run_child(
+        f"""
+        import mmap, os
+        from dpu_agent.crypto import XtsCipher
+        c = XtsCipher({KEY!r})
+        path = {str(tmp_path / "u.img")!r}
+        with open(path, "wb") as f:
+            f.truncate(8 * {BS})
+        fd = os.open(path, os.O_RDONLY)
+        m = mmap.mmap(fd, 8 * {BS}, prot=mmap.PROT_READ)
+        out = bytearray(8 * {BS})
+        assert c.decrypt_mapped_into(memoryview(m), out, 0)  # the guard is installed now
+        os.truncate(path, 0)
+        print("before", flush=True)
+        m[5 * {BS}]  # unguarded read of a page that is gone
+        print("after")
+        """
+    )
+    assert r.returncode == -7 and "before" in r.stdout and "after" not in r.stdout, (
+        r.returncode, r.stdout, r.stderr[-2000:],
+    )  # fmt: skip
+
+
+def test_slow_lane_call_sends_the_lane_work_to_the_pool_for_a_while(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A mapped read whose pages are not cached waits on the disk; in the one-thread lane it
+    would hold up every read behind it. After one slow call the lane's work goes to the pool
+    (LANE_BACKOFF_S), then back to the lane."""
+    monkeypatch.setattr(target_module, "LANE_BACKOFF_S", 0.3)
+
+    async def main() -> list[str]:
+        target = NvmeTcpTarget((), "127.0.0.1", 0)
+        await target.start()
+        ran_in: list[str] = []
+
+        async def one(work: Callable[[], None]) -> None:
+            done = asyncio.Event()
+
+            def cb(exc: Exception | None) -> None:
+                assert exc is None
+                done.set()
+
+            target.submit_io(cb, work, memory=True)
+            await asyncio.wait_for(done.wait(), 10)
+
+        def fast() -> None:
+            ran_in.append(threading.current_thread().name)
+
+        def slow() -> None:
+            ran_in.append(threading.current_thread().name)
+            time.sleep(target_module.LANE_SLOW_S * 5)
+
+        try:
+            await one(fast)
+            await one(slow)
+            await one(fast)  # within the back-off: the pool
+            await asyncio.sleep(0.4)
+            await one(fast)  # after it: the lane again
+        finally:
+            await target.stop()
+        return ran_in
+
+    ran_in = asyncio.run(main())
+    kinds = [name.split("_")[0] for name in ran_in]
+    assert kinds == ["nvmf-mem", "nvmf-mem", "nvmf-io", "nvmf-mem"], ran_in
