@@ -35,6 +35,11 @@ def test_run_bench_reads_and_writes_the_agents_tier_stack() -> None:
         assert ("device_gbps" in r) is has_device and ("vs_device" in r) is has_device
         if has_device:
             assert r["device_gbps"] > 0 and r["vs_device"] > 0
+            # ... and next to the socket and the device running at once (the lower of the two)
+            assert 0 < r["socket_device_gbps"] <= max(r["device_gbps"], r["ceiling_gbps"]) * 3
+            assert r["vs_socket_device"] > 0
+        else:
+            assert "socket_device_gbps" not in r
     assert report["device_ceiling"].endswith("a file beside the tier file")
 
 
