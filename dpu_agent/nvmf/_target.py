@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import ipaddress
+import resource
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -50,12 +51,18 @@ _IPO_QID, _IPO_SQSIZE = 42, 44
 # with the four-thread pool vs 4.5-4.7 with one (issue 9, A/B runs under the bench lock).
 MEMORY_LANE_WORKERS = 1
 # Reads of the NVMe tier's mapped file share the lane (a cipher pass out of the page cache, as
-# for DRAM: 1 MiB QD8 moved 0.75-0.81 of the socket ceiling there against 0.58-0.73 through
+# for DRAM: 1 MiB QD8 moved 0.74-0.87 of the socket ceiling there against 0.61-0.73 through
 # preadv in the pool, docs/BENCHMARKS.md). A read whose pages are not cached waits on the disk
-# and would hold up every read queued behind it: one that took longer than this sends the
-# lane's work to the pool (its threads wait on the disk side by side) for LANE_BACKOFF_S.
-LANE_SLOW_S = 0.002  # a cached 1 MiB read decrypts in ~0.05 ms with VAES, ~0.3 with EVP
+# and would hold up every read queued behind it: a lane call that took a major page fault (the
+# thread's ru_majflt: it waited for the disk) sends the lane's work to the pool, whose threads
+# wait on the disk side by side, for LANE_BACKOFF_S. Not wall time: a call also waits for the
+# GIL after its cipher pass (up to the 5 ms switch interval), which is no reason to leave.
 LANE_BACKOFF_S = 1.0
+
+
+def _major_faults() -> int:
+    """Page faults of the calling thread that waited for the disk (0.4 us a call)."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_majflt
 
 
 class NvmeTcpTarget:
@@ -89,7 +96,7 @@ class NvmeTcpTarget:
         self._server: asyncio.Server | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._memory_lane: concurrent.futures.ThreadPoolExecutor | None = None
-        self._lane_slow_until = 0.0  # monotonic: a lane call took longer than LANE_SLOW_S
+        self._lane_slow_until = 0.0  # monotonic: a lane call waited for the disk
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ka_task: asyncio.Task[None] | None = None
 
@@ -211,7 +218,7 @@ class NvmeTcpTarget:
 
         `memory`: memory-only work (decrypting a read of the DRAM tier or of the NVMe tier's
         page cache) goes to the memory lane instead, one thread that runs it in arrival order
-        (MEMORY_LANE_WORKERS), unless a lane call was slow lately (LANE_SLOW_S)."""
+        (MEMORY_LANE_WORKERS), unless a lane call waited for the disk lately (LANE_BACKOFF_S)."""
         loop = self._loop
         lane = memory and time.monotonic() >= self._lane_slow_until
         executor = self._memory_lane if lane else self._executor
@@ -219,12 +226,12 @@ class NvmeTcpTarget:
 
         def work() -> None:
             exc: Exception | None = None
-            t0 = time.perf_counter()
+            faults = _major_faults() if lane else 0
             try:
                 fn(*args)
             except Exception as e:
                 exc = e
-            if lane and time.perf_counter() - t0 > LANE_SLOW_S:
+            if lane and _major_faults() > faults:
                 self._lane_slow_until = time.monotonic() + LANE_BACKOFF_S
             try:
                 loop.call_soon_threadsafe(done, exc)
