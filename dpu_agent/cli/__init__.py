@@ -7,6 +7,7 @@ Each area registers its commands below; commands stay one to three lines (parse,
 from __future__ import annotations
 
 import json
+import signal
 import sys
 
 import click
@@ -83,9 +84,17 @@ cli.add_command(plan_group)
 bench.add_command(lmcache_cmd)
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main() -> None:
     """dpuctl's entry point: click's own handling, except that under --json a usage error is
-    printed as JSON too (exit 2), so scripts always get JSON back."""
+    printed as JSON too (exit 2), so scripts always get JSON back. SIGTERM (a timeout, a
+    kill) ends a command as Ctrl-C would, through its cleanup: a benchmark stops the targets
+    and peers it started instead of leaving them running (the agent's own loop takes SIGTERM
+    over for its orderly stop)."""
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         rv = cli.main(prog_name="dpuctl", standalone_mode=False)
     except click.UsageError as e:
