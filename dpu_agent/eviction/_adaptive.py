@@ -36,8 +36,6 @@ next.
 
 from __future__ import annotations
 
-import math
-import random
 from collections.abc import Callable, Sequence
 
 from dpu_agent.eviction._arc import ArcPolicy
@@ -95,7 +93,7 @@ def _sample_hash(item: int) -> int:
 class _Shadow:
     """One candidate's miniature cache: its own policy over the sampled ids, its own hits."""
 
-    __slots__ = ("dropped", "hits", "items", "missing", "policy", "request_hits", "scored")
+    __slots__ = ("dropped", "hits", "items", "policy", "request_hits", "scored")
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self.policy = policy
@@ -105,18 +103,9 @@ class _Shadow:
         self.hits = 0.0  # decayed
         self.request_hits = 0  # in the current request
         self.scored: dict[int, bool] = {}  # sampled id -> prefix hit, in the current request
-        # items it holds that the tier does not (the refill a switch to it would need); kept
-        # by the owner (AdaptivePolicy) when it passes `held`
-        self.missing = 0
 
     def reference(
-        self,
-        item: int,
-        up: int | None,
-        now: float,
-        capacity: int,
-        evictable: Evictable,
-        held: dict[int, int | None],
+        self, item: int, up: int | None, now: float, capacity: int, evictable: Evictable
     ) -> None:
         cached = item in self.items
         chain_ok = up is None or self.scored.get(up, True)
@@ -132,18 +121,14 @@ class _Shadow:
             victim = self.policy.victim(evictable)
             if victim is None:
                 return  # everything cached is in flight: do not store this one
-            self.drop(victim, held)
+            self.drop(victim)
         parent = up if up in self.items else None
         self.policy.insert(item, parent, now)
         self.items.add(item)
-        if item not in held:
-            self.missing += 1
 
-    def drop(self, item: int, held: dict[int, int | None]) -> None:
+    def drop(self, item: int) -> None:
         self.policy.remove(item)
         self.items.discard(item)
-        if item not in held:
-            self.missing -= 1
         if self.dropped is not None:
             self.dropped.append(item)
 
@@ -164,12 +149,6 @@ class AdaptivePolicy(EvictionPolicy):
         switch_z: float = SWITCH_Z,
         warmup_turnovers: float = WARMUP_TURNOVERS,
         converge: bool = True,
-        election: str = "sigma",
-        refill_weight: float = 0.5,
-        drift: float = 0.0025,
-        refill_floor: float = 0.0,
-        rent_z: float = 0.0,
-        eta: float = 4.0,
     ) -> None:
         super().__init__(capacity)
         assert candidates and set(candidates) <= set(CANDIDATES), candidates
@@ -207,25 +186,6 @@ class AdaptivePolicy(EvictionPolicy):
         # place. Bounded by the items held.
         self._converge = converge
         self._stale: dict[int, None] = {}
-        assert election in ("sigma", "rent", "lcb", "sd", "zprice"), election
-        self._eta = eta
-        self._loss = [0.0] * n
-        self._rng = random.Random(0x5D)
-        self._election = election
-        # rent-or-buy: per challenger, the decayed CUSUM of its lead over the leader (hits);
-        # the price of a switch = its shadow's items the tier lacks x the hits lost per
-        # missing item, measured on past switches (EWMA; `refill_weight` before the first)
-        self._cusum = [0.0] * n
-        self._refill_weight = refill_weight
-        self._drift = drift
-        self._refill_floor = refill_floor
-        self._rent_z = rent_z
-        self._real_scored: dict[int, bool] = {}
-        self._real_hits = 0  # the tier's own sampled prefix hits in the current request
-        self._request_refs = 0  # sampled references in the current request
-        self._refill_paid: float | None = None  # hits lost since the last switch (measuring)
-        self._refill_missing = 0  # the new leader's missing items at the last switch
-        self._refill_refs = 0  # sampled references since the last switch
         if converge:
             self._shadows[0].dropped = []
 
@@ -251,32 +211,24 @@ class AdaptivePolicy(EvictionPolicy):
             up = parent
         else:
             up = self._up[parent]
-        if self._sampled(item):
-            for s in self._shadows:
-                if item in s.items:
-                    s.missing -= 1
         self._up[item] = up
         if len(self._up) > self._held_max:
             self._held_max = len(self._up)
             self._resample()
         if self._sampled(item):
-            self._reference(item, up, now, cached=False)
+            self._reference(item, up, now)
 
     def access(self, item: int, now: float) -> None:
         for f in self._followers:
             f.access(item, now)
         if self._sampled(item):
-            self._reference(item, self._up[item], now, cached=True)
+            self._reference(item, self._up[item], now)
 
     def remove(self, item: int) -> None:
         for f in self._followers:
             f.remove(item)
         del self._up[item]
         self._stale.pop(item, None)
-        if self._sampled(item):
-            for s in self._shadows:
-                if item in s.items:
-                    s.missing += 1
 
     def victim(self, evictable: Evictable) -> int | None:
         stale = self._stale_victim(evictable) if self._stale else None
@@ -307,24 +259,19 @@ class AdaptivePolicy(EvictionPolicy):
     def _shadow_capacity(self) -> int:
         return max(1, self._held_max >> self._shift)
 
-    def _reference(self, item: int, up: int | None, now: float, *, cached: bool) -> None:
+    def _reference(self, item: int, up: int | None, now: float) -> None:
         if now != self._now:
             self._end_request()
             self._now = now
         self._in_flight.add(item)
-        real_hit = cached and (up is None or self._real_scored.get(up, True))
-        self._real_scored[item] = real_hit
-        self._real_hits += real_hit
-        self._request_refs += 1
         in_flight = self._in_flight
         capacity = self._shadow_capacity()
 
         def evictable(i: int) -> bool:
             return i not in in_flight
 
-        held = self._up
         for s in self._shadows:
-            s.reference(item, up, now, capacity, evictable, held)
+            s.reference(item, up, now, capacity, evictable)
         if self._converge:
             lead = self._shadows[self._leader]
             if item in lead.items:
@@ -351,22 +298,10 @@ class AdaptivePolicy(EvictionPolicy):
                     d = hits[i] - hits[j]
                     row[j] += d
                     sq[j] += d * d
-            if self._election == "rent":
-                self._elect_rent(hits)
-            elif self._election == "lcb":
-                self._elect_lcb()
-            elif self._election == "sd":
-                self._elect_sd(hits)
-            elif self._election == "zprice":
-                self._elect_zprice()
-            else:
-                self._elect()
+            self._elect()
             if self.observer is not None:
                 self.observer(hits, self.leader)
         self._in_flight.clear()
-        self._real_scored.clear()
-        self._real_hits = 0
-        self._request_refs = 0
         for s in shadows:
             s.scored.clear()
             s.request_hits = 0
@@ -378,8 +313,6 @@ class AdaptivePolicy(EvictionPolicy):
             for rows in (self._lead_sum, self._lead_sq):
                 for row in rows:
                     row[:] = [v / 2.0 for v in row]
-            self._cusum = [v / 2.0 for v in self._cusum]
-            self._loss = [v / 2.0 for v in self._loss]
 
     def _elect(self) -> None:
         """A challenger takes over when its lead over the leader is large (`switch_margin` of
@@ -397,125 +330,6 @@ class AdaptivePolicy(EvictionPolicy):
             self.switches += 1
             if self._converge:
                 self._follow_shadow()
-
-    def _elect_rent(self, hits: list[int]) -> None:
-        """Rent or buy (ski rental): staying with the leader while a challenger leads pays
-        "rent" (the hits it leads by, accumulated as a CUSUM that restarts when it trails);
-        a switch "buys" at the price of the refill, the hits lost while the tier refills the
-        new leader's contents: its shadow's items the tier lacks x the hits lost per missing
-        item, measured on past switches. Switching when the rent reaches the price loses at
-        most twice what the better choice in hindsight loses, per lead followed."""
-        lead = self._leader
-        if self._refill_paid is not None:
-            self._refill_paid += hits[lead] - self._real_hits
-            self._refill_refs += self._request_refs
-            if not self._stale or self._refill_refs >= self._shadow_capacity():
-                if self._refill_missing > 0:
-                    measured = max(0.0, self._refill_paid) / self._refill_missing
-                    self._refill_weight = max(
-                        self._refill_floor, 0.5 * (self._refill_weight + measured)
-                    )
-                self._refill_paid = None
-        if self._refs_total < self._warmup * self._shadow_capacity():
-            return
-        drift = self._drift * self._request_refs
-        cusum = self._cusum
-        best, best_excess = lead, 0.0
-        for j, h in enumerate(hits):
-            if j == lead:
-                continue
-            cusum[j] = max(0.0, cusum[j] + h - hits[lead] - drift)
-            excess = cusum[j] - self._refill_weight * self._shadows[j].missing
-            if excess > best_excess and self._significant(j, lead, self._rent_z):
-                best, best_excess = j, excess
-        if best == lead:
-            return
-        self._leader = best
-        self.switches += 1
-        self._cusum = [0.0] * len(cusum)
-        self._refill_missing = self._shadows[best].missing
-        self._refill_paid = 0.0
-        self._refill_refs = 0
-        if self._converge:
-            self._follow_shadow()
-
-    def _elect_lcb(self) -> None:
-        """Switch when the lower confidence bound of a challenger's decayed lead (lead -
-        z standard errors) exceeds the price of its refill (its missing items x weight)."""
-        if self._refs_total < self._warmup * self._shadow_capacity():
-            return
-        lead = self._leader
-        best, best_excess = lead, 0.0
-        for j in range(len(self._shadows)):
-            if j == lead:
-                continue
-            m = self._lead_sum[j][lead]
-            lcb = m - self._rent_z * self._lead_sq[j][lead] ** 0.5
-            excess = (
-                lcb - self._refill_weight * self._shadows[j].missing - self._margin * self._refs
-            )
-            if excess > best_excess:
-                best, best_excess = j, excess
-        if best != lead:
-            self._leader = best
-            self.switches += 1
-            if self._converge:
-                self._follow_shadow()
-
-    def _elect_sd(self, hits: list[int]) -> None:
-        """Shrinking Dartboard (Geulen, Voecking, Winkler, COLT 2010), losses decayed."""
-        refs = max(1, self._request_refs)
-        top = max(hits)
-        for i, h in enumerate(hits):
-            self._loss[i] += (top - h) / refs
-        if self._refs_total < self._warmup * self._shadow_capacity():
-            return
-        lead = self._leader
-        stay = math.exp(-self._eta * (top - hits[lead]) / refs)
-        if self._rng.random() < stay:
-            return
-        low = min(self._loss)
-        w = [math.exp(-self._eta * (v - low)) for v in self._loss]
-        x = self._rng.random() * sum(w)
-        pick = len(w) - 1
-        for i, wi in enumerate(w):
-            x -= wi
-            if x < 0:
-                pick = i
-                break
-        if pick != lead:
-            self._leader = pick
-            self.switches += 1
-            if self._converge:
-                self._follow_shadow()
-
-    def _elect_zprice(self) -> None:
-        """The sigma rule with z scaled by the price: z x sqrt(missing / shadow capacity)."""
-        if self._refs_total < self._warmup * self._shadow_capacity():
-            return
-        lead = self._leader
-        cap = self._shadow_capacity()
-        best, best_m = lead, 0.0
-        for j in range(len(self._shadows)):
-            if j == lead:
-                continue
-            m = self._lead_sum[j][lead]
-            z = self._z * (self._shadows[j].missing / cap) ** 0.5
-            if (
-                m > self._margin * self._refs
-                and m * m > z * z * self._lead_sq[j][lead]
-                and m > best_m
-            ):
-                best, best_m = j, m
-        if best != lead:
-            self._leader = best
-            self.switches += 1
-            if self._converge:
-                self._follow_shadow()
-
-    def _significant(self, j: int, lead: int, z: float) -> bool:
-        margin = self._lead_sum[j][lead]
-        return margin > 0 and margin * margin > z * z * self._lead_sq[j][lead]
 
     def _follow_shadow(self) -> None:
         """The tier's sampled items the new leader's shadow does not hold leave first (O(items
@@ -535,6 +349,6 @@ class AdaptivePolicy(EvictionPolicy):
             self._shift += 1
             for s in self._shadows:
                 for item in [i for i in s.items if not self._sampled(i)]:
-                    s.drop(item, self._up)
+                    s.drop(item)
             if self._converge:
                 self._follow_shadow()
