@@ -149,11 +149,6 @@ class AdaptivePolicy(EvictionPolicy):
         switch_z: float = SWITCH_Z,
         warmup_turnovers: float = WARMUP_TURNOVERS,
         converge: bool = True,
-        long_half_life: float = 0.0,
-        long_z: float = 1.0,
-        long_margin: float = 0.0,
-        long_lead: float = 0.0,
-        long_warmup: float = 0.0,
     ) -> None:
         super().__init__(capacity)
         assert candidates and set(candidates) <= set(CANDIDATES), candidates
@@ -184,12 +179,6 @@ class AdaptivePolicy(EvictionPolicy):
         n = len(self._names)
         self._lead_sum = [[0.0] * n for _ in range(n)]
         self._lead_sq = [[0.0] * n for _ in range(n)]
-        self._long_half_life = long_half_life
-        self._long_z = long_z
-        self._long_margin = long_margin
-        self._long_lead = long_lead
-        self._long_warmup = long_warmup
-        self._long_hits = [0.0] * n
         self.switches = 0
         # Sampled items the tier holds that the leader's shadow has evicted, oldest first:
         # evicted before asking the leader's follower, so the tier's sampled contents become the
@@ -309,8 +298,6 @@ class AdaptivePolicy(EvictionPolicy):
                     d = hits[i] - hits[j]
                     row[j] += d
                     sq[j] += d * d
-            for i, h in enumerate(hits):
-                self._long_hits[i] += h
             self._elect()
             if self.observer is not None:
                 self.observer(hits, self.leader)
@@ -326,9 +313,6 @@ class AdaptivePolicy(EvictionPolicy):
             for rows in (self._lead_sum, self._lead_sq):
                 for row in rows:
                     row[:] = [v / 2.0 for v in row]
-            if self._long_half_life > 0:
-                f = 2.0 ** (-self._half_life / self._long_half_life)
-                self._long_hits = [v * f for v in self._long_hits]
 
     def _elect(self) -> None:
         """A challenger takes over when its lead over the leader is large (`switch_margin` of
@@ -337,29 +321,6 @@ class AdaptivePolicy(EvictionPolicy):
         if self._refs_total < self._warmup * self._shadow_capacity():
             return
         lead = self._leader
-        if self._long_half_life > 0:
-            n = len(self._shadows)
-            long_best = max(range(n), key=lambda i: self._long_hits[i])
-            if self._long_hits[long_best] <= (1 + self._long_lead) * self._long_hits[
-                lead
-            ] or self._refs_total < self._long_warmup * (self._shadow_capacity()):
-                long_best = -1  # no clear long-term leader other than the leader
-            best, best_m = lead, 0.0
-            for j in range(n):
-                if j == lead:
-                    continue
-                m = self._lead_sum[j][lead]
-                z, mg = (
-                    (self._long_z, self._long_margin) if j == long_best else (self._z, self._margin)
-                )
-                if m > mg * self._refs and m * m > z * z * self._lead_sq[j][lead] and m > best_m:
-                    best, best_m = j, m
-            if best != lead:
-                self._leader = best
-                self.switches += 1
-                if self._converge:
-                    self._follow_shadow()
-            return
         best = max(range(len(self._shadows)), key=lambda i: self._lead_sum[i][lead])
         margin = self._lead_sum[best][lead]
         if best == lead or margin <= self._margin * self._refs:
