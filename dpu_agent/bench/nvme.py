@@ -51,6 +51,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -124,13 +125,17 @@ class _CeilingPeer:
         self.port = int(self.proc.stdout.readline())
         self.span = memoryview(bytearray(SPAN_BYTES))  # as big as the initiator's buffer
 
-    def moved(self, direction: str, seconds: float) -> tuple[int, float]:
+    def moved(
+        self, direction: str, seconds: float, progress: list[int] | None = None
+    ) -> tuple[int, float]:
         """(bytes, seconds) moved; 'read': the peer sends, we recv_into; 'write': we sendall,
-        the peer drains."""
+        the peer drains. `progress[0]`: the bytes moved so far, kept up to date."""
         with socket.create_connection(("127.0.0.1", self.port)) as sock:
             sock.sendall(b"s" if direction == "read" else b"r")
             moved, start = 0, time.perf_counter()
             while time.perf_counter() - start < seconds:
+                if progress is not None:
+                    progress[0] = moved
                 view = self.span[moved % SPAN_BYTES :][:MESSAGE_BYTES]
                 if direction == "read":
                     got = 0
@@ -174,11 +179,26 @@ class _DeviceCeiling:
         # Written once in full, so that reads move bytes and not holes of a sparse file.
         self._run("write", MESSAGE_BYTES, 1, float("inf"), NS_BLOCKS * 4096)
 
-    def moved(self, op: str, io_bytes: int, qd: int, seconds: float) -> tuple[int, float]:
-        return self._run(op, io_bytes, qd, seconds, None)
+    def moved(
+        self,
+        op: str,
+        io_bytes: int,
+        qd: int,
+        seconds: float,
+        allowed: Callable[[], int] | None = None,
+    ) -> tuple[int, float]:
+        """(bytes, seconds) moved; with `allowed`, an I/O starts only once `allowed()` bytes
+        reach its end (it moves what the socket has moved: the socket+device ceiling)."""
+        return self._run(op, io_bytes, qd, seconds, None, allowed)
 
     def _run(
-        self, op: str, io_bytes: int, qd: int, seconds: float, total: int | None
+        self,
+        op: str,
+        io_bytes: int,
+        qd: int,
+        seconds: float,
+        total: int | None,
+        allowed: Callable[[], int] | None = None,
     ) -> tuple[int, float]:
         size = NS_BLOCKS * 4096
         slots = itertools.count()  # next() is atomic under the GIL: one I/O per slot
@@ -194,6 +214,10 @@ class _DeviceCeiling:
                         offset = next(slots) * io_bytes
                         if total is not None and offset >= total:
                             break
+                        while allowed is not None and allowed() < offset + io_bytes:
+                            if time.perf_counter() - start >= seconds:
+                                return
+                            time.sleep(ALLOWED_POLL_S)
                         offset %= size
                         if op == "read":
                             moved[i] += os.preadv(self.fd, [view], offset)
@@ -218,25 +242,30 @@ class _DeviceCeiling:
         self.path.unlink(missing_ok=True)
 
 
+ALLOWED_POLL_S = 0.0005  # a rate-matched device I/O waiting for the socket checks this often
+
+
 def _socket_and_device(
     peer: _CeilingPeer, device: _DeviceCeiling, op: str, io_bytes: int, qd: int, seconds: float
 ) -> float:
-    """Bytes/s that the socket ceiling and the device ceiling both keep up when they run at
-    the same time (the lower of the two): what a target doing nothing but moving bytes
-    between the socket and the device could reach on this machine, where the disk's I/O costs
-    CPU on the same cores the network needs (a virtual disk: docs/BENCHMARKS.md)."""
+    """Bytes/s that the socket ceiling and the device ceiling keep up together, the device
+    moving only what the socket has moved (rate-matched, `qd` I/Os of `io_bytes` at most in
+    flight): what a target doing nothing but moving bytes between the socket and the device
+    could reach on this machine, where the disk's I/O costs CPU on the same cores the network
+    needs (a virtual disk: docs/BENCHMARKS.md). The lower of the two rates."""
     got: list[tuple[int, float] | OSError] = []
+    progress = [0]
 
     def run_device() -> None:
         try:
-            got.append(device.moved(op, io_bytes, qd, seconds / ROUNDS))
+            got.append(device.moved(op, io_bytes, qd, seconds / ROUNDS, lambda: progress[0]))
         except OSError as e:
             got.append(e)
 
     t = threading.Thread(target=run_device)
     t.start()
     try:
-        sb, st = peer.moved(op, seconds / ROUNDS)
+        sb, st = peer.moved(op, seconds / ROUNDS, progress)
     finally:
         t.join()
     result = got[0]
