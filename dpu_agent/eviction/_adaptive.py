@@ -36,7 +36,6 @@ next.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 from dpu_agent.eviction._arc import ArcPolicy
@@ -150,9 +149,6 @@ class AdaptivePolicy(EvictionPolicy):
         switch_z: float = SWITCH_Z,
         warmup_turnovers: float = WARMUP_TURNOVERS,
         converge: bool = True,
-        blend: float | None = None,
-        blend_floor: float = 0.5,
-        blend_order: str = "score",
     ) -> None:
         super().__init__(capacity)
         assert candidates and set(candidates) <= set(CANDIDATES), candidates
@@ -192,26 +188,6 @@ class AdaptivePolicy(EvictionPolicy):
         self._stale: dict[int, None] = {}
         if converge:
             self._shadows[0].dropped = []
-        # Blend (experiment): no followed leader; the tier evicts the item held that the
-        # largest weight of candidates has evicted (their shadows do not hold it), weights
-        # exp(blend x (shadow hit rate - best shadow's), in points). LeCaR / CACHEUS-style.
-        self._blend = blend
-        self._blend_floor = blend_floor
-        self._blend_by_age = blend_order == "age"
-        self._blend_by_first = blend_order == "first"
-        # held items in the order they became eligible (weight of their evicters >= floor)
-        self._since: dict[int, None] = {}
-        self._stamp: dict[int, int] = {}  # held item -> when its mask last changed
-        self._clock = 0
-        self._weights = [1.0] + [0.0] * (n - 1)
-        self._mask_score = [0.0] * (1 << n)
-        self._mask: dict[int, int] = {}  # sampled held item -> bits of shadows not holding it
-        self._buckets: dict[int, dict[int, None]] = {}
-        if blend is not None:
-            self._stale = {}
-            for s in self._shadows:
-                s.dropped = []
-            self._rescore()
 
     @property
     def leader(self) -> str:
@@ -253,82 +229,15 @@ class AdaptivePolicy(EvictionPolicy):
             f.remove(item)
         del self._up[item]
         self._stale.pop(item, None)
-        if self._blend is not None:
-            m = self._mask.pop(item, None)
-            self._stamp.pop(item, None)
-            self._since.pop(item, None)
-            if m is not None:
-                del self._buckets[m][item]
 
     def victim(self, evictable: Evictable) -> int | None:
-        if self._blend is not None:
-            stale = self._blend_victim(evictable)
-        else:
-            stale = self._stale_victim(evictable) if self._stale else None
+        stale = self._stale_victim(evictable) if self._stale else None
         for i in self._exercised:
             if i != self._leader or stale is not None:
                 self._followers[i].victim(evictable)  # its own aging moves on; nothing leaves
         if stale is not None:
             return stale
         return self._followers[self._leader].victim(evictable)
-
-    def _blend_victim(self, evictable: Evictable) -> int | None:
-        score = self._mask_score
-        floor = self._blend_floor
-        if self._blend_by_first:
-            since, masks = self._since, self._mask
-            gone = []
-            found = None
-            for item in since:
-                if score[masks[item]] < floor:
-                    gone.append(item)
-                elif evictable(item):
-                    found = item
-                    break
-            for item in gone:
-                del since[item]
-            if found is not None:
-                return found
-        eligible = [m for m, b in self._buckets.items() if b and score[m] >= floor]
-        if self._blend_by_age:  # the eligible item whose mask changed longest ago
-            best: int | None = None
-            for m in eligible:
-                for item in self._buckets[m]:
-                    if evictable(item):
-                        if best is None or self._stamp[item] < self._stamp[best]:
-                            best = item
-                        break
-            return best
-        ranked = sorted(eligible, key=score.__getitem__, reverse=True)
-        for m in ranked:
-            for item in self._buckets[m]:
-                if evictable(item):
-                    return item
-        return None
-
-    def _set_mask(self, item: int, m: int) -> None:
-        old = self._mask.get(item)
-        if old == m:
-            return
-        if old is not None:
-            del self._buckets[old][item]
-        self._mask[item] = m
-        if self._blend_by_first:
-            if self._mask_score[m] < self._blend_floor:
-                self._since.pop(item, None)
-            elif item not in self._since:
-                self._since[item] = None
-        self._clock += 1
-        self._stamp[item] = self._clock
-        bucket = self._buckets.get(m)
-        if bucket is None:
-            bucket = self._buckets[m] = {}
-        bucket[item] = None
-
-    def _rescore(self) -> None:
-        w = self._weights
-        n = len(w)
-        self._mask_score = [sum(w[c] for c in range(n) if m >> c & 1) for m in range(1 << n)]
 
     def _stale_victim(self, evictable: Evictable) -> int | None:
         for item in self._stale:  # skips only the current request's items
@@ -363,21 +272,7 @@ class AdaptivePolicy(EvictionPolicy):
 
         for s in self._shadows:
             s.reference(item, up, now, capacity, evictable)
-        if self._blend is not None:
-            masks = self._mask
-            for c, s in enumerate(self._shadows):
-                assert s.dropped is not None
-                for d in s.dropped:
-                    old = masks.get(d)
-                    if old is not None:
-                        self._set_mask(d, old | 1 << c)
-                s.dropped.clear()
-            m = 0
-            for c, s in enumerate(self._shadows):
-                if item not in s.items:
-                    m |= 1 << c
-            self._set_mask(item, m)
-        elif self._converge:
+        if self._converge:
             lead = self._shadows[self._leader]
             if item in lead.items:
                 self._stale.pop(item, None)
@@ -403,10 +298,7 @@ class AdaptivePolicy(EvictionPolicy):
                     d = hits[i] - hits[j]
                     row[j] += d
                     sq[j] += d * d
-            if self._blend is not None:
-                self._blend_weights()
-            else:
-                self._elect()
+            self._elect()
             if self.observer is not None:
                 self.observer(hits, self.leader)
         self._in_flight.clear()
@@ -421,19 +313,6 @@ class AdaptivePolicy(EvictionPolicy):
             for rows in (self._lead_sum, self._lead_sq):
                 for row in rows:
                     row[:] = [v / 2.0 for v in row]
-
-    def _blend_weights(self) -> None:
-        if self._refs_total < self._warmup * self._shadow_capacity():
-            return
-        rates = [s.hits / self._refs * 100.0 for s in self._shadows]
-        best = max(rates)
-        assert self._blend is not None
-        self._weights = [math.exp(self._blend * (r - best)) for r in rates]
-        leader = rates.index(best)
-        if leader != self._leader:
-            self._leader = leader
-            self.switches += 1
-        self._rescore()
 
     def _elect(self) -> None:
         """A challenger takes over when its lead over the leader is large (`switch_margin` of
@@ -471,12 +350,5 @@ class AdaptivePolicy(EvictionPolicy):
             for s in self._shadows:
                 for item in [i for i in s.items if not self._sampled(i)]:
                     s.drop(item)
-            if self._blend is not None:
-                for s in self._shadows:
-                    assert s.dropped is not None
-                    s.dropped.clear()
-                for item in [i for i in self._mask if not self._sampled(i)]:
-                    self._since.pop(item, None)
-                    del self._buckets[self._mask.pop(item)][item]
-            elif self._converge:
+            if self._converge:
                 self._follow_shadow()
