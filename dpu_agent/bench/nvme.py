@@ -32,9 +32,9 @@ ceiling is the same loop without it, and `device_direct` says so.
 Those rows also get a socket+device ceiling, in slices of their own: the socket ceiling and
 the device ceiling run at the same time, the device moving only what the socket has moved
 (rate-matched), and the lower of the two rates is what a target that only moved bytes
-between the socket and the disk (no protocol, no cipher) could keep up on this machine, where a virtual disk's I/O costs CPU on the cores the network needs:
-`socket_device_gbps` (median of the slices), and `vs_socket_device` the median of the slices'
-row / socket+device.
+between the socket and the disk (no protocol, no cipher) could keep up on this machine, where
+a virtual disk's I/O costs CPU on the cores the network needs: `socket_device_gbps` (median
+of the slices), and `vs_socket_device` the median of the slices' row / socket+device.
 """
 
 from __future__ import annotations
