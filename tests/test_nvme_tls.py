@@ -140,15 +140,18 @@ def spdk_secure_target(
             "method": "nvmf_create_subsystem",
             "params": {"nqn": NQN, "allow_any_host": False, "serial_number": "SPDKTLS1"},
         },
-        {
-            "method": "nvmf_subsystem_add_listener",
-            "params": {"nqn": NQN, "listen_address": listen_address(port), "secure_channel": True},
-        },
         {"method": "nvmf_subsystem_add_host", "params": {"nqn": NQN, "host": HOST, "psk": "psk0"}},
         {"method": "nvmf_subsystem_add_host", "params": {"nqn": NQN, "host": HOST2, "psk": "psk1"}},
         {
             "method": "nvmf_subsystem_add_ns",
             "params": {"nqn": NQN, "namespace": {"bdev_name": "Malloc0"}},
+        },
+        # Last: the fixture starts connecting as soon as the port listens, and SPDK applies the
+        # config in order. With the listener first, a loaded CI box connected before the hosts
+        # and their PSKs were added, and SPDK answered the handshake with an internal-error alert.
+        {
+            "method": "nvmf_subsystem_add_listener",
+            "params": {"nqn": NQN, "listen_address": listen_address(port), "secure_channel": True},
         },
     ]
     bdev = [
