@@ -552,3 +552,33 @@ def test_adaptive_switch_evicts_what_the_new_leader_would_not_hold() -> None:
         assert policy.sample_rate == 1.0  # every id simulated: the shadow is `prefix` alone
     assert kept_by_leader[True] == 0
     assert kept_by_leader[False] > 40  # 84 when measured
+
+
+def test_adaptive_hybrid_blends_only_while_a_switch_is_pending() -> None:
+    """The hybrid option (docs/EVICTION.md, fifth session third pass): while a challenger
+    leads the leader by `hybrid_z` standard errors it evicts by the slow blend, otherwise
+    exactly as the election alone. Fails if the option never blends or never follows."""
+    from dpu_agent.bench.replay import distinct_blocks
+    from dpu_agent.bench.replay import replay_request as replay_one
+    from dpu_agent.bench.replay_family import CHOOSE_SET
+    from dpu_agent.eviction._adaptive import BLEND, BLEND_HALF_LIFE_TURNOVERS, HYBRID_Z
+
+    spec = next(t for t in CHOOSE_SET if t.name.startswith("conv seed 0"))
+    trace = spec.load()
+    capacity = max(1, round(0.05 * distinct_blocks(trace)))
+    hybrid = AdaptivePolicy(
+        capacity,
+        blend=BLEND,
+        hybrid_z=HYBRID_Z,
+        blend_half_life_turnovers=BLEND_HALF_LIFE_TURNOVERS,
+    )
+    alone = AdaptivePolicy(capacity)
+    unclear = 0
+    hits = [0, 0]
+    for request in trace:
+        for k, policy in enumerate((hybrid, alone)):
+            hits[k] += replay_one(policy, request, capacity)
+        unclear += not hybrid._clear
+    assert 0 < unclear < len(trace)  # both modes are used
+    assert alone._clear  # the election alone never blends
+    assert hits[0] != hits[1]
