@@ -164,6 +164,8 @@ class AdaptivePolicy(EvictionPolicy):
         blend_floor: float = 0.5,
         blend_order: str = "score",
         hybrid_z: float | None = None,
+        hybrid_margin: float = 0.0,
+        hybrid_pair: bool = False,
         blend_half_life_turnovers: float | None = None,
     ) -> None:
         super().__init__(capacity)
@@ -223,6 +225,9 @@ class AdaptivePolicy(EvictionPolicy):
         # candidate by `hybrid_z` standard errors of the per-request differences (decayed, the
         # election's own statistic), evict by the blend only while it does not.
         self._hybrid = hybrid_z
+        self._hybrid_margin = hybrid_margin
+        self._hybrid_pair = hybrid_pair
+        self._ahead: list[int] = []
         self._clear = True
         # the blend's weights from their own, slower decay (None: the election's half-life)
         self._blend_half_life = blend_half_life_turnovers
@@ -438,15 +443,19 @@ class AdaptivePolicy(EvictionPolicy):
                 self._slow_hits[i] += h
             if self._hybrid is not None:
                 self._elect()
-                self._blend_weights()
                 # no clear leader: a challenger is ahead of it by `hybrid_z` standard errors
-                # (a switch is pending: the election has not yet seen margin and significance)
+                # and `hybrid_margin` of the decayed references (a switch is pending: the
+                # election has not yet seen its margin and significance)
                 lead = self._leader
                 z2 = self._hybrid * self._hybrid
-                self._clear = not any(
-                    j != lead and row[lead] > 0 and row[lead] * row[lead] > z2 * sq[lead]
+                floor = self._hybrid_margin * self._refs
+                self._ahead = [
+                    j
                     for j, (row, sq) in enumerate(zip(self._lead_sum, self._lead_sq, strict=True))
-                )
+                    if j != lead and row[lead] > floor and row[lead] * row[lead] > z2 * sq[lead]
+                ]
+                self._clear = not self._ahead
+                self._blend_weights()
             elif self._blend is not None:
                 self._blend_weights()
             else:
@@ -478,9 +487,18 @@ class AdaptivePolicy(EvictionPolicy):
             rates = [h / self._slow_refs * 100.0 for h in self._slow_hits]
         else:
             rates = [s.hits / self._refs * 100.0 for s in self._shadows]
-        best = max(rates)
         assert self._blend is not None
-        self._weights = [math.exp(self._blend * (r - best)) for r in rates]
+        if self._hybrid is not None and self._hybrid_pair:
+            # hedge only between the leader and the challengers ahead of it
+            allowed = {self._leader, *self._ahead}
+            best = max(r for i, r in enumerate(rates) if i in allowed)
+            self._weights = [
+                math.exp(self._blend * (r - best)) if i in allowed else 0.0
+                for i, r in enumerate(rates)
+            ]
+        else:
+            best = max(rates)
+            self._weights = [math.exp(self._blend * (r - best)) for r in rates]
         leader = rates.index(best)
         if self._hybrid is None and leader != self._leader:
             self._leader = leader
