@@ -1,11 +1,12 @@
 """Sixth-session experiment: `adaptive` options replayed on family cells, with the best fixed
-policy of each cell and the shipped rule's figure computed in the same script (cached in
-/tmp, the replay is deterministic). Sets: `fresh` (seeds 10 and 11 of every shape, never used
-before this session; the set the sixth session's rule is chosen on), `sample` (the
-repository's first 500 requests of the Mooncake synthetic trace), `choose`, `report`,
-`held-out` (the family's). Usage, from the repository root:
+policy of each cell and the registered default's figure computed in the same script (cached
+in /tmp/eviction_fresh_cache.json: the replay is deterministic; delete the file after changing
+the default). Sets: `fresh` (seeds 10 and 11 of every shape, generated in the sixth session to
+choose its rule on), `sample` (the repository's first 500 requests of the Mooncake synthetic
+trace), `choose`, `report`, `held-out` (the family's), `held-out-8` (seed 8). Usage, from the
+repository root (`{"hedge_z": null}` is the election alone, the fifth version):
 
-    python scripts/eviction_fresh_experiment.py fresh '{"hybrid_z": 1, "blend": 6}' [1,2,5,10]
+    python scripts/eviction_fresh_experiment.py fresh '{"hedge_z": 1.5}' [1,2,5,10]
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def cell(args: tuple[FamilyTrace, int, dict[str, Any], Any]) -> tuple[Any, ...]:
     started = time.process_time()
     rate = sum(replay_request(policy, r, capacity) for r in trace) / accesses * 100
     us = (time.process_time() - started) / accesses * 1e6
-    best_name, best, shipped = base
+    _, best, shipped = base
     return spec.name, pct, rate, rate - best, shipped - best, policy.switches, us, list(base)
 
 
@@ -85,16 +86,20 @@ def main() -> None:
     CACHE.write_text(json.dumps(cache))
     for r in rows:
         flag = "" if r[3] >= -0.5 else "  <-- under the bar"
-        print(f"{r[0]:34s} {r[1]:3d}% {r[2]:6.2f} gap {r[3]:+6.2f} (shipped {r[4]:+6.2f}, "
-              f"best {r[7][0]}) switches {r[5]:3d} {r[6]:5.1f} us{flag}")
+        print(
+            f"{r[0]:34s} {r[1]:3d}% {r[2]:6.2f} gap {r[3]:+6.2f} (shipped {r[4]:+6.2f}, "
+            f"best {r[7][0]}) switches {r[5]:3d} {r[6]:5.1f} us{flag}"
+        )
     within = sum(r[3] >= -0.5 for r in rows)
     worst = min(r[3] for r in rows)
     mean = sum(r[3] for r in rows) / len(rows)
     s_within = sum(r[4] >= -0.5 for r in rows)
     s_mean = sum(r[4] for r in rows) / len(rows)
-    print(f"{which} {kw}: {within} of {len(rows)} within 0.5, worst {worst:+.2f}, "
-          f"mean {mean:+.3f} | shipped {s_within}, worst {min(r[4] for r in rows):+.2f}, "
-          f"mean {s_mean:+.3f}")
+    print(
+        f"{which} {kw}: {within} of {len(rows)} within 0.5, worst {worst:+.2f}, "
+        f"mean {mean:+.3f} | shipped {s_within}, worst {min(r[4] for r in rows):+.2f}, "
+        f"mean {s_mean:+.3f}"
+    )
 
 
 if __name__ == "__main__":

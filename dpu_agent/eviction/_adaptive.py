@@ -29,6 +29,16 @@ shape is followed). A challenger takes over when its lead over the leader is at 
 hit differences (hits come in bursts of whole chains, so a small lead is usually noise, and
 switching on noise costs hits). The first leader is the first candidate (`prefix-run`).
 
+**The hedge** (`hedge_z`, on by default; None: the election alone): while a challenger leads
+by `hedge_z` standard errors and `hedge_margin` of the references, short of the election's
+thresholds (a switch may be coming, or the lead is noise), the tier evicts by a blend of the
+candidates' victims instead: a held sampled item whose evicters (the candidates whose shadow
+no longer holds it) weigh at least half of the best candidate's weight, heaviest first, with
+weights exp(`blend` x (hit rate - the best one's), in points) over slowly decayed hit rates
+(LeCaR, Vietri et al., HotStorage 2018; CACHEUS, Rodriguez et al., FAST 2021; ACME, Ari et
+al., 2002). A lead that lasts is then followed by the election, and one that reverses has cost
+less than following it would have.
+
 Items are ids, as for every policy; a request's blocks share `now` (the replay and the engine
 both pass one clock reading per request), which is how a shadow tells one request from the
 next.
