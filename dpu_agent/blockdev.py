@@ -203,6 +203,14 @@ class FileBlockDevice:
         start = lba * self._block_size
         return view[start : start + block_count * self._block_size]
 
+    def drop_cache(self) -> None:
+        """Evict the file's clean pages from memory, so that the next reads come from the disk:
+        first out of this device's own mapping (a page mapped into a process is not dropped by
+        posix_fadvise), then out of the page cache. Dirty pages stay until flushed."""
+        if self._map is not None:
+            self._map.madvise(mmap.MADV_DONTNEED)
+        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
     def write(self, lba: int, data: memoryview | bytes) -> None:
         check_range(self, lba, len(data))
         view, offset, done = memoryview(data), lba * self._block_size, 0

@@ -15,7 +15,6 @@ dropped from the page cache before it is read).
 
 from __future__ import annotations
 
-import os
 import secrets
 import statistics
 import tempfile
@@ -138,15 +137,11 @@ def replay_two_tiers(
     }
 
 
-def _read_gbps(dev: BlockDevice, drop_cache: str | None) -> float:
+def _read_gbps(dev: BlockDevice, cold: FileBlockDevice | None) -> float:
     buf = bytearray(BANDWIDTH_CHUNK_BYTES)
     step = BANDWIDTH_CHUNK_BYTES // BLOCK_SIZE
-    if drop_cache is not None:
-        fd = os.open(drop_cache, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    if cold is not None:  # every round from the disk, not from pages an earlier round read
+        cold.drop_cache()
     started = time.perf_counter()
     for lba in range(0, BANDWIDTH_BYTES // BLOCK_SIZE, step):
         dev.read_into(lba, memoryview(buf))
@@ -158,20 +153,19 @@ def measure_tier_bandwidths() -> tuple[float, float]:
     blocks = BANDWIDTH_BYTES // BLOCK_SIZE
     data = secrets.token_bytes(BANDWIDTH_CHUNK_BYTES)
     with tempfile.TemporaryDirectory(prefix="kvtier-replay-") as tmp:
-        path = str(Path(tmp) / "nvme.img")
-        dram: BlockDevice = MemoryBlockDevice(blocks)
-        nvme: BlockDevice = FileBlockDevice(path, blocks)
-        devices = [
+        dram = MemoryBlockDevice(blocks)
+        nvme = FileBlockDevice(str(Path(tmp) / "nvme.img"), blocks)
+        devices: list[tuple[BlockDevice, FileBlockDevice | None]] = [
             (CryptoBlockDevice(dram, XtsCipher(secrets.token_bytes(64))), None),
-            (CryptoBlockDevice(nvme, XtsCipher(secrets.token_bytes(64))), path),
+            (CryptoBlockDevice(nvme, XtsCipher(secrets.token_bytes(64))), nvme),
         ]
         out = []
-        for dev, drop in devices:
+        for dev, cold in devices:
             step = BANDWIDTH_CHUNK_BYTES // BLOCK_SIZE
             for lba in range(0, blocks, step):
                 dev.write(lba, memoryview(data))
             dev.flush()
-            out.append(statistics.median(_read_gbps(dev, drop) for _ in range(BANDWIDTH_ROUNDS)))
+            out.append(statistics.median(_read_gbps(dev, cold) for _ in range(BANDWIDTH_ROUNDS)))
             dev.close()
     return out[0], out[1]
 
