@@ -43,6 +43,19 @@ def test_run_bench_reads_and_writes_the_agents_tier_stack() -> None:
     assert report["device_ceiling"].endswith("a file beside the tier file")
 
 
+def test_slices_a_loaded_box_starved_give_rates_not_a_traceback() -> None:
+    """The failure (a CI-like run, two cores busy): a slice in which the ceiling peer or the
+    device had no time to move anything divided by zero, and `bench nvme` ended in a traceback.
+    Now the socket and the free-running device move at least one unit per slice, and a
+    rate-matched device that could not start (it waits for the socket) gives that slice no
+    ratio. Slices of a nanosecond starve every measurement at once."""
+    report = run_bench(seconds=1e-9, sizes_kib=(1024,), qds=(1,), targets=("agent-nvme",))
+    for r in report["results"]:
+        assert r["ceiling_gbps"] > 0 and r["device_gbps"] > 0
+        assert r["ratio"] >= 0 and r["vs_device"] >= 0
+        assert r["vs_socket_device"] is None or r["vs_socket_device"] >= 0
+
+
 def test_tier_files_go_in_the_directory_given_and_are_removed(tmp_path) -> None:
     report = run_bench(
         seconds=0.1, sizes_kib=(128,), qds=(1,), targets=("agent-nvme",), tier_dir=tmp_path

@@ -133,7 +133,8 @@ class _CeilingPeer:
         with socket.create_connection(("127.0.0.1", self.port)) as sock:
             sock.sendall(b"s" if direction == "read" else b"r")
             moved, start = 0, time.perf_counter()
-            while time.perf_counter() - start < seconds:
+            # at least one message: a slice that a loaded box gave no time still measures a rate
+            while not moved or time.perf_counter() - start < seconds:
                 if progress is not None:
                     progress[0] = moved
                 view = self.span[moved % SPAN_BYTES :][:MESSAGE_BYTES]
@@ -210,7 +211,9 @@ class _DeviceCeiling:
             buf = mmap.mmap(-1, io_bytes)  # page-aligned, as O_DIRECT needs
             try:
                 with memoryview(buf) as view:
-                    while time.perf_counter() - start < seconds:
+                    first = allowed is None  # free-running: at least one I/O, as the socket
+                    while first or time.perf_counter() - start < seconds:
+                        first = False
                         offset = next(slots) * io_bytes
                         if total is not None and offset >= total:
                             break
@@ -622,10 +625,10 @@ def _rows(
                     3,
                 )
                 extra["socket_device_gbps"] = round(statistics.median(joints) / 1e9, 3)
-                extra["vs_socket_device"] = round(
-                    statistics.median((b / t) / j for (b, t), j in zip(nvmes, joints, strict=True)),
-                    3,
-                )
+                # a rate-matched device may move nothing in a slice a loaded box starved (it
+                # waits for the socket): such a slice has no ratio; none at all gives None
+                vs = [(b / t) / j for (b, t), j in zip(nvmes, joints, strict=True) if j > 0]
+                extra["vs_socket_device"] = round(statistics.median(vs), 3) if vs else None
             out.append({**asdict(row), **extra})
     finally:
         ctrl.close()
@@ -636,7 +639,9 @@ def _line(r: dict[str, Any]) -> str:
     vs = f"  {r['vs_spdk']:.2f}x SPDK" if "vs_spdk" in r else ""
     if "device_gbps" in r:
         vs += f"  {r['vs_device']:.2f}x device ({r['device_gbps']:.2f} GB/s)"
-        vs += f"  {r['vs_socket_device']:.2f}x socket+device ({r['socket_device_gbps']:.2f} GB/s)"
+        joint = r["vs_socket_device"]
+        vs += f"  {'n/a' if joint is None else f'{joint:.2f}x'} socket+device"
+        vs += f" ({r['socket_device_gbps']:.2f} GB/s)"
     return (
         f"{r['target']:10} {r['op']:5} {r['io_kib']:5} KiB QD{r['qd']:<3} x{r['queues']} "
         f"{r['gbps']:6.2f} GB/s  {r['ratio']:.2f}x ceiling{vs}"
