@@ -3,8 +3,9 @@ policy of each cell and the registered default's figure computed in the same scr
 in /tmp/eviction_fresh_cache.json: the replay is deterministic; delete the file after changing
 the default). Sets: `fresh` (seeds 10 and 11 of every shape, generated in the sixth session to
 choose its rule on), `sample` (the repository's first 500 requests of the Mooncake synthetic
-trace), `choose`, `report`, `held-out` (the family's), `held-out-8` (seed 8). Usage, from the
-repository root (`{"hedge_z": null}` is the election alone, the fifth version):
+trace), `choose`, `report`, `held-out` (the family's), `held-out-8` and `held-out-9` (seeds 8
+and 9). Usage, from the repository root (`{"hedge_z": null}` is the election alone, the fifth
+version):
 
     python scripts/eviction_fresh_experiment.py fresh '{"hedge_z": 1.5}' [1,2,5,10]
 """
@@ -37,6 +38,7 @@ FRESH = tuple(
     for s in SHAPES
 )
 HELD_OUT_8 = tuple(FamilyTrace(role="held-out", shape=s, requests=1500, seed=8) for s in SHAPES)
+HELD_OUT_9 = tuple(FamilyTrace(role="held-out", shape=s, requests=1500, seed=9) for s in SHAPES)
 FIXED = [n for n in POLICY_NAMES if n != "adaptive"]
 
 
@@ -75,6 +77,7 @@ def main() -> None:
         "report": (*REPORT_SET, MOONCAKE),
         "held-out": HELD_OUT_SET,
         "held-out-8": HELD_OUT_8,
+        "held-out-9": HELD_OUT_9,
     }
     pcts = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else [1, 2, 5, 10]
     cache: dict[str, Any] = json.loads(CACHE.read_text()) if CACHE.exists() else {}
