@@ -132,17 +132,24 @@ REPORT_SET = (
     FamilyTrace(role="report", shape="mix", requests=1500, seed=7),
     FamilyTrace(role="report", shape="conv", requests=1500, seed=7),
     FamilyTrace(role="report", shape="scan", requests=1500, seed=7),
+    # the sixth session's first held-out traces (checked its first rule, the hedge)
+    FamilyTrace(role="report", shape="chat", requests=1500, seed=8),
+    FamilyTrace(role="report", shape="docs", requests=1500, seed=8),
+    FamilyTrace(role="report", shape="agent", requests=1500, seed=8),
+    FamilyTrace(role="report", shape="mix", requests=1500, seed=8),
+    FamilyTrace(role="report", shape="conv", requests=1500, seed=8),
+    FamilyTrace(role="report", shape="scan", requests=1500, seed=8),
 )
-# Generated for the first time by the sixth session to check its rule after choosing it: the
-# one set never looked at before. (Seeds 4-7 were the held-out sets of earlier final runs; all
-# were diagnosed, so they report now.)
+# Generated for the first time by the sixth session to check its second rule (the return) after
+# choosing it: the one set never looked at before. (Seeds 4-8 were the held-out sets of earlier
+# final runs; all were diagnosed, so they report now.)
 HELD_OUT_SET = (
-    FamilyTrace(role="held-out", shape="chat", requests=1500, seed=8),
-    FamilyTrace(role="held-out", shape="docs", requests=1500, seed=8),
-    FamilyTrace(role="held-out", shape="agent", requests=1500, seed=8),
-    FamilyTrace(role="held-out", shape="mix", requests=1500, seed=8),
-    FamilyTrace(role="held-out", shape="conv", requests=1500, seed=8),
-    FamilyTrace(role="held-out", shape="scan", requests=1500, seed=8),
+    FamilyTrace(role="held-out", shape="chat", requests=1500, seed=9),
+    FamilyTrace(role="held-out", shape="docs", requests=1500, seed=9),
+    FamilyTrace(role="held-out", shape="agent", requests=1500, seed=9),
+    FamilyTrace(role="held-out", shape="mix", requests=1500, seed=9),
+    FamilyTrace(role="held-out", shape="conv", requests=1500, seed=9),
+    FamilyTrace(role="held-out", shape="scan", requests=1500, seed=9),
 )
 
 
