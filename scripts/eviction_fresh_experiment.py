@@ -1,10 +1,12 @@
-"""Sixth-session experiment: `adaptive` options replayed on family cells, with the best fixed
-policy of each cell and the registered default's figure computed in the same script (cached
-in /tmp/eviction_fresh_cache.json: the replay is deterministic; delete the file after changing
-the default). Sets: `fresh` (seeds 10 and 11 of every shape, generated in the sixth session to
-choose its rule on), `sample` (the repository's first 500 requests of the Mooncake synthetic
-trace), `choose`, `report`, `held-out` (the family's), `held-out-8` and `held-out-9` (seeds 8
-and 9). Usage, from the repository root (`{"hedge_z": null}` is the election alone, the fifth
+"""Sixth- and seventh-session experiment: `adaptive` options replayed on family cells, with the
+best fixed policy of each cell and the registered default's figure computed in the same script
+(cached in /tmp/eviction_fresh_cache.json: the replay is deterministic; delete the file after
+changing the default). Sets: `fresh` (seeds 10 and 11 of every shape, generated in the sixth
+session to choose its rule on), `fresh2` (seeds 12 and 13, generated in the seventh session to
+choose on), `long` (six cells of seeds 9, 12 and 13 at 6,000 requests; capacities are the
+set's own), `sample` (the repository's first 500 requests of the Mooncake synthetic trace),
+`choose`, `report`, `held-out` (the family's), `held-out-8` and `held-out-9` (seeds 8 and 9).
+Usage, from the repository root (`{"hedge_z": null}` is the election alone, the fifth
 version):
 
     python scripts/eviction_fresh_experiment.py fresh '{"hedge_z": 1.5}' [1,2,5,10]
@@ -36,6 +38,24 @@ FRESH = tuple(
     FamilyTrace(role="fresh", shape=s, requests=1500, seed=seed)
     for seed in (10, 11)
     for s in SHAPES
+)
+FRESH2 = tuple(
+    FamilyTrace(role="fresh", shape=s, requests=1500, seed=seed)
+    for seed in (12, 13)
+    for s in SHAPES
+)
+# Seventh session: the same shapes four times longer, at the cells that failed at 1,500 requests
+# (or 1,000-2,500): does the gap close when the trace carries more evidence?
+LONG = tuple(
+    (FamilyTrace(role="long", shape=shape, requests=6000, seed=seed), pct)
+    for shape, seed, pct in (
+        ("docs", 12, 5),
+        ("docs", 12, 10),
+        ("docs", 13, 2),
+        ("docs", 13, 5),
+        ("conv", 12, 10),
+        ("conv", 9, 2),
+    )
 )
 HELD_OUT_8 = tuple(FamilyTrace(role="held-out", shape=s, requests=1500, seed=8) for s in SHAPES)
 HELD_OUT_9 = tuple(FamilyTrace(role="held-out", shape=s, requests=1500, seed=9) for s in SHAPES)
@@ -72,6 +92,7 @@ def main() -> None:
     which, kw = sys.argv[1], json.loads(sys.argv[2])
     sets = {
         "fresh": FRESH,
+        "fresh2": FRESH2,
         "sample": (SAMPLE,),
         "choose": CHOOSE_SET,
         "report": (*REPORT_SET, MOONCAKE),
@@ -81,7 +102,8 @@ def main() -> None:
     }
     pcts = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else [1, 2, 5, 10]
     cache: dict[str, Any] = json.loads(CACHE.read_text()) if CACHE.exists() else {}
-    cells = [(t, p, kw, cache.get(f"{t.name}|{p}")) for t in sets[which] for p in pcts]
+    pairs = LONG if which == "long" else [(t, p) for t in sets[which] for p in pcts]
+    cells = [(t, p, kw, cache.get(f"{t.name}|{p}")) for t, p in pairs]
     with get_context("fork").Pool(2) as pool:
         rows = pool.map(cell, cells, chunksize=1)
     for r in rows:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,8 @@ from dpu_agent.bench.replay_family import (
     format_family,
     policy_memory_bytes,
     run_family,
+    separation_summary,
+    separation_z,
 )
 from dpu_agent.bench.replay_tiers import replay_two_tiers, two_tier_report
 from dpu_agent.eviction import DEFAULT_POLICY, POLICY_NAMES
@@ -59,7 +62,7 @@ def test_mix_changes_shape_halfway() -> None:
 
 
 def test_family_sets_are_disjoint_and_choose_is_seed_zero_and_the_sixth_sessions() -> None:
-    assert {t.seed for t in CHOOSE_SET} == {0, 10, 11}
+    assert {t.seed for t in CHOOSE_SET} == {0, 10, 11, 12, 13}
     assert not {t.seed for t in REPORT_SET} & {t.seed for t in CHOOSE_SET}
     assert {t.shape for t in CHOOSE_SET} == {t.shape for t in REPORT_SET}
     assert {t.shape for t in CHOOSE_SET} == {"chat", "docs", "agent", "mix", "conv", "scan"}
@@ -119,6 +122,52 @@ def test_run_family_reports_best_fixed_and_the_default_gap() -> None:
         assert all(v > 0 for v in row["cpu_us_per_access"].values())
     text = format_family(rows, {"lru": 100.0})
     assert "| report |" in text and "worst gap" in text and "lru 100 B" in text
+    for row in rows:  # the separation is of the fixed policies, the default left out
+        z = row["separation_z"]
+        nearest = row["nearest_outside_bar"]
+        fixed = {n: v for n, v in row["policies"].items() if n != DEFAULT_POLICY}
+        if z is None:
+            assert nearest is None
+            assert min(fixed.values()) >= row["best_fixed_hit_rate"] - 0.005
+        else:
+            assert fixed[nearest] < row["best_fixed_hit_rate"] - 0.005
+            assert all(
+                v <= fixed[nearest] or v >= row["best_fixed_hit_rate"] - 0.005
+                for v in fixed.values()
+            )
+            assert z > 0
+    assert "cells the trace decides" in text
+
+
+def test_separation_z_is_a_paired_test_against_the_nearest_policy_outside_the_bar() -> None:
+    # 10 accesses: a request's hit is 10 points. "a" leads "b" by 1 hit in every request
+    # (a lead no noise explains), "c" is within the bar of "a", "d" trails by far more.
+    hits = {
+        "a": [3, 4, 3, 4],
+        "b": [2, 3, 2, 3],
+        "c": [3, 4, 3, 4],
+        "d": [0, 0, 0, 0],
+    }
+    z, nearest = separation_z(hits, accesses=400) or (None, None)
+    assert nearest == "b"  # not "d": the nearest policy the bar rejects is the hard one
+    assert z == pytest.approx(4 / math.sqrt(4))
+    # the same lead, but noisy: +3, -1, +3, -1 per request
+    noisy = {"a": [3, 0, 3, 0], "b": [0, 1, 0, 1]}
+    z, _ = separation_z(noisy, accesses=400) or (None, None)
+    assert z == pytest.approx(4 / math.sqrt(20))
+    # every policy within half a point: nothing to tell apart
+    assert separation_z({"a": [1, 1], "b": [1, 0]}, accesses=400) is None
+
+
+def test_separation_summary_counts_decided_and_undecided_cells_apart() -> None:
+    rows: list[dict[str, float | None]] = [
+        {"separation_z": 5.0, "gap_points": -0.1},
+        {"separation_z": 5.0, "gap_points": -0.9},
+        {"separation_z": 1.0, "gap_points": -0.9},
+        {"separation_z": None, "gap_points": 0.0},
+    ]
+    text = separation_summary(rows)
+    assert "within 0.5 points 1 of 2; the other cells: 1 of 2" in text
 
 
 @pytest.mark.slow

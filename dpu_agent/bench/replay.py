@@ -43,6 +43,7 @@ __all__ = [
     "load_trace",
     "replay",
     "replay_belady",
+    "replay_hits",
     "replay_policy",
     "replay_popularity_oracle",
     "replay_request",
@@ -141,10 +142,14 @@ def replay_request(policy: EvictionPolicy, req: Request, capacity: int) -> int:
     return hits
 
 
+def replay_hits(trace: Sequence[Request], policy: EvictionPolicy, capacity: int) -> list[int]:
+    """Each request's prefix hits, replaying `trace` through `policy` at `capacity` blocks."""
+    return [replay_request(policy, req, capacity) for req in trace]
+
+
 def replay_policy(trace: Sequence[Request], policy_name: str, capacity: int) -> int:
     """Prefix hits of one online policy at `capacity` blocks."""
-    policy = make_policy(policy_name, capacity)
-    return sum(replay_request(policy, req, capacity) for req in trace)
+    return sum(replay_hits(trace, make_policy(policy_name, capacity), capacity))
 
 
 def _next_uses(trace: Sequence[Request]) -> list[list[float]]:
@@ -521,7 +526,8 @@ def _format_table(report: dict[str, Any]) -> str:
     "--family",
     is_flag=True,
     help="Replay the whole trace family (choose, report and held-out sets, plus --trace if "
-    "given): best fixed policy per cell and the --policy's gap to it, as a Markdown table.",
+    "given): best fixed policy per cell, the --policy's gap to it, and whether the trace can "
+    "tell that policy from the nearest one 0.5 points under it (z), as a Markdown table.",
 )
 @click.option(
     "--jobs",

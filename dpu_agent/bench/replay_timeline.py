@@ -15,17 +15,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from dpu_agent.bench.replay import Request, distinct_blocks, replay_request
-from dpu_agent.eviction import AdaptivePolicy, EvictionPolicy, make_policy
+from dpu_agent.bench.replay import Request, distinct_blocks, replay_hits
+from dpu_agent.eviction import AdaptivePolicy, make_policy
 
 __all__ = ["adaptive_timeline", "format_timeline"]
 
 WINDOW_REQUESTS_MAX = 1_000_000  # a window longer than any trace we replay is one row
-
-
-def _per_request_hits(trace: Sequence[Request], policy: EvictionPolicy, capacity: int) -> list[int]:
-    """The replay's loop (replay.replay_policy), keeping each request's prefix hits."""
-    return [replay_request(policy, req, capacity) for req in trace]
 
 
 def adaptive_timeline(trace: Sequence[Request], fraction: float, window: int) -> dict[str, Any]:
@@ -45,8 +40,8 @@ def adaptive_timeline(trace: Sequence[Request], fraction: float, window: int) ->
         leaders.append(leader)
 
     adaptive.observer = observe
-    got = _per_request_hits(trace, adaptive, capacity)
-    true = {n: _per_request_hits(trace, make_policy(n, capacity), capacity) for n in names}
+    got = replay_hits(trace, adaptive, capacity)
+    true = {n: replay_hits(trace, make_policy(n, capacity), capacity) for n in names}
     accesses = [len(r.hash_ids) for r in trace]
     changes = [(0, names[0])]
     for i, leader in enumerate(leaders):
