@@ -61,7 +61,7 @@ def test_mix_changes_shape_halfway() -> None:
     assert len(roots) > 3  # chat: many system prompts, where docs has 3
 
 
-def test_family_sets_are_disjoint_and_choose_is_seed_zero_and_the_sixth_sessions() -> None:
+def test_family_sets_are_disjoint_and_choose_is_seed_zero_and_the_later_choose_seeds() -> None:
     assert {t.seed for t in CHOOSE_SET} == {0, 10, 11, 12, 13}
     assert not {t.seed for t in REPORT_SET} & {t.seed for t in CHOOSE_SET}
     assert {t.shape for t in CHOOSE_SET} == {t.shape for t in REPORT_SET}

@@ -15,7 +15,7 @@ of their per-request hit differences over the square root of the sum of their sq
 paired test over the whole trace). Under `SEPARABLE_Z` (2 standard errors on half the trace)
 no online rule can tell, by the time it would have to follow it, that the best policy is
 better than one the bar rejects: on such a cell, meeting the bar is luck, and missing it is
-noise (docs/EVICTION.md, "Which cells can be decided").
+noise (docs/EVICTION.md, "Seventh session: which cells can be decided").
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ CHOOSE_SET = (
         for seed in (10, 11)
         for shape in ("chat", "docs", "agent", "mix", "conv", "scan")
     ),
-    # generated in the seventh session to choose on (three variants of the election were
+    # generated in the seventh session to choose on (eight variants of the election were
     # tried there and none shipped: docs/EVICTION.md, "Seventh session")
     *(
         FamilyTrace(role="choose", shape=shape, requests=1500, seed=seed)
