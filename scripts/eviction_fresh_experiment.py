@@ -1,11 +1,12 @@
-"""Sixth- and seventh-session experiment: `adaptive` options replayed on family cells, with the
+"""Sixth- to eighth-session experiment: `adaptive` options replayed on family cells, with the
 best fixed policy of each cell and the registered default's figure computed in the same script
 (cached in /tmp/eviction_fresh_cache.json: the replay is deterministic; delete the file after
 changing the default). Sets: `fresh` (seeds 10 and 11 of every shape, generated in the sixth
 session to choose its rule on), `fresh2` (seeds 12 and 13, generated in the seventh session to
 choose on), `long` (six cells of seeds 9, 12 and 13 at 6,000 requests; capacities are the
 set's own), `sample` (the repository's first 500 requests of the Mooncake synthetic trace),
-`choose`, `report`, `held-out` (the family's), `held-out-8`, `held-out-9` and `held-out-14`.
+`choose`, `report`, `held-out` (the family's), `held-out-8`, `held-out-9`, `held-out-14` and
+`held-out-15`.
 Usage, from the repository root (`{"hedge_z": null}` is the election alone, the fifth
 version):
 
@@ -60,6 +61,7 @@ LONG = tuple(
 HELD_OUT_8 = tuple(FamilyTrace(role="held-out", shape=s, requests=1500, seed=8) for s in SHAPES)
 HELD_OUT_9 = tuple(FamilyTrace(role="held-out", shape=s, requests=1500, seed=9) for s in SHAPES)
 HELD_OUT_14 = tuple(FamilyTrace(role="held-out", shape=s, requests=1500, seed=14) for s in SHAPES)
+HELD_OUT_15 = tuple(FamilyTrace(role="held-out", shape=s, requests=1500, seed=15) for s in SHAPES)
 FIXED = [n for n in POLICY_NAMES if n != "adaptive"]
 
 
@@ -101,6 +103,7 @@ def main() -> None:
         "held-out-8": HELD_OUT_8,
         "held-out-9": HELD_OUT_9,
         "held-out-14": HELD_OUT_14,
+        "held-out-15": HELD_OUT_15,
     }
     pcts = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else [1, 2, 5, 10]
     cache: dict[str, Any] = json.loads(CACHE.read_text()) if CACHE.exists() else {}
