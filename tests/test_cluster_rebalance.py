@@ -5,13 +5,15 @@ pending and the next pass finishes (resumable); chunks it still owns stay."""
 from __future__ import annotations
 
 import hashlib
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cluster_harness import secrets_env, write_cluster_secrets
 
 import dpu_agent.cluster._rebalance as rb
-from dpu_agent.cluster import Rebalancer, tenant_keys
+from dpu_agent.cluster import PeerAuth, Rebalancer, free_port, tenant_keys
 from dpu_agent.engine import Engine, EngineConfig
 from dpu_agent.service import AgentProcess, spawn_agent
 from host_shim.client import KVClient
@@ -31,9 +33,25 @@ def data(i: int) -> bytes:
 
 @pytest.fixture()
 def target(tmp_path: Path) -> Iterator[AgentProcess]:
-    a = spawn_agent(tmp_path / "target", env={"DPUKV_METRICS_ENABLED": "0"})
+    """A one-node cluster named "other": it holds the cluster key, as every peer must."""
+    if shutil.which("serf") is None:
+        pytest.skip("needs serf (apt-get install serf): peers are cluster members")
+    AUTH["keys"] = write_cluster_secrets(tmp_path)
+    env = {"DPUKV_METRICS_ENABLED": "0", "DPUKV_CLUSTER_ENABLED": "1",
+           "DPUKV_AGENT_NODE_NAME": "other",
+           "DPUKV_CLUSTER_SERF_BIND": f"127.0.0.1:{free_port()}",
+           "DPUKV_CLUSTER_SERF_RPC": f"127.0.0.1:{free_port()}",
+           **secrets_env(tmp_path, tmp_path / "target")}  # fmt: skip
+    a = spawn_agent(tmp_path / "target", env=env)
     yield a
     a.stop()
+
+
+AUTH: dict[str, tuple[bytes, ...]] = {}
+
+
+def me() -> PeerAuth:
+    return PeerAuth("me", AUTH["keys"])
 
 
 @pytest.fixture()
@@ -54,9 +72,9 @@ def test_pass_hands_over_what_is_not_ours_resumes_and_keeps_the_rest(
     views = {"v": Placement([Node(name="me"), other])}
     mine = {k for k in map(key, range(40)) if views["v"].owners(k)[0].name == "me"}
     assert 0 < len(mine) < 40
-    tenants = {"default": (target.token, 1)}
+    tenants = {"default": ("", 1)}  # no token: the peer channel acts for the tenant by name
     r = Rebalancer(engine=engine, node="me", placement=lambda: views["v"],
-                   tenants=lambda: tenants, bytes_per_s=1e9)  # fmt: skip
+                   tenants=lambda: tenants, bytes_per_s=1e9, peer_auth=me())  # fmt: skip
     p = r.run_pass()
     assert p.pending == 0 and p.failed == 0 and p.moved_chunks == 40 - len(mine)
     assert set(tenant_keys(engine, "default")) == mine
@@ -71,7 +89,7 @@ def test_pass_hands_over_what_is_not_ours_resumes_and_keeps_the_rest(
         return leaving if calls["n"] < 4 else newer
 
     r2 = Rebalancer(engine=engine, node="me", placement=view, tenants=lambda: tenants,
-                    bytes_per_s=1e9)  # fmt: skip
+                    bytes_per_s=1e9, peer_auth=me())  # fmt: skip
     p2 = r2.run_pass()
     assert p2.pending > 0 and tenant_keys(engine, "default")  # cut short, nothing lost
     p2 = r2.run_pass()
@@ -88,7 +106,7 @@ def test_throttle_is_a_token_bucket_of_bytes_per_s(monkeypatch: pytest.MonkeyPat
     now = {"t": 100.0}
     monkeypatch.setattr(rb.time, "monotonic", lambda: now["t"])
     r = Rebalancer(engine=None, node="me", placement=lambda: Placement([]),
-                   tenants=dict, bytes_per_s=1000.0)  # fmt: skip
+                   tenants=dict, bytes_per_s=1000.0, peer_auth=None)  # fmt: skip
     waits: list[float] = []
     monkeypatch.setattr(r._stop, "wait", lambda s: waits.append(s) or False)
     r._throttle(3000)  # nothing saved up: 3 s of budget owed
@@ -113,7 +131,8 @@ def test_replicas_copied_when_owner_sets_change_then_not_checked_again(
     views = {"v": alone}
     assert 0 < sum(both.owners(key(i), 2)[0].name == "other" for i in range(20)) < 20
     r = Rebalancer(engine=engine, node="me", placement=lambda: views["v"],
-                   tenants=lambda: {"default": (target.token, 2)}, bytes_per_s=1e9)  # fmt: skip
+                   tenants=lambda: {"default": ("", 2)}, bytes_per_s=1e9,
+                   peer_auth=me())  # fmt: skip
     checks: list[bytes] = []
     real = r._missing_anywhere
     monkeypatch.setattr(r, "_missing_anywhere", lambda t, tok, k, n: checks.append(k) or real(
