@@ -4,7 +4,7 @@ Every agent of a cluster holds the cluster's pre-shared key (PSK, `[cluster] pee
 provisioned by the operator; several keys during a rotation: the first signs, any verifies).
 Two proofs come from it, both HMAC-SHA256 (RFC 2104) and both pure functions here:
 
-- The member tag: each agent publishes ``auth`` = MAC(PSK, its name and every other kv tag)
+- The member tag: each agent publishes ``auth`` = MAC(PSK, its name and its MEMBER_TAGS)
   in Serf. A member whose tag does not verify is not placed, gets no chunk and no connection.
   It costs no traffic (gossip already carries the tags) and binds the name and the control
   address, so one node's tag copied onto another name or address does not verify.
@@ -28,6 +28,7 @@ from typing import Final
 
 __all__ = [
     "AUTH_TAG",
+    "MEMBER_TAGS",
     "NONCE_BYTES",
     "PEER_KEYS_MAX",
     "PEER_KEY_BYTES_MIN",
@@ -85,14 +86,18 @@ def _mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
     return h.digest()
 
 
+# The tags a member's proof covers: everything placement and routing read but `state`,
+# which changes through a node's life and says nothing about who it is. Other tags (another
+# tool's, a benchmark's probe) are not ours to vouch for and change nothing here.
+MEMBER_TAGS: Final = ("kv", "ctl", "nvme", "cap", "zone")
+
+
 def _canonical(name: str, tags: Mapping[str, str]) -> list[bytes]:
-    items = sorted((k, v) for k, v in tags.items() if k not in (AUTH_TAG, "state"))
-    return [name.encode(), *(f"{k}={v}".encode() for k, v in items)]
+    return [name.encode(), *(tags.get(k, "").encode() for k in MEMBER_TAGS)]
 
 
 def member_tag(key: bytes, name: str, tags: Mapping[str, str]) -> str:
-    """The ``auth`` tag for a member `name` publishing `tags` (all but ``auth`` and ``state``:
-    the state changes through a node's life and says nothing about who it is)."""
+    """The ``auth`` tag for a member `name` publishing `tags` (MEMBER_TAGS of them)."""
     mac = _mac(key, _MEMBER, *_canonical(name, tags))[:MEMBER_TAG_BYTES]
     return base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
 
