@@ -32,6 +32,8 @@ def _status(data: dict[str, Any]) -> dict[str, Any]:
         "alive": len(alive),
         "serving": data.get("serving", len(alive)),
         "failed": sorted(m["name"] for m in members if m.get("status") in ("failed", "left")),
+        # listed by gossip, refused for bad tags or no proof of the cluster key (CLUSTER.md)
+        "refused": sorted(m["name"] for m in members if m.get("status") == "refused"),
     }
 
 
