@@ -164,6 +164,8 @@ def test_member_without_the_cluster_key_gets_no_token_no_chunk_no_traffic(
             _wait(lambda n=n: _view(c, n).get("evil-keyed", {}).get("status") == "refused",
                   30, f"{n} to refuse evil-keyed")  # fmt: skip
         assert "member_tag" in _view(c, "s1")["evil-keyed"]["reason"]
+        status = c.dpuctl("s2", "cluster", "status", "--json")
+        assert json.loads(status.stdout)["refused"] == ["evil-keyed"], status.stdout
         time.sleep(4.0)  # refreshes every second: rebalancers had several passes to act
         for n in NAMES:
             assert c.members(n)["serving"] == 3
