@@ -61,6 +61,7 @@ def test_capacity_and_addresses_are_bounded() -> None:
     for tags in ({"cap": str(CAPACITY_BYTES_MAX + 1)}, {"cap": "abc"}, {"cap": "0"},
                  {"cap": "-5"}, {"cap": "1" * 400}, {"ctl": "unix:///tmp/x"},
                  {"ctl": "tcp://h:99999"}, {"nvme": "nohostport"}, {"state": "owner"},
+                 {"ctl": "tcp://h:\u00b2"}, {"nvme": "h:" + "9" * 5000}, {"cap": "\u00b2"},
                  {"zone": "z" * 65}):  # fmt: skip
         why = check_member(member("n1", **tags), KEYS)
         assert isinstance(why, str) and why.startswith("bad_tag"), (tags, why)
@@ -80,7 +81,20 @@ def test_a_refusal_is_counted_and_logged_once_per_member_and_tags() -> None:
 _TAG_KEYS = st.sampled_from(["kv", "ctl", "nvme", "cap", "zone", "state", "auth", "x"])
 _TAG_VALUES = st.one_of(
     st.text(max_size=80),
-    st.sampled_from(["1", "serving", "abc", "tcp://1.2.3.4:7400", "1.2.3.4:4420", "-1", "0"]),
+    st.sampled_from(
+        [
+            "1",
+            "serving",
+            "abc",
+            "tcp://1.2.3.4:7400",
+            "1.2.3.4:4420",
+            "-1",
+            "0",
+            "tcp://h:\u00b2",
+            "h:\u0663",
+            "\u00b2",
+        ]
+    ),
     st.integers(min_value=-(1 << 70), max_value=1 << 70).map(str),
 )
 

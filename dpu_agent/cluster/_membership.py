@@ -86,7 +86,8 @@ class MembershipOptions:
 
 def _hostport(v: str) -> bool:
     host, _, port = v.rpartition(":")
-    return bool(host.strip("[]")) and port.isdigit() and 0 < int(port) <= PORT_MAX
+    ok = port.isascii() and port.isdigit() and len(port) <= 5  # "²".isdigit() is True
+    return bool(host.strip("[]")) and ok and 0 < int(port) <= PORT_MAX
 
 
 def _bad_tag(t: Mapping[str, str]) -> str:
