@@ -28,7 +28,11 @@ docs/SPDK.md, "Agent in SPDK mode"). An ``[spdk]`` section alone does not switch
 
 from __future__ import annotations
 
+import base64
+import binascii
+import contextlib
 import dataclasses
+import json
 import os
 import secrets
 import socket
@@ -42,6 +46,7 @@ from dpu_agent.eviction import DEFAULT_POLICY, POLICY_NAMES
 from dpu_agent.net import NetConfigError, NetDesired, parse_net
 from dpu_agent.units import SizeError, parse_size
 from kvproto.control import TENANTS_MAX, valid_tenant_name
+from kvproto.peer_auth import parse_peer_keys
 from kvproto.placement import REPLICAS_MAX
 from spdk_plugins.desired import DesiredStateError, SpdkDesired, parse_desired
 from spdk_plugins.tiers import TierTarget, agent_tiers
@@ -148,7 +153,16 @@ class ClusterSection:
     serf_bind: str = "127.0.0.1:7946"  # gossip address (TCP and UDP) of our Serf child
     serf_rpc: str = "127.0.0.1:7373"  # Serf's RPC address (ours, or the operator's agent)
     serf_profile: str = "lan"  # Serf's timing profile: lan, wan or local
-    rpc_auth_file: str = ""  # file holding Serf's RPC auth key ("" = no key)
+    # Serf's RPC auth key (0600); in cluster mode required, and generated when missing for
+    # our own Serf child (an operator-run Serf needs the operator's key in this file)
+    rpc_auth_file: str = "serf-rpc.key"
+    # Serf's gossip keyring (JSON list of base64 keys, the first is primary, 0600): Serf
+    # encrypts and authenticates gossip with it and rewrites it on `dpuctl cluster keys`.
+    # Every node starts with the same keys, provisioned by the operator (docs/CLUSTER.md).
+    keyring_file: str = "serf-keyring.json"
+    # The cluster pre-shared key (0600; one key per line, the first signs): every agent-to-
+    # agent connection and every member's auth tag is proved with it (kvproto.peer_auth).
+    peer_key_file: str = "cluster-peer.key"
     join: str = ""  # gossip addresses of other members, comma-separated
     zone: str = ""  # failure domain (rack, row): replicas go to distinct zones
     replicas: int = 1  # copies of each chunk (R); a tenant's own `replicas` overrides it
@@ -186,6 +200,9 @@ class AgentConfig:
     cluster: ClusterSection = field(default_factory=ClusterSection)
     tenants: dict[str, TenantConfig] = field(default_factory=dict)
     admin_token: str = field(default="", repr=False)
+    # cluster mode, loaded by prepare(): Serf's RPC key and the cluster peer keys
+    serf_rpc_key: str = field(default="", repr=False)
+    peer_keys: tuple[bytes, ...] = field(default=(), repr=False)
     source: str = "<defaults>"
     spdk: SpdkDesired | None = None  # the parsed [spdk] section, when the file has one
     spdk_doc: dict[str, Any] = field(default_factory=dict)  # that section as written
@@ -238,6 +255,31 @@ class AgentConfig:
                 continue
             t.token_file = t.token_file or f"tenant-{t.name}.token"
             t.token = load(self.path(t.token_file))
+        if self.cluster.enabled:
+            self._prepare_cluster(create=create)
+
+    def _prepare_cluster(self, *, create: bool) -> None:
+        """Cluster secrets: the Serf RPC key (generated for our own Serf child), the gossip
+        keyring and the peer keys (provisioned by the operator: never generated, since every
+        node must hold the same ones). Missing or group/world-readable: ConfigError."""
+        c = self.cluster
+        rpc = self.path(c.rpc_auth_file)
+        if create and c.serf_start:
+            self.serf_rpc_key = _read_or_create_token(rpc)
+        else:
+            self.serf_rpc_key = _read_token_if_any(rpc)
+            if create and not self.serf_rpc_key:
+                raise ConfigError(
+                    f"{self.source}: [cluster] rpc_auth_file {rpc} is missing: an operator-run "
+                    "Serf (serf_start = false) needs its rpc_auth key in that file (0600)"
+                )
+        if not create:  # read-only commands: what exists, nothing required
+            with contextlib.suppress(FileNotFoundError):
+                self.peer_keys = _read_peer_keys(self.path(c.peer_key_file), self.source)
+            return
+        if c.serf_start:
+            check_keyring(self.path(c.keyring_file), self.source)
+        self.peer_keys = _read_peer_keys(self.path(c.peer_key_file), self.source)
 
     def redacted(self) -> dict[str, Any]:
         """The effective configuration as a plain dict with every secret replaced."""
@@ -277,16 +319,74 @@ def _read_token_if_any(path: Path) -> str:
         return ""
 
 
-def _read_secret(path: Path) -> str:
+def check_secret_mode(path: Path) -> None:
+    """ConfigError when `path` (a secret) is group- or world-accessible."""
     st = path.stat()
     if st.st_mode & 0o077:
         raise ConfigError(
             f"secret file {path} has mode {st.st_mode & 0o777:o}; run: chmod 600 {path}"
         )
+
+
+def _read_secret(path: Path) -> str:
+    check_secret_mode(path)
     value = path.read_text().strip()
     if not value:
         raise ConfigError(f"secret file {path} is empty; delete it to generate a new one")
     return value
+
+
+# Keys one keyring holds: a rotation has two at once (new and old); Serf itself has no cap.
+KEYRING_KEYS_MAX = 8
+SERF_KEY_LENGTHS = (16, 24, 32)  # AES-128/192/256: what Serf accepts
+
+
+def serf_key_problem(key: str) -> str | None:
+    """Why `key` is not a Serf gossip key (base64 of 16, 24 or 32 bytes), or None."""
+    try:
+        raw = base64.b64decode(key, validate=True)
+    except (binascii.Error, ValueError):
+        return "is not base64"
+    if len(raw) not in SERF_KEY_LENGTHS:
+        return f"decodes to {len(raw)} bytes, not 16, 24 or 32 (make one with: serf keygen)"
+    return None
+
+
+def check_keyring(path: Path, source: str = "") -> None:
+    """The gossip keyring: exists, 0600, a JSON list of 1..KEYRING_KEYS_MAX Serf keys."""
+    where = f"{source}: [cluster] keyring_file {path}"
+    try:
+        check_secret_mode(path)
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{where} is missing: cluster mode encrypts gossip; write the cluster's keyring "
+            f"there (the same on every node, mode 0600): "
+            f'umask 077; echo "[\\"$(serf keygen)\\"]" > {path}'
+        ) from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{where} is not JSON: {e}") from None
+    if not isinstance(doc, list) or not 1 <= len(doc) <= KEYRING_KEYS_MAX:
+        raise ConfigError(f"{where} must be a JSON list of 1 to {KEYRING_KEYS_MAX} keys")
+    for i, key in enumerate(doc):
+        problem = serf_key_problem(key) if isinstance(key, str) else "is not a string"
+        if problem:
+            raise ConfigError(f"{where}: key {i + 1} {problem}")
+
+
+def _read_peer_keys(path: Path, source: str) -> tuple[bytes, ...]:
+    where = f"{source}: [cluster] peer_key_file {path}"
+    try:
+        check_secret_mode(path)
+        return tuple(parse_peer_keys(path.read_text()))
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{where} is missing: every agent-to-agent connection is proved with the cluster "
+            f"key; write the same key on every node (mode 0600): "
+            f"umask 077; head -c 32 /dev/urandom | base64 > {path}"
+        ) from None
+    except ValueError as e:
+        raise ConfigError(f"{where} {e}") from None
 
 
 def _coerce(section: str, key: str, value: Any, default: Any, source: str) -> Any:

@@ -30,7 +30,7 @@ from prometheus_client import ProcessCollector, start_http_server
 
 from dpu_agent import telemetry
 from dpu_agent.blockdev import BlockDeviceError
-from dpu_agent.cluster import Membership, agent_cluster_view, start_membership
+from dpu_agent.cluster import Membership, PeerAuth, agent_cluster_view, start_membership
 from dpu_agent.config import AgentConfig, TenantConfig
 from dpu_agent.control import (
     LEASES_ACTIVE,
@@ -107,6 +107,10 @@ class Agent:
         self._bindings: dict[str, dict[str, dict[int, str]]] = {}
         self._spdk_devices: SpdkDevices | None = None
         self.cluster: Membership | None = None  # [cluster] enabled: Serf membership
+        # the cluster key: proves this agent to its peers and theirs to it (cluster/_peer.py)
+        self.peer_auth = (
+            PeerAuth(cfg.agent.node_name, cfg.peer_keys) if cfg.cluster.enabled else None
+        )
         self.started_at = time.time()
         self.host_keys = HostKeyIssuer(  # issued DH-HMAC-CHAP secrets / TLS PSKs per host
             cfg.path(HOST_KEYS_FILE), dhchap=cfg.nvmf.require_auth, psk=cfg.nvmf.secure_channel

@@ -14,8 +14,12 @@ order per connection). Binary values (keys, checksums) are msgpack ``bin``; stri
 
 Operations (fields; every connection starts with ``hello``):
 
-- ``hello``: version, tenant, token, [hostnqn], [client] -> session, node, version, nvme
-  {host, port, subnqn}, lease_ttl_s. A version mismatch is refused with code ``version``.
+- ``hello``: version, tenant, token, [hostnqn], [client], [peer_proof] -> session, node,
+  version, nvme {host, port, subnqn}, lease_ttl_s. A version mismatch is refused with code
+  ``version``.
+- Agent to agent (kvproto.peer_auth): ``peer_challenge``: node, nonce -> node, nonce, proof,
+  before hello; then ``hello`` with an empty token and ``peer_proof`` opens a session of the
+  tenant named, authorised by the cluster key instead of the tenant's token.
 - ``lookup``: keys (list of 16-byte keys), [lease] -> hits (list of [key, nsid, lba,
   block_count, length, checksum], the longest cached prefix), lease_id, lease_expires_s. With
   ``lease: false`` the agent takes no lease (a probe, not a read: lease_id 0).
@@ -110,6 +114,7 @@ NIXL_METADATA_BYTES_MAX: Final = 64 << 10
 # Regions one session registers (host_shim.transport.NIXL_REGIONS_MAX): a KV pool's tensors.
 NIXL_REGIONS_MAX: Final = 4096
 NIXL_MEM_TYPES: Final = ("DRAM", "VRAM")
+PEER_NONCE_BYTES: Final = 32  # peer_challenge nonces and proofs (kvproto.peer_auth)
 
 _LENGTH = struct.Struct(">I")
 _TENANT_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
@@ -206,6 +211,11 @@ def _keys(v: Any) -> str | None:
     return None if set(map(len, v)) <= {KEY_BYTES} else f"a list of {KEY_BYTES}-byte keys"
 
 
+def _nonce(v: Any) -> str | None:
+    return None if isinstance(v, bytes) and len(v) == PEER_NONCE_BYTES else (
+        f"{PEER_NONCE_BYTES} bytes")  # fmt: skip
+
+
 def _tenant(v: Any) -> str | None:
     ok = isinstance(v, str) and (v == ADMIN_TENANT or valid_tenant_name(v))
     return None if ok else "a tenant name ([a-z0-9][a-z0-9-]{0,62})"
@@ -268,7 +278,9 @@ OPS: Final[dict[str, _Schema]] = {
         "token": (_str, True),
         "hostnqn": (_optional(_str), False),
         "client": (_optional(_str), False),
+        "peer_proof": (_optional(_nonce), False),  # agent to agent: see peer_challenge
     },
+    "peer_challenge": {"node": (_str, True), "nonce": (_nonce, True)},
     "lookup": {
         "keys": (_keys, True),
         "lease": (_optional(_bool), False),
@@ -329,7 +341,12 @@ _ADMIN_ALSO: Final = frozenset({"stats", "members"})
 # The session's state table: (state, op) -> next state; a pair missing here is refused.
 _TRANSITIONS: Final[dict[tuple[SessionState, str], SessionState]] = {
     (SessionState.AWAIT_HELLO, "hello"): SessionState.READY,
-    **{(SessionState.READY, op): SessionState.READY for op in OPS if op != "hello"},
+    (SessionState.AWAIT_HELLO, "peer_challenge"): SessionState.AWAIT_HELLO,
+    **{
+        (SessionState.READY, op): SessionState.READY
+        for op in OPS
+        if op not in ("hello", "peer_challenge")
+    },
 }
 
 

@@ -1,10 +1,15 @@
 """Real agents in cluster mode on loopback: each a `dpuctl agent run` child with its own Serf
-child, all sharing one tenant token file (tenants are cluster-wide through shared config)."""
+child, all sharing one tenant token file (tenants are cluster-wide through shared config), one
+gossip keyring (each node gets its own copy: Serf rewrites it on key changes) and one cluster
+peer key."""
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -14,6 +19,40 @@ from pathlib import Path
 from dpu_agent.cluster import free_port
 from dpu_agent.service import AgentProcess, spawn_agent
 from host_shim.client import ControlChannel, ControlError
+
+
+def write_secret(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
+
+
+def gossip_key() -> str:
+    return base64.b64encode(secrets.token_bytes(32)).decode()
+
+
+def write_cluster_secrets(root: Path) -> tuple[bytes, ...]:
+    """root/keyring.json (one gossip key) and root/peer.key (one cluster key), both 0600;
+    returns the peer keys."""
+    write_secret(root / "keyring.json", json.dumps([gossip_key()]))
+    key = base64.b64encode(secrets.token_bytes(32)).decode()
+    write_secret(root / "peer.key", key + "\n")
+    return (key.encode(),)
+
+
+def secrets_env(root: Path, node_dir: Path) -> dict[str, str]:
+    """The env that gives a node the cluster's secrets; its own copy of the keyring."""
+    node_dir.mkdir(parents=True, exist_ok=True)
+    if not (node_dir / "serf-keyring.json").exists():
+        shutil.copy(root / "keyring.json", node_dir / "serf-keyring.json")
+        os.chmod(node_dir / "serf-keyring.json", 0o600)
+    return {
+        "DPUKV_CLUSTER_KEYRING_FILE": str(node_dir / "serf-keyring.json"),
+        "DPUKV_CLUSTER_PEER_KEY_FILE": str(root / "peer.key"),
+    }
+
 
 SMALL_TIERS = {"DPUKV_STORAGE_DRAM_BYTES": str(16 << 20), "DPUKV_STORAGE_NVME_BYTES": str(64 << 20)}
 
@@ -34,9 +73,11 @@ class Cluster:
     host: str = "127.0.0.1"  # where the Serf agents bind
     nodes: dict[str, Node] = field(default_factory=dict)
     token: str = ""
+    peer_keys: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
+        self.peer_keys = write_cluster_secrets(self.root)
         self.token = secrets.token_urlsafe(24)
         fd = os.open(self.root / "default.token", os.O_WRONLY | os.O_CREAT, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -64,6 +105,7 @@ class Cluster:
             "DPUKV_CLUSTER_REFRESH_INTERVAL_S": "1",
             "DPUKV_CLUSTER_ZONE": zone,
             "DPUKV_METRICS_ENABLED": "0",
+            **secrets_env(self.root, self.root / name),
             **(extra_env or {}),
         }
         agent = spawn_agent(self.root / name, env=env, config=self.root / "cluster.toml")

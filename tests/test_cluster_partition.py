@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cluster_harness import Cluster
+from cluster_harness import Cluster, secrets_env
 
 from dpu_agent.cluster import SerfProcess, free_port
 from host_shim import KVClient
@@ -74,7 +74,8 @@ def test_partitioned_node_is_marked_failed_and_comes_back(
         serf3 = SerfProcess(
             "p3", bind=f"{ns_addr}:{free_port()}", rpc_addr=f"{ns_addr}:{free_port()}",
             join=[c.nodes["p1"].serf_bind], netns=ns, log_path=tmp_path / "serf-p3.log",
-            auth_key="p3-rpc-key",
+            auth_key="p3-rpc-key", keyring_file=secrets_env(tmp_path, tmp_path / "p3")[
+                "DPUKV_CLUSTER_KEYRING_FILE"],
         )  # fmt: skip
         serf3.wait_ready().close()
         c.start("p3", serf_rpc=serf3.rpc_addr,

@@ -5,16 +5,30 @@ pending and the next pass finishes (resumable); chunks it still owns stay."""
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
+import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cluster_harness import secrets_env, write_cluster_secrets
 
 import dpu_agent.cluster._rebalance as rb
-from dpu_agent.cluster import Rebalancer, tenant_keys
+from dpu_agent.cluster import PeerAuth, Rebalancer, free_port, open_peer, tenant_keys
+from dpu_agent.cluster._peer import PEER_REFUSED
 from dpu_agent.engine import Engine, EngineConfig
 from dpu_agent.service import AgentProcess, spawn_agent
-from host_shim.client import KVClient
+from host_shim.client import AgentUnreachable, KVClient
+from kvproto.control import (
+    NEED_DATA,
+    FrameDecoder,
+    Reply,
+    encode_reply,
+    encode_request,
+    parse_reply,
+)
 from kvproto.keys import ChunkLayout
 from kvproto.placement import Node, Placement
 
@@ -31,9 +45,25 @@ def data(i: int) -> bytes:
 
 @pytest.fixture()
 def target(tmp_path: Path) -> Iterator[AgentProcess]:
-    a = spawn_agent(tmp_path / "target", env={"DPUKV_METRICS_ENABLED": "0"})
+    """A one-node cluster named "other": it holds the cluster key, as every peer must."""
+    if shutil.which("serf") is None:
+        pytest.skip("needs serf (apt-get install serf): peers are cluster members")
+    AUTH["keys"] = write_cluster_secrets(tmp_path)
+    env = {"DPUKV_METRICS_ENABLED": "0", "DPUKV_CLUSTER_ENABLED": "1",
+           "DPUKV_AGENT_NODE_NAME": "other",
+           "DPUKV_CLUSTER_SERF_BIND": f"127.0.0.1:{free_port()}",
+           "DPUKV_CLUSTER_SERF_RPC": f"127.0.0.1:{free_port()}",
+           **secrets_env(tmp_path, tmp_path / "target")}  # fmt: skip
+    a = spawn_agent(tmp_path / "target", env=env)
     yield a
     a.stop()
+
+
+AUTH: dict[str, tuple[bytes, ...]] = {}
+
+
+def me() -> PeerAuth:
+    return PeerAuth("me", AUTH["keys"])
 
 
 @pytest.fixture()
@@ -54,9 +84,9 @@ def test_pass_hands_over_what_is_not_ours_resumes_and_keeps_the_rest(
     views = {"v": Placement([Node(name="me"), other])}
     mine = {k for k in map(key, range(40)) if views["v"].owners(k)[0].name == "me"}
     assert 0 < len(mine) < 40
-    tenants = {"default": (target.token, 1)}
+    tenants = {"default": ("", 1)}  # no token: the peer channel acts for the tenant by name
     r = Rebalancer(engine=engine, node="me", placement=lambda: views["v"],
-                   tenants=lambda: tenants, bytes_per_s=1e9)  # fmt: skip
+                   tenants=lambda: tenants, bytes_per_s=1e9, peer_auth=me())  # fmt: skip
     p = r.run_pass()
     assert p.pending == 0 and p.failed == 0 and p.moved_chunks == 40 - len(mine)
     assert set(tenant_keys(engine, "default")) == mine
@@ -71,7 +101,7 @@ def test_pass_hands_over_what_is_not_ours_resumes_and_keeps_the_rest(
         return leaving if calls["n"] < 4 else newer
 
     r2 = Rebalancer(engine=engine, node="me", placement=view, tenants=lambda: tenants,
-                    bytes_per_s=1e9)  # fmt: skip
+                    bytes_per_s=1e9, peer_auth=me())  # fmt: skip
     p2 = r2.run_pass()
     assert p2.pending > 0 and tenant_keys(engine, "default")  # cut short, nothing lost
     p2 = r2.run_pass()
@@ -88,7 +118,7 @@ def test_throttle_is_a_token_bucket_of_bytes_per_s(monkeypatch: pytest.MonkeyPat
     now = {"t": 100.0}
     monkeypatch.setattr(rb.time, "monotonic", lambda: now["t"])
     r = Rebalancer(engine=None, node="me", placement=lambda: Placement([]),
-                   tenants=dict, bytes_per_s=1000.0)  # fmt: skip
+                   tenants=dict, bytes_per_s=1000.0, peer_auth=None)  # fmt: skip
     waits: list[float] = []
     monkeypatch.setattr(r._stop, "wait", lambda s: waits.append(s) or False)
     r._throttle(3000)  # nothing saved up: 3 s of budget owed
@@ -113,7 +143,8 @@ def test_replicas_copied_when_owner_sets_change_then_not_checked_again(
     views = {"v": alone}
     assert 0 < sum(both.owners(key(i), 2)[0].name == "other" for i in range(20)) < 20
     r = Rebalancer(engine=engine, node="me", placement=lambda: views["v"],
-                   tenants=lambda: {"default": (target.token, 2)}, bytes_per_s=1e9)  # fmt: skip
+                   tenants=lambda: {"default": ("", 2)}, bytes_per_s=1e9,
+                   peer_auth=me())  # fmt: skip
     checks: list[bytes] = []
     real = r._missing_anywhere
     monkeypatch.setattr(r, "_missing_anywhere", lambda t, tok, k, n: checks.append(k) or real(
@@ -127,3 +158,107 @@ def test_replicas_copied_when_owner_sets_change_then_not_checked_again(
     assert len(checks) == 20
     with KVClient(target.control_url, "default", target.token, LAYOUT, b"any-salt-1234567") as c:
         assert all(c.lookup_keys([key(i)]) == 1 for i in range(20))
+
+
+class FakePeer:
+    """A control port that is not a member: answers each peer_challenge with a made-up proof
+    (or with nothing) and records every frame it gets."""
+
+    def __init__(self, answer: bool) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.url = f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.answer = answer
+        self.ops: list[str] = []
+        self.received = b""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(2.0)
+                dec = FrameDecoder()
+                try:
+                    while data := conn.recv(65536):
+                        self.received += data
+                        dec.receive_data(data)
+                        while (msg := dec.next_message()) is not NEED_DATA:
+                            self.ops.append(msg["op"])
+                            if not self.answer:
+                                raise ConnectionAbortedError
+                            result = {"node": "other", "nonce": os.urandom(32),
+                                      "proof": os.urandom(32)}  # fmt: skip
+                            conn.sendall(encode_reply(Reply(id=msg["id"], ok=True, result=result)))
+                except (OSError, ValueError):
+                    pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close()
+
+
+@pytest.mark.parametrize("answer", [True, False], ids=["forged-proof", "silent"])
+def test_peer_that_cannot_prove_membership_gets_no_token_no_chunk_and_copies_stay(
+    engine: Engine, answer: bool
+) -> None:
+    """Regression: peers were reached with the tenant token and a local copy was deleted on
+    any peer's ack; an impostor at a member's `ctl` took every chunk."""
+    for i in range(10):
+        engine.put_chunk("default", key(i), data(i))
+    fake = FakePeer(answer)
+    refused = PEER_REFUSED.labels("server_proof")
+    before = refused._value.get()
+    try:
+        leaving = Placement(
+            [Node(name="me", state="leaving"), Node(name="other", control=fake.url)]
+        )
+        auth = PeerAuth("me", (b"k" * 44,))
+        r = Rebalancer(engine=engine, node="me", placement=lambda: leaving,
+                       tenants=lambda: {"default": ("", 1)}, bytes_per_s=1e9,
+                       peer_auth=auth)  # fmt: skip
+        p = r.run_pass()
+        r.stop()
+        assert p.moved_chunks == 0 and p.failed == 10
+        assert sorted(tenant_keys(engine, "default")) == sorted(map(key, range(10)))
+        assert fake.ops and set(fake.ops) == {"peer_challenge"}  # never a hello, never data
+        assert b"hello" not in fake.received and b"reserve" not in fake.received
+        if answer:
+            assert refused._value.get() > before
+    finally:
+        fake.close()
+
+
+def test_agent_refuses_a_peer_hello_without_the_cluster_key(target: AgentProcess) -> None:
+    host, port = target.control_url.removeprefix("tcp://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        dec = FrameDecoder()
+        s.sendall(encode_request(1, "peer_challenge", node="me", nonce=os.urandom(32)))
+        s.sendall(encode_request(2, "hello", version=1, tenant="default", token="",
+                                 peer_proof=os.urandom(32)))  # fmt: skip
+        replies: list[Reply] = []
+        while len(replies) < 2:
+            data = s.recv(65536)
+            assert data, replies
+            dec.receive_data(data)
+            while (msg := dec.next_message()) is not NEED_DATA:
+                replies.append(parse_reply(msg))
+    assert replies[0].ok and replies[0].result["node"] == "other"
+    assert not replies[1].ok and replies[1].error == "auth"
+    wrong = PeerAuth("me", (b"w" * 44,))
+    with pytest.raises(AgentUnreachable):
+        open_peer(Node(name="other", control=target.control_url), "default", wrong)._ensure()
+    right = open_peer(Node(name="other", control=target.control_url), "default", me())
+    try:
+        assert right.lookup_keys([key(1)]) == 0  # a session of "default", with no token
+    finally:
+        right.close()
+    impostor = open_peer(Node(name="someone", control=target.control_url), "default", me())
+    with pytest.raises(AgentUnreachable, match="did not prove"):
+        impostor._ensure()  # the key is right but the name is not the member we meant

@@ -69,6 +69,26 @@ TABLE: list[tuple[str, dict[str, Any] | None, list[Any], list[Any]]] = [
      [Reply(seq=8, command="join", error="1 error occurred: refused", body={"Num": 0})]),
     ("stop", {"Stop": 4}, [hdr(9)], [Reply(seq=9, command="stop", error="")]),
     ("leave", None, [hdr(10)], [Reply(seq=10, command="leave", error="")]),
+    # keyring commands: a body follows every reply, errors included (live agent, 0.8.2)
+    ("list-keys", None,
+     [hdr(11), {"Keys": {"a2V5": 2}, "Messages": {}, "NumErr": 0, "NumNodes": 2, "NumResp": 2}],
+     [Reply(seq=11, command="list-keys", error="", body={
+         "Keys": {"a2V5": 2}, "Messages": {}, "NumErr": 0, "NumNodes": 2, "NumResp": 2})]),
+    ("install-key", {"Key": "a2V5"},
+     [hdr(12), {"Keys": None, "Messages": {}, "NumErr": 0, "NumNodes": 2, "NumResp": 2}],
+     [Reply(seq=12, command="install-key", error="", body={
+         "Keys": None, "Messages": {}, "NumErr": 0, "NumNodes": 2, "NumResp": 2})]),
+    ("remove-key", {"Key": "a2V5"},
+     [hdr(13, "2/2 nodes reported failure"),
+      {"Keys": None, "Messages": {"n1": "Removing the primary key is not allowed"},
+       "NumErr": 1, "NumNodes": 1, "NumResp": 1}],
+     [Reply(seq=13, command="remove-key", error="2/2 nodes reported failure", body={
+         "Keys": None, "Messages": {"n1": "Removing the primary key is not allowed"},
+         "NumErr": 1, "NumNodes": 1, "NumResp": 1})]),
+    ("use-key", {"Key": "a2V5"},
+     [hdr(14), {"Keys": None, "Messages": {}, "NumErr": 0, "NumNodes": 1, "NumResp": 1}],
+     [Reply(seq=14, command="use-key", error="", body={
+         "Keys": None, "Messages": {}, "NumErr": 0, "NumNodes": 1, "NumResp": 1})]),
 ]  # fmt: skip
 
 

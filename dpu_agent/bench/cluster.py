@@ -29,6 +29,7 @@ import click
 import numpy as np
 
 from dpu_agent.cluster import SerfClient, SerfProcess, free_port, node_of
+from kvproto.peer_auth import AUTH_TAG, member_tag
 from kvproto.placement import Node, Placement
 
 __all__ = ["cluster_cmd", "gossip_rounds", "run_real", "run_simulation"]
@@ -142,9 +143,15 @@ def run_simulation(nodes: int, keys: int, trials: int, seed: int = 1) -> dict[st
 # --- live Serf agents -----------------------------------------------------------------------
 
 
-def _tags(i: int) -> dict[str, str]:
-    return {"kv": "1", "ctl": f"tcp://127.0.0.1:{7400 + i}", "nvme": f"127.0.0.1:{4420 + i}",
-            "cap": str(1 << 30), "zone": "", "state": "serving"}  # fmt: skip
+# The bench's own cluster key: its members sign their tags as real agents do (node_of
+# places only members whose auth tag verifies).
+_BENCH_KEYS = (b"dpukv-bench-cluster-key-not-a-secret-0000",)
+
+
+def _tags(name: str, i: int) -> dict[str, str]:
+    tags = {"kv": "1", "ctl": f"tcp://127.0.0.1:{7400 + i}", "nvme": f"127.0.0.1:{4420 + i}",
+            "cap": str(1 << 30), "zone": ""}  # fmt: skip
+    return {**tags, AUTH_TAG: member_tag(_BENCH_KEYS[0], name, tags), "state": "serving"}
 
 
 def _wait_all(clients: list[SerfClient], seen: Callable[[SerfClient], bool]) -> float:
@@ -160,9 +167,9 @@ def _wait_all(clients: list[SerfClient], seen: Callable[[SerfClient], bool]) -> 
     return time.monotonic() - t0
 
 
-def _has_zone(name: str, zone: str) -> Callable[[SerfClient], bool]:
+def _has_probe(name: str, probe: str) -> Callable[[SerfClient], bool]:
     def seen(c: SerfClient) -> bool:
-        return any(m.name == name and m.tags.get("zone") == zone for m in c.members())
+        return any(m.name == name and m.tags.get("probe") == probe for m in c.members())
 
     return seen
 
@@ -187,7 +194,7 @@ def run_real(nodes: int, trials: int, keys: int = 1 << 18) -> dict[str, Any]:
 def _start(name: str, i: int, seed: str, d: str) -> SerfProcess:
     bind, rpc = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     join = [seed] if seed else []
-    return SerfProcess(name, bind=bind, rpc_addr=rpc, tags=_tags(i), join=join,
+    return SerfProcess(name, bind=bind, rpc_addr=rpc, tags=_tags(name, i), join=join,
                        log_path=f"{d}/{name}.log")  # fmt: skip
 
 
@@ -202,10 +209,10 @@ def _real(nodes: int, trials: int, keys: int, procs: list[SerfProcess], d: str) 
     for t in range(trials):  # a tag change on one node until every node's members shows it
         name = procs[t % nodes].node
         t0 = time.monotonic()  # before the call: Serf's tags RPC returns once gossip is sent
-        clients[t % nodes].tags({"zone": f"z{t}"})
-        _wait_all(clients, _has_zone(name, f"z{t}"))
+        clients[t % nodes].tags({"probe": f"z{t}"})
+        _wait_all(clients, _has_probe(name, f"z{t}"))
         conv.append(time.monotonic() - t0)
-    before = [n for n in map(node_of, clients[0].members()) if n is not None]
+    before = [n for n in (node_of(m, _BENCH_KEYS) for m in clients[0].members()) if n is not None]
     extra = _start("serf-new", nodes, "", d)
     procs.append(extra)
     xc = extra.wait_ready()
@@ -216,7 +223,7 @@ def _real(nodes: int, trials: int, keys: int, procs: list[SerfProcess], d: str) 
         - t0
         + _wait_all([*clients, xc], lambda c: _status(c, "serf-new") == "alive")
     )
-    after = [n for n in map(node_of, clients[0].members()) if n is not None]
+    after = [n for n in (node_of(m, _BENCH_KEYS) for m in clients[0].members()) if n is not None]
     t0 = time.monotonic()
     xc.leave()
     xc.close()

@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from dpu_agent.cli import ops
-from dpu_agent.cluster._ops import drain_and_leave, serf_join
+from dpu_agent.cluster._ops import drain_and_leave, serf_join, serf_keys
 
 __all__ = ["cluster_group"]
 
@@ -32,17 +32,17 @@ def _status(data: dict[str, Any]) -> dict[str, Any]:
         "alive": len(alive),
         "serving": data.get("serving", len(alive)),
         "failed": sorted(m["name"] for m in members if m.get("status") in ("failed", "left")),
+        # listed by gossip, refused for bad tags or no proof of the cluster key (CLUSTER.md)
+        "refused": sorted(m["name"] for m in members if m.get("status") == "refused"),
     }
 
 
 def _serf(config_path: str | None, as_json: bool) -> tuple[str, str]:
-    cfg = ops.config_of(config_path, as_json)
+    """Serf's RPC address and key (read as every secret file is: 0600 or refused)."""
+    cfg = ops.config_of(config_path, as_json, create=False)
     if not cfg.cluster.enabled:
         ops._fail(ops.EXIT_FAILED, "not in a cluster: set [cluster] enabled = true", as_json)
-    key = (
-        cfg.path(cfg.cluster.rpc_auth_file).read_text().strip() if cfg.cluster.rpc_auth_file else ""
-    )
-    return cfg.cluster.serf_rpc, key
+    return cfg.cluster.serf_rpc, cfg.serf_rpc_key
 
 
 @click.group("cluster", help="Cluster membership (Serf), placement epoch and rebalancing.")
@@ -89,3 +89,54 @@ def leave(timeout_s: float, no_drain: bool, config_path: str | None, as_json: bo
     except Exception as e:
         ops._fail(ops.EXIT_FAILED, f"leave: {e}", as_json)
     ops.emit(result, as_json, ops.show_done("cluster leave (stop the agent now)"))
+
+
+@cluster_group.group("keys", help="The gossip keyring, cluster-wide (Serf's key commands).")
+def keys_group() -> None:
+    pass
+
+
+def _show_keys(data: dict[str, Any]) -> None:
+    rows = [{"key": k, "members": n} for k, n in sorted(data.get("keys", {}).items())]
+    if rows:
+        ops._rows_table(f"gossip keys ({data.get('nodes', 0)} members)", rows)
+    ops._kv_table("keyring", ops._flatten("", {k: v for k, v in data.items() if k != "keys"}, {}))
+
+
+def _keys(command: str, key: str, config_path: str | None, as_json: bool) -> None:
+    rpc, auth = _serf(config_path, as_json)
+    try:
+        result = serf_keys(rpc, auth, command, key)
+    except Exception as e:  # SerfError, unreachable, a bad key: a message, not a traceback
+        ops._fail(ops.EXIT_FAILED, f"keys {command}: {e}", as_json)
+    if result["error"]:
+        ops._fail(ops.EXIT_FAILED, f"keys {command}: {result['error']}; {result['messages']}",
+                  as_json)  # fmt: skip
+    ops.emit(result, as_json, _show_keys)
+
+
+@keys_group.command("list", help="Every gossip key and how many members hold it.")
+@ops.common
+def keys_list(config_path: str | None, as_json: bool) -> None:
+    _keys("list-keys", "", config_path, as_json)
+
+
+@keys_group.command("install", help="Add KEY (serf keygen) to every member's keyring.")
+@click.argument("key")
+@ops.common
+def keys_install(key: str, config_path: str | None, as_json: bool) -> None:
+    _keys("install-key", key, config_path, as_json)
+
+
+@keys_group.command("use", help="Make KEY (installed everywhere first) the primary key.")
+@click.argument("key")
+@ops.common
+def keys_use(key: str, config_path: str | None, as_json: bool) -> None:
+    _keys("use-key", key, config_path, as_json)
+
+
+@keys_group.command("remove", help="Remove KEY (not the primary) from every member.")
+@click.argument("key")
+@ops.common
+def keys_remove(key: str, config_path: str | None, as_json: bool) -> None:
+    _keys("remove-key", key, config_path, as_json)

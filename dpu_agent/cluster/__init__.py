@@ -6,23 +6,40 @@ through the RPC event stream, placement epoch) for the control server.
 """
 
 from dpu_agent.cluster._agent import agent_cluster_view, start_membership
-from dpu_agent.cluster._membership import Membership, MembershipOptions, node_of
+from dpu_agent.cluster._membership import (
+    CAPACITY_BYTES_MAX,
+    Membership,
+    MembershipOptions,
+    check_member,
+    node_of,
+)
+from dpu_agent.cluster._peer import PeerAuth, open_peer
 from dpu_agent.cluster._rebalance import RebalanceProgress, Rebalancer, tenant_keys
-from dpu_agent.cluster._serf_client import RECORDS_MAX, SerfClient, SerfUnreachable
+from dpu_agent.cluster._serf_client import (
+    RECORDS_MAX,
+    KeyringReply,
+    SerfClient,
+    SerfUnreachable,
+)
 from dpu_agent.cluster._serf_process import SerfProcess, free_port
 
 __all__ = [
+    "CAPACITY_BYTES_MAX",
     "RECORDS_MAX",
+    "KeyringReply",
     "Membership",
     "MembershipOptions",
+    "PeerAuth",
     "RebalanceProgress",
     "Rebalancer",
     "SerfClient",
     "SerfProcess",
     "SerfUnreachable",
     "agent_cluster_view",
+    "check_member",
     "free_port",
     "node_of",
+    "open_peer",
     "start_membership",
     "tenant_keys",
 ]

@@ -30,7 +30,7 @@ def start_membership(agent: Any) -> Membership:
     cfg = agent.cfg
     c = cfg.cluster
     addr = agent.addresses()
-    opts = MembershipOptions(c, cfg.data_dir)
+    opts = MembershipOptions(cfg)
     m = Membership(
         opts,
         node=cfg.agent.node_name,
@@ -41,11 +41,12 @@ def start_membership(agent: Any) -> Membership:
     m.start()
 
     def tenants() -> dict[str, tuple[str, int]]:
-        return {name: (t.token, t.replicas or c.replicas) for name, t in cfg.tenants.items()}
+        # no token: tokens never leave this node; peers are reached over the cluster channel
+        return {name: ("", t.replicas or c.replicas) for name, t in cfg.tenants.items()}
 
     m.rebalancer = Rebalancer(
         engine=agent.engine, node=m.node, placement=lambda: m.placement, tenants=tenants,
-        bytes_per_s=c.rebalance_bytes_per_s,
+        bytes_per_s=c.rebalance_bytes_per_s, peer_auth=agent.peer_auth,
     )  # fmt: skip
     m.rebalancer.start()
     return m

@@ -16,24 +16,43 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dpu_agent.cluster._peer import refuse
 from dpu_agent.cluster._serf_client import SerfClient, SerfUnreachable
 from dpu_agent.cluster._serf_process import SerfProcess
 from dpu_agent.log import get_logger
 from dpu_agent.metrics import REGISTRY, Counter, Gauge
+from kvproto.peer_auth import AUTH_TAG, member_tag, verify_member_tag
 from kvproto.placement import NODE_STATES, Node, Placement
 from kvproto.serf import Member, MemberEvent, ProtocolError, SerfError
 
-__all__ = ["MEMBER_EVENTS_FILTER", "Membership", "MembershipOptions", "node_of"]
+__all__ = [
+    "CAPACITY_BYTES_MAX",
+    "MEMBER_EVENTS_FILTER",
+    "Membership",
+    "MembershipOptions",
+    "check_member",
+    "node_of",
+]
 
 log = get_logger("dpu_agent.cluster")
 
 MEMBER_EVENTS_FILTER = "member-join,member-leave,member-failed,member-update,member-reap"
 KV_TAG_VERSION = "1"
 STREAM_RETRY_S = 1.0  # after the Serf agent is lost, try the stream again this often
+# A member's published capacity weighs its share of keys. 1 PiB is far above any DPU's tiers
+# (DRAM plus a few NVMe drives: tens of TB), so no honest node is cut, while a forged
+# 2^63 could not outweigh a thousand real nodes by more than this bound allows.
+CAPACITY_BYTES_MAX = 1 << 50
+ZONE_CHARS_MAX = 64  # rack or row names
+NAME_CHARS_MAX = 128  # node names (host names are at most 64; room for a suffix)
+PORT_MAX = 65535
+# Refusals remembered so each is logged and counted once (per member, reason and tags): past
+# this many the set starts over (a flood of fake members is logged again, rate-limited).
+REFUSALS_REMEMBERED_MAX = 4096
 
 SERVING = Gauge("kvtier_cluster_serving_members", "Members that own keys in this agent's view.",
                 registry=REGISTRY)  # fmt: skip
@@ -45,40 +64,75 @@ VIEW_CHANGES = Counter("kvtier_cluster_view_changes", "Membership epoch changes 
 
 
 class MembershipOptions:
-    """What [cluster] in the config says (dpu_agent.config.ClusterSection), plus where to log."""
+    """What [cluster] in the config says (dpu_agent.config.ClusterSection), the secrets
+    AgentConfig.prepare() loaded, and where to log."""
 
-    def __init__(self, section: Any, data_dir: Path) -> None:
+    def __init__(self, cfg: Any) -> None:
+        section = cfg.cluster
         self.serf_bin: str = section.serf_bin
         self.serf_start: bool = section.serf_start
         self.serf_bind: str = section.serf_bind
         self.serf_rpc: str = section.serf_rpc
-        auth = Path(section.rpc_auth_file).expanduser() if section.rpc_auth_file else None
-        if auth is not None and not auth.is_absolute():
-            auth = data_dir / auth
-        self.auth_key: str = auth.read_text().strip() if auth is not None else ""
+        self.auth_key: str = cfg.serf_rpc_key
+        self.keyring_file: Path = cfg.path(section.keyring_file)
+        self.peer_keys: tuple[bytes, ...] = cfg.peer_keys
         self.join = [s.strip() for s in section.join.split(",") if s.strip()]
         self.zone: str = section.zone
         self.replicas: int = section.replicas
         self.refresh_interval_s: float = section.refresh_interval_s
         self.profile: str = section.serf_profile
-        self.log_path = data_dir / "serf.log"
+        self.log_path = cfg.data_dir / "serf.log"
 
 
-def node_of(m: Member) -> Node | None:
-    """The placement node a Serf member stands for; None for non-members (other Serf users,
-    failed or left members, malformed tags)."""
+def _hostport(v: str) -> bool:
+    host, _, port = v.rpartition(":")
+    ok = port.isascii() and port.isdigit() and len(port) <= 5  # "²".isdigit() is True
+    return bool(host.strip("[]")) and ok and 0 < int(port) <= PORT_MAX
+
+
+def _bad_tag(t: Mapping[str, str]) -> str:
+    """Why these kv tags cannot describe a member ("" when they can)."""
+    if t.get("state", "") not in NODE_STATES:
+        return f"state={t.get('state', '')!r:.40}"
+    cap = t.get("cap", "")
+    if not (cap.isascii() and cap.isdigit() and len(cap) <= 20
+            and 0 < int(cap) <= CAPACITY_BYTES_MAX):  # fmt: skip
+        return f"cap={cap!r:.40} (1..{CAPACITY_BYTES_MAX})"
+    ctl = t.get("ctl", "")
+    scheme, sep, rest = ctl.partition("://")
+    if scheme not in ("tcp", "tls") or not sep or not _hostport(rest):
+        return f"ctl={ctl!r:.80} (tcp://host:port or tls://host:port)"
+    nvme = t.get("nvme", "")
+    if nvme and not _hostport(nvme):
+        return f"nvme={nvme!r:.80} (host:port)"
+    if len(t.get("zone", "")) > ZONE_CHARS_MAX:
+        return f"zone of {len(t.get('zone', ''))} characters (at most {ZONE_CHARS_MAX})"
+    return ""
+
+
+def check_member(m: Member, keys: Sequence[bytes]) -> Node | str:
+    """The placement node a kv member stands for (whatever its Serf status), or why it is
+    refused: malformed tags, or an ``auth`` tag that does not verify with the cluster `keys`
+    (it cannot prove it is one of ours). Never raises, whatever the tags hold."""
     t = m.tags
-    if t.get("kv") != KV_TAG_VERSION or m.status != "alive":
+    bad = _bad_tag(t)
+    if bad:
+        return f"bad_tag: {bad}"
+    if not 0 < len(m.name) <= NAME_CHARS_MAX or not m.name.isprintable():
+        return f"bad_tag: name {m.name!r:.80}"
+    if not verify_member_tag(keys, m.name, t):
+        return "member_tag: its auth tag does not verify with the cluster key"
+    return Node(name=m.name, control=t["ctl"], nvme=t.get("nvme", ""),
+                capacity_bytes=int(t["cap"]), zone=t.get("zone", ""), state=t["state"])  # fmt: skip
+
+
+def node_of(m: Member, keys: Sequence[bytes]) -> Node | None:
+    """The placement node of a member that owns keys: ours (``kv`` tag), alive in Serf (left
+    and failed members never own keys), well-formed tags and a verified ``auth`` tag."""
+    if m.tags.get("kv") != KV_TAG_VERSION or m.status != "alive":
         return None
-    state = t.get("state", "")
-    try:
-        cap = int(t.get("cap", "1"))
-    except ValueError:
-        return None
-    if state not in NODE_STATES or cap <= 0:
-        return None
-    return Node(name=m.name, control=t.get("ctl", ""), nvme=t.get("nvme", ""),
-                capacity_bytes=cap, zone=t.get("zone", ""), state=state)  # fmt: skip
+    node = check_member(m, keys)
+    return node if isinstance(node, Node) else None
 
 
 class Membership:
@@ -98,9 +152,13 @@ class Membership:
         self.opts = opts
         self.node = node
         self.tags = {
-            "kv": KV_TAG_VERSION, "ctl": control, "nvme": nvme, "cap": str(capacity_bytes),
-            "zone": opts.zone, "state": "joining",
+            "kv": KV_TAG_VERSION, "ctl": control, "nvme": nvme,
+            "cap": str(min(capacity_bytes, CAPACITY_BYTES_MAX)), "zone": opts.zone,
         }  # fmt: skip
+        # proves to the others that this member holds the cluster key (kvproto.peer_auth)
+        self.tags[AUTH_TAG] = member_tag(opts.peer_keys[0], node, self.tags)
+        self.tags["state"] = "joining"
+        self._refused: set[tuple[str, str, int]] = set()  # logged once: REFUSALS_REMEMBERED_MAX
         self.serf: SerfProcess | None = None
         self._client: SerfClient | None = None
         self._lock = threading.Lock()
@@ -120,12 +178,18 @@ class Membership:
             self.serf = SerfProcess(
                 self.node, bind=o.serf_bind, rpc_addr=o.serf_rpc, tags=self.tags, join=o.join,
                 auth_key=o.auth_key, profile=o.profile, serf_bin=o.serf_bin,
-                log_path=o.log_path,
+                log_path=o.log_path, keyring_file=o.keyring_file,
             )  # fmt: skip
             self._client = self.serf.wait_ready()
         else:  # an operator-run Serf agent: publish our tags on it, join the seeds
             self._client = SerfClient(o.serf_rpc, auth_key=o.auth_key)
             self._client.tags(self.tags)
+        if not self._client.encrypted():
+            self.stop(leave=False)
+            raise RuntimeError(
+                f"Serf at {o.serf_rpc} does not encrypt gossip: anyone who reaches its port could "
+                "join. Start it with -keyring-file (docs/CLUSTER.md, Keys)"
+            )
             if o.join:
                 with contextlib.suppress(SerfError):  # a dead seed: others may answer later
                     self._client.join(o.join)
@@ -178,7 +242,7 @@ class Membership:
         assert self._client is not None
         with self._lock:
             members = self._client.members()
-        nodes = [n for n in map(node_of, members) if n is not None]
+        nodes = [n for n in (self._owner(m) for m in members) if n is not None]
         placement = Placement(nodes)
         changed = placement.epoch != self.placement.epoch
         self.members = members
@@ -196,6 +260,26 @@ class Membership:
             if self.rebalancer is not None:
                 self.rebalancer.trigger()
         return changed
+
+    def _owner(self, m: Member) -> Node | None:
+        """`m`'s node when it owns keys; refusals of kv members are logged and counted once."""
+        if m.tags.get("kv") != KV_TAG_VERSION:
+            return None  # another Serf user's node: not ours, not refused
+        node = check_member(m, self.opts.peer_keys)
+        if isinstance(node, str):
+            self._refusal(m, node)
+            return None
+        return node if m.status == "alive" else None
+
+    def _refusal(self, m: Member, why: str) -> None:
+        seen = (m.name, why, hash(tuple(sorted(m.tags.items()))))
+        if seen in self._refused:
+            return
+        if len(self._refused) >= REFUSALS_REMEMBERED_MAX:
+            self._refused.clear()
+        self._refused.add(seen)
+        refuse(why.partition(":")[0], member=m.name[:128], addr=f"{m.addr}:{m.port}",
+               status=m.status, why=why)  # fmt: skip
 
     def _follow(self) -> None:
         """Events say "look again"; every refresh_interval_s look again anyway."""
@@ -216,16 +300,16 @@ class Membership:
 
     # --- what the control plane answers ----------------------------------------------------------
     def view(self) -> dict[str, Any]:
-        """Every Serf member we know (with Serf's status), the epoch and the serving count."""
+        """Every kv member Serf knows (with Serf's status; a member refused for its tags or
+        its proof shows as ``refused`` with the reason), the epoch and the serving count."""
         rows = []
         for m in sorted(self.members, key=lambda m: m.name):
-            t: Mapping[str, str] = m.tags
-            if t.get("kv") != KV_TAG_VERSION:
+            if m.tags.get("kv") != KV_TAG_VERSION:
                 continue
-            rows.append({
-                "name": m.name, "status": m.status, "state": t.get("state", ""),
-                "control": t.get("ctl", ""), "nvme": t.get("nvme", ""),
-                "capacity_bytes": int(t.get("cap", "0") or 0), "zone": t.get("zone", ""),
-                "serf": f"{m.addr}:{m.port}",
-            })  # fmt: skip
+            node = check_member(m, self.opts.peer_keys)
+            if isinstance(node, str):
+                rows.append({"name": m.name[:NAME_CHARS_MAX], "status": "refused",
+                             "reason": node, "serf": f"{m.addr}:{m.port}"})  # fmt: skip
+                continue
+            rows.append({**node.as_dict(), "status": m.status, "serf": f"{m.addr}:{m.port}"})
         return {"members": rows, "epoch": self.epoch, "serving": len(self.placement.serving)}

@@ -12,8 +12,9 @@ from typing import Any
 
 from dpu_agent.cluster._serf_client import SerfClient
 from dpu_agent.cluster._serf_process import SerfProcess, free_port
+from dpu_agent.config import serf_key_problem
 
-__all__ = ["DRAIN_POLL_S", "drain_and_leave", "probe_serf", "serf_join"]
+__all__ = ["DRAIN_POLL_S", "drain_and_leave", "probe_serf", "serf_join", "serf_keys"]
 
 DRAIN_POLL_S = 0.5
 
@@ -21,6 +22,17 @@ DRAIN_POLL_S = 0.5
 def serf_join(rpc_addr: str, auth_key: str, addrs: Sequence[str]) -> dict[str, Any]:
     with SerfClient(rpc_addr, auth_key=auth_key) as c:
         return {"joined": c.join(list(addrs)), "addresses": list(addrs)}
+
+
+def serf_keys(rpc_addr: str, auth_key: str, command: str, key: str = "") -> dict[str, Any]:
+    """One keyring command across the cluster; a malformed key is refused here, before Serf
+    sees it (ValueError naming what is wrong, never echoing the key)."""
+    if command != "list-keys":
+        problem = serf_key_problem(key)
+        if problem:
+            raise ValueError(f"the key {problem}")
+    with SerfClient(rpc_addr, auth_key=auth_key) as c:
+        return c.keys(command, key).as_dict()
 
 
 def drain_and_leave(

@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
+from dpu_agent.cluster._peer import PeerAuth, open_peer
 from dpu_agent.log import get_logger
 from dpu_agent.metrics import REGISTRY, Counter, Gauge
 from host_shim.client import KVClient
-from kvproto.keys import ChunkLayout
 from kvproto.placement import Node, Placement
 
 __all__ = ["REBALANCE_BATCH_KEYS", "RebalanceProgress", "Rebalancer", "tenant_keys"]
@@ -36,10 +36,6 @@ log = get_logger("dpu_agent.cluster")
 
 REBALANCE_BATCH_KEYS = 256  # keys placed per numpy pass (and between checks for a new epoch)
 PEER_CLIENTS_MAX = 1024  # one client per (tenant, owner) at most; a 1,024-node cluster
-# The layout only sizes buffers for token-level calls; moves use key-level calls with the
-# chunk's own length, so any layout works here.
-_ANY_LAYOUT = ChunkLayout("rebalance", "uint8", 1, 1, 1, chunk_tokens=1)
-_SALT = b"rebalance-has-no-tokens"
 
 MOVED_BYTES = Counter("kvtier_cluster_rebalance_bytes", "Bytes handed to new owners.",
                       registry=REGISTRY)  # fmt: skip
@@ -92,8 +88,10 @@ class Rebalancer:
         placement: Callable[[], Placement],
         tenants: Callable[[], dict[str, tuple[str, int]]],  # tenant -> (token, replicas)
         bytes_per_s: float,
+        peer_auth: PeerAuth | None,
     ) -> None:
         assert bytes_per_s > 0, bytes_per_s
+        self._peer_auth = peer_auth  # None: no cluster key, so no peer is ever contacted
         self.engine, self.node = engine, node
         self._placement, self._tenants = placement, tenants
         self.bytes_per_s = bytes_per_s
@@ -211,13 +209,16 @@ class Rebalancer:
         return c.put_keys([key], [data], [None], chunk_bytes=len(data)) == 1
 
     def _peer(self, tenant: str, token: str, node: Node) -> KVClient:
+        """A peer connection (cluster/_peer.py): the tenant by name, never its token; a peer
+        that fails the handshake takes nothing, so nothing is deleted on its word."""
+        assert self._peer_auth is not None, "a rebalancer without the cluster key"
         c = self._clients.get((tenant, node.name))
         if c is None or c._channel.url != node.control:
             if len(self._clients) >= PEER_CLIENTS_MAX:
                 for old in self._clients.values():
                     old.close()
                 self._clients.clear()
-            c = KVClient(node.control, tenant, token, _ANY_LAYOUT, _SALT, io_queues=1)
+            c = open_peer(node, tenant, self._peer_auth)
             self._clients[(tenant, node.name)] = c
         return c
 

@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvproto.serf import (
@@ -26,7 +27,7 @@ from kvproto.serf import (
     StreamRecord,
 )
 
-__all__ = ["RECORDS_MAX", "SerfClient", "SerfUnreachable"]
+__all__ = ["KEY_COMMANDS", "RECORDS_MAX", "KeyringReply", "SerfClient", "SerfUnreachable"]
 
 # Stream records held for the caller: a 1,024-node cluster's worst burst (everyone rejoins) is
 # ~1,024 member events, which Serf coalesces; past this the oldest are dropped and `dropped`
@@ -34,6 +35,42 @@ __all__ = ["RECORDS_MAX", "SerfClient", "SerfUnreachable"]
 RECORDS_MAX = 4096
 RECV_BYTES = 256 << 10
 QUERY_RECORDS_MAX = 4096  # responses one query may bring (one per node, plus acks)
+
+
+KEY_COMMANDS = ("install-key", "use-key", "remove-key", "list-keys")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KeyringReply:
+    """Serf's keyring answer: members asked, answered and failed; per-node error messages;
+    for list-keys, each key with how many members hold it."""
+
+    error: str
+    nodes: int
+    responses: int
+    errors: int
+    messages: Mapping[str, str]
+    keys: Mapping[str, int]
+
+    @classmethod
+    def of(cls, error: str, body: Mapping[str, Any]) -> KeyringReply:
+        def ints(v: Any) -> int:
+            return v if isinstance(v, int) and not isinstance(v, bool) else 0
+
+        def strmap(v: Any, kind: type) -> dict[str, Any]:
+            items = v.items() if isinstance(v, Mapping) else ()
+            return {str(k): x for k, x in items if isinstance(x, kind)}
+
+        return cls(
+            error=error, nodes=ints(body.get("NumNodes")), responses=ints(body.get("NumResp")),
+            errors=ints(body.get("NumErr")), messages=strmap(body.get("Messages"), str),
+            keys=strmap(body.get("Keys"), int),
+        )  # fmt: skip
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"error": self.error, "nodes": self.nodes, "responses": self.responses,
+                "errors": self.errors, "messages": dict(self.messages),
+                "keys": dict(self.keys)}  # fmt: skip
 
 
 class SerfUnreachable(OSError):
@@ -68,6 +105,13 @@ class SerfClient:
     # --- plumbing -----------------------------------------------------------------------------
     def call(self, command: str, body: Mapping[str, Any] | None = None) -> Reply:
         """Send one command and wait for its reply; SerfError when the agent says no."""
+        ev = self.exchange(command, body)
+        if ev.error:
+            raise SerfError(command, ev.error)
+        return ev
+
+    def exchange(self, command: str, body: Mapping[str, Any] | None = None) -> Reply:
+        """Send one command and return its reply, an error reply included."""
         with self._lock:
             seq, data = self._codec.send(command, body)
             self._sendall(data)
@@ -75,11 +119,8 @@ class SerfClient:
             while True:
                 ev = self._next(deadline)
                 if isinstance(ev, Reply) and ev.seq == seq:
-                    break
+                    return ev
                 self._keep(ev)
-        if ev.error:
-            raise SerfError(command, ev.error)
-        return ev
 
     def _sendall(self, data: bytes) -> None:
         try:
@@ -159,6 +200,21 @@ class SerfClient:
 
     def event(self, name: str, payload: bytes, coalesce: bool = False) -> None:
         self.call("event", {"Name": name, "Payload": payload, "Coalesce": coalesce})
+
+    def stats(self) -> Mapping[str, Any]:
+        return self.call("stats").body or {}
+
+    def encrypted(self) -> bool:
+        """Whether the agent encrypts gossip (it was started with a key or keyring)."""
+        serf = self.stats().get("serf") or {}
+        return isinstance(serf, Mapping) and serf.get("encrypted") == "true"
+
+    def keys(self, command: str, key: str = "") -> KeyringReply:
+        """A keyring command (install-key, use-key, remove-key with `key`; list-keys): what
+        every member answered. Never raises for a refusal: `error` and `messages` say it."""
+        assert command in KEY_COMMANDS, command
+        ev = self.exchange(command, {"Key": key} if command != "list-keys" else None)
+        return KeyringReply.of(ev.error, ev.body or {})
 
     def force_leave(self, node: str) -> None:
         self.call("force-leave", {"Node": node})

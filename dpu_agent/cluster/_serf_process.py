@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from dpu_agent.cluster._serf_client import SerfClient, SerfUnreachable
+from dpu_agent.config import check_secret_mode
 
 __all__ = ["SERF_START_TIMEOUT_S", "SerfProcess", "free_port"]
 
@@ -79,7 +80,10 @@ class SerfProcess:
         log_path: str | os.PathLike[str] | None = None,
         extra_args: Sequence[str] = (),
         netns: str = "",
+        keyring_file: str | os.PathLike[str] | None = None,
     ) -> None:
+        """`keyring_file`: Serf's gossip keyring (JSON list of base64 keys, mode 0600; Serf
+        rewrites it when keys change); without it gossip is plaintext (tests of Serf only)."""
         path = shutil.which(serf_bin)
         if path is None:
             raise FileNotFoundError(f"{serf_bin} not found; apt-get install serf")
@@ -95,6 +99,9 @@ class SerfProcess:
             args.append(f"-retry-join={seed}")  # not -join: a dead seed must not stop us
         if join:
             args.append("-retry-interval=1s")
+        if keyring_file is not None:
+            check_secret_mode(Path(keyring_file))  # ConfigError when others may read it
+            args.append(f"-keyring-file={Path(keyring_file).absolute()}")
         self._config_dir: tempfile.TemporaryDirectory[str] | None = None
         if auth_key:  # rpc_auth exists only in the JSON config; a 0600 file, never argv
             self._config_dir = tempfile.TemporaryDirectory(prefix="serf-cfg-")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import secrets
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from typing import Any, Protocol
 
 from dpu_agent import telemetry
 from dpu_agent.blockdev import BlockDeviceError
+from dpu_agent.cluster._peer import PeerAuth, refuse
 from dpu_agent.control import _metrics as m
 from dpu_agent.control._auth import TenantRegistry
 from dpu_agent.engine import errors as engine_errors
@@ -35,6 +37,7 @@ from kvproto.control import (
     next_session_state,
     parse_request,
 )
+from kvproto.peer_auth import NONCE_BYTES, server_proof, verify_proof
 
 __all__ = ["ControlBackend", "Dispatcher", "Session"]
 
@@ -110,6 +113,10 @@ class Session:
     hostnqn: str = ""  # the host NQN bound to this session (bind_host)
     admin: bool = False
     hello_failures: int = 0
+    # agent to agent: (the peer's node, its nonce, ours) after peer_challenge; the peer's
+    # node once its hello proved the cluster key
+    peer_challenge: tuple[str, bytes, bytes] | None = None
+    peer_node: str = ""
     leases: dict[int, float] = field(default_factory=dict)  # lease_id -> expiry (monotonic)
     reservations: dict[int, tuple[float, int]] = field(default_factory=dict)  # -> expiry, bytes
 
@@ -211,6 +218,8 @@ class Dispatcher:
             nxt = next_session_state(s.state, req.op, admin=s.admin)
             if req.op == "hello":
                 result = self._hello(s, req.fields)
+            elif req.op == "peer_challenge":
+                result = self._peer_challenge(s, req.fields)
             else:
                 self._check_tenant(s)
                 if req.op in NIXL_OPS:  # data movement: off the loop, in order per session
@@ -296,7 +305,9 @@ class Dispatcher:
                 ErrorCode.VERSION,
             )
         tenant = f["tenant"]
-        if not self.registry.authenticate(tenant, f["token"]):
+        if "peer_proof" in f:
+            self._peer_hello(s, tenant, f)
+        elif not self.registry.authenticate(tenant, f["token"]):
             s.hello_failures += 1
             if s.hello_failures >= HELLO_FAILURES_MAX:
                 s.state = SessionState.CLOSED
@@ -317,6 +328,44 @@ class Dispatcher:
         info = {} if s.admin else self.backend.hello_info(tenant, hostnqn, s.local_host)
         log.info("control_session", tenant=tenant, peer=s.peer, session=s.session_id)
         return {"version": PROTOCOL_VERSION, "session": s.session_id, "tenant": tenant, **info}
+
+    def _peer_auth(self) -> PeerAuth:
+        auth = getattr(self.backend, "peer_auth", None)
+        if not isinstance(auth, PeerAuth):
+            raise RemoteProtocolError("this agent is not in a cluster", ErrorCode.AUTH)
+        return auth
+
+    def _peer_challenge(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
+        """The first step of the peer handshake (kvproto.peer_auth): our proof of the cluster
+        key, bound to the peer's nonce and ours; once per connection."""
+        auth = self._peer_auth()
+        if s.peer_challenge is not None:
+            s.state = SessionState.CLOSED
+            raise RemoteProtocolError("one peer_challenge per connection", ErrorCode.AUTH)
+        client, nonce_c = str(f["node"])[:256], f["nonce"]
+        nonce_s = secrets.token_bytes(NONCE_BYTES)
+        s.peer_challenge = (client, nonce_c, nonce_s)
+        proof = server_proof(auth.keys[0], nonce_c, nonce_s, client, auth.node)
+        return {"node": auth.node, "nonce": nonce_s, "proof": proof}
+
+    def _peer_hello(self, s: Session, tenant: str, f: Mapping[str, Any]) -> None:
+        """A hello proved with the cluster key for a tenant named: a peer acting for it."""
+        auth = self._peer_auth()
+        ch = s.peer_challenge
+        ok = (
+            ch is not None
+            and not f["token"]
+            and verify_proof(auth.keys, f["peer_proof"], "client", ch[1], ch[2], ch[0], auth.node)
+        )
+        if not ok:
+            s.state = SessionState.CLOSED  # no second try on this connection
+            refuse("client_proof", peer=s.peer, node=ch[0] if ch else "")
+            raise RemoteProtocolError("peer proof refused: not a member of this cluster",
+                                      ErrorCode.AUTH)  # fmt: skip
+        assert ch is not None
+        if tenant == ADMIN_TENANT or tenant not in self.registry:
+            raise RemoteProtocolError(f"tenant {tenant!r} is unknown here", ErrorCode.AUTH)
+        s.peer_node = ch[0]
 
     # --- tenant operations (always scoped to s.tenant) --------------------------------------
     def _lookup(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
@@ -421,7 +470,8 @@ class Dispatcher:
 
 
 _KNOWN_OPS = frozenset(
-    {"hello", "lookup", "release", "reserve", "commit", "abort", "delete", "pin", "unpin"}
+    {"hello", "peer_challenge", "lookup", "release", "reserve", "commit", "abort", "delete"}
+    | {"pin", "unpin"}
     | {"stats"}
     | {"members", "tenants_list", "tenant_add", "tenant_remove", "evict", "checkpoint"}
     | {"backup", "restore"}

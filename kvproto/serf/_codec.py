@@ -88,6 +88,12 @@ COMMANDS: Final[dict[str, tuple[_Kind, bool]]] = {
     "query": (_Kind.QUERY, True),
     "respond": (_Kind.HEADER, True),
     "stats": (_Kind.BODY, False),
+    # the gossip keyring, cluster-wide (Serf asks every member): a body follows every reply,
+    # errors included (Messages says which node refused and why)
+    "install-key": (_Kind.BODY, True),
+    "use-key": (_Kind.BODY, True),
+    "remove-key": (_Kind.BODY, True),
+    "list-keys": (_Kind.BODY, False),
 }
 # Refusals sent before the command's handler runs: header only, whatever the command.
 _NO_BODY_ERRORS: Final = frozenset(
