@@ -258,7 +258,7 @@ def _authenticated(conn: NvmfConnection, ctrl: Controller, auth: ControllerAuth)
 
 
 def _refused(conn: NvmfConnection, ctrl: Controller, auth: ControllerAuth, why: str) -> None:
-    log.warning(
+    refusals.warning(
         "nvmf_auth_refused",
         host=nqn_hash(ctrl.hostnqn),
         subnqn=ctrl.subnqn,
