@@ -21,7 +21,7 @@ from dpu_agent.log import RateLimitedLog, get_logger
 from dpu_agent.nvmf._auth import nqn_hash
 from dpu_agent.nvmf._connection import SOCKET_BUFFER_BYTES, NvmfConnection
 from kvproto.nvme import DhchapHash, SecretFormatError, parse_identity
-from kvproto.nvme._openssl import TLS_RECORD_BYTES_MAX, TlsEngine, TlsError, TlsWantRead
+from kvproto.nvme._openssl import TlsEngine, TlsError, TlsWantRead
 
 if TYPE_CHECKING:
     from dpu_agent.nvmf._subsystem import Subsystem
@@ -33,8 +33,9 @@ log = get_logger("dpu_agent.nvmf")
 refusals = RateLimitedLog(log)  # refused handshakes: a flood costs a few lines a second
 
 CIPHERTEXT_BUFFER_BYTES = 1 << 20  # one receive of ciphertext (a few TLS records of a PDU)
-# The receive buffer while handshaking: one TLS record with its header (a ClientHello fits).
-HANDSHAKE_BUFFER_BYTES = TLS_RECORD_BYTES_MAX + 256
+# The receive buffer while handshaking: a PSK ClientHello is a few hundred bytes; a larger
+# record arrives in several reads (the engine's memory BIO joins them).
+HANDSHAKE_BUFFER_BYTES = 4096
 PLAINTEXT_READS_MAX = 4096  # records decrypted per receive: bounded, each <= 16 KiB
 # A connection that has not finished its TLS handshake by then is closed: a real host finishes
 # in one round trip (milliseconds); 10 s covers a loaded one. Counted meanwhile (the target's
