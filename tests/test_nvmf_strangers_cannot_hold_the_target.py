@@ -28,7 +28,11 @@ from dpu_agent.nvmf._keys import HostKeyIssuer
 from dpu_agent.nvmf._limits import (
     AUTH_DEADLINE_S,
     HOST_BUFFER_BYTES_MAX,
+    TARGET_BUFFER_BYTES_MAX,
+    TENANT_BUFFER_BYTES_MAX,
     UNAUTHENTICATED_CONTROLLERS_PER_HOST_MAX,
+    BufferBudget,
+    SizedPool,
 )
 from dpu_agent.nvmf._subsystem import Subsystem
 from dpu_agent.nvmf._target import (
@@ -387,6 +391,31 @@ def test_many_controllers_of_one_host_cannot_pin_r2t_buffers(tmp_path: Path) -> 
                 c.close()
             legit.close()
         assert tgt.alive()
+
+
+def test_one_hosts_controllers_share_its_buffer_budget() -> None:
+    """40 controllers of one host together hold at most HOST_BUFFER_BYTES_MAX; another host
+    of the same tenant still gets buffers; a queue waiting at the host's level is woken when
+    another controller of that host gives bytes back."""
+    target = BufferBudget(TARGET_BUFFER_BYTES_MAX)
+    tenant = BufferBudget(TENANT_BUFFER_BYTES_MAX, target)
+    host = BufferBudget(HOST_BUFFER_BYTES_MAX, tenant)
+    pools = [SizedPool(4 << 20, 8) for _ in range(40)]
+    for p in pools:
+        p.attach(BufferBudget(parent=host))  # one controller each
+    taken = {p: [b for _ in range(8) if (b := p.take(4 << 20)) is not None] for p in pools}
+    held = sum(len(b) for bufs in taken.values() for b in bufs)
+    assert held == host.used == tenant.used == target.used <= HOST_BUFFER_BYTES_MAX
+    other = SizedPool(4 << 20, 8)
+    other.attach(BufferBudget(parent=BufferBudget(HOST_BUFFER_BYTES_MAX, tenant)))
+    assert other.take(4 << 20) is not None  # the tenant and the target have room
+    waiting = pools[-1]
+    assert not taken[waiting] and not waiting.can_take(4 << 20)
+    woken: list[int] = []
+    waiting.wait(lambda: woken.append(1), 4 << 20)
+    full = next(p for p in pools if taken[p])
+    full.close(taken[full])  # that controller goes: its bytes come back to the host
+    assert woken and waiting.can_take(4 << 20)
 
 
 def answer_r2ts_but_the_last_block(queues: list) -> int:  # type: ignore[type-arg]

@@ -162,9 +162,10 @@ def handle_auth(conn: NvmfConnection, cmd: _Cmd, data: bytes | bytearray | memor
     ctrl = conn.ctrl
     if ctrl is None:
         return conn._complete(cmd, Status.COMMAND_SEQUENCE_ERROR)
-    if not auth_command_ok(sqe) or conn.auth_busy:
-        return conn._complete(cmd, Status.INVALID_FIELD if not conn.auth_busy else
-                              Status.COMMAND_SEQUENCE_ERROR)  # fmt: skip
+    if not auth_command_ok(sqe):
+        return conn._complete(cmd, Status.INVALID_FIELD)
+    if conn.auth_busy:  # one Authentication command at a time per queue
+        return conn._complete(cmd, Status.COMMAND_SEQUENCE_ERROR)
     if conn.auth is None:
         conn.auth = queue_auth(ctrl, voluntary=True)
     auth = conn.auth

@@ -393,21 +393,25 @@ class NvmeTcpTarget:
 
     def connection_opened(self, conn: NvmfConnection) -> None:
         address = conn.peer.rpartition(":")[0]
-        reason = ""
         if len(self._connections) >= CONNECTIONS_MAX:
-            reason = "CONNECTIONS_MAX"
-        elif sum(a == address for a in self._unconnected.values()) >= UNCONNECTED_PER_ADDRESS_MAX:
-            reason = "UNCONNECTED_PER_ADDRESS_MAX"
-        elif len(self._unconnected) >= UNCONNECTED_MAX:  # full of strangers: the oldest goes
-            oldest = next(iter(self._unconnected))
-            self._unconnected.pop(oldest)
-            oldest.close()
-        if reason:
-            refusals.warning("nvmf_connection_refused", peer=conn.peer, reason=reason)
+            refusals.warning("nvmf_connection_refused", peer=conn.peer, reason="CONNECTIONS_MAX")
             conn.close()
             return
+        # At a cap on connections that have not sent Connect yet, the oldest of this address
+        # (or, target-wide, the oldest) goes, not the newcomer: a stranger's idle sockets must
+        # not lock out a host behind the same address.
+        same = [c for c, a in self._unconnected.items() if a == address]
+        if len(same) >= UNCONNECTED_PER_ADDRESS_MAX:
+            self._drop_unconnected(same[0], "UNCONNECTED_PER_ADDRESS_MAX")
+        elif len(self._unconnected) >= UNCONNECTED_MAX:
+            self._drop_unconnected(next(iter(self._unconnected)), "UNCONNECTED_MAX")
         self._connections.add(conn)
         self._unconnected[conn] = address
+
+    def _drop_unconnected(self, conn: NvmfConnection, reason: str) -> None:
+        self._unconnected.pop(conn, None)
+        refusals.warning("nvmf_connection_evicted", peer=conn.peer, reason=reason)
+        conn.close()
 
     def connection_connected(self, conn: NvmfConnection) -> None:
         """Connect succeeded: the connection counts as a known host's from now on."""
