@@ -40,7 +40,9 @@ from dpu_agent.nvmf._target import (
     AUTH_DH_PER_ADDRESS_PER_S,
     HANDSHAKES_PER_ADDRESS_MAX,
 )
-from host_shim.nvme import NvmeTcpController
+from dpu_agent.service import spawn_agent
+from host_shim.client import ControlChannel
+from host_shim.nvme import NvmeStatusError, NvmeTcpController
 from kvproto.nvme import (
     R2T,
     C2HData,
@@ -57,6 +59,7 @@ from kvproto.nvme import (
     Property,
     QueuePair,
     Role,
+    Status,
     TlsPsk,
 )
 from kvproto.nvme._auth import (
@@ -270,6 +273,37 @@ def test_issued_host_nqn_binds_nowhere_after_restart(tmp_path: Path) -> None:
     again = Subsystem(nqn=TENANT_A)
     HostKeyIssuer(path, dhchap=True, psk=False).bind("a", again)
     assert again.host_allowed(operator, STRANGER) and not again.host_allowed(VICTIM, STRANGER)
+
+
+def test_issued_host_nqn_opens_nothing_after_an_agent_restart(tmp_path: Path) -> None:
+    """The same with a real agent: a host that said hello (and got its key) is refused after
+    the agent restarts, NQN and key notwithstanding, until its client says hello again."""
+    env = {"DPUKV_NVMF_REQUIRE_AUTH": "true"}
+    a = spawn_agent(tmp_path / "var", env=env)
+    try:
+        with ControlChannel(a.control_url, "default", a.token) as ch:
+            nv = ch.connect()["nvme"]
+            hostnqn, key = ch.hostnqn, str(nv["dhchap_key"])
+            with NvmeTcpController.connect(nv["host"], nv["port"], nv["subnqn"], hostnqn,
+                                           dhchap_key=key, timeout_s=10) as c:  # fmt: skip
+                assert c.active_namespaces()
+    finally:
+        a.stop()
+    b = spawn_agent(tmp_path / "var", env=env)
+    try:
+        host, port = b.state["nvmf"].rsplit(":", 1)
+        with pytest.raises(NvmeStatusError) as e:
+            NvmeTcpController.connect(host, int(port), str(nv["subnqn"]), hostnqn,
+                                      dhchap_key=key, timeout_s=10)  # fmt: skip
+        assert e.value.code == Status.CONNECT_INVALID_HOST
+        with ControlChannel(b.control_url, "default", b.token, hostnqn=hostnqn) as ch:
+            nv = ch.connect()["nvme"]
+            assert nv["dhchap_key"] == key  # the same key: it was kept, only not bound
+            with NvmeTcpController.connect(nv["host"], nv["port"], nv["subnqn"], hostnqn,
+                                           dhchap_key=key, timeout_s=10) as c:  # fmt: skip
+                assert c.active_namespaces()
+    finally:
+        b.stop()
 
 
 # --- bare TCP connects to a secure-channel listener cost nothing and are freed ----------------
