@@ -58,22 +58,29 @@ def _tier_devices(args: argparse.Namespace) -> dict[int, BlockDevice]:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    sub = Subsystem(
-        nqn=args.nqn,
-        allowed_hosts=set(args.allow_host),
-        allow_any_host=args.allow_any_host,
-        namespaces=_tier_devices(args) if args.tiers_dir else {1: _device(args)},
-        host_keys=load_host_keys(args.host_keys) if args.host_keys else {},
-        require_auth=args.require_auth,
-        secure_channel=args.secure_channel,
-    )
+    host_keys = load_host_keys(args.host_keys) if args.host_keys else {}
+    subs = [
+        Subsystem(
+            nqn=nqn,
+            allowed_hosts=set(args.allow_host),
+            allow_any_host=args.allow_any_host,
+            namespaces=(
+                _tier_devices(args) if args.tiers_dir and i == 0
+                else {1: _device(args) if i == 0 else MemoryBlockDevice(args.blocks)}
+            ),
+            host_keys=dict(host_keys),
+            require_auth=args.require_auth,
+            secure_channel=args.secure_channel,
+        )
+        for i, nqn in enumerate([args.nqn, *args.also_nqn])
+    ]  # fmt: skip
     opts = TargetOptions(
         max_io_size=args.max_io_size,
         keep_alive_granularity_ms=args.keep_alive_granularity_ms,
         io_workers=args.io_workers,
     )
     target = NvmeTcpTarget(
-        [sub], args.host, args.port, options=opts, secure_channel=args.secure_channel
+        subs, args.host, args.port, options=opts, secure_channel=args.secure_channel
     )
     await target.start()
     print(json.dumps({"port": target.port}), flush=True)
@@ -90,6 +97,12 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m dpu_agent.nvmf", description=__doc__)
     p.add_argument("--nqn", required=True)
     p.add_argument("--allow-host", action="append", default=[])
+    p.add_argument(
+        "--also-nqn",
+        action="append",
+        default=[],
+        help="another subsystem (another tenant): a memory namespace 1 of --blocks, same hosts",
+    )
     p.add_argument("--allow-any-host", action="store_true")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)

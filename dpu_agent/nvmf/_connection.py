@@ -29,6 +29,7 @@ from dpu_agent.nvmf._auth import ATR_BIT, auth_exempt, handle_auth, queue_auth
 from dpu_agent.nvmf._controller import Completion, Controller
 from dpu_agent.nvmf._limits import (
     ADMIN_REPLY_BYTES_MAX,
+    AUTH_DEADLINE_S,
     CONNECT_DEADLINE_S,
     R2T_TIMEOUT_S,
     SEND_QUEUE_BYTES_MAX,
@@ -199,6 +200,8 @@ class NvmfConnection(asyncio.BufferedProtocol):
         self._waiting: collections.deque[_Cmd] = collections.deque()
         self._unsent: list[bytearray] = []  # buffers the transport may still reference
         self._deadline: asyncio.TimerHandle | None = None  # ICReq + Connect (CONNECT_DEADLINE_S)
+        self._auth_timer: asyncio.TimerHandle | None = None  # Connect -> authenticated
+        self.auth_busy = False  # a DH step of this queue runs in the target's auth executor
         self._reading_paused = False  # SEND_QUEUE_BYTES_MAX of replies unsent
         self._pool_writes_until = 0.0  # monotonic: an inline write was slow (INLINE_WRITE_SLOW_S)
 
@@ -326,9 +329,11 @@ class NvmfConnection(asyncio.BufferedProtocol):
         self.closed = True
         if self._deadline is not None:
             self._deadline.cancel()
+        if self._auth_timer is not None:
+            self._auth_timer.cancel()
         held = [c.buf for c in self._cmds.values() if c.buf is not None] + self._unsent
         self._data_pool.close(held)
-        self._data_pool.budget.waiters.discard(self._start_waiting)
+        self._data_pool.budget.unwait(self._start_waiting)
         self._unsent = []
         self._cmds.clear()
         self._ttags.clear()
@@ -562,14 +567,15 @@ class NvmfConnection(asyncio.BufferedProtocol):
                 fei=10,
             )
         self._cmds[sqe.cid] = cmd
-        if self.ctrl is not None:
-            self.ctrl.keep_alive()  # any command shows the host is alive
         if not ev.ddgst_ok:
             return self._complete(cmd, Status.TRANSIENT_TRANSPORT_ERROR, dnr=False)
         if len(ev.data) > self.icd_limit or (ev.data and len(ev.data) != sqe.sgl.length):
             return self._complete(cmd, Status.DATA_SGL_LENGTH_INVALID)
-        if self.auth is not None and not self.auth.authenticated and not auth_exempt(sqe):
-            return self._complete(cmd, Status.AUTHENTICATION_REQUIRED)
+        if self.auth is not None and not self.auth.authenticated:
+            if not auth_exempt(sqe):  # refused: shows nothing about the host, no keep-alive
+                return self._complete(cmd, Status.AUTHENTICATION_REQUIRED)
+        elif self.ctrl is not None:
+            self.ctrl.keep_alive()  # any accepted command shows the host is alive
         if sqe.opcode == AdminOpcode.FABRICS:
             return self._fabrics(cmd, ev.data)
         if self.qid is None or self.ctrl is None:
@@ -620,7 +626,18 @@ class NvmfConnection(asyncio.BufferedProtocol):
         if qid:
             self.icd_limit = self.opts.in_capsule_data_size
         self.auth = queue_auth(ctrl)
+        if self.auth is not None:  # the host has AUTH_DEADLINE_S to prove its key
+            self._auth_timer = asyncio.get_running_loop().call_later(
+                AUTH_DEADLINE_S, self._auth_deadline
+            )
         self._complete(cmd, cdw0=ctrl.cntlid | (ATR_BIT if self.auth else 0))
+
+    def _auth_deadline(self) -> None:
+        if self.closed or self.auth is None or self.auth.authenticated:
+            return
+        refusals.warning("nvmf_auth_deadline", peer=self.peer, qid=self.qid,
+                         deadline_s=AUTH_DEADLINE_S)  # fmt: skip
+        self.close()
 
     def connect_refused(self, cmd: _Cmd, status: Status, iattr: int = 0, ipo: int = 0) -> None:
         self._complete(cmd, status, cdw0=iattr | ipo << 16)
@@ -722,7 +739,7 @@ class NvmfConnection(asyncio.BufferedProtocol):
     def _with_buffer(self, cmd: _Cmd) -> None:
         if self._waiting or not self._can_start(cmd):
             self._waiting.append(cmd)
-            self._data_pool.budget.waiters.add(self._start_waiting)  # another queue may free
+            self._data_pool.wait(self._start_waiting, cmd.length)  # another queue may free
             return
         self._start(cmd)
 
@@ -753,8 +770,10 @@ class NvmfConnection(asyncio.BufferedProtocol):
     def _start_waiting(self) -> None:
         while self._waiting and not self.closed and self._can_start(self._waiting[0]):
             self._start(self._waiting.popleft())
-        if not self._waiting:
-            self._data_pool.budget.waiters.discard(self._start_waiting)
+        if not self._waiting or self.closed:
+            self._data_pool.budget.unwait(self._start_waiting)
+        else:  # wait where the room is short now (this controller, its host, tenant, target)
+            self._data_pool.wait(self._start_waiting, self._waiting[0].length)
 
     def _data_ready(self, cmd: _Cmd, view: memoryview) -> None:
         assert cmd.dev is not None

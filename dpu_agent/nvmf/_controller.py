@@ -103,6 +103,10 @@ class Controller:
         self.features[FeatureId.TEMPERATURE_THRESHOLD] = 0x0157  # 343 K, the spec's default
         self.closed = False
         self.buffers = BufferBudget()  # data buffers of all its queues together
+        self.address = ""  # the admin queue's peer address (per-address caps)
+        # False while the admin queue must still authenticate (DH-HMAC-CHAP): the target
+        # counts such controllers apart and evicts them first (docs/NVME_AUTH.md, Budgets)
+        self.authenticated = True
 
     @property
     def is_discovery(self) -> bool:

@@ -25,6 +25,7 @@ __all__ = ["HOST_KEYS_FILE", "HOST_KEYS_PER_TENANT_MAX", "HostKeyIssuer"]
 
 HOST_KEYS_FILE = "host_keys.json"
 HOST_KEYS_PER_TENANT_MAX = 4096  # as HOSTS_PER_TENANT_MAX: a fleet of GPU servers per tenant
+_ANY_ADDRESS = "any_address"  # in a host's entry: an operator added it (allowed after restarts)
 
 
 class HostKeyIssuer:
@@ -35,10 +36,15 @@ class HostKeyIssuer:
         self.dhchap, self.psk = dhchap, psk
         self._lock = threading.Lock()
         self._keys: dict[str, dict[str, HostKeys]] = {}  # tenant -> host -> keys
+        # tenant -> hosts an operator added: allowed from any address, across restarts
+        self._any_address: dict[str, set[str]] = {}
         if self.path.exists():
             raw = json.loads(self.path.read_text())
             self._keys = {
                 t: {h: host_keys_from_dict(k) for h, k in hosts.items()} for t, hosts in raw.items()
+            }
+            self._any_address = {
+                t: {h for h, k in hosts.items() if k.get(_ANY_ADDRESS)} for t, hosts in raw.items()
             }
 
     @property
@@ -46,39 +52,62 @@ class HostKeyIssuer:
         return self.dhchap or self.psk
 
     def bind(self, tenant: str, sub: Subsystem) -> None:
-        """Put the tenant's remembered keys (and hosts) on its subsystem (at start)."""
+        """Put the tenant's remembered keys on its subsystem (at start). Hosts an operator
+        added (`dpuctl hosts add`) are allowed again, from any address, as before the restart;
+        a host whose keys a hello issued is allowed nowhere until a live control session binds
+        it again (with that session's address): its NQN alone, from anywhere, is no
+        credential, and the shim says hello again when it reconnects."""
         for host, keys in self._keys.get(tenant, {}).items():
             sub.host_keys[host] = keys
-            sub.allowed_hosts.add(host)
+            if host in self._any_address.get(tenant, ()):
+                sub.allowed_hosts.add(host)
 
-    def issue(self, tenant: str, sub: Subsystem, hostnqn: str) -> HostKeys:
-        """The host's keys on this tenant's subsystem: the remembered ones, else new ones."""
+    def issue(
+        self, tenant: str, sub: Subsystem, hostnqn: str, *, any_address: bool = False
+    ) -> HostKeys:
+        """The host's keys on this tenant's subsystem: the remembered ones, else new ones.
+        Who may connect is the caller's business (a session's binding, or the operator's
+        `hosts add`); `any_address`: an operator added it, so `bind` allows it again after a
+        restart."""
         with self._lock:
             hosts = self._keys.setdefault(tenant, {})
             keys = hosts.get(hostnqn)
             wanted = (self.dhchap, self.psk)
+            operators = self._any_address.setdefault(tenant, set())
+            changed = any_address and hostnqn not in operators
             if keys is None or ((keys.dhchap_key is not None, keys.psk is not None) != wanted):
                 if len(hosts) >= HOST_KEYS_PER_TENANT_MAX and hostnqn not in hosts:
                     oldest = next(iter(hosts))  # insertion order: the first issued goes
                     del hosts[oldest]
+                    operators.discard(oldest)
                     sub.host_keys.pop(oldest, None)
                 keys = HostKeys(
                     dhchap_key=DhchapSecret.generate(DhchapHash.SHA256) if self.dhchap else None,
                     psk=TlsPsk.generate(DhchapHash.SHA256) if self.psk else None,
                 )
                 hosts[hostnqn] = keys
+                changed = True
+            if any_address:
+                operators.add(hostnqn)
+            if changed:
                 self._save()
             sub.host_keys[hostnqn] = keys
-            sub.allowed_hosts.add(hostnqn)
             return keys
 
     def forget_tenant(self, tenant: str) -> None:
         with self._lock:
+            self._any_address.pop(tenant, None)
             if self._keys.pop(tenant, None) is not None:
                 self._save()
 
+    def _marks(self, tenant: str, host: str) -> dict[str, bool]:
+        return {_ANY_ADDRESS: True} if host in self._any_address.get(tenant, ()) else {}
+
     def _save(self) -> None:
-        data = {t: {h: host_keys_to_dict(k) for h, k in hs.items()} for t, hs in self._keys.items()}
+        data = {
+            t: {h: {**host_keys_to_dict(k), **self._marks(t, h)} for h, k in hs.items()}
+            for t, hs in self._keys.items()
+        }
         tmp = self.path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:

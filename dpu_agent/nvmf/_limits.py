@@ -10,14 +10,27 @@ from collections.abc import Callable
 
 __all__ = [
     "ADMIN_REPLY_BYTES_MAX",
+    "AUTH_DEADLINE_S",
     "BUFFER_CLASS_BYTES_MIN",
     "CONNECT_DEADLINE_S",
+    "CONTROLLERS_PER_ADDRESS_MAX",
+    "CONTROLLERS_PER_HOST_MAX",
+    "CONTROLLERS_PER_TENANT_MAX",
     "CONTROLLER_BUFFER_BYTES_MAX",
     "DISCOVERY_CONTROLLERS_MAX",
+    "HOST_BUFFER_BYTES_MAX",
     "KATO_IDLE_MS",
+    "QUEUES_PER_HOST_MAX",
+    "QUEUES_PER_TENANT_MAX",
     "QUEUE_CACHE_BYTES_MAX",
     "R2T_TIMEOUT_S",
     "SEND_QUEUE_BYTES_MAX",
+    "TARGET_BUFFER_BYTES_MAX",
+    "TENANT_BUFFER_BYTES_MAX",
+    "UNAUTHENTICATED_CONTROLLERS_MAX",
+    "UNAUTHENTICATED_CONTROLLERS_PER_ADDRESS_MAX",
+    "UNAUTHENTICATED_CONTROLLERS_PER_HOST_MAX",
+    "UNAUTHENTICATED_CONTROLLERS_PER_TENANT_MAX",
     "UNCONNECTED_MAX",
     "UNCONNECTED_PER_ADDRESS_MAX",
     "BufferBudget",
@@ -31,6 +44,37 @@ CONNECT_DEADLINE_S = 10.0
 # reconnecting at once is a few hundred; beyond that they are refused at accept.
 UNCONNECTED_MAX = 256
 UNCONNECTED_PER_ADDRESS_MAX = 32  # one host opens its admin queue + I/O queues at once
+# A queue that must authenticate (DH-HMAC-CHAP) has this long after its Connect to finish: a
+# real host needs two round trips and two DH computations (~25 ms for ffdhe8192 here); 10 s
+# covers a loaded host, and someone who knows a host NQN but no key holds a queue no longer.
+# Refused commands (Authentication Required) never count as keep-alive.
+AUTH_DEADLINE_S = 10.0
+# Controllers whose admin queue has not authenticated yet, by scope. At a cap the newcomer is
+# not refused: the oldest unauthenticated controller of the address that holds the most in that
+# scope goes (a stranger flooding from one address evicts its own, never the host's one
+# authentication in flight). Per host NQN: a host authenticates one admin queue per subsystem
+# (a reconnect overlapping the old one: two); 4 leaves room for retries.
+UNAUTHENTICATED_CONTROLLERS_PER_HOST_MAX = 4
+# Per source address: one GPU server runs a few dozen clients (one host NQN each), and they
+# authenticate their admin queues within milliseconds of each other at most at a restart.
+UNAUTHENTICATED_CONTROLLERS_PER_ADDRESS_MAX = 16
+# Per tenant (subsystem) and in all: a fleet reconnecting after an agent restart authenticates
+# a few hundred at once; 256 in all as UNCONNECTED_MAX.
+UNAUTHENTICATED_CONTROLLERS_PER_TENANT_MAX = 64
+UNAUTHENTICATED_CONTROLLERS_MAX = 256
+# Controllers (authenticated or not) per host NQN on one subsystem: the shim opens one per
+# client (each client has its own NQN), a reconnect overlaps the old one; 16 is generous.
+CONTROLLERS_PER_HOST_MAX = 16
+# Per tenant and per source address, below the target's CONNECTIONS_MAX (4096): one tenant, or
+# one machine, cannot take every controller slot from the others. 1024 is a fleet of GPU
+# servers with a few clients each; an address is one server: 256 clients.
+CONTROLLERS_PER_TENANT_MAX = 1024
+CONTROLLERS_PER_ADDRESS_MAX = 256
+# Queues (admin + I/O connections) per host NQN and per tenant: a client uses one admin and a
+# few I/O queues (the shim's default is 4, max_io_qpairs_per_ctrlr is 127); a tenant may hold
+# half of CONNECTIONS_MAX, so the other tenants always have the other half.
+QUEUES_PER_HOST_MAX = 256
+QUEUES_PER_TENANT_MAX = 2048
 # Discovery controllers accept any host NQN (the spec's well-known subsystem): bound them
 # separately; hosts use one briefly to read the discovery log.
 DISCOVERY_CONTROLLERS_MAX = 64
@@ -47,6 +91,15 @@ R2T_TIMEOUT_S = 10.0
 # Data buffers of all queues of one controller together (in use and cached): 64 MiB lets 16
 # queues move 4 MiB each at once; 127 queues of one host cannot pin 127 x 16 MiB.
 CONTROLLER_BUFFER_BYTES_MAX = 64 << 20
+# The same data buffers (in use and cached, which is what unanswered R2Ts pin) summed over all
+# controllers of one host NQN on a subsystem, of one tenant, and of the whole target. A host
+# is two controllers' worth (a reconnect overlapping the old one); a tenant four busy hosts;
+# the target eight tenants' worth, 1 GiB, which a DPU's memory spares next to its DRAM tier.
+# A queue short of room waits (its commands queue, no R2T goes out) until a buffer comes back:
+# every pinned buffer is freed within R2T_TIMEOUT_S, so waiting is bounded too.
+HOST_BUFFER_BYTES_MAX = 2 * CONTROLLER_BUFFER_BYTES_MAX
+TENANT_BUFFER_BYTES_MAX = 4 * CONTROLLER_BUFFER_BYTES_MAX
+TARGET_BUFFER_BYTES_MAX = 16 * CONTROLLER_BUFFER_BYTES_MAX
 # Free buffers one queue keeps for reuse; the rest go back to the budget (and the allocator).
 QUEUE_CACHE_BYTES_MAX = 8 << 20
 # Smallest buffer: commands are sized up to a power of two from here (16 KiB chunks get 16
@@ -60,36 +113,75 @@ KATO_IDLE_MS = 120_000
 
 
 class BufferBudget:
-    """Bytes of data buffers one controller's queues hold; queues waiting for room register
-    a wake-up callback, called when another queue gives bytes back."""
+    """Bytes of data buffers charged to one principal: a controller's queues, and through
+    `parent` the host, the tenant and the target they belong to (a charge must fit every level).
+    Queues waiting for room register a wake-up callback at the level that refused them; a
+    refund under that level calls it."""
 
-    __slots__ = ("bytes_max", "pools", "used", "waiters")
+    __slots__ = ("bytes_max", "parent", "pools", "used", "waiters")
 
-    def __init__(self, bytes_max: int = CONTROLLER_BUFFER_BYTES_MAX) -> None:
+    def __init__(
+        self, bytes_max: int = CONTROLLER_BUFFER_BYTES_MAX, parent: BufferBudget | None = None
+    ) -> None:
         self.bytes_max = bytes_max
+        self.parent = parent
         self.used = 0
         self.waiters: set[Callable[[], None]] = set()
-        self.pools: set[SizedPool] = set()  # the queues charging this budget
+        self.pools: set[SizedPool] = set()  # the queues charging this budget (or one below)
 
-    def reclaim(self) -> None:
-        """Every queue drops its idle cached buffers: a queue short of room must not wait on
-        bytes that other, idle queues only keep for reuse. Silent (no waiter is called back
-        from inside another queue's check); the caller checks again."""
-        for pool in list(self.pools):
-            self.used -= pool._drop_cache_bytes()
-        assert self.used >= 0, self.used
+    def chain(self) -> list[BufferBudget]:
+        """This budget and its ancestors, innermost first."""
+        out: list[BufferBudget] = [self]
+        while (up := out[-1].parent) is not None:
+            out.append(up)
+        return out
+
+    def short(self, nbytes: int) -> BufferBudget | None:
+        """The outermost level `nbytes` more would overflow, or None if it fits everywhere."""
+        found = None
+        for b in self.chain():
+            if b.used + nbytes > b.bytes_max:
+                found = b
+        return found
+
+    def reclaim(self, nbytes: int = 0) -> None:
+        """Every queue under the level that lacks room drops its idle cached buffers: a queue
+        short of room must not wait on bytes that other, idle queues only keep for reuse.
+        Silent (no waiter is called back from inside another queue's check); the caller checks
+        again."""
+        level = self.short(nbytes) or self
+        for pool in list(level.pools):
+            pool.budget._uncharge(pool._drop_cache_bytes())
 
     def charge(self, nbytes: int) -> bool:
-        if self.used + nbytes > self.bytes_max:
+        if self.short(nbytes) is not None:
             return False
-        self.used += nbytes
+        for b in self.chain():
+            b.used += nbytes
         return True
 
+    def _uncharge(self, nbytes: int) -> None:
+        for b in self.chain():
+            b.used -= nbytes
+            assert b.used >= 0, b.used
+
     def refund(self, nbytes: int) -> None:
-        self.used -= nbytes
-        assert self.used >= 0, self.used
-        for wake in list(self.waiters):
-            wake()
+        self._uncharge(nbytes)
+        wake: set[Callable[[], None]] = set()
+        for b in self.chain():
+            wake |= b.waiters
+        for cb in wake:
+            cb()
+
+    def wait(self, cb: Callable[[], None], nbytes: int) -> None:
+        """Call `cb` when a refund may have made room for `nbytes` (at the level that lacks
+        it now; at this level if none does: a buffer of this controller's comes back)."""
+        self.unwait(cb)
+        (self.short(nbytes) or self).waiters.add(cb)
+
+    def unwait(self, cb: Callable[[], None]) -> None:
+        for b in self.chain():
+            b.waiters.discard(cb)
 
 
 def size_class(nbytes: int) -> int:
@@ -115,11 +207,14 @@ class SizedPool:
         self.budget.pools.add(self)
 
     def attach(self, budget: BufferBudget) -> None:
-        """Charge the controller's budget from now on (called at Connect, before any I/O)."""
+        """Charge the controller's budget (and its host's, tenant's and the target's) from now
+        on (called at Connect, before any I/O)."""
         assert self.in_use == 0 and self.cached_bytes == 0, self.in_use
-        self.budget.pools.discard(self)
+        for b in self.budget.chain():
+            b.pools.discard(self)
         self.budget = budget
-        budget.pools.add(self)
+        for b in budget.chain():
+            b.pools.add(self)
 
     def can_take(self, nbytes: int) -> bool:
         size = size_class(nbytes)
@@ -127,10 +222,14 @@ class SizedPool:
             return False
         if self._free.get(size):
             return True
-        if self.budget.used + size - self.cached_bytes <= self.budget.bytes_max:
+        if self.budget.short(size - self.cached_bytes) is None:
             return True
-        self.budget.reclaim()  # idle caches of the controller's other queues
-        return self.budget.used + size <= self.budget.bytes_max
+        self.budget.reclaim(size)  # idle caches of the other queues under the full level
+        return self.budget.short(size) is None
+
+    def wait(self, cb: Callable[[], None], nbytes: int) -> None:
+        """Call `cb` when a buffer for `nbytes` may be free (see BufferBudget.wait)."""
+        self.budget.wait(cb, size_class(nbytes))
 
     def take(self, nbytes: int) -> bytearray | None:
         assert 0 < nbytes <= self.size_max, nbytes
@@ -143,7 +242,7 @@ class SizedPool:
             self.in_use += 1
             return free.pop()
         if not self.budget.charge(size):
-            self.budget.reclaim()  # room held by idle buffers (this queue's other sizes too)
+            self.budget.reclaim(size)  # room held by idle buffers (this queue's other sizes too)
             if not self.budget.charge(size):
                 return None
         self.in_use += 1
@@ -166,7 +265,8 @@ class SizedPool:
         go back to the budget; a buffer given back later is ignored."""
         total = self.cached_bytes + sum(len(b) for b in held)
         self.cached_bytes, self.in_use, self.closed = 0, 0, True
-        self.budget.pools.discard(self)
+        for b in self.budget.chain():
+            b.pools.discard(self)
         self._free.clear()
         if total:
             self.budget.refund(total)

@@ -41,6 +41,7 @@ class TargetProcess:
         port: int = 0,
         log_path: str | os.PathLike[str] | None = None,
         tiers_dir: str | os.PathLike[str] | None = None,
+        also_nqns: Iterable[str] = (),
     ) -> None:
         """`port` 0 picks a free one; `log_path` receives the target's log (JSON lines)
         instead of this process's stderr."""
@@ -63,6 +64,8 @@ class TargetProcess:
         ]
         for h in allow_hosts:
             args += ["--allow-host", h]
+        for other in also_nqns:  # more subsystems (tenants), each a memory namespace 1
+            args += ["--also-nqn", other]
         if allow_any_host:
             args.append("--allow-any-host")
         if file is not None:

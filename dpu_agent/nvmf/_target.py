@@ -7,6 +7,7 @@ logged in full; the data path lives in `_connection.py` and never logs per PDU.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import ipaddress
 import resource
@@ -15,13 +16,26 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from dpu_agent.log import RateLimitedLog, get_logger, nqn_tag
-from dpu_agent.nvmf._auth import nqn_hash
+from dpu_agent.nvmf._auth import needs_auth, nqn_hash
 from dpu_agent.nvmf._connection import NvmfConnection
 from dpu_agent.nvmf._controller import CNTLID_MAX, CNTLID_MIN, Controller
 from dpu_agent.nvmf._limits import (
+    CONTROLLERS_PER_ADDRESS_MAX,
+    CONTROLLERS_PER_HOST_MAX,
+    CONTROLLERS_PER_TENANT_MAX,
     DISCOVERY_CONTROLLERS_MAX,
+    HOST_BUFFER_BYTES_MAX,
+    QUEUES_PER_HOST_MAX,
+    QUEUES_PER_TENANT_MAX,
+    TARGET_BUFFER_BYTES_MAX,
+    TENANT_BUFFER_BYTES_MAX,
+    UNAUTHENTICATED_CONTROLLERS_MAX,
+    UNAUTHENTICATED_CONTROLLERS_PER_ADDRESS_MAX,
+    UNAUTHENTICATED_CONTROLLERS_PER_HOST_MAX,
+    UNAUTHENTICATED_CONTROLLERS_PER_TENANT_MAX,
     UNCONNECTED_MAX,
     UNCONNECTED_PER_ADDRESS_MAX,
+    BufferBudget,
 )
 from dpu_agent.nvmf._subsystem import DISCOVERY_NQN, Subsystem, TargetOptions, check_namespace
 from dpu_agent.nvmf._tls import TlsServerProtocol, check_secure, psk_lookup
@@ -58,6 +72,56 @@ MEMORY_LANE_WORKERS = 1
 # wait on the disk side by side, for LANE_BACKOFF_S. Not wall time: a call also waits for the
 # GIL after its cipher pass (up to the 5 ms switch interval), which is no reason to leave.
 LANE_BACKOFF_S = 1.0
+
+
+# DH-HMAC-CHAP's finite-field DH steps (a Challenge's key, a Reply's shared secret: ~6 ms each
+# for ffdhe8192 here, GIL released) run on this many threads, off the event loop: one, so
+# strangers' authentications can take one core's share at most, never the loop's.
+AUTH_WORKERS = 1
+# DH steps queued for those threads at once; beyond, the step is refused (AUTH_Failure1): 32 x
+# ~6 ms is a 0.2 s wait for the last legitimate host in a reconnect storm, bounded.
+AUTH_PENDING_MAX = 32
+# DH steps per source address: a burst of this many (one server's clients reconnecting, two
+# steps per queue: 16 clients x admin + 3 I/O queues x 2 is 128), then this many a second (a
+# steady 16/s is ~10 % of one core at ffdhe8192). Beyond, refused (AUTH_Failure1).
+AUTH_DH_BURST_PER_ADDRESS_MAX = 128
+AUTH_DH_PER_ADDRESS_PER_S = 16.0
+# Addresses whose DH budget is remembered; beyond, the least recently used is forgotten (it
+# starts again with a full burst, still bounded by AUTH_PENDING_MAX).
+AUTH_RATE_ADDRESSES_MAX = 4096
+# TLS handshakes in progress (secure channel): counted from the first byte, before any TLS
+# state exists. Per address as UNCONNECTED_PER_ADDRESS_MAX (a host's queues connect at once),
+# in all as UNCONNECTED_MAX; at a cap the oldest handshake of the fullest address goes.
+HANDSHAKES_PER_ADDRESS_MAX = UNCONNECTED_PER_ADDRESS_MAX
+HANDSHAKES_MAX = UNCONNECTED_MAX
+
+
+class _TokenBuckets:
+    """Per-address token buckets: `burst` at once, refilled at `rate` a second."""
+
+    def __init__(self, burst: int, rate: float, entries_max: int) -> None:
+        self.burst, self.rate, self.entries_max = burst, rate, entries_max
+        self._b: dict[str, tuple[float, float]] = {}  # address -> (tokens, when), LRU order
+
+    def take(self, address: str, now: float) -> bool:
+        tokens, when = self._b.pop(address, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - when) * self.rate)
+        ok = tokens >= 1.0
+        self._b[address] = (tokens - 1.0 if ok else tokens, now)
+        while len(self._b) > self.entries_max:
+            del self._b[next(iter(self._b))]
+        return ok
+
+
+def _victim(items: Iterable[tuple[Any, str]]) -> Any | None:
+    """Of (item, address) pairs in age order (oldest first): the oldest item of the address
+    that has the most. A flood from one address evicts its own, not another host's."""
+    by_address: dict[str, list[Any]] = {}
+    for item, address in items:
+        by_address.setdefault(address, []).append(item)
+    if not by_address:
+        return None
+    return max(by_address.values(), key=len)[0]
 
 
 def _major_faults() -> int:
@@ -99,6 +163,21 @@ class NvmeTcpTarget:
         self._lane_slow_until = 0.0  # monotonic: a lane call waited for the disk
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ka_task: asyncio.Task[None] | None = None
+        # controllers whose admin queue has not authenticated yet, oldest first
+        self._unauthenticated: dict[Controller, None] = {}
+        # controllers (not discovery) per ("host", subnqn, hostnqn) / ("tenant", subnqn) /
+        # ("address", address), for the caps in _make_room
+        self._ctrl_counts: collections.Counter[tuple[str, ...]] = collections.Counter()
+        # data buffers: the target's budget, and one per tenant and per (tenant, host)
+        self.buffers = BufferBudget(TARGET_BUFFER_BYTES_MAX)
+        self._tenant_buffers: dict[str, BufferBudget] = {}
+        self._host_buffers: dict[tuple[str, str], BufferBudget] = {}
+        self._auth_executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._auth_pending = 0
+        self._auth_rate = _TokenBuckets(
+            AUTH_DH_BURST_PER_ADDRESS_MAX, AUTH_DH_PER_ADDRESS_PER_S, AUTH_RATE_ADDRESSES_MAX
+        )
+        self._handshakes: dict[Any, str] = {}  # TLS handshakes in progress -> address
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -110,6 +189,9 @@ class NvmeTcpTarget:
         )
         self._memory_lane = concurrent.futures.ThreadPoolExecutor(
             max_workers=MEMORY_LANE_WORKERS, thread_name_prefix="nvmf-mem"
+        )
+        self._auth_executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=AUTH_WORKERS, thread_name_prefix="nvmf-auth"
         )
         self._server = await self._loop.create_server(
             self._protocol_factory(), self.host, self.port, reuse_address=True, backlog=128
@@ -128,7 +210,7 @@ class NvmeTcpTarget:
         if not self.secure_channel:
             return lambda: NvmfConnection(self)
         lookup = psk_lookup(lambda: self._subsystems)
-        return lambda: TlsServerProtocol(NvmfConnection(self), lookup)
+        return lambda: TlsServerProtocol(self, lookup)
 
     async def stop(self) -> None:
         if self._server is None:
@@ -146,6 +228,9 @@ class NvmeTcpTarget:
         if self._memory_lane is not None:
             lane, self._memory_lane = self._memory_lane, None
             await asyncio.get_running_loop().run_in_executor(None, lane.shutdown, True)
+        if self._auth_executor is not None:
+            auth, self._auth_executor = self._auth_executor, None
+            await asyncio.get_running_loop().run_in_executor(None, auth.shutdown, True)
         self._server = None
         log.info("nvmf_target_stopped", host=self.host, port=self.port)
 
@@ -240,25 +325,93 @@ class NvmeTcpTarget:
 
         executor.submit(work)
 
+    # -- authentication work --------------------------------------------------------------
+
+    def auth_work_allowed(self, address: str) -> bool:
+        """Whether a DH step for a queue from `address` may run now: its address has budget
+        left (AUTH_DH_PER_ADDRESS_PER_S) and the auth executor's queue has room."""
+        if self._auth_pending >= AUTH_PENDING_MAX:
+            return False
+        return self._auth_rate.take(address, time.monotonic())
+
+    def auth_work(
+        self,
+        work: Callable[[], bytes | None],
+        done: Callable[[bytes | None, BaseException | None], None],
+    ) -> None:
+        """Run `work` on the auth executor, then `done(result, exception)` on the loop."""
+        loop, executor = self._loop, self._auth_executor
+        assert loop is not None and executor is not None
+        self._auth_pending += 1
+
+        def run() -> None:
+            result, exc = None, None
+            try:
+                result = work()
+            except Exception as e:
+                exc = e
+
+            def finish() -> None:
+                self._auth_pending -= 1
+                done(result, exc)
+
+            try:
+                loop.call_soon_threadsafe(finish)
+            except RuntimeError:  # the loop has closed: nobody waits for it
+                pass
+
+        executor.submit(run)
+
+    # -- TLS handshakes (secure channel) ---------------------------------------------------
+
+    def handshake_started(self, proto: Any, address: str) -> bool:
+        """A TLS connection sent its first byte: count it. At HANDSHAKES_PER_ADDRESS_MAX or
+        HANDSHAKES_MAX the oldest handshake of the fullest address is closed to make room;
+        False: refused (more connections than CONNECTIONS_MAX)."""
+        if len(self._connections) + len(self._handshakes) >= CONNECTIONS_MAX:
+            return False
+        for same_address, cap in ((True, HANDSHAKES_PER_ADDRESS_MAX), (False, HANDSHAKES_MAX)):
+            while True:
+                scope = [(p, a) for p, a in self._handshakes.items()
+                         if not same_address or a == address]  # fmt: skip
+                if len(scope) < cap:
+                    break
+                victim = _victim(scope)
+                assert victim is not None, scope  # the scope is full, so not empty
+                self._handshakes.pop(victim, None)
+                refusals.warning("nvmf_tls_handshake_evicted", peer=address,
+                                 reason="HANDSHAKES_PER_ADDRESS_MAX" if same_address
+                                 else "HANDSHAKES_MAX")  # fmt: skip
+                victim.abort_handshake()
+        self._handshakes[proto] = address
+        return True
+
+    def handshake_ended(self, proto: Any) -> None:
+        self._handshakes.pop(proto, None)
+
     # -- connections and controllers ------------------------------------------------------
 
     def connection_opened(self, conn: NvmfConnection) -> None:
         address = conn.peer.rpartition(":")[0]
-        reason = ""
         if len(self._connections) >= CONNECTIONS_MAX:
-            reason = "CONNECTIONS_MAX"
-        elif sum(a == address for a in self._unconnected.values()) >= UNCONNECTED_PER_ADDRESS_MAX:
-            reason = "UNCONNECTED_PER_ADDRESS_MAX"
-        elif len(self._unconnected) >= UNCONNECTED_MAX:  # full of strangers: the oldest goes
-            oldest = next(iter(self._unconnected))
-            self._unconnected.pop(oldest)
-            oldest.close()
-        if reason:
-            refusals.warning("nvmf_connection_refused", peer=conn.peer, reason=reason)
+            refusals.warning("nvmf_connection_refused", peer=conn.peer, reason="CONNECTIONS_MAX")
             conn.close()
             return
+        # At a cap on connections that have not sent Connect yet, the oldest of this address
+        # (or, target-wide, the oldest) goes, not the newcomer: a stranger's idle sockets must
+        # not lock out a host behind the same address.
+        same = [c for c, a in self._unconnected.items() if a == address]
+        if len(same) >= UNCONNECTED_PER_ADDRESS_MAX:
+            self._drop_unconnected(same[0], "UNCONNECTED_PER_ADDRESS_MAX")
+        elif len(self._unconnected) >= UNCONNECTED_MAX:
+            self._drop_unconnected(next(iter(self._unconnected)), "UNCONNECTED_MAX")
         self._connections.add(conn)
         self._unconnected[conn] = address
+
+    def _drop_unconnected(self, conn: NvmfConnection, reason: str) -> None:
+        self._unconnected.pop(conn, None)
+        refusals.warning("nvmf_connection_evicted", peer=conn.peer, reason=reason)
+        conn.close()
 
     def connection_connected(self, conn: NvmfConnection) -> None:
         """Connect succeeded: the connection counts as a known host's from now on."""
@@ -280,7 +433,9 @@ class NvmeTcpTarget:
         if ctrl.closed:
             return
         ctrl.closed = True
-        self._controllers.pop(ctrl.cntlid, None)
+        if self._controllers.pop(ctrl.cntlid, None) is ctrl:
+            self._count(ctrl, -1)
+        self._unauthenticated.pop(ctrl, None)
         conns = self._ctrl_conns.pop(ctrl.cntlid, set())
         for conn in conns:
             conn.close()
@@ -318,6 +473,19 @@ class NvmeTcpTarget:
             r2t_now = time.monotonic()
             for conn in list(self._connections):
                 conn.expire_r2t(r2t_now)
+            self._forget_idle_budgets()
+
+    def _queues_full(self, ctrl: Controller) -> str:
+        """'' if one more queue fits QUEUES_PER_HOST_MAX and QUEUES_PER_TENANT_MAX."""
+        host = tenant = 0
+        for c in self._controllers.values():
+            if c.subnqn == ctrl.subnqn:
+                n = len(self._ctrl_conns.get(c.cntlid, ()))
+                tenant += n
+                host += n if c.hostnqn == ctrl.hostnqn else 0
+        if host >= QUEUES_PER_HOST_MAX:
+            return "QUEUES_PER_HOST_MAX"
+        return "QUEUES_PER_TENANT_MAX" if tenant >= QUEUES_PER_TENANT_MAX else ""
 
     def _new_cntlid(self) -> int | None:
         span = CNTLID_MAX - CNTLID_MIN + 1
@@ -383,9 +551,19 @@ class NvmeTcpTarget:
     ) -> None:
         if cd.cntlid != 0xFFFF:  # only the dynamic controller model
             return conn.connect_refused(cmd, Status.CONNECT_INVALID_PARAMETERS, 1, _IPO_CNTLID)
-        cntlid = self._new_cntlid()
+        address = conn.peer.rpartition(":")[0]
         discovery = sum(c.is_discovery for c in self._controllers.values())
-        if cntlid is None or (sub is None and discovery >= DISCOVERY_CONTROLLERS_MAX):
+        if sub is None and discovery >= DISCOVERY_CONTROLLERS_MAX:
+            return conn.connect_refused(cmd, Status.CONNECT_CONTROLLER_BUSY)
+        authenticate = sub is not None and needs_auth(sub, cd.hostnqn)
+        if sub is not None:
+            busy = self._make_room(sub.nqn, cd.hostnqn, address, authenticate)
+            if busy:
+                refusals.warning("nvmf_connect_refused", peer=conn.peer, subnqn=cd.subnqn,
+                                 host=nqn_tag(cd.hostnqn), reason=busy)  # fmt: skip
+                return conn.connect_refused(cmd, Status.CONNECT_CONTROLLER_BUSY)
+        cntlid = self._new_cntlid()
+        if cntlid is None:
             return conn.connect_refused(cmd, Status.CONNECT_CONTROLLER_BUSY)
         ctrl = Controller(
             cntlid=cntlid,
@@ -398,7 +576,13 @@ class NvmeTcpTarget:
             discovery_log=self.discovery_log,
             clock=self._clock,
         )
+        ctrl.address = address
+        ctrl.buffers.parent = self._buffer_parent(sub, cd.hostnqn)
+        if authenticate:
+            ctrl.authenticated = False
+            self._unauthenticated[ctrl] = None
         self._controllers[cntlid] = ctrl
+        self._count(ctrl, 1)
         self._ctrl_conns[cntlid] = {conn}
         log.info(
             "nvmf_controller_created",
@@ -410,6 +594,91 @@ class NvmeTcpTarget:
         )
         conn.connect_done(cmd, ctrl, 0)
 
+    def _make_room(self, subnqn: str, hostnqn: str, address: str, authenticate: bool) -> str:
+        """Room for a new controller of `hostnqn` from `address` on `subnqn`: at a cap,
+        unauthenticated controllers of that scope go first (the oldest of the address holding
+        the most); '' when there is room, else the name of the cap that refuses it."""
+        counts = self._ctrl_counts
+        caps: list[tuple[str, int, Callable[[], int], Callable[[Controller], bool]]] = [
+            ("CONTROLLERS_PER_HOST_MAX", CONTROLLERS_PER_HOST_MAX,
+             lambda: counts[("host", subnqn, hostnqn)],
+             lambda c: c.subnqn == subnqn and c.hostnqn == hostnqn),
+            ("CONTROLLERS_PER_TENANT_MAX", CONTROLLERS_PER_TENANT_MAX,
+             lambda: counts[("tenant", subnqn)], lambda c: c.subnqn == subnqn),
+            ("CONTROLLERS_PER_ADDRESS_MAX", CONTROLLERS_PER_ADDRESS_MAX,
+             lambda: counts[("address", address)], lambda c: c.address == address),
+        ]  # fmt: skip
+        if authenticate:
+            unauth = self._unauthenticated
+
+            def count(match: Callable[[Controller], bool]) -> Callable[[], int]:
+                return lambda: sum(1 for c in unauth if match(c))
+
+            scopes: list[tuple[str, int, Callable[[Controller], bool]]] = [
+                ("UNAUTHENTICATED_CONTROLLERS_PER_HOST_MAX",
+                 UNAUTHENTICATED_CONTROLLERS_PER_HOST_MAX,
+                 lambda c: c.subnqn == subnqn and c.hostnqn == hostnqn),
+                ("UNAUTHENTICATED_CONTROLLERS_PER_ADDRESS_MAX",
+                 UNAUTHENTICATED_CONTROLLERS_PER_ADDRESS_MAX, lambda c: c.address == address),
+                ("UNAUTHENTICATED_CONTROLLERS_PER_TENANT_MAX",
+                 UNAUTHENTICATED_CONTROLLERS_PER_TENANT_MAX, lambda c: c.subnqn == subnqn),
+                ("UNAUTHENTICATED_CONTROLLERS_MAX", UNAUTHENTICATED_CONTROLLERS_MAX,
+                 lambda c: True),
+            ]  # fmt: skip
+            caps += [(name, cap, count(match), match) for name, cap, match in scopes]
+        for name, cap, held, match in caps:
+            while held() >= cap:
+                victim = _victim((c, c.address) for c in self._unauthenticated if match(c))
+                if victim is None:
+                    return name
+                self.destroy_controller(victim, reason=f"unauthenticated, {name}")
+        return ""
+
+    def _count(self, ctrl: Controller, delta: int) -> None:
+        if ctrl.is_discovery:
+            return
+        for key in (
+            ("host", ctrl.subnqn, ctrl.hostnqn),
+            ("tenant", ctrl.subnqn),
+            ("address", ctrl.address),
+        ):
+            self._ctrl_counts[key] += delta
+            if not self._ctrl_counts[key]:
+                del self._ctrl_counts[key]
+
+    def _buffer_parent(self, sub: Subsystem | None, hostnqn: str) -> BufferBudget:
+        """The budget a new controller's buffers are charged to beyond its own: its host's
+        (within its tenant's, within the target's); the target's for a discovery one."""
+        if sub is None:
+            return self.buffers
+        tenant = self._tenant_buffers.get(sub.nqn)
+        if tenant is None:
+            tenant = self._tenant_buffers[sub.nqn] = BufferBudget(
+                TENANT_BUFFER_BYTES_MAX, self.buffers
+            )
+        host = self._host_buffers.get((sub.nqn, hostnqn))
+        if host is None:
+            host = self._host_buffers[sub.nqn, hostnqn] = BufferBudget(
+                HOST_BUFFER_BYTES_MAX, tenant
+            )
+        return host
+
+    def _forget_idle_budgets(self) -> None:
+        """Drop host and tenant budgets with nothing charged and no controller left."""
+        live = {(c.subnqn, c.hostnqn) for c in self._controllers.values()}
+        for key, b in list(self._host_buffers.items()):
+            if b.used == 0 and not b.pools and key not in live:
+                del self._host_buffers[key]
+        tenants = {k[0] for k in self._host_buffers}
+        for nqn, b in list(self._tenant_buffers.items()):
+            if b.used == 0 and not b.pools and nqn not in tenants:
+                del self._tenant_buffers[nqn]
+
+    def controller_authenticated(self, ctrl: Controller) -> None:
+        """Its admin queue proved the host's key: it counts as the host's from now on."""
+        ctrl.authenticated = True
+        self._unauthenticated.pop(ctrl, None)
+
     def _connect_io(self, conn: NvmfConnection, cmd: _Cmd, cd: ConnectData, qid: int) -> None:
         ctrl = self._controllers.get(cd.cntlid)
         if ctrl is None or ctrl.subnqn != cd.subnqn or ctrl.hostnqn != cd.hostnqn:
@@ -417,6 +686,11 @@ class NvmeTcpTarget:
         taken = {c.qid for c in self._ctrl_conns.get(ctrl.cntlid, ())}
         if ctrl.is_discovery or not ctrl.enabled or qid > ctrl.io_queues_granted or qid in taken:
             return conn.connect_refused(cmd, Status.CONNECT_INVALID_PARAMETERS, 0, _IPO_QID)
+        busy = self._queues_full(ctrl)
+        if busy:
+            refusals.warning("nvmf_connect_refused", peer=conn.peer, subnqn=cd.subnqn,
+                             host=nqn_tag(cd.hostnqn), reason=busy)  # fmt: skip
+            return conn.connect_refused(cmd, Status.CONNECT_CONTROLLER_BUSY)
         ctrl.io_queue_count += 1
         self._ctrl_conns[ctrl.cntlid].add(conn)
         log.info("nvmf_io_queue_connected", cntlid=ctrl.cntlid, qid=qid, peer=conn.peer)

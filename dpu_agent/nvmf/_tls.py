@@ -17,24 +17,29 @@ import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from dpu_agent.log import get_logger
+from dpu_agent.log import RateLimitedLog, get_logger
 from dpu_agent.nvmf._auth import nqn_hash
-from dpu_agent.nvmf._connection import SOCKET_BUFFER_BYTES
+from dpu_agent.nvmf._connection import SOCKET_BUFFER_BYTES, NvmfConnection
 from kvproto.nvme import DhchapHash, SecretFormatError, parse_identity
 from kvproto.nvme._openssl import TlsEngine, TlsError, TlsWantRead
 
 if TYPE_CHECKING:
-    from dpu_agent.nvmf._connection import NvmfConnection
     from dpu_agent.nvmf._subsystem import Subsystem
+    from dpu_agent.nvmf._target import NvmeTcpTarget
 
 __all__ = ["CIPHERTEXT_BUFFER_BYTES", "TlsServerProtocol", "check_secure", "psk_lookup"]
 
 log = get_logger("dpu_agent.nvmf")
+refusals = RateLimitedLog(log)  # refused handshakes: a flood costs a few lines a second
 
 CIPHERTEXT_BUFFER_BYTES = 1 << 20  # one receive of ciphertext (a few TLS records of a PDU)
+# The receive buffer while handshaking: a PSK ClientHello is a few hundred bytes; a larger
+# record arrives in several reads (the engine's memory BIO joins them).
+HANDSHAKE_BUFFER_BYTES = 4096
 PLAINTEXT_READS_MAX = 4096  # records decrypted per receive: bounded, each <= 16 KiB
-# A connection that has not finished its TLS handshake by then is closed: it holds no NVMe
-# state yet and does not count against CONNECTIONS_MAX, so it must not linger.
+# A connection that has not finished its TLS handshake by then is closed: a real host finishes
+# in one round trip (milliseconds); 10 s covers a loaded one. Counted meanwhile (the target's
+# HANDSHAKES_PER_ADDRESS_MAX / HANDSHAKES_MAX), so at most that many wait this long.
 HANDSHAKE_TIMEOUT_S = 10.0
 
 
@@ -73,15 +78,16 @@ class _TlsTransport(asyncio.Transport):
         self._outer = outer
 
     def write(self, data: Any) -> None:
-        o = self._outer
+        o, engine = self._outer, self._outer.engine
+        assert engine is not None  # made by the handshake this transport came after
         if o.transport.is_closing():
             return
         try:
-            o.engine.write(data)
+            engine.write(data)
         except (TlsError, TlsWantRead):
             o.transport.close()
             return
-        o.transport.write(o.engine.outgoing())
+        o.transport.write(engine.outgoing())
 
     def get_write_buffer_size(self) -> int:
         return self._outer.transport.get_write_buffer_size()
@@ -93,10 +99,11 @@ class _TlsTransport(asyncio.Transport):
         return self._outer.transport.is_closing()
 
     def close(self) -> None:
-        o = self._outer
+        o, engine = self._outer, self._outer.engine
         if not o.transport.is_closing():
-            o.engine.shutdown()
-            o.transport.write(o.engine.outgoing())
+            if engine is not None:
+                engine.shutdown()
+                o.transport.write(engine.outgoing())
             o.transport.close()
 
     def abort(self) -> None:
@@ -109,34 +116,64 @@ class _TlsTransport(asyncio.Transport):
 
 
 class TlsServerProtocol(asyncio.BufferedProtocol):
-    def __init__(self, inner: NvmfConnection, lookup: Callable[[str], Any]) -> None:
-        self.inner = inner
-        self.engine = TlsEngine(server=True, lookup=lookup)
+    """The secure-channel listener's protocol. Until its handshake is done a connection holds
+    no TLS state and no NVMe state: the target counts it from accept (`handshake_started`,
+    HANDSHAKES_PER_ADDRESS_MAX / HANDSHAKES_MAX), its TLS engine is made on the first byte and
+    its receive buffer is one record; the 1 MiB ciphertext buffer and the NvmfConnection come
+    with the finished handshake. All of it is dropped when the connection closes."""
+
+    def __init__(self, target: NvmeTcpTarget, lookup: Callable[[str], Any]) -> None:
+        self.target = target
+        self._lookup = lookup
+        self.inner: NvmfConnection | None = None
+        self.engine: TlsEngine | None = None
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
-        self._buf = bytearray(CIPHERTEXT_BUFFER_BYTES)
+        self._buf = bytearray(0)
         self._peer = "?"
         self._timer: asyncio.TimerHandle | None = None
+        self._counted = False
+
+    @property
+    def handshake_done(self) -> bool:
+        return self.engine is not None and self.engine.handshake_done
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        self._peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        if not self.target.handshake_started(self, self._peer.rpartition(":")[0]):
+            refusals.warning("nvmf_connection_refused", peer=self._peer, reason="CONNECTIONS_MAX")
+            self.transport.abort()
+            return
+        self._counted = True
         sock = transport.get_extra_info("socket")
         if sock is not None:  # as NvmfConnection does for plaintext (it never sees this socket)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
-        peer = transport.get_extra_info("peername")
-        self._peer = f"{peer[0]}:{peer[1]}" if peer else "?"
         self._timer = asyncio.get_running_loop().call_later(HANDSHAKE_TIMEOUT_S, self._expire)
 
     def _expire(self) -> None:
-        if not self.engine.handshake_done and not self.transport.is_closing():
-            log.warning("nvmf_tls_refused", peer=self._peer, host="", reason="handshake timeout")
-            self.transport.close()
+        if not self.handshake_done and not self.transport.is_closing():
+            refusals.warning("nvmf_tls_refused", peer=self._peer, host="",
+                             reason="handshake timeout")  # fmt: skip
+            self.transport.abort()
+
+    def abort_handshake(self) -> None:
+        """The target needs this handshake's slot (a cap): close it now."""
+        self._counted = False
+        if not self.transport.is_closing():
+            self.transport.abort()
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if not self._buf:  # one record while handshaking; the full buffer once done
+            size = CIPHERTEXT_BUFFER_BYTES if self.handshake_done else HANDSHAKE_BUFFER_BYTES
+            self._buf = bytearray(size)
         return memoryview(self._buf)
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self.engine is None:
+            self.engine = TlsEngine(server=True, lookup=self._lookup)
         self.engine.feed(memoryview(self._buf)[:nbytes])
         if not self.engine.handshake_done:
             try:
@@ -148,12 +185,21 @@ class TlsServerProtocol(asyncio.BufferedProtocol):
                 return
             if self._timer is not None:
                 self._timer.cancel()
+            self._uncount()
+            self._buf = bytearray(0)  # get_buffer takes the full-size one from now on
             _, hostnqn, subnqn = parse_identity(self.engine.identity or "")
+            self.inner = NvmfConnection(self.target)
             self.inner.tls_identity = (hostnqn, subnqn)  # type: ignore[attr-defined]
             self.inner.connection_made(_TlsTransport(self))
         self._pump()
 
+    def _uncount(self) -> None:
+        if self._counted:
+            self._counted = False
+            self.target.handshake_ended(self)
+
     def _pump(self) -> None:
+        assert self.engine is not None and self.inner is not None
         for _ in range(PLAINTEXT_READS_MAX):
             if self.inner.closed:
                 return
@@ -172,6 +218,7 @@ class TlsServerProtocol(asyncio.BufferedProtocol):
             self.transport.write(out)
 
     def _refuse(self, reason: str) -> None:
+        assert self.engine is not None
         ident = self.engine.refused_identity
         host = ""
         if ident:
@@ -179,7 +226,7 @@ class TlsServerProtocol(asyncio.BufferedProtocol):
                 host = nqn_hash(parse_identity(ident)[1])
             except SecretFormatError:
                 host = "malformed identity"
-        log.warning("nvmf_tls_refused", peer=self._peer, host=host, reason=reason[:200])
+        refusals.warning("nvmf_tls_refused", peer=self._peer, host=host, reason=reason[:200])
         self.transport.write(self.engine.outgoing())  # the alert
         self.transport.close()
 
@@ -187,15 +234,19 @@ class TlsServerProtocol(asyncio.BufferedProtocol):
         return False
 
     def pause_writing(self) -> None:
-        self.inner.pause_writing()
+        if self.inner is not None:
+            self.inner.pause_writing()
 
     def resume_writing(self) -> None:
-        if self.engine.handshake_done:
+        if self.inner is not None:
             self.inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self.engine.close()
-        if self.engine.handshake_done:
+        self._uncount()
+        self._buf = bytearray(0)
+        if self.engine is not None:
+            self.engine.close()
+        if self.inner is not None:
             self.inner.connection_lost(exc)

@@ -25,19 +25,18 @@ Integers are little-endian; byte layouts as SPDK's `include/spdk/nvmf_spec.h` an
 
 from __future__ import annotations
 
+import ctypes.util
 import enum
 import hmac
 import os
 import struct
-import warnings
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import cffi
 from cryptography.hazmat.primitives import hashes
-
-with warnings.catch_warnings():  # cryptography 46+ flags FFDH as deprecated on import
-    warnings.simplefilter("ignore")
-    from cryptography.hazmat.primitives.asymmetric import dh
 
 from kvproto.nvme._commands import AdminOpcode, FabricsType, data_sgl
 from kvproto.nvme._ffdhe import FFDHE_PRIMES
@@ -368,32 +367,87 @@ def auth_command_ok(sqe: Sqe) -> bool:
 # -- crypto ---------------------------------------------------------------------------------
 
 
+# Private exponent bits per group: OpenSSL's for the named RFC 7919 groups (twice the
+# group's security strength, RFC 7919 5.2 / NIST SP 800-56A), so an 8192-bit key costs two
+# 400-bit exponentiations (~6 ms each here), not two of 8192 bits.
+_EXPONENT_BITS = {2048: 225, 3072: 275, 4096: 325, 6144: 375, 8192: 400}
+
+_BN_CDEF = """
+typedef ... BIGNUM; typedef ... BN_CTX; typedef ... BN_MONT_CTX;
+BIGNUM *BN_bin2bn(const unsigned char *, int, BIGNUM *);
+int BN_bn2binpad(const BIGNUM *, unsigned char *, int);
+BIGNUM *BN_new(void);
+void BN_clear_free(BIGNUM *);
+BN_CTX *BN_CTX_new(void);
+void BN_CTX_free(BN_CTX *);
+int BN_mod_exp_mont_consttime(BIGNUM *, const BIGNUM *, const BIGNUM *, const BIGNUM *,
+                              BN_CTX *, BN_MONT_CTX *);
+"""
+_bn: Any = None  # (ffi, lib), bound on first use
+_BN_LOCK = threading.Lock()
+
+
+def _bn_lib() -> Any:
+    global _bn
+    with _BN_LOCK:
+        if _bn is None:
+            f = cffi.FFI()
+            f.cdef(_BN_CDEF)
+            _bn = f, f.dlopen(ctypes.util.find_library("crypto") or "libcrypto.so.3")
+        return _bn
+
+
+def _modexp(base: bytes, exponent: bytes, modulus: bytes) -> bytes:
+    """base^exponent mod modulus, big-endian, padded to the modulus; constant time in the
+    exponent. libcrypto through cffi, which releases the GIL: an 8192-bit DH step run in a
+    thread leaves the event loop running (the `cryptography` package holds the GIL for it)."""
+    ffi, lib = _bn_lib()
+    nums = [lib.BN_bin2bn(b, len(b), ffi.NULL) for b in (base, exponent, modulus)]
+    r, ctx = lib.BN_new(), lib.BN_CTX_new()
+    try:
+        if ffi.NULL in (*nums, r, ctx):
+            raise MemoryError("libcrypto: BIGNUM allocation failed")
+        if lib.BN_mod_exp_mont_consttime(r, nums[0], nums[1], nums[2], ctx, ffi.NULL) != 1:
+            raise AuthError("DH computation failed", AuthFailureReason.FAILED)
+        out = ffi.new("unsigned char[]", len(modulus))
+        if lib.BN_bn2binpad(r, out, len(modulus)) != len(modulus):
+            raise AuthError("DH computation failed", AuthFailureReason.FAILED)
+        return bytes(ffi.buffer(out))
+    finally:
+        for n in (*nums, r):
+            if n != ffi.NULL:
+                lib.BN_clear_free(n)
+        if ctx != ffi.NULL:
+            lib.BN_CTX_free(ctx)
+
+
 class DhKey:
-    """An ephemeral key of an RFC 7919 group; public value and secret padded to the prime."""
+    """An ephemeral key of an RFC 7919 group; public value and secret padded to the prime.
+
+    g = 2, x random of `_EXPONENT_BITS` bits. The peer's value is checked to be in
+    (1, p - 1): with a safe prime the only small subgroups are {1} and {1, p - 1} (RFC 7919
+    5.1), which is all SPDK and Linux check too."""
 
     def __init__(self, group: DhGroup) -> None:
         assert group is not DhGroup.NULL
         self.group = group
         self._p = FFDHE_PRIMES[group.bits]
         self._size = group.bits // 8
-        with warnings.catch_warnings():  # FFDH is what the protocol uses (see docs/NVME_AUTH.md)
-            warnings.simplefilter("ignore")
-            self._params = dh.DHParameterNumbers(self._p, 2).parameters()
-            self._key = self._params.generate_private_key()
+        self._pbytes = self._p.to_bytes(self._size, "big")
+        bits = _EXPONENT_BITS[group.bits]
+        x = int.from_bytes(os.urandom((bits + 7) // 8), "big") >> (-bits % 8)
+        self._x = (x | 1 << (bits - 1)).to_bytes((bits + 7) // 8, "big")  # exactly `bits` long
+        self._y = _modexp(b"\x02", self._x, self._pbytes)
 
     def public_bytes(self) -> bytes:
-        y = self._key.public_key().public_numbers().y
-        return y.to_bytes(self._size, "big")
+        return self._y
 
     def shared_secret(self, peer: bytes) -> bytes:
         """g^xy for the peer's public value; AuthError if that value is out of range."""
         y = int.from_bytes(peer, "big")
         if not peer or len(peer) > self._size or not 1 < y < self._p - 1:
             raise AuthError("peer DH public value out of range", AuthFailureReason.FAILED)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            pub = dh.DHPublicNumbers(y, self._params.parameter_numbers()).public_key()
-            return self._key.exchange(pub).rjust(self._size, b"\0")
+        return _modexp(y.to_bytes(self._size, "big"), self._x, self._pbytes)
 
 
 def _augment(challenge: bytes, dh_secret: bytes | None, h: DhchapHash) -> bytes:

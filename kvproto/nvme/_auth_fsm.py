@@ -211,6 +211,8 @@ class ControllerAuthState(enum.Enum):
     ERROR = "error"  # failed: the queue must be disconnected
 
 
+_FAILED = frozenset({ControllerAuthState.FAILURE1, ControllerAuthState.ERROR})
+
 # (state, message received by Authentication Send) -> handler name; Receive is by state.
 CONTROLLER_TRANSITIONS: dict[tuple[ControllerAuthState, type], str] = {
     (ControllerAuthState.NEGOTIATE, AuthNegotiate): "_negotiate",
@@ -260,9 +262,31 @@ class ControllerAuth:
 
     @property
     def authenticated(self) -> bool:
-        """The host proved its key at least once on this queue (re-authentication in flight
-        keeps the queue usable, as the spec allows)."""
-        return self.transactions > 0 and self.state is not ControllerAuthState.ERROR
+        """The host proved its key at least once on this queue and no transaction since has
+        failed: re-authentication in flight keeps the queue usable (the spec allows it), a
+        failed one ends that at once, whether or not the host reads its AUTH_Failure1 (a host
+        that never sends the Receive must not keep a queue its key no longer opens)."""
+        return self.transactions > 0 and self.state not in _FAILED
+
+    @property
+    def failed(self) -> bool:
+        """The current transaction failed (AUTH_Failure1 pending or sent): the queue goes."""
+        return self.state in _FAILED
+
+    @property
+    def needs_dh(self) -> bool:
+        """The next step is a finite-field DH computation (a Receive that builds the Challenge,
+        or a Send of the Reply): milliseconds of modular exponentiation that the caller may
+        run off its event loop."""
+        if self.state is ControllerAuthState.REPLY:
+            return self._dhkey is not None
+        return self.state is ControllerAuthState.CHALLENGE and self.dhgroup is not DhGroup.NULL
+
+    def refuse(self, reason: AuthFailureReason = AuthFailureReason.FAILED) -> None:
+        """Fail the transaction without computing anything (the caller's budget for this
+        peer's DH work is spent): the next Receive returns AUTH_Failure1."""
+        self._dhkey = None
+        self._fail1(reason)
 
     def _fail1(self, reason: AuthFailureReason) -> None:
         self.state, self.fail_reason = ControllerAuthState.FAILURE1, reason
