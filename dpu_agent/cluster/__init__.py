@@ -6,13 +6,27 @@ through the RPC event stream, placement epoch) for the control server.
 """
 
 from dpu_agent.cluster._agent import agent_cluster_view, start_membership
+from dpu_agent.cluster._etcd import EtcdClient, EtcdError, EtcdUnreachable
 from dpu_agent.cluster._membership import Membership, MembershipOptions, node_of
 from dpu_agent.cluster._rebalance import RebalanceProgress, Rebalancer, tenant_keys
 from dpu_agent.cluster._serf_client import RECORDS_MAX, SerfClient, SerfUnreachable
 from dpu_agent.cluster._serf_process import SerfProcess, free_port
+from dpu_agent.cluster._tenants import (
+    TENANT_TOKEN_BYTES,
+    TenantPlanStep,
+    TenantRecord,
+    TenantSource,
+    TenantSync,
+    plan_tenants,
+    tenant_source,
+)
 
 __all__ = [
     "RECORDS_MAX",
+    "TENANT_TOKEN_BYTES",
+    "EtcdClient",
+    "EtcdError",
+    "EtcdUnreachable",
     "Membership",
     "MembershipOptions",
     "RebalanceProgress",
@@ -20,9 +34,15 @@ __all__ = [
     "SerfClient",
     "SerfProcess",
     "SerfUnreachable",
+    "TenantPlanStep",
+    "TenantRecord",
+    "TenantSource",
+    "TenantSync",
     "agent_cluster_view",
     "free_port",
     "node_of",
+    "plan_tenants",
     "start_membership",
     "tenant_keys",
+    "tenant_source",
 ]
