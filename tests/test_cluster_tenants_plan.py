@@ -1,0 +1,42 @@
+"""The cluster-tenant reconcile plan (pure): what a node erases, adds, re-keys."""
+
+from __future__ import annotations
+
+from dpu_agent.cluster import TenantRecord, plan_tenants
+
+
+def rec(name: str, inc: str = "i1", token: str = "t1", quota: int = 0) -> TenantRecord:
+    return TenantRecord(name=name, token=token, incarnation=inc, quota_bytes=quota)
+
+
+def kinds(steps: list) -> list[tuple[str, str]]:
+    return [(s.kind, s.name) for s in steps]
+
+
+def test_plan_erases_what_etcd_lost_and_readds_a_new_incarnation_empty() -> None:
+    desired = {"a": rec("a"), "b": rec("b", inc="i2"), "c": rec("c", token="t2", quota=5)}
+    steps = plan_tenants(
+        desired,
+        static={"default"},
+        known={"a": "i1", "b": "i1", "c": "i1", "gone": "i1"},
+        served={"a": ("t1", 0), "b": ("t1", 0), "c": ("t1", 0), "gone": ("t1", 0)},
+        engine={"default", "a", "b", "c", "gone", "stray"},
+    )
+    assert kinds(steps) == [
+        ("erase", "b"), ("erase", "gone"), ("erase", "stray"),
+        ("add", "b"), ("token", "c"), ("quota", "c"),
+    ]  # fmt: skip
+
+
+def test_plan_at_restart_serves_known_incarnation_and_never_touches_config_tenants() -> None:
+    steps = plan_tenants(
+        {"a": rec("a"), "default": rec("default")},
+        static={"default"},
+        known={"a": "i1"},
+        served={},
+        engine={"a", "default"},
+    )
+    assert kinds(steps) == [("add", "a")]  # kept data, not erased; "default" is the config's
+    assert kinds(plan_tenants({}, static=set(), known={}, served={}, engine={"x"})) == [
+        ("erase", "x")
+    ]
