@@ -108,6 +108,7 @@ class Agent:
         self._cluster_known: dict[str, str] = {}  # cluster tenant -> incarnation held here
         self._cluster_served: set[str] = set()  # those of cfg.tenants that came from etcd
         self._static_conflicts: set[str] = set()  # etcd names shadowed by the config (logged)
+        self._tenant_failures: set[str] = set()  # cluster tenants that could not be served
         self._load_runtime_tenants()
         self.registry = TenantRegistry(
             cfg.admin_token, {name: t.token for name, t in cfg.tenants.items()}
@@ -523,6 +524,8 @@ class Agent:
 
     def _tenant_serve(self, t: TenantConfig) -> None:
         """Tiers, subsystem, token: the tenant is served from here on."""
+        if len(self.registry.names()) >= TENANTS_MAX:  # before anything is built
+            raise ValueError(f"already {TENANTS_MAX} tenants on this node (TENANTS_MAX)")
         self.engine.add_tenant(t.name, quota_bytes=t.quota_bytes)
         self.target.add_subsystem(self._subsystem(t.name))
         self.cfg.tenants[t.name] = t
@@ -650,7 +653,15 @@ class Agent:
                 self._cluster_known.pop(step.name, None)
             else:
                 assert step.record is not None, step
-                self._apply_tenant_step(step.kind, step.record)
+                try:
+                    self._apply_tenant_step(step.kind, step.record)
+                except (ValueError, EngineError) as e:  # limits: this tenant, not the others
+                    if step.name not in self._tenant_failures:
+                        log.error("cluster_tenant_not_applied", tenant=step.name,
+                                  step=step.kind, error=str(e)[:300])  # fmt: skip
+                    self._tenant_failures.add(step.name)
+                    continue
+                self._tenant_failures.discard(step.name)
         if steps:
             self._save_runtime_tenants()
             log.info("cluster_tenants_applied", steps=[f"{s.kind}:{s.name}" for s in steps][:64])
@@ -681,7 +692,6 @@ class Agent:
         token = fields.get("token") or secrets.token_urlsafe(TENANT_TOKEN_BYTES)
         try:
             if op == "tenant_add":
-                self._check_addable_cluster(name)
                 await asyncio.to_thread(src.add, name, token, fields.get("quota_bytes") or 0)
             elif op == "tenant_rotate":
                 await asyncio.to_thread(src.rotate, name, token)
@@ -704,10 +714,6 @@ class Agent:
         if op == "tenant_remove":
             return erased.get(name, {"tenant": name})
         return {"tenant": name, "token": token, "source": "etcd"}
-
-    def _check_addable_cluster(self, name: str) -> None:
-        if len(self.registry.names()) >= TENANTS_MAX:
-            raise ValueError(f"already {TENANTS_MAX} tenants on this node; remove one first")
 
     def _runtime_tenants_path(self) -> Path:
         return self.cfg.path(TENANTS_FILE)

@@ -10,8 +10,10 @@ answers wins. Errors are EtcdError (the cluster refused: auth, bad request) or E
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import json
+import socket
 import ssl
 import threading
 from collections.abc import Iterator
@@ -252,4 +254,9 @@ class EtcdWatch:
                 yield int(result["header"]["revision"])
 
     def close(self) -> None:
+        """Safe from another thread: a shutdown wakes a reader blocked on the socket."""
+        sock = self._conn.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
         self._conn.close()

@@ -27,8 +27,9 @@ from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from dpu_agent.cluster._etcd import EtcdClient, EtcdError, EtcdUnreachable
+from dpu_agent.cluster._etcd import EtcdClient, EtcdError, EtcdUnreachable, EtcdWatch
 from dpu_agent.log import get_logger
 from dpu_agent.metrics import REGISTRY, Counter, Gauge
 from kvproto.control import valid_tenant_name
@@ -161,10 +162,16 @@ def tenant_source(cfg: Any, read_secret: Callable[[Path], str]) -> TenantSource 
         return None
     ctx: ssl.SSLContext | None = None
     if c.etcd_ca_file or c.etcd_cert_file:
-        ctx = ssl.create_default_context(cafile=str(cfg.path(c.etcd_ca_file)) or None)
+        ca = str(cfg.path(c.etcd_ca_file)) if c.etcd_ca_file else None
+        ctx = ssl.create_default_context(cafile=ca)
         if c.etcd_cert_file:
             key = cfg.path(c.etcd_key_file) if c.etcd_key_file else None
             ctx.load_cert_chain(cfg.path(c.etcd_cert_file), key)
+    for url in c.etcd_endpoints.split(","):
+        host = urlsplit(url.strip()).hostname or ""
+        if url.strip().startswith("http://") and host not in ("127.0.0.1", "::1", "localhost"):
+            why = "tenant tokens cross the network in clear: use https:// endpoints"
+            log.warning("etcd_plaintext", endpoint=url.strip(), why=why)
     password = read_secret(cfg.path(c.etcd_password_file)) if c.etcd_password_file else ""
     client = EtcdClient(c.etcd_endpoints, user=c.etcd_user, password=password, ssl_context=ctx)
     return TenantSource(client, c.etcd_prefix)
@@ -239,6 +246,7 @@ class TenantSync:
         self.revision = 0
         self.unreachable_since: float | None = None
         self.last_error = ""
+        self._watch_now: EtcdWatch | None = None  # closed by stop(): no wait for a quiet period
 
     def status(self) -> dict[str, Any]:
         since = self.unreachable_since
@@ -257,6 +265,9 @@ class TenantSync:
 
     def stop(self) -> None:
         self._stop.set()
+        watch = self._watch_now
+        if watch is not None:
+            watch.close()
         if self._thread is not None:
             self._thread.join(timeout=WATCH_QUIET_S + 2 * APPLY_TIMEOUT_S)
 
@@ -306,8 +317,12 @@ class TenantSync:
         except EtcdUnreachable as e:
             self._down(e)
             return
+        self._watch_now = watch
         try:
+            if self._stop.is_set():
+                return
             for _revision in watch.changed():
                 return
         finally:
+            self._watch_now = None
             watch.close()
