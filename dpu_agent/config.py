@@ -163,7 +163,9 @@ class ClusterSection:
     etcd_user: str = ""  # etcd user (etcd auth on); its password in etcd_password_file (0600)
     etcd_password_file: str = ""
     etcd_ca_file: str = ""  # CA that signed etcd's server certificate (https endpoints)
-    etcd_cert_file: str = ""  # client certificate (etcd --client-cert-auth) and its key
+    # client certificate for etcd --client-cert-auth, and its key; without a CN: etcd's JSON
+    # gateway refuses a certificate CN (the user comes from etcd_user)
+    etcd_cert_file: str = ""
     etcd_key_file: str = ""
 
 
@@ -501,11 +503,15 @@ def _check_etcd(cfg: AgentConfig) -> None:
             raise ConfigError(f"{where} etcd_endpoints: {url!r} must be http(s)://HOST:PORT")
     if not c.etcd_prefix.startswith("/") or len(c.etcd_prefix) < 2:
         raise ConfigError(f"{where} etcd_prefix={c.etcd_prefix!r} must be /NAME")
-    if not (c.etcd_user and c.etcd_password_file) and not c.etcd_cert_file:
+    if not (c.etcd_user and c.etcd_password_file):
+        # the agent speaks etcd's JSON gateway, which ignores a client certificate's CN (and
+        # refuses one that has it): etcd's user/password auth is what scopes the agent
         raise ConfigError(
-            f"{where} etcd_endpoints needs etcd credentials (it holds the tenants' tokens): "
-            "etcd_user and etcd_password_file, or etcd_cert_file and etcd_key_file"
+            f"{where} etcd_endpoints needs etcd_user and etcd_password_file (etcd auth on: "
+            "it holds the tenants' tokens); a client certificate (etcd_cert_file) adds mTLS"
         )
+    if bool(c.etcd_cert_file) != bool(c.etcd_key_file):
+        raise ConfigError(f"{where} etcd_cert_file and etcd_key_file go together")
     if cfg.spdk_mode:
         raise ConfigError(
             f"{where} etcd_endpoints: SPDK mode takes its tenants from [spdk] subsystems"

@@ -6,18 +6,26 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import datetime
+import ipaddress
 import json
 import os
 import secrets
 import shutil
 import socket
+import ssl
 import subprocess
 import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from dpu_agent.cluster import free_port
 
@@ -42,13 +50,18 @@ class Etcd:
     user: str
     password_file: Path
     prefix: str
+    tls: dict[str, Path] = field(default_factory=dict)  # ca, cert, key (the nodes' client cert)
 
     def call(self, path: str, body: dict, token: str = "") -> dict:
         headers = {"Content-Type": "application/json"}
         if token:
             headers["Authorization"] = token
         req = urllib.request.Request(self.url + path, json.dumps(body).encode(), headers)
-        with urllib.request.urlopen(req, timeout=5) as r:
+        ctx = None
+        if self.tls:
+            ctx = ssl.create_default_context(cafile=str(self.tls["ca"]))
+            ctx.load_cert_chain(self.tls["cert"], self.tls["key"])
+        with urllib.request.urlopen(req, timeout=5, context=ctx) as r:
             return json.loads(r.read())
 
     def root_token(self) -> str:
@@ -64,12 +77,17 @@ class Etcd:
 
     def env(self, url: str = "") -> dict[str, str]:
         """An agent's [cluster] etcd_* settings as environment overrides."""
-        return {
+        env = {
             "DPUKV_CLUSTER_ETCD_ENDPOINTS": url or self.url,
             "DPUKV_CLUSTER_ETCD_PREFIX": self.prefix,
             "DPUKV_CLUSTER_ETCD_USER": self.user,
             "DPUKV_CLUSTER_ETCD_PASSWORD_FILE": str(self.password_file),
         }
+        if self.tls:
+            env["DPUKV_CLUSTER_ETCD_CA_FILE"] = str(self.tls["ca"])
+            env["DPUKV_CLUSTER_ETCD_CERT_FILE"] = str(self.tls["cert"])
+            env["DPUKV_CLUSTER_ETCD_KEY_FILE"] = str(self.tls["key"])
+        return env
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -81,12 +99,13 @@ class Etcd:
                 self.proc.wait(15)
 
 
-def start_etcd(root: Path) -> Etcd:
+def start_etcd(root: Path, *, tls: bool = False) -> Etcd:
+    """With `tls`: https only, and etcd demands a client certificate its CA signed."""
     assert ETCD_BIN is not None
     root.mkdir(parents=True, exist_ok=True)
     client, peer = free_port("127.0.0.1"), free_port("127.0.0.1")
     name = f"t{secrets.token_hex(3)}"
-    url = f"http://127.0.0.1:{client}"
+    url = f"{'https' if tls else 'http'}://127.0.0.1:{client}"
     args = [
         ETCD_BIN, "--name", name, "--data-dir", str(root / "etcd"),
         "--listen-client-urls", url, "--advertise-client-urls", url,
@@ -95,6 +114,10 @@ def start_etcd(root: Path) -> Etcd:
         "--initial-cluster", f"{name}=http://127.0.0.1:{peer}",
         "--unsafe-no-fsync",  # a test's etcd: durability is not what is under test
     ]  # fmt: skip
+    files = _certificates(root) if tls else {}
+    if tls:
+        args += ["--cert-file", str(files["server"]), "--key-file", str(files["server_key"]),
+                 "--trusted-ca-file", str(files["ca"]), "--client-cert-auth"]  # fmt: skip
     with open(root / "etcd.log", "ab") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
     pw_file = root / "etcd-dpukv.password"
@@ -104,12 +127,14 @@ def start_etcd(root: Path) -> Etcd:
         f.write(password + "\n")
     e = Etcd(proc, url, secrets.token_urlsafe(16), "dpukv", pw_file,
              f"/dpukv-{secrets.token_hex(4)}")  # fmt: skip
+    if tls:
+        e.tls = {"ca": files["ca"], "cert": files["client"], "key": files["client_key"]}
     deadline = time.monotonic() + ETCD_START_TIMEOUT_S
     while True:
         try:
             e.call("/v3/kv/range", {"key": _b64("/")})
             break
-        except (OSError, urllib.error.URLError):
+        except (OSError, urllib.error.URLError, ssl.SSLError):
             if proc.poll() is not None or time.monotonic() > deadline:
                 e.stop()
                 tail = (root / "etcd.log").read_text(errors="replace")[-1500:]
@@ -117,6 +142,57 @@ def start_etcd(root: Path) -> Etcd:
             time.sleep(0.1)
     _enable_auth(e, password)
     return e
+
+
+def _certificates(root: Path) -> dict[str, Path]:
+    """A CA, etcd's server certificate (127.0.0.1) and the nodes' client certificate (no CN:
+    etcd's JSON gateway refuses a CN; the user is the password-authenticated one)."""
+    now = datetime.datetime.now(datetime.UTC)
+
+    def build(
+        subject: x509.Name,
+        key: ec.EllipticCurvePrivateKey,
+        issuer: x509.Name,
+        signer: ec.EllipticCurvePrivateKey,
+        ca: bool,
+        ip: bool,
+    ) -> x509.Certificate:
+        b = (
+            x509.CertificateBuilder().subject_name(subject).issuer_name(issuer)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )  # fmt: skip
+        if ip:
+            san = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+            b = b.add_extension(san, critical=False)
+        return b.sign(signer, hashes.SHA256())
+
+    def save(name: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> None:
+        (root / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())  # fmt: skip
+        fd = os.open(root / f"{name}-key.pem", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(pem)
+
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "dpukv-test-ca")])
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = build(ca_name, ca_key, ca_name, ca_key, ca=True, ip=False)
+    save("ca", ca, ca_key)
+    server_key, client_key = (
+        ec.generate_private_key(ec.SECP256R1()),
+        ec.generate_private_key(ec.SECP256R1()),
+    )
+    server_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "etcd")])
+    save("server", build(server_name, server_key, ca_name, ca_key, ca=False, ip=True), server_key)
+    nodes = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "dpukv-nodes")])
+    save("client", build(nodes, client_key, ca_name, ca_key, ca=False, ip=False), client_key)
+    return {
+        "ca": root / "ca.pem", "server": root / "server.pem", "server_key": root / "server-key.pem",
+        "client": root / "client.pem", "client_key": root / "client-key.pem",
+    }  # fmt: skip
 
 
 def _enable_auth(e: Etcd, password: str) -> None:

@@ -190,6 +190,26 @@ def test_node_cut_off_from_etcd_keeps_known_tenants_and_applies_changes_on_heal(
         proxy.close()
 
 
+def test_tenants_over_mutual_tls_with_etcd_auth(tmp_path: Path) -> None:
+    """etcd on https only, demanding a client certificate; the nodes verify etcd's certificate
+    and log in as their etcd user; a node without the client certificate gets nothing."""
+    e = start_etcd(tmp_path / "etcd", tls=True)
+    nodes: list[AgentProcess] = []
+    try:
+        nodes = [start_node(tmp_path, f"t{i}", e.env()) for i in range(2)]
+        token = admin(nodes[0], "tenant_add", tenant="acme")["token"]
+        wait_for("t1 accepts", lambda: accepts(nodes[1], "acme", token))
+        assert e.tenant_names() == ["acme"]
+        no_cert = {k: v for k, v in e.env().items() if "CERT" not in k and "KEY" not in k}
+        nodes.append(start_node(tmp_path, "t2", no_cert))
+        assert admin(nodes[2], "members")["tenant_source"]["reachable"] is False
+        assert not accepts(nodes[2], "acme", token)
+    finally:
+        for a in nodes:
+            a.stop(timeout_s=30)
+        e.stop()
+
+
 @pytest.mark.skipif(shutil.which("serf") is None, reason="needs the serf binary")
 def test_tenant_added_on_one_node_takes_every_owners_share_of_cluster_puts(
     tmp_path: Path, etcd: Etcd
