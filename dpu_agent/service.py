@@ -32,6 +32,7 @@ from prometheus_client import ProcessCollector, start_http_server
 from dpu_agent import telemetry
 from dpu_agent.blockdev import BlockDeviceError
 from dpu_agent.cluster import (
+    TENANT_CHANGES_APPLIED,
     TENANT_TOKEN_BYTES,
     EtcdError,
     Membership,
@@ -643,6 +644,7 @@ class Agent:
         steps = plan_tenants(records, static=static, known=self._cluster_known, served=served,
                              engine=set(self.engine.tenants()))  # fmt: skip
         out: dict[str, dict[str, Any]] = {}
+        applied = []
         for step in steps:
             if step.kind == "erase":
                 if step.name in self._cluster_served:
@@ -651,6 +653,8 @@ class Agent:
                     out[step.name] = self._erase_unserved(step.name, step.why)
                 self._cluster_served.discard(step.name)
                 self._cluster_known.pop(step.name, None)
+                TENANT_CHANGES_APPLIED.labels("erase").inc()
+                applied.append(f"erase:{step.name}")
             else:
                 assert step.record is not None, step
                 try:
@@ -662,9 +666,11 @@ class Agent:
                     self._tenant_failures.add(step.name)
                     continue
                 self._tenant_failures.discard(step.name)
-        if steps:
+                TENANT_CHANGES_APPLIED.labels(step.kind).inc()
+                applied.append(f"{step.kind}:{step.name}")
+        if applied:
             self._save_runtime_tenants()
-            log.info("cluster_tenants_applied", steps=[f"{s.kind}:{s.name}" for s in steps][:64])
+            log.info("cluster_tenants_applied", steps=applied[:64])
         return out
 
     def _apply_tenant_step(self, kind: str, rec: TenantRecord) -> None:

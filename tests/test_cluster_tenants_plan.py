@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from dpu_agent.cluster import TenantRecord, plan_tenants
+from dpu_agent.config import ConfigError, load_config
 
 
 def rec(name: str, inc: str = "i1", token: str = "t1", quota: int = 0) -> TenantRecord:
@@ -40,3 +43,22 @@ def test_plan_at_restart_serves_known_incarnation_and_never_touches_config_tenan
     assert kinds(plan_tenants({}, static=set(), known={}, served={}, engine={"x"})) == [
         ("erase", "x")
     ]
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"ENDPOINTS": "etcd:2379"}, "must be http"),
+        ({"ENDPOINTS": "http://127.0.0.1:2379"}, "needs etcd_user and etcd_password_file"),
+        ({"ENDPOINTS": "http://127.0.0.1:2379", "USER": "u", "PASSWORD_FILE": "p",
+          "CERT_FILE": "c.pem"}, "go together"),
+        ({"ENDPOINTS": "http://127.0.0.1:2379", "USER": "u", "PASSWORD_FILE": "p",
+          "PREFIX": "dpukv"}, "must be /NAME"),
+    ],
+)  # fmt: skip
+def test_etcd_config_refused_without_credentials_or_with_bad_values(
+    env: dict[str, str], message: str
+) -> None:
+    environ = {f"DPUKV_CLUSTER_ETCD_{k}": v for k, v in env.items()}
+    with pytest.raises(ConfigError, match=message):
+        load_config(environ=environ)

@@ -12,6 +12,7 @@ from dpu_agent.cluster._rebalance import RebalanceProgress, Rebalancer, tenant_k
 from dpu_agent.cluster._serf_client import RECORDS_MAX, SerfClient, SerfUnreachable
 from dpu_agent.cluster._serf_process import SerfProcess, free_port
 from dpu_agent.cluster._tenants import (
+    TENANT_CHANGES_APPLIED,
     TENANT_TOKEN_BYTES,
     TenantPlanStep,
     TenantRecord,
@@ -23,6 +24,7 @@ from dpu_agent.cluster._tenants import (
 
 __all__ = [
     "RECORDS_MAX",
+    "TENANT_CHANGES_APPLIED",
     "TENANT_TOKEN_BYTES",
     "EtcdClient",
     "EtcdError",

@@ -35,6 +35,7 @@ from dpu_agent.metrics import REGISTRY, Counter, Gauge
 from kvproto.control import valid_tenant_name
 
 __all__ = [
+    "TENANT_CHANGES_APPLIED",
     "TENANT_TOKEN_BYTES",
     "TenantPlanStep",
     "TenantRecord",
@@ -59,7 +60,7 @@ SOURCE_UP = Gauge(
     "1 when the last read of the tenant source (etcd) succeeded, 0 while it is unreachable.",
     registry=REGISTRY,
 )
-APPLIED = Counter(
+TENANT_CHANGES_APPLIED = Counter(
     "kvtier_cluster_tenant_changes_applied",
     "Tenant changes from the tenant source applied on this node, by kind.",
     ["kind"],
