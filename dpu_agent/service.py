@@ -37,6 +37,7 @@ from dpu_agent.cluster import (
     EtcdError,
     Membership,
     TenantRecord,
+    TenantSource,
     TenantSync,
     agent_cluster_view,
     plan_tenants,
@@ -103,8 +104,8 @@ class Agent:
         self.cfg = cfg
         self.lease_ttl_s = cfg.storage.lease_ttl_s
         self._config_tenants = set(cfg.tenants)  # the config file's (or the default one)
-        # [cluster] etcd_endpoints: cluster-wide tenants (dpu_agent.cluster._tenants)
-        self.tenant_source = tenant_source(cfg, read_secret)
+        # [cluster] etcd_endpoints: cluster-wide tenants (dpu_agent.cluster._tenants), at start
+        self.tenant_source: TenantSource | None = None
         self.tenant_sync: TenantSync | None = None
         self._cluster_known: dict[str, str] = {}  # cluster tenant -> incarnation held here
         self._cluster_served: set[str] = set()  # those of cfg.tenants that came from etcd
@@ -612,6 +613,7 @@ class Agent:
         """Before the control server opens: per-node tenants drop what the config dropped;
         cluster tenants are served only after a read of etcd has been applied (a removal made
         while this node was down is applied first)."""
+        self.tenant_source = tenant_source(self.cfg, read_secret)  # a bad secret file: refused
         if self.tenant_source is None:
             self._drop_unconfigured_tenants()
             return

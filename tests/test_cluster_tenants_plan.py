@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dpu_agent.cluster import TenantRecord, plan_tenants
 from dpu_agent.config import ConfigError, load_config
+from dpu_agent.service import spawn_agent
 
 
 def rec(name: str, inc: str = "i1", token: str = "t1", quota: int = 0) -> TenantRecord:
@@ -62,3 +65,17 @@ def test_etcd_config_refused_without_credentials_or_with_bad_values(
     environ = {f"DPUKV_CLUSTER_ETCD_{k}": v for k, v in env.items()}
     with pytest.raises(ConfigError, match=message):
         load_config(environ=environ)
+
+
+def test_agent_refuses_a_readable_etcd_password_file(tmp_path: Path) -> None:
+    pw = tmp_path / "etcd.password"
+    pw.write_text("secret\n")
+    pw.chmod(0o644)
+    env = {
+        "DPUKV_CLUSTER_ETCD_ENDPOINTS": "http://127.0.0.1:9",
+        "DPUKV_CLUSTER_ETCD_USER": "dpukv",
+        "DPUKV_CLUSTER_ETCD_PASSWORD_FILE": str(pw),
+        "DPUKV_METRICS_ENABLED": "0",
+    }
+    with pytest.raises(RuntimeError, match="chmod 600"):
+        spawn_agent(tmp_path / "var", env=env)
