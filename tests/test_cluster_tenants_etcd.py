@@ -184,6 +184,14 @@ def test_node_cut_off_from_etcd_keeps_known_tenants_and_applies_changes_on_heal(
         wait_for("p2 serves bravo", lambda: accepts(nodes["p2"], "bravo", token_b))
         assert admin(nodes["p2"], "members")["tenant_source"]["reachable"] is True
         assert etcd.tenant_names() == ["bravo"]
+
+        proxy.cut()  # a restart while cut off: no cluster tenant before a read of etcd
+        nodes["p2"].stop()
+        nodes["p2"] = start_node(tmp_path, "p2", etcd.env(proxy.url))
+        assert not accepts(nodes["p2"], "bravo", token_b)
+        assert accepts(nodes["p2"], "default", nodes["p2"].token)  # its own tenant serves
+        proxy.heal()
+        wait_for("p2 serves bravo again", lambda: accepts(nodes["p2"], "bravo", token_b))
     finally:
         for a in nodes.values():
             a.stop(timeout_s=30)
