@@ -180,15 +180,18 @@ class EtcdClient:
     def range_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
         """Every key under `prefix` and the store's revision at that read."""
         doc = self._call("/v3/kv/range", {"key": _b64(prefix), "range_end": _prefix_end(prefix)})
-        kvs = [
-            KeyValue(
-                key=base64.b64decode(kv["key"]).decode(),
-                value=base64.b64decode(kv.get("value", "")),
-                mod_revision=int(kv.get("mod_revision", 0)),
-            )
-            for kv in doc.get("kvs", [])
-        ]
-        return kvs, int(doc["header"]["revision"])
+        try:
+            kvs = [
+                KeyValue(
+                    key=base64.b64decode(kv["key"]).decode(),
+                    value=base64.b64decode(kv.get("value", "")),
+                    mod_revision=int(kv.get("mod_revision", 0)),
+                )
+                for kv in doc.get("kvs", [])
+            ]
+            return kvs, int(doc["header"]["revision"])
+        except (KeyError, TypeError, ValueError) as e:  # binascii.Error is a ValueError
+            raise EtcdError(f"etcd range: unexpected reply ({type(e).__name__}: {e})") from None
 
     def create(self, key: str, value: bytes) -> bool:
         """Put `key` only if it does not exist; False when it does."""
