@@ -23,6 +23,7 @@ from cluster_harness import SMALL_TIERS, Cluster
 from etcd_harness import ETCD_BIN, BlackHoleProxy, Etcd, start_etcd
 from test_service import LAYOUT, SALT, chunks_for, tokens_for
 
+from dpu_agent.cluster import ETCD_CALL_TIMEOUT_S, EtcdClient, EtcdError
 from dpu_agent.service import AgentProcess, spawn_agent
 from host_shim import KVClient
 from host_shim.client import ControlChannel, ControlError
@@ -243,3 +244,25 @@ def test_tenant_added_on_one_node_takes_every_owners_share_of_cluster_puts(
         assert (stored, got) == (50, 50)
     finally:
         c.stop_all()
+
+
+def test_etcd_client_fails_over_and_pays_a_dead_endpoint_once(etcd: Etcd) -> None:
+    """A black-holed first endpoint costs one call deadline, then the live one goes first."""
+    dead = BlackHoleProxy(int(etcd.url.rsplit(":", 1)[1]))
+    dead.cut()
+    try:
+        password = etcd.password_file.read_text().strip()
+        c = EtcdClient(f"{dead.url},{etcd.url}", user=etcd.user, password=password)
+        t0 = time.monotonic()
+        assert c.create(etcd.prefix + "/tenants/x", b"{}") is True
+        first_s = time.monotonic() - t0
+        t0 = time.monotonic()
+        kvs, _ = c.range_prefix(etcd.prefix + "/")
+        second_s = time.monotonic() - t0
+        assert [kv.key for kv in kvs] == [etcd.prefix + "/tenants/x"]
+        assert first_s >= ETCD_CALL_TIMEOUT_S * 0.9 and second_s < ETCD_CALL_TIMEOUT_S / 2
+        assert c.create(etcd.prefix + "/tenants/x", b"{}") is False  # create is create-only
+        with pytest.raises(EtcdError, match="permission denied"):  # outside its prefix
+            c.create("/elsewhere/x", b"{}")
+    finally:
+        dead.close()

@@ -6,7 +6,7 @@ through the RPC event stream, placement epoch) for the control server.
 """
 
 from dpu_agent.cluster._agent import agent_cluster_view, start_membership
-from dpu_agent.cluster._etcd import EtcdClient, EtcdError, EtcdUnreachable
+from dpu_agent.cluster._etcd import ETCD_CALL_TIMEOUT_S, EtcdClient, EtcdError, EtcdUnreachable
 from dpu_agent.cluster._membership import Membership, MembershipOptions, node_of
 from dpu_agent.cluster._rebalance import RebalanceProgress, Rebalancer, tenant_keys
 from dpu_agent.cluster._serf_client import RECORDS_MAX, SerfClient, SerfUnreachable
@@ -23,6 +23,7 @@ from dpu_agent.cluster._tenants import (
 )
 
 __all__ = [
+    "ETCD_CALL_TIMEOUT_S",
     "RECORDS_MAX",
     "TENANT_CHANGES_APPLIED",
     "TENANT_TOKEN_BYTES",

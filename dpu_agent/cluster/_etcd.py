@@ -110,6 +110,7 @@ class EtcdClient:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()  # guards _token only, never held across I/O
         self._token = ""
+        self._good = 0  # index of the endpoint that answered last (a race on it is harmless)
 
     # --- transport --------------------------------------------------------------------------
     def _connect(self, ep: _Endpoint, timeout_s: float) -> http.client.HTTPConnection:
@@ -127,14 +128,20 @@ class EtcdClient:
             headers["Authorization"] = self._auth_token()
         data = json.dumps(body).encode()
         errors = []
-        for ep in self._endpoints:
+        first = self._good  # the endpoint that answered last goes first: a dead one costs once
+        n = len(self._endpoints)
+        for i in (first + k for k in range(n)):
+            ep = self._endpoints[i % n]
             conn = self._connect(ep, timeout_s)
             try:
                 conn.request("POST", path, body=data, headers=headers)
-                return conn, conn.getresponse()
+                resp = conn.getresponse()
             except (OSError, http.client.HTTPException) as e:
                 conn.close()
                 errors.append(f"{ep.host}:{ep.port}: {e or type(e).__name__}")
+                continue
+            self._good = i % n
+            return conn, resp
         raise EtcdUnreachable("etcd unreachable: " + "; ".join(errors))
 
     def _call(self, path: str, body: dict[str, Any], *, auth: bool = True) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -71,7 +71,7 @@ TENANT_CHANGES_APPLIED = Counter(
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TenantRecord:
     name: str
-    token: str
+    token: str = field(repr=False)  # a secret: never in a log line or a traceback
     incarnation: str
     quota_bytes: int = 0
     replicas: int = 0
