@@ -247,6 +247,7 @@ class TenantSync:
         self.revision = 0
         self.unreachable_since: float | None = None
         self.last_error = ""
+        self._apply_error = ""  # the last apply failure logged (not repeated every retry)
         self._watch_now: EtcdWatch | None = None  # closed by stop(): no wait for a quiet period
 
     def status(self) -> dict[str, Any]:
@@ -299,16 +300,18 @@ class TenantSync:
         while not self._stop.is_set():
             try:
                 records = self.read()
+                if self._loop.is_closed():  # the agent stopped without stop(): nothing to apply
+                    return
                 fut = asyncio.run_coroutine_threadsafe(self._apply(records), self._loop)
                 fut.result(APPLY_TIMEOUT_S)
                 self.synced = True
                 self._watch()
             except EtcdError:
                 self._stop.wait(RETRY_S)
-            except RuntimeError:  # the loop is closing: the agent is stopping
-                return
-            except Exception as e:  # an apply that failed: log, read again, apply again
-                log.error("tenant_apply_failed", error=repr(e)[:300])
+            except Exception as e:  # an apply that failed: log (once), read again, apply again
+                if repr(e) != self._apply_error:
+                    log.error("tenant_apply_failed", error=repr(e)[:300], exc_info=e)
+                self._apply_error = repr(e)
                 self._stop.wait(RETRY_S)
 
     def _watch(self) -> None:
