@@ -41,7 +41,8 @@ def start_membership(agent: Any) -> Membership:
     m.start()
 
     def tenants() -> dict[str, tuple[str, int]]:
-        return {name: (t.token, t.replicas or c.replicas) for name, t in cfg.tenants.items()}
+        # list(): one C-level copy under the GIL; tenants change on the event loop (etcd)
+        return {name: (t.token, t.replicas or c.replicas) for name, t in list(cfg.tenants.items())}
 
     m.rebalancer = Rebalancer(
         engine=agent.engine, node=m.node, placement=lambda: m.placement, tenants=tenants,
