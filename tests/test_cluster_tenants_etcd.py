@@ -136,9 +136,13 @@ def test_tenants_add_rotate_remove_reach_every_node_with_one_down(
         wait_for("n3 erased acme", lambda: erased(nodes["n3"], "acme"))
         assert "acme" not in {t["name"] for t in admin(nodes["n3"], "tenants_list")["tenants"]}
 
-        rc, out = dpuctl(nodes["n3"], "tenants", "add", "acme")  # the name again: starts empty
+        given = tmp_path / "acme.token"  # the name again, with a token the operator chose
+        given.write_text("operator-chosen-token-" + "z" * 24 + "\n")
+        given.chmod(0o600)
+        rc, out = dpuctl(nodes["n3"], "tenants", "add", "acme", "--token-file", str(given))
         assert rc == 0, out
         token3 = out["token"]
+        assert token3 == given.read_text().strip()
         for i, n in enumerate(up):
             wait_for(f"{n} accepts the new acme", lambda n=n: accepts(nodes[n], "acme", token3))
             with KVClient(nodes[n].control_url, "acme", token3, LAYOUT, SALT, io_queues=1) as c:
