@@ -64,6 +64,7 @@ __all__ = [
     "StorageSection",
     "TenantConfig",
     "load_config",
+    "read_secret",
 ]
 
 ENV_PREFIX = "DPUKV_"
@@ -169,6 +170,17 @@ class ClusterSection:
     refresh_interval_s: float = 5.0  # re-read the member list at least this often
     advertise_host: str = ""  # host in the published control/NVMe addresses ("" = bind host)
     rebalance_bytes_per_s: int = 64 << 20  # hand-off rate after a membership change
+    # Cluster-wide tenants (docs/CLUSTER.md, "Tenants"): etcd client URLs, comma-separated;
+    # "" = tenants are this node's own (config file and dpuctl on this node).
+    etcd_endpoints: str = ""
+    etcd_prefix: str = "/dpukv"  # this cluster's keys in etcd (one etcd may serve several)
+    etcd_user: str = ""  # etcd user (etcd auth on); its password in etcd_password_file (0600)
+    etcd_password_file: str = ""
+    etcd_ca_file: str = ""  # CA that signed etcd's server certificate (https endpoints)
+    # client certificate for etcd --client-cert-auth, and its key; without a CN: etcd's JSON
+    # gateway refuses a certificate CN (the user comes from etcd_user)
+    etcd_cert_file: str = ""
+    etcd_key_file: str = ""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -508,6 +520,7 @@ def load_config(
     _check_mode(cfg)
     _check_security(cfg)
     _check_cluster(cfg)
+    _check_etcd(cfg)
     return cfg
 
 
@@ -576,6 +589,38 @@ def _check_cluster(cfg: AgentConfig) -> None:
         raise ConfigError(
             f"{cfg.source}: [cluster] serf_profile={c.serf_profile!r}: lan, wan or local"
         )
+
+
+def _check_etcd(cfg: AgentConfig) -> None:
+    """[cluster] etcd_*: URLs, a prefix, and credentials: etcd holds the tenants' tokens, so an
+    etcd anyone can read is refused."""
+    c = cfg.cluster
+    if not c.etcd_endpoints:
+        return
+    where = f"{cfg.source}: [cluster]"
+    for url in (u.strip() for u in c.etcd_endpoints.split(",")):
+        if url and not url.startswith(("http://", "https://")):
+            raise ConfigError(f"{where} etcd_endpoints: {url!r} must be http(s)://HOST:PORT")
+    if not c.etcd_prefix.startswith("/") or len(c.etcd_prefix) < 2:
+        raise ConfigError(f"{where} etcd_prefix={c.etcd_prefix!r} must be /NAME")
+    if not (c.etcd_user and c.etcd_password_file):
+        # the agent speaks etcd's JSON gateway, which ignores a client certificate's CN (and
+        # refuses one that has it): etcd's user/password auth is what scopes the agent
+        raise ConfigError(
+            f"{where} etcd_endpoints needs etcd_user and etcd_password_file (etcd auth on: "
+            "it holds the tenants' tokens); a client certificate (etcd_cert_file) adds mTLS"
+        )
+    if bool(c.etcd_cert_file) != bool(c.etcd_key_file):
+        raise ConfigError(f"{where} etcd_cert_file and etcd_key_file go together")
+    if cfg.spdk_mode:
+        raise ConfigError(
+            f"{where} etcd_endpoints: SPDK mode takes its tenants from [spdk] subsystems"
+        )
+
+
+def read_secret(path: Path) -> str:
+    """A secret file's content; ConfigError when it is group/world readable or empty."""
+    return _read_secret(path)
 
 
 def _apply_spdk(cfg: AgentConfig, doc: dict[str, Any], source: str) -> None:

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -30,8 +31,21 @@ from prometheus_client import ProcessCollector, start_http_server
 
 from dpu_agent import telemetry
 from dpu_agent.blockdev import BlockDeviceError
-from dpu_agent.cluster import Membership, PeerAuth, agent_cluster_view, start_membership
-from dpu_agent.config import AgentConfig, TenantConfig
+from dpu_agent.cluster import (
+    TENANT_CHANGES_APPLIED,
+    TENANT_TOKEN_BYTES,
+    EtcdError,
+    Membership,
+    PeerAuth,
+    TenantRecord,
+    TenantSource,
+    TenantSync,
+    agent_cluster_view,
+    plan_tenants,
+    start_membership,
+    tenant_source,
+)
+from dpu_agent.config import AgentConfig, TenantConfig, read_secret
 from dpu_agent.control import (
     LEASES_ACTIVE,
     RESERVATIONS_ACTIVE,
@@ -52,7 +66,7 @@ from dpu_agent.nvmf import NvmeTcpTarget, Subsystem, TargetOptions, tenant_nqn
 from dpu_agent.nvmf._keys import HOST_KEYS_FILE, HostKeyIssuer, hello_keys
 from dpu_agent.sdnotify import Notifier
 from dpu_agent.spdk_mode import SpdkDevices, check_spdk, listener_for
-from kvproto.control import valid_tenant_name
+from kvproto.control import TENANTS_MAX, valid_tenant_name
 from kvproto.nvme import NQN_BYTES_MAX
 
 __all__ = ["Agent", "AgentProcess", "run_agent", "spawn_agent"]
@@ -90,6 +104,14 @@ class Agent:
         assert cfg.admin_token, "call cfg.prepare() first"
         self.cfg = cfg
         self.lease_ttl_s = cfg.storage.lease_ttl_s
+        self._config_tenants = set(cfg.tenants)  # the config file's (or the default one)
+        # [cluster] etcd_endpoints: cluster-wide tenants (dpu_agent.cluster._tenants), at start
+        self.tenant_source: TenantSource | None = None
+        self.tenant_sync: TenantSync | None = None
+        self._cluster_known: dict[str, str] = {}  # cluster tenant -> incarnation held here
+        self._cluster_served: set[str] = set()  # those of cfg.tenants that came from etcd
+        self._static_conflicts: set[str] = set()  # etcd names shadowed by the config (logged)
+        self._tenant_failures: set[str] = set()  # cluster tenants that could not be served
         self._load_runtime_tenants()
         self.registry = TenantRegistry(
             cfg.admin_token, {name: t.token for name, t in cfg.tenants.items()}
@@ -139,6 +161,7 @@ class Agent:
                 secure_channel=cfg.nvmf.secure_channel,
             )
             await self.target.start()
+        await self._tenants_at_start()
         self.control = ControlServer(
             self,
             self.registry,
@@ -156,6 +179,8 @@ class Agent:
                 cfg.metrics.port, addr=cfg.metrics.host, registry=REGISTRY
             )
         self._tick_task = asyncio.create_task(self._tick_loop(), name="engine-tick")
+        if self.tenant_sync is not None:
+            self.tenant_sync.start()
         if cfg.cluster.enabled:
             self.cluster = await asyncio.to_thread(start_membership, self)
         self._write_state()
@@ -173,6 +198,8 @@ class Agent:
         return Engine(self._engine_config(), device_factory=self._spdk_devices)
 
     async def stop(self) -> None:
+        if self.tenant_sync is not None:
+            await asyncio.to_thread(self.tenant_sync.stop)
         if self.cluster is not None:  # leave first: clients stop routing here
             await asyncio.to_thread(self.cluster.stop)
             self.cluster = None
@@ -373,7 +400,10 @@ class Agent:
         sub.host_peers.pop(hostnqn, None)
 
     def cluster_view(self, tenant: str) -> dict[str, Any]:
-        return agent_cluster_view(self, tenant)
+        view = agent_cluster_view(self, tenant)
+        if self.tenant_sync is not None:  # etcd reachable? (a cut-off node says so)
+            view["tenant_source"] = self.tenant_sync.status()
+        return view
 
     def cluster_epoch(self) -> int | None:
         return self.cluster.epoch if self.cluster is not None else None
@@ -410,7 +440,8 @@ class Agent:
     def tenants_list(self) -> list[dict[str, Any]]:
         out = []
         for name, t in sorted(self.cfg.tenants.items()):
-            row: dict[str, Any] = {"name": name, "quota_bytes": t.quota_bytes}
+            source = "cluster" if name in self._cluster_served else "node"
+            row: dict[str, Any] = {"name": name, "quota_bytes": t.quota_bytes, "source": source}
             with contextlib.suppress(EngineError):
                 row.update(_summary(plain(self.engine.stats(name))))
             out.append(row)
@@ -419,6 +450,10 @@ class Agent:
     async def admin(self, op: str, fields: Mapping[str, Any]) -> dict[str, Any]:
         """Admin ops one at a time; the slow ones (backup, restore) in a worker thread."""
         async with self._admin_lock:
+            if op in ("tenant_add", "tenant_rotate", "tenant_remove") and self.tenant_sync:
+                return await self._cluster_tenant_op(op, fields)
+            if op == "tenant_rotate":
+                return self._tenant_rotate(fields["tenant"], fields.get("token"))
             if op == "tenant_add":
                 return self._tenant_add(
                     fields["tenant"], fields.get("token"), fields.get("quota_bytes") or 0
@@ -472,6 +507,19 @@ class Agent:
 
     # --- tenants at run time ------------------------------------------------------------------
     def _tenant_add(self, name: str, token: str | None, quota_bytes: int = 0) -> dict[str, Any]:
+        """A tenant of this node only (no [cluster] etcd_endpoints): its token in its own 0600
+        file, so that a restart serves the same token, given or generated."""
+        self._check_addable(name)
+        token = token or secrets.token_urlsafe(TENANT_TOKEN_BYTES)
+        token_file = f"tenant-{name}.token"
+        _write_secret(self.cfg.path(token_file), token)  # replaces one left by an earlier name
+        t = TenantConfig(name=name, token=token, token_file=token_file, quota_bytes=quota_bytes)
+        self._tenant_serve(t)
+        self._save_runtime_tenants()
+        log.info("tenant_added", tenant=name)
+        return {"tenant": name, "token": t.token, "token_file": str(self.cfg.path(t.token_file))}
+
+    def _check_addable(self, name: str) -> None:
         assert valid_tenant_name(name), name
         if name in self.cfg.tenants:
             raise ValueError(f"tenant {name!r} exists; remove it first or pick another name")
@@ -480,21 +528,37 @@ class Agent:
                 f"SPDK mode: add tenant {name!r} to [tenants] and its [[spdk.subsystems]] in "
                 f"{self.cfg.source}, then restart the agent"
             )
-        t = TenantConfig(name=name, token=token or "", quota_bytes=quota_bytes)
-        if not token:
-            # a token file left from an earlier tenant of this name must not come back
-            self.cfg.path(f"tenant-{name}.token").unlink(missing_ok=True)
-            cfg = AgentConfig(agent=self.cfg.agent)
-            cfg.tenants = {name: t}
-            cfg.prepare()  # creates var/tenant-<name>.token (0600) without touching others
-            t = cfg.tenants[name]
-        self.engine.add_tenant(name, quota_bytes=t.quota_bytes)
-        self.target.add_subsystem(self._subsystem(name))
-        self.cfg.tenants[name] = t
-        self.registry.add(name, t.token)
-        self._save_runtime_tenants()
-        log.info("tenant_added", tenant=name)
-        return {"tenant": name, "token": t.token, "token_file": str(self.cfg.path(t.token_file))}
+
+    def _tenant_serve(self, t: TenantConfig) -> None:
+        """Tiers, subsystem, token: the tenant is served from here on."""
+        if len(self.registry.names()) >= TENANTS_MAX:  # before anything is built
+            raise ValueError(f"already {TENANTS_MAX} tenants on this node (TENANTS_MAX)")
+        self.engine.add_tenant(t.name, quota_bytes=t.quota_bytes)
+        self.target.add_subsystem(self._subsystem(t.name))
+        self.cfg.tenants[t.name] = t
+        self.registry.add(t.name, t.token)
+
+    def _tenant_rotate(self, name: str, token: str | None) -> dict[str, Any]:
+        """A new token for a tenant of this node; its sessions end (they used the old one)."""
+        self._known(name)
+        t = self.cfg.tenants[name]
+        if not t.token_file:
+            raise ValueError(
+                f"tenant {name!r} has its token inline in {self.cfg.source}; change it there "
+                "and restart the agent"
+            )
+        token = token or secrets.token_urlsafe(TENANT_TOKEN_BYTES)
+        _write_secret(self.cfg.path(t.token_file), token)
+        ended = self._set_token(t, token)
+        log.info("tenant_token_rotated", tenant=name, sessions_ended=ended)
+        return {"tenant": name, "token": token, "token_file": str(self.cfg.path(t.token_file)),
+                "sessions_ended": ended}  # fmt: skip
+
+    def _set_token(self, t: TenantConfig, token: str) -> int:
+        """Serve `token` for `t` and end the sessions opened with the old one."""
+        t.token = token
+        self.registry.add(t.name, token)  # a new incarnation: old sessions are refused
+        return self.control.end_tenant_sessions(t.name) if self.control is not None else 0
 
     def _host_add(self, tenant: str, nqn: str) -> dict[str, Any]:
         """`dpuctl hosts add`: allow host `nqn` on the tenant's subsystem with issued keys."""
@@ -512,7 +576,7 @@ class Agent:
         log.info("host_added", tenant=tenant, keys=sorted(keys))
         return {"tenant": tenant, "hostnqn": nqn, "subnqn": tenant_nqn(tenant), **keys}
 
-    def _tenant_remove(self, name: str) -> dict[str, Any]:
+    def _tenant_remove(self, name: str, *, cluster: bool = False) -> dict[str, Any]:
         """Crypto-erase: revoke the token, end its sessions, remove its subsystem (its hosts
         are disconnected), destroy its XTS key and free its space. A tenant added later under
         the same name gets a new token and key; the old ones are refused."""
@@ -531,9 +595,140 @@ class Agent:
         t = self.cfg.tenants.pop(name)
         if t.token_file:
             self.cfg.path(t.token_file).unlink(missing_ok=True)
-        self._save_runtime_tenants(removed=name)
+        self._save_runtime_tenants(removed=None if cluster else name)
         log.info("tenant_removed", tenant=name, sessions_ended=ended, **erased)
         return {"tenant": name, "sessions_ended": ended, **erased}
+
+    def _erase_unserved(self, name: str, why: str) -> dict[str, Any]:
+        """Crypto-erase a tenant the engine holds but this node does not serve (dropped from
+        the config file, or removed from the cluster while this node was down)."""
+        erased = self.engine.remove_tenant(name)
+        log.warning("tenant_erased", tenant=name, why=why, **erased)
+        return {"tenant": name, "sessions_ended": 0, **erased}
+
+    def _drop_unconfigured_tenants(self) -> None:
+        """At start, with tenants per node: a tenant on disk that the config (and the run-time
+        store) no longer names is erased, not kept: nobody can present its token any more, and
+        keeping a removed tenant's data with its key is what removal must not do."""
+        if self.cfg.spdk_mode:
+            return  # SPDK's lvols are [spdk]'s: `dpuctl spdk plan` reports what is extra
+        for name in sorted(set(self.engine.tenants()) - set(self.cfg.tenants)):
+            self._erase_unserved(name, f"not a tenant in {self.cfg.source}")
+
+    # --- cluster-wide tenants ([cluster] etcd_endpoints) -------------------------------------
+    async def _tenants_at_start(self) -> None:
+        """Before the control server opens: per-node tenants drop what the config dropped;
+        cluster tenants are served only after a read of etcd has been applied (a removal made
+        while this node was down is applied first)."""
+        self.tenant_source = tenant_source(self.cfg, read_secret)  # a bad secret file: refused
+        if self.tenant_source is None:
+            self._drop_unconfigured_tenants()
+            return
+        loop = asyncio.get_running_loop()
+        self.tenant_sync = TenantSync(self.tenant_source, self.apply_tenants, loop)
+        try:
+            records = await asyncio.to_thread(self.tenant_sync.read)
+        except EtcdError:
+            serving = "config-file tenants; cluster tenants once etcd answers"
+            log.warning("cluster_tenants_deferred", serving=serving)
+            return
+        async with self._admin_lock:
+            self._apply_tenant_plan(records)
+        self.tenant_sync.synced = True
+
+    async def apply_tenants(self, records: dict[str, TenantRecord]) -> None:
+        """TenantSync's hook: make this node's cluster tenants match `records`."""
+        async with self._admin_lock:
+            self._apply_tenant_plan(records)
+
+    def _apply_tenant_plan(self, records: dict[str, TenantRecord]) -> dict[str, dict[str, Any]]:
+        """Plan and apply (admin lock held); what each erasure did, by tenant."""
+        served = {n: (self.cfg.tenants[n].token, self.cfg.tenants[n].quota_bytes)
+                  for n in self._cluster_served}  # fmt: skip
+        static = set(self.cfg.tenants) - self._cluster_served
+        for name in (set(records) & static) - self._static_conflicts:
+            self._static_conflicts.add(name)
+            log.error("cluster_tenant_shadowed", tenant=name,
+                      why=f"{self.cfg.source} names it: this node serves its own")  # fmt: skip
+        steps = plan_tenants(records, static=static, known=self._cluster_known, served=served,
+                             engine=set(self.engine.tenants()))  # fmt: skip
+        out: dict[str, dict[str, Any]] = {}
+        applied = []
+        for step in steps:
+            if step.kind == "erase":
+                if step.name in self._cluster_served:
+                    out[step.name] = self._tenant_remove(step.name, cluster=True)
+                elif step.name in self.engine.tenants():
+                    out[step.name] = self._erase_unserved(step.name, step.why)
+                self._cluster_served.discard(step.name)
+                self._cluster_known.pop(step.name, None)
+                TENANT_CHANGES_APPLIED.labels("erase").inc()
+                applied.append(f"erase:{step.name}")
+            else:
+                assert step.record is not None, step
+                try:
+                    self._apply_tenant_step(step.kind, step.record)
+                except (ValueError, EngineError) as e:  # limits: this tenant, not the others
+                    if step.name not in self._tenant_failures:
+                        log.error("cluster_tenant_not_applied", tenant=step.name,
+                                  step=step.kind, error=str(e)[:300])  # fmt: skip
+                    self._tenant_failures.add(step.name)
+                    continue
+                self._tenant_failures.discard(step.name)
+                TENANT_CHANGES_APPLIED.labels(step.kind).inc()
+                applied.append(f"{step.kind}:{step.name}")
+        if applied:
+            self._save_runtime_tenants()
+            log.info("cluster_tenants_applied", steps=applied[:64])
+        return out
+
+    def _apply_tenant_step(self, kind: str, rec: TenantRecord) -> None:
+        if kind == "add":
+            t = TenantConfig(name=rec.name, token=rec.token, quota_bytes=rec.quota_bytes,
+                             replicas=rec.replicas)  # fmt: skip
+            self._cluster_known[rec.name] = rec.incarnation
+            self._save_runtime_tenants()  # known before its first chunk is written
+            self._tenant_serve(t)
+            self._cluster_served.add(rec.name)
+        elif kind == "token":
+            self._set_token(self.cfg.tenants[rec.name], rec.token)
+        elif kind == "quota":
+            self.engine.add_tenant(rec.name, quota_bytes=rec.quota_bytes)
+            self.cfg.tenants[rec.name].quota_bytes = rec.quota_bytes
+
+    async def _cluster_tenant_op(self, op: str, fields: Mapping[str, Any]) -> dict[str, Any]:
+        """`tenants add|rotate|remove` with etcd: write there (compare-and-swap), read back and
+        apply here now; the other nodes apply it from their watch within seconds."""
+        assert self.tenant_sync is not None and self.tenant_source is not None
+        name, src = fields["tenant"], self.tenant_source
+        if name in self.cfg.tenants and name not in self._cluster_served:
+            raise ValueError(f"tenant {name!r} is this node's own ({self.cfg.source} or added "
+                             "before etcd_endpoints was set); remove it here first")  # fmt: skip
+        token = fields.get("token") or secrets.token_urlsafe(TENANT_TOKEN_BYTES)
+        try:
+            if op == "tenant_add":
+                await asyncio.to_thread(src.add, name, token, fields.get("quota_bytes") or 0)
+            elif op == "tenant_rotate":
+                await asyncio.to_thread(src.rotate, name, token)
+            else:
+                await asyncio.to_thread(src.remove, name)
+        except EtcdError as e:
+            raise ValueError(
+                f"etcd did not take the change ({e}); nothing was applied here; dpuctl "
+                "tenants list shows what etcd holds once it answers"
+            ) from None
+        try:
+            records = await asyncio.to_thread(self.tenant_sync.read)
+        except EtcdError as e:
+            raise ValueError(
+                f"etcd took the change but did not answer the read back ({e}); this node "
+                "applies it when etcd answers"
+            ) from None
+        erased = self._apply_tenant_plan(records)
+        log.info("cluster_tenant_changed", op=op, tenant=name)
+        if op == "tenant_remove":
+            return erased.get(name, {"tenant": name})
+        return {"tenant": name, "token": token, "source": "etcd"}
 
     def _runtime_tenants_path(self) -> Path:
         return self.cfg.path(TENANTS_FILE)
@@ -559,24 +754,42 @@ class Agent:
                 self.cfg.tenants[name] = t
         for name in doc.get("removed", []):
             self.cfg.tenants.pop(name, None)
+        for name, entry in doc.get("cluster", {}).items():
+            if valid_tenant_name(name) and isinstance(entry, dict):
+                self._cluster_known[name] = str(entry.get("incarnation", ""))
         self.cfg.prepare()  # loads the tokens of the tenants just added
 
     def _save_runtime_tenants(self, removed: str | None = None) -> None:
+        """tenants.json: this node's run-time tenants (added: not in the config file), config
+        tenants removed at run time, and the incarnation of each cluster tenant held here."""
         path = self._runtime_tenants_path()
         try:
             doc = json.loads(path.read_text())
         except FileNotFoundError:
             doc = {"added": {}, "removed": []}
-        for name, t in self.cfg.tenants.items():
-            doc["added"][name] = {"token_file": t.token_file, "quota_bytes": t.quota_bytes}
+        doc["added"] = {
+            name: {"token_file": t.token_file, "quota_bytes": t.quota_bytes}
+            for name, t in self.cfg.tenants.items()
+            if name not in self._config_tenants and name not in self._cluster_served
+        }
         if removed:
-            doc["added"].pop(removed, None)
             doc["removed"] = sorted({*doc["removed"], removed})
         doc["removed"] = [n for n in doc["removed"] if n not in self.cfg.tenants]
+        doc["cluster"] = {n: {"incarnation": inc} for n, inc in sorted(self._cluster_known.items())}
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, indent=1) + "\n")
         os.chmod(tmp, 0o600)
         os.replace(tmp, path)
+
+
+def _write_secret(path: Path, value: str) -> None:
+    """`value` in `path`, mode 0600 from creation, replacing what was there atomically."""
+    tmp = path.with_suffix(".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+    os.replace(tmp, path)
 
 
 def _summary(stats: Any) -> dict[str, Any]:

@@ -35,7 +35,8 @@ Operations (fields; every connection starts with ``hello``):
   kvproto.placement); a node whose epoch differs answers ``moved`` and the client reads
   ``members`` again (Redis Cluster's MOVED).
 - Admin (a session opened with tenant ``_admin`` and the admin token): ``tenants_list``,
-  ``tenant_add`` (tenant, [token], [quota_bytes]), ``tenant_remove`` (tenant), ``evict``
+  ``tenant_add`` (tenant, [token], [quota_bytes]), ``tenant_remove`` (tenant),
+  ``tenant_rotate`` (tenant, [token]: a new token, generated when not given), ``evict``
   (tenant, bytes), ``checkpoint``, ``backup`` (dir, incremental), ``restore`` (dirs), ``stats``
   over all tenants, ``chunks_list`` (tenant, limit, [after]: a page of the tenant's chunks in
   key order after key `after`), ``chunk_inspect`` (tenant, key).
@@ -307,6 +308,7 @@ OPS: Final[dict[str, _Schema]] = {
         "quota_bytes": (_optional(_int), False),
     },
     "tenant_remove": {"tenant": (_tenant, True)},
+    "tenant_rotate": {"tenant": (_tenant, True), "token": (_optional(_str), False)},
     "host_add": {"tenant": (_tenant, True), "nqn": (_str, True)},
     "evict": {"tenant": (_tenant, True), "bytes": (_int, True)},
     "checkpoint": {},
@@ -331,7 +333,7 @@ OPS: Final[dict[str, _Schema]] = {
 _NAMES: Final = {op: frozenset(schema) | {"id", "op"} for op, schema in OPS.items()}
 ADMIN_OPS: Final = frozenset(
     {"tenants_list", "tenant_add", "tenant_remove", "evict", "checkpoint", "backup", "restore"}
-    | {"chunks_list", "chunk_inspect", "host_add"}
+    | {"chunks_list", "chunk_inspect", "host_add", "tenant_rotate"}
 )
 # The NIXL data-path ops: tenant ops the agent runs off its event loop, in order per session.
 NIXL_OPS: Final = frozenset({"nixl_connect", "nixl_register", "nixl_get", "nixl_put"})

@@ -7,10 +7,11 @@ set -u
 # libxxhash-dev: xxhash.h, inlined into that loop (xxh3-128 fused into the cipher pass: the
 #   NIXL path's checksum); header only, nothing new at run time.
 # redis-server: the datapath benchmark compares against a real Redis.
-# serf: cluster membership (HashiCorp Serf).  iproute2: network namespaces and dcb in tests.
+# serf: cluster membership (HashiCorp Serf).  etcd-server: cluster-wide tenants (their source of
+#   truth; the tests start a real one).  iproute2: network namespaces and dcb in tests.
 # mstflint: mstconfig (firmware tests). systemd: systemd-analyze verify of the agent unit.
 # python3-pyverbs: rdma-core's pyverbs (host_shim.rdma, doctor), loaded into the venv by itself.
-PKGS=(gcc libssl-dev libxxhash-dev redis-server serf iproute2 mstflint systemd python3-pyverbs)
+PKGS=(gcc libssl-dev libxxhash-dev redis-server serf etcd-server iproute2 mstflint systemd python3-pyverbs)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -36,7 +36,7 @@ from rich.table import Table
 
 from dpu_agent.cli._storage_probe import probe_agent_storage
 from dpu_agent.cluster._ops import probe_serf
-from dpu_agent.config import DATA_DIR_ENV, AgentConfig, ConfigError, load_config
+from dpu_agent.config import DATA_DIR_ENV, AgentConfig, ConfigError, load_config, read_secret
 from dpu_agent.units import SizeError, format_duration, format_size, format_timestamp, parse_size
 from host_shim.client import AgentUnreachable, ControlChannel, ControlError
 from kvproto.control import ADMIN_TENANT, KEY_BYTES, LocalProtocolError, valid_tenant_name
@@ -583,7 +583,7 @@ def stats(config_path: str | None, as_json: bool) -> None:
     emit(admin_call(config_path, as_json, "stats"), as_json, show_stats)
 
 
-@click.group("tenants", help="List, add and remove tenants.")
+@click.group("tenants", help="List, add, rotate and remove tenants.")
 def tenants() -> None:
     pass
 
@@ -594,17 +594,54 @@ def tenants_list(config_path: str | None, as_json: bool) -> None:
     emit(admin_call(config_path, as_json, "tenants_list"), as_json, show_tenants)
 
 
-@tenants.command("add", help="Add a tenant; prints its token once (stored 0600 in the data dir).")
+@tenants.command(
+    "add",
+    help="Add a tenant; prints its token once. With [cluster] "
+    "etcd_endpoints: on every node, same token (docs/CLUSTER.md, Tenants).",
+)
 @click.argument("name")
 @click.option("--quota", type=SIZE, default=None, help="Most bytes it may hold: 512MiB, 10GiB.")
+@click.option("--token-file", type=click.Path(dir_okay=False), default=None,
+              help="Use the token in this file (0600) instead of a generated one.")  # fmt: skip
 @common
-def tenants_add(name: str, quota: int | None, config_path: str | None, as_json: bool) -> None:
+def tenants_add(
+    name: str, quota: int | None, token_file: str | None, config_path: str | None, as_json: bool
+) -> None:
     _check_tenant(name, as_json)
+    token = _token_from(token_file, as_json)
     emit(
-        admin_call(config_path, as_json, "tenant_add", tenant=name, quota_bytes=quota),
+        admin_call(config_path, as_json, "tenant_add", tenant=name, quota_bytes=quota, token=token),
         as_json,
         show_done(f"tenant {name} added"),
     )
+
+
+@tenants.command("rotate", help="Give a tenant a new token (printed once); its sessions end. "
+                 "With [cluster] etcd_endpoints: on every node.")  # fmt: skip
+@click.argument("name")
+@click.option("--token-file", type=click.Path(dir_okay=False), default=None,
+              help="Use the token in this file (0600) instead of a generated one.")  # fmt: skip
+@common
+def tenants_rotate(
+    name: str, token_file: str | None, config_path: str | None, as_json: bool
+) -> None:
+    _check_tenant(name, as_json)
+    token = _token_from(token_file, as_json)
+    emit(
+        admin_call(config_path, as_json, "tenant_rotate", tenant=name, token=token),
+        as_json,
+        show_done(f"tenant {name}: new token"),
+    )
+
+
+def _token_from(path: str | None, as_json: bool) -> str | None:
+    """The token in `path` (a secret file: 0600, not empty), or None (the agent makes one)."""
+    if path is None:
+        return None
+    try:
+        return read_secret(Path(path))
+    except (OSError, ConfigError) as e:
+        _fail(EXIT_USAGE, f"--token-file {path}: {e}", as_json)
 
 
 @tenants.command("remove", help="Remove a tenant: its token, sessions, key and chunks go.")

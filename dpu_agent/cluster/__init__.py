@@ -6,6 +6,7 @@ through the RPC event stream, placement epoch) for the control server.
 """
 
 from dpu_agent.cluster._agent import agent_cluster_view, start_membership
+from dpu_agent.cluster._etcd import ETCD_CALL_TIMEOUT_S, EtcdClient, EtcdError, EtcdUnreachable
 from dpu_agent.cluster._membership import (
     CAPACITY_BYTES_MAX,
     Membership,
@@ -22,10 +23,26 @@ from dpu_agent.cluster._serf_client import (
     SerfUnreachable,
 )
 from dpu_agent.cluster._serf_process import SerfProcess, free_port
+from dpu_agent.cluster._tenants import (
+    TENANT_CHANGES_APPLIED,
+    TENANT_TOKEN_BYTES,
+    TenantPlanStep,
+    TenantRecord,
+    TenantSource,
+    TenantSync,
+    plan_tenants,
+    tenant_source,
+)
 
 __all__ = [
     "CAPACITY_BYTES_MAX",
+    "ETCD_CALL_TIMEOUT_S",
     "RECORDS_MAX",
+    "TENANT_CHANGES_APPLIED",
+    "TENANT_TOKEN_BYTES",
+    "EtcdClient",
+    "EtcdError",
+    "EtcdUnreachable",
     "KeyringReply",
     "Membership",
     "MembershipOptions",
@@ -35,11 +52,17 @@ __all__ = [
     "SerfClient",
     "SerfProcess",
     "SerfUnreachable",
+    "TenantPlanStep",
+    "TenantRecord",
+    "TenantSource",
+    "TenantSync",
     "agent_cluster_view",
     "check_member",
     "free_port",
     "node_of",
     "open_peer",
+    "plan_tenants",
     "start_membership",
     "tenant_keys",
+    "tenant_source",
 ]

@@ -41,8 +41,9 @@ def start_membership(agent: Any) -> Membership:
     m.start()
 
     def tenants() -> dict[str, tuple[str, int]]:
-        # no token: tokens never leave this node; peers are reached over the cluster channel
-        return {name: ("", t.replicas or c.replicas) for name, t in cfg.tenants.items()}
+        # no token: tokens never leave this node; peers are reached over the cluster channel.
+        # list(): one C-level copy under the GIL; tenants change on the event loop (etcd)
+        return {name: ("", t.replicas or c.replicas) for name, t in list(cfg.tenants.items())}
 
     m.rebalancer = Rebalancer(
         engine=agent.engine, node=m.node, placement=lambda: m.placement, tenants=tenants,
