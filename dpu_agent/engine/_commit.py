@@ -46,6 +46,9 @@ class CommitLog:
         self.journal = Journal(journal_dir)
         self.seq = 1
         self.fence: JournalError | None = None
+        # the live segment lost what was appended (journal.lost()): a checkpoint from memory
+        # must land before the fence lifts; a probe alone would not bring the records back
+        self.rewrite_due = False
 
     def next_seq(self) -> int:
         seq = self.seq
@@ -77,15 +80,43 @@ class CommitLog:
         self.fence = e
 
     def try_lift_fence(self) -> None:
-        """Probe the journal (cut back, write, fsync, cut back); lift the fence if it works."""
+        """Probe the journal (cut back, write, fsync, cut back); lift the fence if it works.
+        A lost segment keeps its fence until the checkpoint that replaces it lands."""
+        if self.rewrite_due:
+            return
         try:
             self.journal.probe()
         except JournalError as e:
             self.fence = e
             return
-        log.warning("engine.journal_writable", was=str(self.fence))
+        self.lift_fence()
+
+    def lift_fence(self) -> None:
+        if self.fence is not None:
+            log.warning("engine.journal_writable", was=str(self.fence))
         self.fence = None
         _FENCED.set(0)
+
+    def check_lost(self) -> bool:
+        """True when the live segment was truncated, deleted or replaced underneath the agent
+        and a rewrite is due (writes fenced until then)."""
+        if not self.rewrite_due:
+            why = self.journal.lost()
+            if why is not None:
+                log.error("engine.journal_lost", error=why)
+                self.set_fence(JournalError(f"{why}; rewriting it from memory"))
+                self.rewrite_due = True
+        return self.rewrite_due
+
+    def save_tenant_ids(self, names: dict[int, str], *, soft: bool) -> None:
+        """Write tenant-ids.json; a failure raises JournalUnavailable, or with `soft` is
+        logged (the WAL and the checkpoint still name every tenant)."""
+        try:
+            self.journal.save_tenant_ids(names)
+        except JournalError as e:
+            if not soft:
+                raise self.unavailable(e) from e
+            log.warning("engine.tenant_ids_not_written", error=str(e))
 
     # --- appends -----------------------------------------------------------------------------
 

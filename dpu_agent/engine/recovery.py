@@ -30,6 +30,7 @@ from dpu_agent.engine.journal import (
 from dpu_agent.engine.tiers import NVME
 from dpu_agent.log import get_logger
 from dpu_agent.metrics import REGISTRY, Gauge
+from kvproto.control import valid_tenant_name
 
 BITMAP_BITS = 22  # 512 KiB prefilter for "does the WAL touch this checkpoint key"
 
@@ -74,6 +75,7 @@ def recover(
     rec = commit.journal.load()
     t1 = time.perf_counter()
     fields = _merge(rec)
+    _name_orphans(rec, fields)
     dropped = [0]
     for tid, name in sorted(rec.tenants.items()):
         gens = np.unique(fields["generation"][fields["tenant"] == tid])
@@ -235,11 +237,26 @@ def _untouched(
     return keep
 
 
+def _name_orphans(rec: Recovered, fields: dict[str, np.ndarray]) -> None:
+    """Records of a tenant id that no surviving WAL frame or checkpoint names (its tenant
+    frame was damaged or lost with a truncated segment) take the name tenant-ids.json gives
+    that id, unless another id already has that name."""
+    taken = set(rec.tenants.values())
+    for tid in np.unique(fields["tenant"]).tolist():
+        name = rec.tenant_ids.get(tid)
+        if tid in rec.tenants or name is None or name in taken or not valid_tenant_name(name):
+            continue
+        rec.tenants[tid] = name
+        taken.add(name)
+        log.warning("engine.tenant_named_by_id_file", tenant=name, tenant_id=tid,
+                    records=int((fields["tenant"] == tid).sum()))  # fmt: skip
+
+
 def _drop_out_of_range(
     tenants: Tenants, fields: dict[str, np.ndarray], dropped: list[int]
 ) -> dict[str, np.ndarray]:
-    """Records outside their tenant's device (it shrank), or of a tenant no surviving record
-    names (a damaged checkpoint), are dropped and counted."""
+    """Records outside their tenant's device (it shrank), or of a tenant id that nothing left
+    names (no WAL frame, checkpoint or tenant-ids.json entry), are dropped and counted."""
     keep = np.ones(len(fields["k0"]), dtype=bool)
     for tid in np.unique(fields["tenant"]).tolist():
         mine = fields["tenant"] == tid
