@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -281,9 +282,31 @@ class Agent:
             "metrics": a["metrics"],
             "started_at": self.started_at,
         }
-        tmp = self.cfg.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=1) + "\n")
-        os.replace(tmp, self.cfg.state_path)
+        text = (json.dumps(state, indent=1) + "\n").encode()
+        path = self.cfg.state_path
+        tmp = path.with_suffix(".tmp")
+        try:
+            tmp.write_bytes(text)
+            os.replace(tmp, path)
+            return
+        except OSError as e:  # a full disk: serve anyway, reads need no disk space
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            first = e
+        try:  # in place: the blocks of a file left by a killed agent need no new space
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                if os.pwrite(fd, text, 0) != len(text):
+                    raise OSError(errno.ENOSPC, "short write")
+                os.ftruncate(fd, len(text))
+            finally:
+                os.close(fd)
+            return
+        except OSError:
+            with contextlib.suppress(OSError):
+                path.unlink()  # a stale one must not name a dead (or reused) pid
+        log.error("agent_state_unwritten", path=str(path), error=str(first),
+                  reached_by=self.addresses()["control_unix"] or "its control port")  # fmt: skip
 
     # --- ControlBackend -----------------------------------------------------------------------
     def hello_info(self, tenant: str, hostnqn: str | None, local_host: str) -> dict[str, Any]:
@@ -400,8 +423,17 @@ class Agent:
                 "tenants": len(self.cfg.tenants),
                 "uptime_s": round(time.time() - self.started_at, 1),
                 "pid": os.getpid(),
+                "journal": self._journal_state(),
             }
         ]
+
+    def _journal_state(self) -> str:
+        """ "writable", or why writes are refused ("full: ..." on a full disk)."""
+        stats = self.engine.stats()
+        if not stats.get("journal_fenced"):
+            return "writable"
+        why = "full" if stats.get("journal_full") else "unavailable"
+        return f"{why}, writes refused, reads served: {stats['journal_fenced']}"
 
     def tenants_list(self) -> list[dict[str, Any]]:
         out = []

@@ -29,6 +29,7 @@ writes until a probe in tick() passes, and reads go on.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -474,6 +475,7 @@ class Engine:
                 "journal_segment": self._commit.journal.segment,
                 "journal_segment_bytes": self._commit.journal.segment_bytes,
                 "journal_fenced": "" if fence is None else str(fence),
+                "journal_full": fence is not None and fence.errno == errno.ENOSPC,
                 "seq": self._commit.seq,
                 "recovery": dataclasses.asdict(self.recovery_report),
             }
