@@ -44,7 +44,7 @@ from dpu_agent.control import (
 from dpu_agent.control_tls import exposure_warning, server_context
 from dpu_agent.crypto import KeyStore
 from dpu_agent.engine import Engine, EngineConfig, EngineError, LimitExceeded, UnknownTenant
-from dpu_agent.engine.backup import backup_tenants
+from dpu_agent.engine.backup import backup_tenants, check_no_interrupted_restore
 from dpu_agent.engine.engine import CHUNKS_PAGE_MAX
 from dpu_agent.log import configure_logging, get_logger, nqn_tag
 from dpu_agent.metrics import REGISTRY
@@ -424,8 +424,17 @@ class Agent:
                 "uptime_s": round(time.time() - self.started_at, 1),
                 "pid": os.getpid(),
                 "journal": self._journal_state(),
+                "restore": self._restore_state(),
             }
         ]
+
+    def _restore_state(self) -> str:
+        """ "" or what an interrupted restore left and how to finish it."""
+        marker = self.engine.stats().get("restore_interrupted")
+        if not marker:
+            return ""
+        return (f"interrupted (of {', '.join(marker.get('dirs') or ['?'])}): dpuctl backup "
+                "restore --resume, or --rollback")  # fmt: skip
 
     def _journal_state(self) -> str:
         """ "writable", or why writes are refused ("full: ..." on a full disk)."""
@@ -480,8 +489,14 @@ class Agent:
                     self.engine.backup, fields["dir"], incremental=fields["incremental"]
                 )
                 return {"backup": plain(result)}
+            if op == "restore" and (fields.get("mode") or "start") != "start":
+                # finish an interrupted restore: resume (start over) or roll back
+                dirs = [Path(d) for d in fields.get("dirs") or []]
+                result = await asyncio.to_thread(self.engine.restore, dirs, fields["mode"])
+                return {"restore": plain(result), "tenants_added": {}}
             if op == "restore":
-                dirs = [Path(d) for d in fields["dirs"]]
+                dirs = [Path(d) for d in fields.get("dirs") or []]
+                check_no_interrupted_restore(self.cfg.data_dir)  # before "holds chunks"
                 missing = [t for t in backup_tenants(dirs) if t not in self.cfg.tenants]
                 if self.engine.stats()["records"]:  # before adding tenants (the engine checks too)
                     raise ValueError(

@@ -44,6 +44,11 @@ def probe_agent_storage() -> tuple[str, str]:
         if stale_ok:
             return "ok", "no agent running here (nothing to check)"
         return "missing", f"{who} does not answer: {e}"
+    marker = stats.get("restore_interrupted")
+    if marker:
+        dirs = ", ".join(marker.get("dirs") or ["?"])
+        return "missing", (f"a restore of {dirs} was interrupted: dpuctl backup restore "
+                           "--resume (start it over) or --rollback")  # fmt: skip
     fenced = stats.get("journal_fenced") or ""
     if fenced:
         full = " (disk full; reads are served)" if stats.get("journal_full") else ""

@@ -144,6 +144,10 @@ class Engine:
         except BaseException:
             self._commit.journal.close()  # a failed start must not keep the directory locked
             raise
+        self.restore_interrupted = backup_mod.interrupted_restore(config.data_dir)
+        if self.restore_interrupted is not None:
+            log.error("engine.restore_interrupted", **self.restore_interrupted,
+                      fix="dpuctl backup restore --resume, or --rollback")  # fmt: skip
         # agents older than the file, or a start after damage: the ids as recovered
         self._commit.save_tenant_ids(self._tenants.names_by_id(), soft=True)
         r = self.recovery_report
@@ -478,6 +482,7 @@ class Engine:
                 "journal_full": fence is not None and fence.errno == errno.ENOSPC,
                 "seq": self._commit.seq,
                 "recovery": dataclasses.asdict(self.recovery_report),
+                "restore_interrupted": self.restore_interrupted,
             }
 
     def chunks(self, tenant: str, *, limit: int, after: bytes = b"") -> list[dict[str, Any]]:
@@ -662,6 +667,10 @@ class Engine:
         moved, left = persisted["moved"], persisted["left"]
         return {**result, "dram_persisted": moved, "dram_only_chunks": left}
 
-    def restore(self, backup_dirs: Sequence[str | Path]) -> dict[str, Any]:
-        """Load a full backup then its incrementals (oldest first) into this fresh engine."""
-        return backup_mod.restore(self, [Path(d) for d in backup_dirs])
+    def restore(self, backup_dirs: Sequence[str | Path], mode: str = "start") -> dict[str, Any]:
+        """Load a full backup then its incrementals (oldest first) into this fresh engine;
+        `mode` "resume" or "rollback" finishes an interrupted one (engine/backup.py)."""
+        try:
+            return backup_mod.restore(self, [Path(d) for d in backup_dirs], mode)
+        finally:
+            self.restore_interrupted = backup_mod.interrupted_restore(self.config.data_dir)
