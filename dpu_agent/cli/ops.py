@@ -558,9 +558,14 @@ def agent_run(config_path: str | None) -> None:
               help="The dpuctl the unit runs (default: this one).")  # fmt: skip
 def agent_unit_cmd(dpuctl_path: str | None) -> None:
     from dpu_agent.provision import agent_unit  # the same unit a provisioned DPU gets
+    from dpu_agent.provision._units import UnitValueError
 
     exe = dpuctl_path or shutil.which("dpuctl") or str(Path(sys.executable).parent / "dpuctl")
-    click.echo(agent_unit(dpuctl=str(Path(exe).absolute())), nl=False)
+    try:
+        unit = agent_unit(dpuctl=str(Path(exe).absolute()))
+    except UnitValueError as e:
+        _fail(EXIT_USAGE, f"--dpuctl: {e}", False)
+    click.echo(unit, nl=False)
     _err.print(
         "install: dpuctl agent unit > /etc/systemd/system/dpukv-agent.service; "
         "install -D -m 0644 docs/examples/agent.toml /etc/dpukv/agent.toml; "
