@@ -144,3 +144,58 @@ def test_wal_truncated_then_killed_before_a_tick_loses_only_the_truncated_frames
         assert present(eng, range(CHUNKS + 50)) == list(range(CHUNKS, CHUNKS + 50))
     finally:
         eng.close()
+
+
+def test_agent_notices_its_wal_truncated_and_loses_nothing_acknowledged_at_kill9(
+    tmp_path: Path,
+) -> None:
+    """The finding as it was seen: a running agent's live WAL truncated to 0, the agent kept
+    acknowledging, kill -9, restart: 0 of 100 came back. Now its tick (0.5 s) rewrites it."""
+    import time
+
+    import numpy as np
+    from test_service import LAYOUT, SALT, chunks_for, tokens_for
+
+    from dpu_agent.service import spawn_agent
+    from host_shim import KVClient
+    from host_shim.client import ControlChannel
+    from kvproto.control import ADMIN_TENANT
+
+    env = {"DPUKV_STORAGE_DRAM_BYTES": str(16 << 10)}  # every chunk on NVMe
+    puts = 50  # of 2 chunks: 100 chunks, as in the finding
+    a = spawn_agent(tmp_path / "var", env=env)
+    try:
+        with ControlChannel(a.unix_url, ADMIN_TENANT, a.admin_token, timeout_s=10) as admin:
+            admin.connect()
+            segment = admin.call("stats")["stats"]["journal_segment"]
+            with KVClient(a.control_url, "default", a.token, LAYOUT, SALT, timeout_s=10) as c:
+                for s in range(puts):
+                    assert c.put(tokens_for(s, 2), chunks_for(s, 2)) == 2
+                wal = tmp_path / "var" / "journal" / f"wal-{segment:010d}.log"
+                os.truncate(wal, 0)
+                deadline = time.monotonic() + 30  # a tick is 0.5 s; a loaded box
+                while True:  # rewritten: a new segment, and the fence of the rewrite lifted
+                    st = admin.call("stats")["stats"]
+                    if st["journal_segment"] != segment and not st["journal_fenced"]:
+                        break
+                    assert time.monotonic() < deadline, "the truncated WAL was never rewritten"
+                    time.sleep(0.1)
+                for s in range(puts, puts + 10):  # acknowledged after the rewrite
+                    assert c.put(tokens_for(s, 2), chunks_for(s, 2)) == 2
+    finally:
+        a.kill()
+    a = spawn_agent(tmp_path / "var", env=env)
+    try:
+        with KVClient(a.control_url, "default", a.token, LAYOUT, SALT, timeout_s=10) as c:
+            lost = []
+            for s in range(puts + 10):
+                out = [np.empty(LAYOUT.chunk_shape, np.float16) for _ in range(2)]
+                got = c.get(tokens_for(s, 2), out)
+                want = chunks_for(s, 2)
+                same = all(o.tobytes() == w.tobytes() for o, w in zip(out, want, strict=True))
+                if got != 2 or not same:
+                    lost.append(s)
+        # bytes lost: none of the 120 acknowledged chunks (16 KiB each); it used to be all
+        assert lost == [], f"{len(lost)} of {puts + 10} acknowledged puts lost"
+    finally:
+        a.stop()
