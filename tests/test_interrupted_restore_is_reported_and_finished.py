@@ -135,3 +135,31 @@ def test_killed_restore_is_reported_and_can_be_rolled_back_or_resumed(tmp_path: 
         assert lost == [], f"{len(lost)} of {PUTS} puts not restored byte-exact"
     finally:
         a.stop()
+
+
+def test_resume_and_rollback_refuse_clearly_and_drop_nothing_on_bad_input(tmp_path: Path) -> None:
+    """Engine level: no marker, a marker whose backups are gone, a marker and a new restore."""
+    import pytest
+
+    from dpu_agent.engine import Engine, EngineConfig, EngineError
+
+    bs = 4096
+    cfg = EngineConfig(data_dir=tmp_path / "e", dram_bytes=16 * bs, nvme_bytes=256 * bs,
+                       tenants={"acme": 0})  # fmt: skip
+    eng = Engine(cfg)
+    try:
+        for mode in ("resume", "rollback"):
+            with pytest.raises(EngineError, match="no interrupted restore"):
+                eng.restore([], mode)
+        eng.put_chunk("acme", b"k" * 16, b"v" * (3 * bs))
+        marker = {"dirs": [str(tmp_path / "gone")], "backup_ids": ["x"], "started_unix": 0}
+        (cfg.data_dir / "restore.json").write_text(json.dumps(marker))
+        with pytest.raises(EngineError, match="gone"):
+            eng.restore([], "resume")  # the backups are gone: nothing is dropped
+        assert eng.get_chunk("acme", b"k" * 16) == b"v" * (3 * bs)
+        with pytest.raises(EngineError, match="--resume"):
+            eng.restore([tmp_path / "other"])
+        assert eng.restore([], "rollback")["records_dropped"] == 1
+        assert eng.stats()["restore_interrupted"] is None
+    finally:
+        eng.close()

@@ -286,6 +286,7 @@ def restore(engine: Engine, dirs: list[Path], mode: str = "start") -> dict[str, 
         raise EngineError(f"{RESTORE_MARKER} names no backups ({marker.get('error')}); roll back")
     if dirs and [d.absolute() for d in dirs] != recorded:
         raise EngineError(f"the interrupted restore was of {marker['dirs']}; resume those")
+    read_manifests(recorded)  # the backups are still there, before anything is dropped
     dropped = _drop_everything(engine)
     result = _restore(engine, recorded, resuming=True)
     return {**result, "resumed": True, "records_dropped": dropped}
