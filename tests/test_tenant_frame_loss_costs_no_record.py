@@ -87,17 +87,18 @@ def test_wal_truncated_under_a_running_engine_is_rewritten_at_the_next_tick(
     for i in range(CHUNKS):
         eng.put_chunk("acme", *chunk(i))
     os.truncate(live_segment(tmp_path), 0)  # an operator's mistake, a broken tool
-    for i in range(CHUNKS, CHUNKS + 20):  # acknowledged before the agent can know
-        eng.put_chunk("acme", *chunk(i))
-    eng.tick()  # notices, fences, checkpoints from memory, lifts the fence
+    with pytest.raises(JournalUnavailable, match="truncated"):
+        eng.put_chunk("acme", *chunk(CHUNKS))  # not acknowledged: its journal is gone
+    eng.tick()  # checkpoints from memory, lifts the fence
     assert eng.stats()["journal_fenced"] == ""
-    eng.put_chunk("acme", *chunk(CHUNKS + 20))  # and writes go on
+    for i in range(CHUNKS, CHUNKS + 20):  # and writes go on
+        eng.put_chunk("acme", *chunk(i))
     kill9(eng)
     eng = Engine(cfg(tmp_path))
     try:
         assert eng.recovery_report.dropped_records == 0
-        # lost: 0 bytes of any acknowledged chunk (all 121 back, used to be 0 of 100)
-        assert present(eng, range(CHUNKS + 21)) == list(range(CHUNKS + 21))
+        # lost: 0 bytes of any acknowledged chunk (all 120 back; it used to be 0 of 100)
+        assert present(eng, range(CHUNKS + 20)) == list(range(CHUNKS + 20))
     finally:
         eng.close()
 
@@ -123,7 +124,7 @@ def test_deleted_live_segment_fences_writes_until_the_rewrite_lands(tmp_path: Pa
         eng.close()
 
 
-def test_wal_truncated_then_killed_before_a_tick_loses_only_the_truncated_frames(
+def test_wal_truncated_then_killed_before_a_tick_acknowledges_nothing_more(
     tmp_path: Path,
 ) -> None:
     eng = Engine(cfg(tmp_path))
@@ -132,16 +133,38 @@ def test_wal_truncated_then_killed_before_a_tick_loses_only_the_truncated_frames
     wal = live_segment(tmp_path)
     lost_bytes = wal.stat().st_size
     os.truncate(wal, 0)
-    for i in range(CHUNKS, CHUNKS + 50):
-        eng.put_chunk("acme", *chunk(i))
-    kill9(eng)  # before any tick could notice
+    for i in range(CHUNKS, CHUNKS + 5):  # each refused before anything is written
+        with pytest.raises(JournalUnavailable, match="truncated"):
+            eng.put_chunk("acme", *chunk(i))
+    kill9(eng)  # before any tick could rewrite the journal
     eng = Engine(cfg(tmp_path))
     try:
-        # the lost bytes: the tenant frame and the commit frames of chunks 0-99, 93 bytes each
+        # the lost bytes: the tenant frame and the commit frames of chunks 0-99 (93 bytes
+        # each), so those chunks are gone; nothing acknowledged after the truncation (the old
+        # agent acknowledged on, and lost that too)
         assert lost_bytes == (CHUNKS + 1) * FRAME_BYTES
-        # what came after the truncation is all back (it used to be 0 of 50: the frame that
-        # named the tenant was in the lost bytes)
-        assert present(eng, range(CHUNKS + 50)) == list(range(CHUNKS, CHUNKS + 50))
+        assert present(eng, range(CHUNKS + 5)) == []
+        assert eng.recovery_report.dropped_records == 0
+    finally:
+        eng.close()
+
+
+def test_zeroed_wal_bytes_cost_exactly_the_frames_in_them(tmp_path: Path) -> None:
+    """What a truncation racing an append leaves (frames are written at their own offset): a
+    hole of zeros before later frames. The frames in the hole are lost, nothing else."""
+    eng = Engine(cfg(tmp_path))
+    for i in range(CHUNKS):
+        eng.put_chunk("acme", *chunk(i))
+    kill9(eng)
+    wal = live_segment(tmp_path)
+    data = bytearray(wal.read_bytes())
+    hole = 51 * FRAME_BYTES  # the tenant frame and the commits of chunks 0-49
+    data[:hole] = bytes(hole)
+    wal.write_bytes(bytes(data))
+    eng = Engine(cfg(tmp_path))
+    try:
+        assert eng.recovery_report.damaged_frames == 51
+        assert present(eng, range(CHUNKS)) == list(range(50, CHUNKS))  # used to be []
     finally:
         eng.close()
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from dpu_agent.blockdev import BlockDevice, BlockDeviceError
 from dpu_agent.engine.errors import JournalUnavailable
-from dpu_agent.engine.journal import Journal, JournalError
+from dpu_agent.engine.journal import Journal, JournalError, JournalLost
 from dpu_agent.log import get_logger
 from dpu_agent.metrics import REGISTRY, Counter, Gauge
 
@@ -127,7 +127,7 @@ class CommitLog:
         try:
             self.journal.append(body)
         except JournalError as e:
-            self.set_fence(e)
+            self._failed(e)
             raise self.unavailable(e) from e
 
     def append_soft(self, body: bytes) -> None:
@@ -139,7 +139,14 @@ class CommitLog:
         try:
             self.journal.append(body)
         except JournalError as e:
-            self.set_fence(e)
+            self._failed(e)
+
+    def _failed(self, e: JournalError) -> None:
+        if isinstance(e, JournalLost) and not self.rewrite_due:
+            log.error("engine.journal_lost", error=str(e))
+            e = JournalError(f"{e}; rewriting it from memory")
+            self.rewrite_due = True
+        self.set_fence(e)
 
     # --- disk I/O, without the engine lock ---------------------------------------------------
 

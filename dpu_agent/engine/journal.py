@@ -23,9 +23,10 @@ Files in the journal directory:
   live segment truncated) costs no record. Recovery uses the WAL and the checkpoint first and
   this file for an id neither names.
 
-A live segment truncated or deleted underneath the agent (`lost()`, checked every tick) holds
-no longer what was acknowledged: the engine fences writes and writes a checkpoint from memory
-at once (which also starts a new segment), then lifts the fence.
+A live segment truncated or deleted underneath the agent no longer holds what was acknowledged:
+every append checks first (JournalLost, nothing written) and every tick checks too (`lost()`,
+also a segment replaced by another file); the engine fences writes, writes a checkpoint from
+memory (which starts a new segment), then lifts the fence.
 
 Durability: appends go to the page cache with one `write()` each, so a `kill -9` of the agent
 loses nothing that was appended. `sync()` (called by the engine every `fsync_interval_s` and at
@@ -62,6 +63,7 @@ __all__ = [
     "OP_UNQUARANTINE",
     "Journal",
     "JournalError",
+    "JournalLost",
     "Recovered",
 ]
 
@@ -144,6 +146,11 @@ class JournalError(Exception):
     def __init__(self, message: str, errno: int | None = None) -> None:
         super().__init__(message)
         self.errno = errno
+
+
+class JournalLost(JournalError):
+    """The live segment no longer holds what was appended to it (truncated, deleted or
+    replaced underneath the agent): the engine must rewrite it from memory (a checkpoint)."""
 
 
 @dataclass(slots=True)
@@ -250,7 +257,7 @@ class Journal:
         """Start appending to a new segment file (after load, or at a checkpoint)."""
         path = self._segment_path(segment)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as e:
             raise JournalError(f"cannot open journal segment {path}: {e.strerror}", e.errno) from e
         try:
@@ -275,10 +282,20 @@ class Journal:
 
     def append(self, body: bytes) -> None:
         """One frame, or JournalError with the segment cut back to its last whole frame (so
-        nothing half-written is ever followed by more frames)."""
+        nothing half-written is ever followed by more frames). JournalLost, before anything
+        is written, when the segment lost what was appended to it (truncated or deleted
+        underneath the agent: one fstat, about a microsecond). Frames are written at their own
+        offset (not O_APPEND), so a truncation racing an append leaves a hole of zero frames
+        (skipped at replay) and never misaligns the frames after it."""
         data = frame(body)
         try:
-            written = os.write(self._fd, data)
+            st = os.fstat(self._fd)
+        except OSError as e:
+            raise JournalError(f"journal segment {self.segment}: {e.strerror}", e.errno) from e
+        if st.st_nlink == 0 or st.st_size < self.segment_bytes:
+            raise JournalLost(self._lost_why(st))
+        try:
+            written = os.pwrite(self._fd, data, self.segment_bytes)
         except OSError as e:
             self._cut_back()
             raise JournalError(
@@ -305,7 +322,7 @@ class Journal:
         try:
             os.ftruncate(fd, self.segment_bytes)
             zeros = bytes(PROBE_FRAMES * FRAME_BYTES)
-            written = os.write(fd, zeros)
+            written = os.pwrite(fd, zeros, self.segment_bytes)
             os.ftruncate(fd, self.segment_bytes)
             os.fsync(fd)
         except OSError as e:
@@ -323,11 +340,8 @@ class Journal:
                 return None
             st = os.fstat(self._fd)
         path = self._segment_path(self.segment)
-        if st.st_nlink == 0:
-            return f"journal segment {path} was deleted"
-        if st.st_size < self.segment_bytes:
-            return (f"journal segment {path} was truncated to {st.st_size} bytes (the agent "
-                    f"wrote {self.segment_bytes})")  # fmt: skip
+        if st.st_nlink == 0 or st.st_size < self.segment_bytes:
+            return self._lost_why(st)
         try:
             on_disk = os.stat(path)
         except OSError:
@@ -335,6 +349,13 @@ class Journal:
         if (on_disk.st_ino, on_disk.st_dev) != (st.st_ino, st.st_dev):
             return f"journal segment {path} was replaced by another file"
         return None
+
+    def _lost_why(self, st: os.stat_result) -> str:
+        path = self._segment_path(self.segment)
+        if st.st_nlink == 0:
+            return f"journal segment {path} was deleted"
+        return (f"journal segment {path} was truncated to {st.st_size} bytes (the agent "
+                f"wrote {self.segment_bytes})")  # fmt: skip
 
     def sync(self) -> None:
         """fsync the segment (group commit). Safe to call without the engine lock."""
