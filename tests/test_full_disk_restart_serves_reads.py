@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -67,6 +68,21 @@ def start_without_state_file(data: Path, log: Path) -> subprocess.Popen[bytes]:
         return subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
+def wait_for_socket(proc: subprocess.Popen[bytes], data: Path, log: Path) -> str:
+    """The agent's Unix socket URL once it answers an admin hello (it has no agent.json)."""
+    sock = f"unix://{data / 'control.sock'}"
+    admin = (data / "admin.token").read_text().strip()
+    deadline = time.monotonic() + START_S_MAX
+    while True:
+        assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+        with contextlib.suppress(OSError, ControlError, ConnectionError):
+            with ControlChannel(sock, ADMIN_TENANT, admin, timeout_s=5) as ch:
+                ch.connect()
+                return sock
+        assert time.monotonic() < deadline, "the agent did not start on the full disk"
+        time.sleep(0.2)
+
+
 def dpuctl(data: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "DPUKV_AGENT_DATA_DIR": str(data), **ENV}
     return subprocess.run(
@@ -92,18 +108,8 @@ def test_restart_on_a_full_disk_serves_every_acknowledged_chunk(
     assert fill(disk) > 0
     log = tmp_path / "agent.log"
     proc = start_without_state_file(data, log)
-    sock = f"unix://{data / 'control.sock'}"
-    admin = (data / "admin.token").read_text().strip()
     try:
-        deadline = time.monotonic() + START_S_MAX
-        while True:  # the old agent exited with [Errno 28] here
-            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
-            with contextlib.suppress(OSError, ControlError, ConnectionError):
-                with ControlChannel(sock, ADMIN_TENANT, admin, timeout_s=5) as ch:
-                    ch.connect()
-                    break
-            assert time.monotonic() < deadline, "the agent did not start on the full disk"
-            time.sleep(0.2)
+        sock = wait_for_socket(proc, data, log)  # the old agent exited with [Errno 28]
         token = (data / "tenant-default.token").read_text().strip()
         t0 = time.monotonic()
         with KVClient(sock, "default", token, LAYOUT, SALT, timeout_s=10) as c:
@@ -144,3 +150,70 @@ def test_restart_on_a_full_disk_serves_every_acknowledged_chunk(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def test_no_inode_for_a_new_wal_segment_still_starts_and_writes_resume_with_room(
+    tmp_path: Path,
+) -> None:
+    """No space and no free inode: the restart cannot even create its new WAL segment. It
+    starts (writes fenced `full`, reads served); once there is room the tick's probe opens the
+    segment, writes its tenant frames and lifts the fence, and what is acknowledged then
+    survives a kill -9."""
+    import uuid
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs as a full disk needs root")
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={FS_BYTES},nr_inodes=256", "tmpfs",
+                        str(mnt)], capture_output=True, text=True, check=False)  # fmt: skip
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        data = mnt / "var"
+        a = spawn_agent(data, env=ENV)
+        try:
+            with KVClient(a.control_url, "default", a.token, LAYOUT, SALT, timeout_s=10) as c:
+                for s in range(10):
+                    assert c.put(tokens_for(s, 2), chunks_for(s, 2)) == 2
+        finally:
+            a.kill()
+        fill(mnt)
+        empties = mnt / "empties"
+        with contextlib.suppress(OSError):
+            empties.mkdir()
+            for _ in range(1024):  # every inode left (256 in all)
+                (empties / uuid.uuid4().hex[:8]).touch()
+        log = tmp_path / "agent.log"
+        proc = start_without_state_file(data, log)
+        try:
+            sock = wait_for_socket(proc, data, log)
+            token = (data / "tenant-default.token").read_text().strip()
+            with KVClient(sock, "default", token, LAYOUT, SALT, timeout_s=10) as c:
+                out = [np.empty(LAYOUT.chunk_shape, np.float16) for _ in range(2)]
+                assert c.get(tokens_for(3, 2), out) == 2
+                assert out[1].tobytes() == chunks_for(3, 2)[1].tobytes()
+                with pytest.raises(ControlError) as refused:
+                    c.channel.call("reserve", key=bytes(16), length=4096)
+                assert refused.value.code == "full", refused.value
+                shutil.rmtree(empties)
+                (mnt / "filler").unlink()
+                deadline = time.monotonic() + 30
+                while c.put(tokens_for(99, 2), chunks_for(99, 2)) != 2:  # the probe: 0.5 s
+                    assert time.monotonic() < deadline, "writes never came back"
+                    time.sleep(0.2)
+        finally:
+            proc.kill()
+            proc.wait(60)
+        a = spawn_agent(data, env=ENV)
+        try:
+            with KVClient(a.control_url, "default", a.token, LAYOUT, SALT, timeout_s=10) as c:
+                for s in (3, 99):  # from before the full disk, and acknowledged after it
+                    out = [np.empty(LAYOUT.chunk_shape, np.float16) for _ in range(2)]
+                    assert c.get(tokens_for(s, 2), out) == 2, s
+                    want = chunks_for(s, 2)
+                    assert all(o.tobytes() == w.tobytes() for o, w in zip(out, want, strict=True))
+        finally:
+            a.stop()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -49,6 +49,9 @@ class CommitLog:
         # the live segment lost what was appended (journal.lost()): a checkpoint from memory
         # must land before the fence lifts; a probe alone would not bring the records back
         self.rewrite_due = False
+        # the live segment's header (its tenant frames) was not written: write it when the
+        # fence lifts, before anything else is appended there
+        self.header_due = False
 
     def next_seq(self) -> int:
         seq = self.seq

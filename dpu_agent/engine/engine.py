@@ -521,6 +521,8 @@ class Engine:
             rewrite = self._commit.check_lost()
             if self._commit.fence is not None:
                 self._commit.try_lift_fence()
+                if self._commit.fence is None and self._commit.header_due:
+                    recovery.segment_header(self._commit, self._tenants)
             synced = now - self._last_sync >= self.config.fsync_interval_s
             if synced:
                 self._last_sync = now

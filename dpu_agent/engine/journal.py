@@ -317,7 +317,10 @@ class Journal:
 
     def probe(self) -> None:
         """Check the journal takes appends again: cut any partial frame off, write
-        PROBE_FRAMES frames' worth of zeros, fsync, cut them off again. JournalError if not."""
+        PROBE_FRAMES frames' worth of zeros, fsync, cut them off again. JournalError if not.
+        A segment that could not be opened (a full disk at start) is opened first."""
+        if self._fd < 0:
+            self.open_segment(self.segment)
         fd = self._fd
         try:
             os.ftruncate(fd, self.segment_bytes)

@@ -101,7 +101,10 @@ def recover(
     _cold_lists(tenants, index, rows)
     t3 = time.perf_counter()
     commit.seq = rec.next_seq
-    commit.journal.open_segment(commit.journal.segment)
+    try:
+        commit.journal.open_segment(commit.journal.segment)
+    except JournalError as e:  # a full disk: start anyway, writes fenced; a probe reopens it
+        commit.set_fence(e)
     segment_header(commit, tenants)
     report = RecoveryReport(
         records=len(rows),
@@ -135,12 +138,15 @@ def recover(
 
 def segment_header(commit: CommitLog, tenants: Tenants) -> None:
     """Tenant and NVMe quarantine records at the start of each segment, so the WAL alone
-    names every tenant when no checkpoint verifies. A failing append fences the engine."""
+    names every tenant when no checkpoint verifies. A failing append fences the engine; the
+    header is then written when the fence lifts (`header_due`)."""
+    commit.header_due = True
     for ts in tenants.by_ids():
         commit.append_soft(pack_tenant(ts.tenant_id, commit.next_seq(), ts.name))
         for lba, n in sorted(ts.tiers[NVME].quarantined.items()):
             seq = commit.next_seq()
             commit.append_soft(pack_extent(OP_QUARANTINE, ts.tenant_id, seq, NVME, lba, n))
+    commit.header_due = commit.fence is not None
 
 
 def _cold_lists(tenants: Tenants, index: RecordIndex, rows: np.ndarray) -> None:
