@@ -429,7 +429,7 @@ class Agent:
         ]
 
     def _restore_state(self) -> str:
-        """ "" or what an interrupted restore left and how to finish it."""
+        """What an interrupted restore left and how to finish it; empty when none."""
         marker = self.engine.stats().get("restore_interrupted")
         if not marker:
             return ""
@@ -437,7 +437,7 @@ class Agent:
                 "restore --resume, or --rollback")  # fmt: skip
 
     def _journal_state(self) -> str:
-        """ "writable", or why writes are refused ("full: ..." on a full disk)."""
+        """`writable`, or why writes are refused (`full, ...` on a full disk)."""
         stats = self.engine.stats()
         if not stats.get("journal_fenced"):
             return "writable"

@@ -98,7 +98,8 @@ def interrupted_restore(data_dir: Path) -> dict[str, Any] | None:
     path = data_dir / RESTORE_MARKER
     try:
         doc = json.loads(path.read_text())
-        if not isinstance(doc, dict) or not isinstance(doc.get("dirs"), list):
+        dirs = doc.get("dirs") if isinstance(doc, dict) else None
+        if not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs):
             raise ValueError("not a restore marker")
         return doc
     except FileNotFoundError:
