@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import secrets
@@ -57,7 +58,7 @@ from dpu_agent.control import (
 from dpu_agent.control_tls import exposure_warning, server_context
 from dpu_agent.crypto import KeyStore
 from dpu_agent.engine import Engine, EngineConfig, EngineError, LimitExceeded, UnknownTenant
-from dpu_agent.engine.backup import backup_tenants
+from dpu_agent.engine.backup import backup_tenants, check_no_interrupted_restore
 from dpu_agent.engine.engine import CHUNKS_PAGE_MAX
 from dpu_agent.log import configure_logging, get_logger, nqn_tag
 from dpu_agent.metrics import REGISTRY
@@ -312,9 +313,31 @@ class Agent:
             "metrics": a["metrics"],
             "started_at": self.started_at,
         }
-        tmp = self.cfg.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=1) + "\n")
-        os.replace(tmp, self.cfg.state_path)
+        text = (json.dumps(state, indent=1) + "\n").encode()
+        path = self.cfg.state_path
+        tmp = path.with_suffix(".tmp")
+        try:
+            tmp.write_bytes(text)
+            os.replace(tmp, path)
+            return
+        except OSError as e:  # a full disk: serve anyway, reads need no disk space
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            first = e
+        try:  # in place: the blocks of a file left by a killed agent need no new space
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                if os.pwrite(fd, text, 0) != len(text):
+                    raise OSError(errno.ENOSPC, "short write")
+                os.ftruncate(fd, len(text))
+            finally:
+                os.close(fd)
+            return
+        except OSError:
+            with contextlib.suppress(OSError):
+                path.unlink()  # a stale one must not name a dead (or reused) pid
+        log.error("agent_state_unwritten", path=str(path), error=str(first),
+                  reached_by=self.addresses()["control_unix"] or "its control port")  # fmt: skip
 
     # --- ControlBackend -----------------------------------------------------------------------
     def hello_info(self, tenant: str, hostnqn: str | None, local_host: str) -> dict[str, Any]:
@@ -434,8 +457,26 @@ class Agent:
                 "tenants": len(self.cfg.tenants),
                 "uptime_s": round(time.time() - self.started_at, 1),
                 "pid": os.getpid(),
+                "journal": self._journal_state(),
+                "restore": self._restore_state(),
             }
         ]
+
+    def _restore_state(self) -> str:
+        """What an interrupted restore left and how to finish it; empty when none."""
+        marker = self.engine.stats().get("restore_interrupted")
+        if not marker:
+            return ""
+        return (f"interrupted (of {', '.join(marker.get('dirs') or ['?'])}): dpuctl backup "
+                "restore --resume, or --rollback")  # fmt: skip
+
+    def _journal_state(self) -> str:
+        """`writable`, or why writes are refused (`full, ...` on a full disk)."""
+        stats = self.engine.stats()
+        if not stats.get("journal_fenced"):
+            return "writable"
+        why = "full" if stats.get("journal_full") else "unavailable"
+        return f"{why}, writes refused, reads served: {stats['journal_fenced']}"
 
     def tenants_list(self) -> list[dict[str, Any]]:
         out = []
@@ -487,8 +528,14 @@ class Agent:
                     self.engine.backup, fields["dir"], incremental=fields["incremental"]
                 )
                 return {"backup": plain(result)}
+            if op == "restore" and (fields.get("mode") or "start") != "start":
+                # finish an interrupted restore: resume (start over) or roll back
+                dirs = [Path(d) for d in fields.get("dirs") or []]
+                result = await asyncio.to_thread(self.engine.restore, dirs, fields["mode"])
+                return {"restore": plain(result), "tenants_added": {}}
             if op == "restore":
-                dirs = [Path(d) for d in fields["dirs"]]
+                dirs = [Path(d) for d in fields.get("dirs") or []]
+                check_no_interrupted_restore(self.cfg.data_dir)  # before "holds chunks"
                 missing = [t for t in backup_tenants(dirs) if t not in self.cfg.tenants]
                 if self.engine.stats()["records"]:  # before adding tenants (the engine checks too)
                     raise ValueError(

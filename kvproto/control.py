@@ -228,6 +228,11 @@ def _dirs(v: Any) -> str | None:
     return next(("a list of directory strings" for d in v if _str(d)), None)
 
 
+def _restore_mode(v: Any) -> str | None:
+    ok = v in ("start", "resume", "rollback")
+    return None if ok else "start, resume or rollback"
+
+
 def _metadata(v: Any) -> str | None:
     ok = isinstance(v, bytes) and 0 < len(v) <= NIXL_METADATA_BYTES_MAX
     return None if ok else f"1 to {NIXL_METADATA_BYTES_MAX} bytes of NIXL agent metadata"
@@ -313,7 +318,10 @@ OPS: Final[dict[str, _Schema]] = {
     "evict": {"tenant": (_tenant, True), "bytes": (_int, True)},
     "checkpoint": {},
     "backup": {"dir": (_str, True), "incremental": (_bool, True)},
-    "restore": {"dirs": (_dirs, True)},
+    "restore": {
+        "dirs": (_optional(_dirs), False),
+        "mode": (_optional(_restore_mode), False),  # start (default), resume, rollback
+    },
     "chunks_list": {
         "tenant": (_tenant, True),
         "limit": (_posint, True),

@@ -168,8 +168,9 @@ def test_full_journal_disk_is_refused_over_the_control_plane_and_doctor_says_why
     a = spawn_agent(tmp_path / "var", env=env)
     filler = tiny_fs / "filler"
     try:
-        with open(filler, "wb") as f:
-            f.write(bytes(56 * 1024))
+        st = os.statvfs(tiny_fs)
+        with open(filler, "wb") as f:  # all but two pages of what the agent left free
+            f.write(bytes(st.f_bavail * st.f_frsize - 8 * 1024))
         refused: ControlError | None = None
         with ControlChannel(a.control_url, "default", a.token) as ch:
             ch.connect()

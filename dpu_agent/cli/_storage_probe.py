@@ -19,22 +19,40 @@ def probe_agent_storage() -> tuple[str, str]:
     """(status, detail): missing while writes are fenced, fallback after a lossy start."""
     try:
         cfg = load_config(None)
+        cfg.prepare(create=False)
+    except (ConfigError, OSError):
+        return "ok", "no agent running here (nothing to check)"
+    try:
         state = json.loads(cfg.state_path.read_text())
         os.kill(int(state["pid"]), 0)
-        cfg.prepare()
         url = str(state["control"]["unix"] or state["control"]["tcp"])
-    except (ConfigError, OSError, ValueError, KeyError, TypeError):
-        return "ok", "no agent running here (nothing to check)"
+        who = f"agent pid {state['pid']}"
+        stale_ok = False
+    except (OSError, ValueError, KeyError, TypeError):
+        # no agent.json (an agent started on a full disk cannot write one): its Unix socket
+        sock = cfg.unix_socket_path
+        if sock is None or not sock.exists() or not cfg.admin_token:
+            return "ok", "no agent running here (nothing to check)"
+        url, who = f"unix://{sock}", f"the agent on {sock}"
+        stale_ok = True  # a socket left by a killed agent is no agent
     try:
         with ControlChannel(url, ADMIN_TENANT, cfg.admin_token, timeout_s=PROBE_TIMEOUT_S,
                             client="dpuctl doctor") as ch:  # fmt: skip
             ch.connect()
             stats = ch.call("stats")["stats"]
     except (AgentUnreachable, ControlError, OSError) as e:
-        return "missing", f"agent pid {state['pid']} does not answer: {e}"
+        if stale_ok:
+            return "ok", "no agent running here (nothing to check)"
+        return "missing", f"{who} does not answer: {e}"
+    marker = stats.get("restore_interrupted")
+    if marker:
+        dirs = ", ".join(marker.get("dirs") or ["?"])
+        return "missing", (f"a restore of {dirs} was interrupted: dpuctl backup restore "
+                           "--resume (start it over) or --rollback")  # fmt: skip
     fenced = stats.get("journal_fenced") or ""
     if fenced:
-        return "missing", f"journal refuses writes: {fenced}"
+        full = " (disk full; reads are served)" if stats.get("journal_full") else ""
+        return "missing", f"journal refuses writes{full}: {fenced}"
     r = stats.get("recovery") or {}
     dropped = {k: r.get(k, 0) for k in ("damaged_frames", "checkpoints_damaged", "dropped_records")}
     if any(dropped.values()):

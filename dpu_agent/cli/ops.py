@@ -558,9 +558,14 @@ def agent_run(config_path: str | None) -> None:
               help="The dpuctl the unit runs (default: this one).")  # fmt: skip
 def agent_unit_cmd(dpuctl_path: str | None) -> None:
     from dpu_agent.provision import agent_unit  # the same unit a provisioned DPU gets
+    from dpu_agent.provision._units import UnitValueError
 
     exe = dpuctl_path or shutil.which("dpuctl") or str(Path(sys.executable).parent / "dpuctl")
-    click.echo(agent_unit(dpuctl=str(Path(exe).absolute())), nl=False)
+    try:
+        unit = agent_unit(dpuctl=str(Path(exe).absolute()))
+    except UnitValueError as e:
+        _fail(EXIT_USAGE, f"--dpuctl: {e}", False)
+    click.echo(unit, nl=False)
     _err.print(
         "install: dpuctl agent unit > /etc/systemd/system/dpukv-agent.service; "
         "install -D -m 0644 docs/examples/agent.toml /etc/dpukv/agent.toml; "
@@ -769,24 +774,42 @@ def backup_create(
 
 
 @backup.command("restore", help="Restore a full backup DIR then its incrementals, in order, "
-                "into an agent that holds no chunks yet.")  # fmt: skip
-@click.argument("directories", nargs=-1, required=True, type=click.Path(file_okay=False))
+                "into an agent that holds no chunks yet; --resume or --rollback finishes one "
+                "that was interrupted (dpuctl status shows it).")  # fmt: skip
+@click.argument("directories", nargs=-1, type=click.Path(file_okay=False))
+@click.option(
+    "--resume", is_flag=True, help="Start an interrupted restore over (what it placed is replaced)."
+)
+@click.option("--rollback", is_flag=True,
+              help="Drop every chunk an interrupted restore placed and forget it.")  # fmt: skip
 @yes_option
 @common
 def backup_restore(
-    directories: tuple[str, ...], yes: bool, config_path: str | None, as_json: bool
+    directories: tuple[str, ...],
+    resume: bool,
+    rollback: bool,
+    yes: bool,
+    config_path: str | None,
+    as_json: bool,
 ) -> None:
-    _confirm(f"restore {len(directories)} backup(s) into the running agent", yes, as_json)
+    if resume and rollback:
+        _fail(EXIT_USAGE, "give --resume or --rollback, not both", as_json)
+    mode = "resume" if resume else "rollback" if rollback else "start"
+    if mode == "start" and not directories:
+        _fail(EXIT_USAGE, "give the full backup DIR, then its incrementals in order", as_json)
+    if mode == "rollback" and directories:
+        _fail(EXIT_USAGE, "--rollback takes no DIR (it drops what the restore placed)", as_json)
+    what = {"start": f"restore {len(directories)} backup(s) into the running agent",
+            "resume": "start the interrupted restore over",
+            "rollback": "drop every chunk the interrupted restore placed"}[mode]  # fmt: skip
+    _confirm(what, yes, as_json)
+    fields: dict[str, Any] = {"dirs": [os.path.abspath(d) for d in directories] or None}
+    if mode != "start":
+        fields["mode"] = mode
     emit(
-        admin_call(
-            config_path,
-            as_json,
-            "restore",
-            progress="restore",
-            dirs=[os.path.abspath(d) for d in directories],
-        ),
+        admin_call(config_path, as_json, "restore", progress="restore", **fields),
         as_json,
-        show_done("restore"),
+        show_done("restore" if mode == "start" else f"restore {mode}"),
     )
 
 

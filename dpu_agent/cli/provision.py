@@ -122,7 +122,7 @@ def provision_cmd(
     report: dict[str, Any] = {"ok": True, "manifest": manifest}
     with tempfile.TemporaryDirectory(prefix="dpukv-bfcfg-") as tmp:
         path = write_cfg or Path(tmp) / "bf.cfg"
-        path.write_text(text)
+        pv.write_bf_cfg(path, text, secret=bool(manifest["holds_secrets"]))
         report["bf_cfg"] = str(path) if write_cfg else None
         if bfb is not None and rshim is not None:
             try:

@@ -17,7 +17,7 @@ import numpy as np
 
 from dpu_agent.blockdev import BlockDevice, BlockDeviceError
 from dpu_agent.engine.errors import JournalUnavailable
-from dpu_agent.engine.journal import Journal, JournalError
+from dpu_agent.engine.journal import Journal, JournalError, JournalLost
 from dpu_agent.log import get_logger
 from dpu_agent.metrics import REGISTRY, Counter, Gauge
 
@@ -46,6 +46,12 @@ class CommitLog:
         self.journal = Journal(journal_dir)
         self.seq = 1
         self.fence: JournalError | None = None
+        # the live segment lost what was appended (journal.lost()): a checkpoint from memory
+        # must land before the fence lifts; a probe alone would not bring the records back
+        self.rewrite_due = False
+        # the live segment's header (its tenant frames) was not written: write it when the
+        # fence lifts, before anything else is appended there
+        self.header_due = False
 
     def next_seq(self) -> int:
         seq = self.seq
@@ -77,15 +83,43 @@ class CommitLog:
         self.fence = e
 
     def try_lift_fence(self) -> None:
-        """Probe the journal (cut back, write, fsync, cut back); lift the fence if it works."""
+        """Probe the journal (cut back, write, fsync, cut back); lift the fence if it works.
+        A lost segment keeps its fence until the checkpoint that replaces it lands."""
+        if self.rewrite_due:
+            return
         try:
             self.journal.probe()
         except JournalError as e:
             self.fence = e
             return
-        log.warning("engine.journal_writable", was=str(self.fence))
+        self.lift_fence()
+
+    def lift_fence(self) -> None:
+        if self.fence is not None:
+            log.warning("engine.journal_writable", was=str(self.fence))
         self.fence = None
         _FENCED.set(0)
+
+    def check_lost(self) -> bool:
+        """True when the live segment was truncated, deleted or replaced underneath the agent
+        and a rewrite is due (writes fenced until then)."""
+        if not self.rewrite_due:
+            why = self.journal.lost()
+            if why is not None:
+                log.error("engine.journal_lost", error=why)
+                self.set_fence(JournalError(f"{why}; rewriting it from memory"))
+                self.rewrite_due = True
+        return self.rewrite_due
+
+    def save_tenant_ids(self, names: dict[int, str], *, soft: bool) -> None:
+        """Write tenant-ids.json; a failure raises JournalUnavailable, or with `soft` is
+        logged (the WAL and the checkpoint still name every tenant)."""
+        try:
+            self.journal.save_tenant_ids(names)
+        except JournalError as e:
+            if not soft:
+                raise self.unavailable(e) from e
+            log.warning("engine.tenant_ids_not_written", error=str(e))
 
     # --- appends -----------------------------------------------------------------------------
 
@@ -96,7 +130,7 @@ class CommitLog:
         try:
             self.journal.append(body)
         except JournalError as e:
-            self.set_fence(e)
+            self._failed(e)
             raise self.unavailable(e) from e
 
     def append_soft(self, body: bytes) -> None:
@@ -108,7 +142,14 @@ class CommitLog:
         try:
             self.journal.append(body)
         except JournalError as e:
-            self.set_fence(e)
+            self._failed(e)
+
+    def _failed(self, e: JournalError) -> None:
+        if isinstance(e, JournalLost) and not self.rewrite_due:
+            log.error("engine.journal_lost", error=str(e))
+            e = JournalError(f"{e}; rewriting it from memory")
+            self.rewrite_due = True
+        self.set_fence(e)
 
     # --- disk I/O, without the engine lock ---------------------------------------------------
 

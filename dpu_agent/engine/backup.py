@@ -11,6 +11,12 @@ A backup directory holds:
 
 Chunks keep their LBAs, so the ciphertext is restored byte for byte and decrypts with the same
 key file; an incremental holds records whose sequence number is above the previous backup's.
+
+A restore writes `restore.json` in the data dir (fsynced) before it changes anything and
+removes it after its checkpoint: a restore killed half-way leaves the marker, which the engine
+reports at start (`stats()["restore_interrupted"]`), and which `restore(mode="resume")` (start
+over from the marker's backups: what the restore had placed is dropped first) or
+`mode="rollback"` (drop every record: the engine held none when the restore began) clears.
 """
 
 from __future__ import annotations
@@ -37,13 +43,23 @@ from kvproto.checksum import chunk_checksum
 if TYPE_CHECKING:
     from dpu_agent.engine.engine import Engine
 
-__all__ = ["BACKUP_FORMAT", "backup", "backup_tenants", "restore"]
+__all__ = [
+    "BACKUP_FORMAT",
+    "RESTORE_MODES",
+    "backup",
+    "backup_tenants",
+    "check_no_interrupted_restore",
+    "interrupted_restore",
+    "restore",
+]
 
 log = get_logger(__name__)
 
 BACKUP_FORMAT = 1
 MANIFEST = "manifest.json"
 STATE_FILE = "backup_state.json"  # in data_dir: the last backup this engine took
+RESTORE_MARKER = "restore.json"  # in data_dir while a restore runs (or was interrupted)
+RESTORE_MODES = ("start", "resume", "rollback")
 COPY_BYTES_MAX = 8 << 20  # read/write buffer for copying chunk blocks
 
 
@@ -65,6 +81,32 @@ def _write_json(path: Path, doc: dict[str, Any]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def interrupted_restore(data_dir: Path) -> dict[str, Any] | None:
+    """The marker of a restore that did not finish (killed, failed), or None. A marker that
+    cannot be read still says a restore was interrupted (without its backups)."""
+    path = data_dir / RESTORE_MARKER
+    try:
+        doc = json.loads(path.read_text())
+        dirs = doc.get("dirs") if isinstance(doc, dict) else None
+        if not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs):
+            raise ValueError("not a restore marker")
+        return doc
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        log.error("engine.restore_marker_unreadable", path=str(path), error=str(e))
+        return {"dirs": [], "error": f"{path} unreadable: {e}"}
 
 
 def _save_arrays(path: Path, arrays: dict[str, Any]) -> None:
@@ -211,9 +253,67 @@ def backup_tenants(dirs: list[Path]) -> list[str]:
     return sorted({name for m in read_manifests(dirs) for name in m["tenants"].values()})
 
 
-def restore(engine: Engine, dirs: list[Path]) -> dict[str, Any]:
+def check_no_interrupted_restore(data_dir: Path) -> None:
+    """EngineError naming the way out when an interrupted restore's marker is there."""
+    marker = interrupted_restore(data_dir)
+    if marker is not None:
+        raise EngineError(
+            f"a restore of {marker['dirs']} was interrupted; finish it first: dpuctl backup "
+            "restore --resume (start it over) or --rollback (drop what it placed)"
+        )
+
+
+def restore(engine: Engine, dirs: list[Path], mode: str = "start") -> dict[str, Any]:
     """Apply a full backup and then each incremental, in order, to a fresh engine (one that
-    holds no chunk: a restore never merges into a cache in use)."""
+    holds no chunk: a restore never merges into a cache in use). `mode` "resume" starts an
+    interrupted restore over from its marker's backups (`dirs` empty, or the same), "rollback"
+    drops what it placed; both remove the marker when done."""
+    if mode not in RESTORE_MODES:
+        raise EngineError(f"restore mode {mode!r}: give one of {', '.join(RESTORE_MODES)}")
+    if mode == "start":
+        check_no_interrupted_restore(engine.config.data_dir)
+        return _restore(engine, dirs)
+    marker = interrupted_restore(engine.config.data_dir)
+    if marker is None:
+        raise EngineError(f"no interrupted restore to {mode} (no {RESTORE_MARKER} in the data dir)")
+    if mode == "rollback":
+        dropped = _drop_everything(engine)
+        engine.checkpoint()
+        _remove_marker(engine)
+        log.warning("engine.restore_rolled_back", records_dropped=dropped)
+        return {"rolled_back": True, "records_dropped": dropped}
+    recorded = [Path(d) for d in marker["dirs"]]
+    if not recorded:
+        raise EngineError(f"{RESTORE_MARKER} names no backups ({marker.get('error')}); roll back")
+    if dirs and [d.absolute() for d in dirs] != recorded:
+        raise EngineError(f"the interrupted restore was of {marker['dirs']}; resume those")
+    read_manifests(recorded)  # the backups are still there, before anything is dropped
+    dropped = _drop_everything(engine)
+    result = _restore(engine, recorded, resuming=True)
+    return {**result, "resumed": True, "records_dropped": dropped}
+
+
+def _drop_everything(engine: Engine) -> int:
+    """Drop every record (journaled): what an interrupted restore placed, in an engine that
+    held nothing when it began."""
+    with engine._lock:
+        engine._check_open()
+        engine._commit.check_writable()
+        cols = engine._index.cols
+        rows = engine._index.live_rows().tolist()
+        for row in rows:
+            ts = engine._tenants.by_id(int(cols["tenant"][row]))
+            engine._records.drop(ts, row)
+    return len(rows)
+
+
+def _remove_marker(engine: Engine) -> None:
+    path = engine.config.data_dir / RESTORE_MARKER
+    path.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def _restore(engine: Engine, dirs: list[Path], *, resuming: bool = False) -> dict[str, Any]:
     if not dirs:
         raise EngineError("restore needs at least one backup directory (a full backup first)")
     manifests = read_manifests(dirs)
@@ -232,6 +332,15 @@ def restore(engine: Engine, dirs: list[Path]) -> dict[str, Any]:
                 f"{d} does not follow the backup before it (it follows {m['prev_id']}, not "
                 f"{before['backup_id']}); give the backups of one chain, oldest first"
             )
+    if not resuming:  # before anything changes: a kill from here on is reported at start
+        _write_json(
+            engine.config.data_dir / RESTORE_MARKER,
+            {
+                "dirs": [str(d.absolute()) for d in dirs],
+                "backup_ids": [m["backup_id"] for m in manifests],
+                "started_unix": time.time(),
+            },
+        )
     restored = deleted = 0
     for d, m in zip(dirs, manifests, strict=True):
         for name in m["tenants"].values():
@@ -247,6 +356,7 @@ def restore(engine: Engine, dirs: list[Path]) -> dict[str, Any]:
             "backup_id": manifests[-1]["backup_id"],
         }
         _write_json(_state_path(engine), state)
+    _remove_marker(engine)
     log.info("engine.restored", backups=len(dirs), records=restored, deleted=deleted)
     return {"backups": len(dirs), "records": restored, "deleted": deleted}
 

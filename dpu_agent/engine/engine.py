@@ -29,6 +29,7 @@ writes until a probe in tick() passes, and reads go on.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -143,10 +144,20 @@ class Engine:
         except BaseException:
             self._commit.journal.close()  # a failed start must not keep the directory locked
             raise
+        self.restore_interrupted = backup_mod.interrupted_restore(config.data_dir)
+        if self.restore_interrupted is not None:
+            log.error("engine.restore_interrupted", **self.restore_interrupted,
+                      fix="dpuctl backup restore --resume, or --rollback")  # fmt: skip
+        # agents older than the file, or a start after damage: the ids as recovered
+        self._commit.save_tenant_ids(self._tenants.names_by_id(), soft=True)
         r = self.recovery_report
         if r.torn_segments or r.damaged_frames or r.checkpoints_damaged or r.dropped_records:
-            # a verified checkpoint of what survived, now: a later crash replays from it
-            self.checkpoint()
+            # a verified checkpoint of what survived, now: a later crash replays from it. On a
+            # full disk it cannot land: start anyway (reads are served, writes fenced)
+            try:
+                self.checkpoint()
+            except JournalUnavailable as e:
+                log.error("engine.start_checkpoint_failed", error=str(e))
 
     # --- tenants ---------------------------------------------------------------------------
 
@@ -167,6 +178,9 @@ class Engine:
             if len(self._tenants) >= TENANTS_MAX:
                 raise LimitExceeded(f"{TENANTS_MAX} tenants exist; remove one first")
             tid = self._tenants.free_id()
+            self._commit.check_writable()
+            # the id's name on disk outside the WAL first: a damaged tenant frame costs nothing
+            self._commit.save_tenant_ids({**self._tenants.names_by_id(), tid: tenant}, soft=False)
             self._commit.append(jr.pack_tenant(tid, self._commit.next_seq(), tenant))
             self._tenants.build(tenant, tid, quota_bytes)
             log.info("engine.tenant_added", tenant=tenant, quota_bytes=quota_bytes)
@@ -198,6 +212,7 @@ class Engine:
             self._leases.forget_tenant(tid)
             self._reads.forget_tenant(tid)
             self._tenants.forget(ts)
+            self._commit.save_tenant_ids(self._tenants.names_by_id(), soft=True)
         key_destroyed = self._tenants.erase(tenant)
         log.info("engine.tenant_removed", tenant=tenant, records=len(rows),
                  key_destroyed=key_destroyed)  # fmt: skip
@@ -464,8 +479,10 @@ class Engine:
                 "journal_segment": self._commit.journal.segment,
                 "journal_segment_bytes": self._commit.journal.segment_bytes,
                 "journal_fenced": "" if fence is None else str(fence),
+                "journal_full": fence is not None and fence.errno == errno.ENOSPC,
                 "seq": self._commit.seq,
                 "recovery": dataclasses.asdict(self.recovery_report),
+                "restore_interrupted": self.restore_interrupted,
             }
 
     def chunks(self, tenant: str, *, limit: int, after: bytes = b"") -> list[dict[str, Any]]:
@@ -501,14 +518,19 @@ class Engine:
             self._check_open()
             now = self._clock()
             reservations, leases = self._leases.expire(now)
+            rewrite = self._commit.check_lost()
             if self._commit.fence is not None:
                 self._commit.try_lift_fence()
+                if self._commit.fence is None and self._commit.header_due:
+                    recovery.segment_header(self._commit, self._tenants)
             synced = now - self._last_sync >= self.config.fsync_interval_s
             if synced:
                 self._last_sync = now
             due = self._commit.journal.segment_bytes >= self.config.checkpoint_wal_bytes
             due = due and self._commit.fence is None
             self._update_gauges()
+        if rewrite:
+            self._rewrite_journal()
         if synced:
             self._sync()  # outside the lock: lookups go on while the disk flushes
         demoted = self._mover.background_demote() if self._commit.fence is None else 0
@@ -575,11 +597,45 @@ class Engine:
                 "segment": meta["segment"],
             }
 
+    def _rewrite_journal(self) -> None:
+        """The live segment lost what was appended to it: checkpoint the index from memory
+        (a new segment starts with it) with writes still fenced, then lift the fence. A
+        failure keeps the fence; the next tick tries again."""
+        with self._checkpoint_lock:
+            with self._lock:
+                self._check_open()
+                fence, self._commit.fence = self._commit.fence, None  # the new segment's header
+                try:
+                    columns, meta = recovery.snapshot(
+                        self._index, self._commit, self._tenants, self._wall()
+                    )
+                except JournalError as e:
+                    self._commit.set_fence(e)
+                    return
+                finally:
+                    self._commit.fence = self._commit.fence or fence
+                devices = self._tenants.nvme_devices()
+            try:
+                self._commit.write_checkpoint(devices, columns, meta)
+            except JournalError as e:
+                with self._lock:
+                    self._commit.set_fence(e)
+                return
+            with self._lock:
+                self._commit.rewrite_due = False
+                self._commit.lift_fence()
+            log.warning("engine.journal_rewritten", records=len(columns["k0"]),
+                        segment=meta["segment"])  # fmt: skip
+
     def close(self) -> None:
         """Demote DRAM chunks to NVMe where room allows, checkpoint, close devices."""
         with self._lock:
             if self._closed:
                 return
+            rewrite = self._commit.check_lost()
+        if rewrite:
+            self._rewrite_journal()
+        with self._lock:
             if self._commit.fence is not None:
                 self._commit.try_lift_fence()
             try:
@@ -613,6 +669,10 @@ class Engine:
         moved, left = persisted["moved"], persisted["left"]
         return {**result, "dram_persisted": moved, "dram_only_chunks": left}
 
-    def restore(self, backup_dirs: Sequence[str | Path]) -> dict[str, Any]:
-        """Load a full backup then its incrementals (oldest first) into this fresh engine."""
-        return backup_mod.restore(self, [Path(d) for d in backup_dirs])
+    def restore(self, backup_dirs: Sequence[str | Path], mode: str = "start") -> dict[str, Any]:
+        """Load a full backup then its incrementals (oldest first) into this fresh engine;
+        `mode` "resume" or "rollback" finishes an interrupted one (engine/backup.py)."""
+        try:
+            return backup_mod.restore(self, [Path(d) for d in backup_dirs], mode)
+        finally:
+            self.restore_interrupted = backup_mod.interrupted_restore(self.config.data_dir)

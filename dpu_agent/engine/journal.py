@@ -17,6 +17,16 @@ Files in the journal directory:
   its checksum is renamed `*.damaged` and the previous one (and the WAL after it) is used;
   without a good one the index is rebuilt from the WAL segments that are left. Every segment
   starts with the tenant (and quarantine) records, so the WAL alone names every tenant.
+- `tenant-ids.json`: tenant id -> name, with its own checksum, replaced atomically whenever a
+  tenant is added or removed. A record names its tenant by id; the id's name is in a WAL frame,
+  in the checkpoint and here, so losing one of them (a flipped bit in the tenant frame, the
+  live segment truncated) costs no record. Recovery uses the WAL and the checkpoint first and
+  this file for an id neither names.
+
+A live segment truncated or deleted underneath the agent no longer holds what was acknowledged:
+every append checks first (JournalLost, nothing written) and every tick checks too (`lost()`,
+also a segment replaced by another file); the engine fences writes, writes a checkpoint from
+memory (which starts a new segment), then lifts the fence.
 
 Durability: appends go to the page cache with one `write()` each, so a `kill -9` of the agent
 loses nothing that was appended. `sync()` (called by the engine every `fsync_interval_s` and at
@@ -53,6 +63,7 @@ __all__ = [
     "OP_UNQUARANTINE",
     "Journal",
     "JournalError",
+    "JournalLost",
     "Recovered",
 ]
 
@@ -110,6 +121,7 @@ DAMAGED_SUFFIX = ".damaged"
 PROBE_FRAMES = 64
 CHECKPOINT_MAGIC = b"DPUKVCK1"
 LOCK_NAME = "LOCK"
+TENANT_IDS_NAME = "tenant-ids.json"
 # Columns of the record index a checkpoint keeps, plus the parent's key.
 CHECKPOINT_COLUMNS = (
     "k0",
@@ -136,6 +148,11 @@ class JournalError(Exception):
         self.errno = errno
 
 
+class JournalLost(JournalError):
+    """The live segment no longer holds what was appended to it (truncated, deleted or
+    replaced underneath the agent): the engine must rewrite it from memory (a checkpoint)."""
+
+
 @dataclass(slots=True)
 class Recovered:
     """What load() found: the checkpoint's columns and everything the WAL adds after it."""
@@ -154,6 +171,7 @@ class Recovered:
     checkpoint_used: str = "none"  # "current", "previous" or "none" (rebuilt from the WAL)
     checkpoints_damaged: int = 0  # checkpoint files that failed their checksum (kept *.damaged)
     removed_tenants: dict[int, int] = field(default_factory=dict)  # tenant id -> seq of removal
+    tenant_ids: dict[int, str] = field(default_factory=dict)  # tenant-ids.json (may be empty)
 
 
 def pack_commit(
@@ -239,7 +257,7 @@ class Journal:
         """Start appending to a new segment file (after load, or at a checkpoint)."""
         path = self._segment_path(segment)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as e:
             raise JournalError(f"cannot open journal segment {path}: {e.strerror}", e.errno) from e
         try:
@@ -264,10 +282,20 @@ class Journal:
 
     def append(self, body: bytes) -> None:
         """One frame, or JournalError with the segment cut back to its last whole frame (so
-        nothing half-written is ever followed by more frames)."""
+        nothing half-written is ever followed by more frames). JournalLost, before anything
+        is written, when the segment lost what was appended to it (truncated or deleted
+        underneath the agent: one fstat, about a microsecond). Frames are written at their own
+        offset (not O_APPEND), so a truncation racing an append leaves a hole of zero frames
+        (skipped at replay) and never misaligns the frames after it."""
         data = frame(body)
         try:
-            written = os.write(self._fd, data)
+            st = os.fstat(self._fd)
+        except OSError as e:
+            raise JournalError(f"journal segment {self.segment}: {e.strerror}", e.errno) from e
+        if st.st_nlink == 0 or st.st_size < self.segment_bytes:
+            raise JournalLost(self._lost_why(st))
+        try:
+            written = os.pwrite(self._fd, data, self.segment_bytes)
         except OSError as e:
             self._cut_back()
             raise JournalError(
@@ -289,12 +317,15 @@ class Journal:
 
     def probe(self) -> None:
         """Check the journal takes appends again: cut any partial frame off, write
-        PROBE_FRAMES frames' worth of zeros, fsync, cut them off again. JournalError if not."""
+        PROBE_FRAMES frames' worth of zeros, fsync, cut them off again. JournalError if not.
+        A segment that could not be opened (a full disk at start) is opened first."""
+        if self._fd < 0:
+            self.open_segment(self.segment)
         fd = self._fd
         try:
             os.ftruncate(fd, self.segment_bytes)
             zeros = bytes(PROBE_FRAMES * FRAME_BYTES)
-            written = os.write(fd, zeros)
+            written = os.pwrite(fd, zeros, self.segment_bytes)
             os.ftruncate(fd, self.segment_bytes)
             os.fsync(fd)
         except OSError as e:
@@ -303,6 +334,31 @@ class Journal:
             raise JournalError(f"journal segment {self.segment}: {e.strerror}", e.errno) from e
         if written != len(zeros):
             raise JournalError(f"journal segment {self.segment}: disk still full", errno.ENOSPC)
+
+    def lost(self) -> str | None:
+        """Why the live segment no longer holds what was appended to it (truncated, deleted
+        or replaced underneath the agent), or None while it does. Two stat calls."""
+        with self._fd_lock:
+            if self._fd < 0:
+                return None
+            st = os.fstat(self._fd)
+        path = self._segment_path(self.segment)
+        if st.st_nlink == 0 or st.st_size < self.segment_bytes:
+            return self._lost_why(st)
+        try:
+            on_disk = os.stat(path)
+        except OSError:
+            return f"journal segment {path} is gone"
+        if (on_disk.st_ino, on_disk.st_dev) != (st.st_ino, st.st_dev):
+            return f"journal segment {path} was replaced by another file"
+        return None
+
+    def _lost_why(self, st: os.stat_result) -> str:
+        path = self._segment_path(self.segment)
+        if st.st_nlink == 0:
+            return f"journal segment {path} was deleted"
+        return (f"journal segment {path} was truncated to {st.st_size} bytes (the agent "
+                f"wrote {self.segment_bytes})")  # fmt: skip
 
     def sync(self) -> None:
         """fsync the segment (group commit). Safe to call without the engine lock."""
@@ -369,12 +425,49 @@ class Journal:
                     self._segment_path(seg).unlink()
         return size
 
+    # --- the tenant id file ---
+
+    def save_tenant_ids(self, names: dict[int, str]) -> None:
+        """Replace tenant-ids.json (temp file 0600, fsync, rename, directory fsync)."""
+        body = {str(tid): name for tid, name in sorted(names.items())}
+        text = json.dumps({"tenants": body, "check": _ids_check(body)}, indent=1) + "\n"
+        tmp = self.dir / (TENANT_IDS_NAME + ".tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.dir / TENANT_IDS_NAME)
+            _fsync_dir(self.dir)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise JournalError(f"{self.dir / TENANT_IDS_NAME} not written: {e.strerror}",
+                               e.errno) from e  # fmt: skip
+
+    def _load_tenant_ids(self) -> dict[int, str]:
+        """tenant-ids.json, or {} (missing; damaged: logged, the WAL and checkpoint still
+        name the tenants)."""
+        path = self.dir / TENANT_IDS_NAME
+        try:
+            doc = json.loads(path.read_text())
+            body = doc["tenants"]
+            if not isinstance(body, dict) or doc.get("check") != _ids_check(body):
+                raise ValueError("checksum mismatch")
+            return {int(tid): str(name) for tid, name in body.items()}
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            log.error("journal.tenant_ids_damaged", path=str(path), error=str(e))
+            return {}
+
     # --- recovery ---
 
     def load(self) -> Recovered:
         """The newest checkpoint that verifies (else none) and every later WAL segment, bad
         frames skipped and counted. Damaged checkpoints are renamed `*.damaged`."""
-        rec = Recovered()
+        rec = Recovered(tenant_ids=self._load_tenant_ids())
         first_segment = min(self._segments(), default=0)
         for name, used in ((CHECKPOINT_NAME, "current"), (CHECKPOINT_PREV_NAME, "previous")):
             path = self.dir / name
@@ -463,6 +556,10 @@ class Journal:
 
     def _segment_path(self, segment: int) -> Path:
         return self.dir / f"wal-{segment:010d}.log"
+
+
+def _ids_check(body: dict[str, str]) -> str:
+    return xxhash.xxh3_64_hexdigest(json.dumps(body, sort_keys=True).encode())
 
 
 def _apply_other(body: bytes, rec: Recovered) -> None:

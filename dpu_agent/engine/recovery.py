@@ -30,6 +30,7 @@ from dpu_agent.engine.journal import (
 from dpu_agent.engine.tiers import NVME
 from dpu_agent.log import get_logger
 from dpu_agent.metrics import REGISTRY, Gauge
+from kvproto.control import valid_tenant_name
 
 BITMAP_BITS = 22  # 512 KiB prefilter for "does the WAL touch this checkpoint key"
 
@@ -74,6 +75,7 @@ def recover(
     rec = commit.journal.load()
     t1 = time.perf_counter()
     fields = _merge(rec)
+    _name_orphans(rec, fields)
     dropped = [0]
     for tid, name in sorted(rec.tenants.items()):
         gens = np.unique(fields["generation"][fields["tenant"] == tid])
@@ -99,7 +101,10 @@ def recover(
     _cold_lists(tenants, index, rows)
     t3 = time.perf_counter()
     commit.seq = rec.next_seq
-    commit.journal.open_segment(commit.journal.segment)
+    try:
+        commit.journal.open_segment(commit.journal.segment)
+    except JournalError as e:  # a full disk: start anyway, writes fenced; a probe reopens it
+        commit.set_fence(e)
     segment_header(commit, tenants)
     report = RecoveryReport(
         records=len(rows),
@@ -133,12 +138,15 @@ def recover(
 
 def segment_header(commit: CommitLog, tenants: Tenants) -> None:
     """Tenant and NVMe quarantine records at the start of each segment, so the WAL alone
-    names every tenant when no checkpoint verifies. A failing append fences the engine."""
+    names every tenant when no checkpoint verifies. A failing append fences the engine; the
+    header is then written when the fence lifts (`header_due`)."""
+    commit.header_due = True
     for ts in tenants.by_ids():
         commit.append_soft(pack_tenant(ts.tenant_id, commit.next_seq(), ts.name))
         for lba, n in sorted(ts.tiers[NVME].quarantined.items()):
             seq = commit.next_seq()
             commit.append_soft(pack_extent(OP_QUARANTINE, ts.tenant_id, seq, NVME, lba, n))
+    commit.header_due = commit.fence is not None
 
 
 def _cold_lists(tenants: Tenants, index: RecordIndex, rows: np.ndarray) -> None:
@@ -235,11 +243,26 @@ def _untouched(
     return keep
 
 
+def _name_orphans(rec: Recovered, fields: dict[str, np.ndarray]) -> None:
+    """Records of a tenant id that no surviving WAL frame or checkpoint names (its tenant
+    frame was damaged or lost with a truncated segment) take the name tenant-ids.json gives
+    that id, unless another id already has that name."""
+    taken = set(rec.tenants.values())
+    for tid in np.unique(fields["tenant"]).tolist():
+        name = rec.tenant_ids.get(tid)
+        if tid in rec.tenants or name is None or name in taken or not valid_tenant_name(name):
+            continue
+        rec.tenants[tid] = name
+        taken.add(name)
+        log.warning("engine.tenant_named_by_id_file", tenant=name, tenant_id=tid,
+                    records=int((fields["tenant"] == tid).sum()))  # fmt: skip
+
+
 def _drop_out_of_range(
     tenants: Tenants, fields: dict[str, np.ndarray], dropped: list[int]
 ) -> dict[str, np.ndarray]:
-    """Records outside their tenant's device (it shrank), or of a tenant no surviving record
-    names (a damaged checkpoint), are dropped and counted."""
+    """Records outside their tenant's device (it shrank), or of a tenant id that nothing left
+    names (no WAL frame, checkpoint or tenant-ids.json entry), are dropped and counted."""
     keep = np.ones(len(fields["k0"]), dtype=bool)
     for tid in np.unique(fields["tenant"]).tolist():
         mine = fields["tenant"] == tid

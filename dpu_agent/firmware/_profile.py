@@ -19,6 +19,7 @@ from typing import Any
 __all__ = [
     "ACTIVATIONS",
     "PROFILE_DIRS",
+    "PROFILE_NAME_RE",
     "Param",
     "Profile",
     "ProfileError",
@@ -33,6 +34,9 @@ PROFILE_BYTES_MAX = 1 << 16  # a profile is a few dozen lines
 PROFILE_PARAMS_MAX = 128  # DPF's DPUFlavor allows 32 per device; both ports doubled, and room
 EXTENDS_DEPTH_MAX = 4  # profile -> base -> ...; deeper is a mistake (or a cycle)
 _PORT_RE = re.compile(r"^(?P<base>.+)_P(?P<port>[12])$")
+# A profile's name becomes a file name (firmware_profiles/NAME.toml) and a word of the root-run
+# first-boot unit: letters, digits, '_', '.', '-', starting with a letter or digit.
+PROFILE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _SCHEMA_PATH = Path(__file__).with_name("schema.toml")
 # Where `--profile NAME` is looked up: $DPUKV_FIRMWARE_PROFILES, the source tree, the installed
 # copy (provisioning puts the profiles there).
@@ -210,8 +214,14 @@ def _load(
         raise ProfileError(f"{path}: 1 to {PROFILE_PARAMS_MAX} parameters, not {len(params)}")
     if not isinstance(device_types, list) or not all(isinstance(t, str) for t in device_types):
         raise ProfileError(f"{path}: [profile] device_types must be a list like ['BlueField3']")
+    name = head.get("name", path.stem)
+    if not isinstance(name, str) or not PROFILE_NAME_RE.fullmatch(name):
+        raise ProfileError(
+            f"{path}: [profile] name = {name!r}: 1 to 64 letters, digits, '_', '.', '-' "
+            "(starting with a letter or digit)"
+        )
     return Profile(
-        name=str(head.get("name", path.stem)),
+        name=name,
         description=str(head.get("description", "")),
         device_types=tuple(device_types),
         source=str(path),

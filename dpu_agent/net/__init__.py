@@ -28,8 +28,10 @@ from dpu_agent.net._desired import (
     NetConfigError,
     NetDesired,
     RouteSpec,
+    check_netns,
     load_net,
     parse_net,
+    valid_ifname,
 )
 
 if TYPE_CHECKING:  # the real imports, for type checkers
@@ -86,6 +88,7 @@ __all__ = [
     "RouteSpec",
     "app_argv",
     "apply",
+    "check_netns",
     "ecn_knobs",
     "ets_argv",
     "load_net",
@@ -104,4 +107,5 @@ __all__ = [
     "run_plan",
     "run_status",
     "show_argv",
+    "valid_ifname",
 ]

@@ -41,8 +41,10 @@ __all__ = [
     "NetConfigError",
     "NetDesired",
     "RouteSpec",
+    "check_netns",
     "load_net",
     "parse_net",
+    "valid_ifname",
 ]
 
 SYSFS_NET = Path("/sys/class/net")  # where the driver's qos/ and ecn/ knobs live
@@ -53,7 +55,12 @@ CONFIG_BYTES_MAX = 1 << 20
 MTU_MIN, MTU_MAX = 68, 9216  # IPv4 minimum; DPF uses 9216, the largest BlueField MTU
 PRIOS = 8  # 802.1p priorities / traffic classes
 TSA = ("strict", "cbs", "ets", "vendor")  # dcb ets tc-tsa keywords
-_IFNAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,15}$")  # IFNAMSIZ - 1
+IFNAME_BYTES_MAX = 15  # IFNAMSIZ - 1: the kernel's limit (dev_valid_name)
+NETNS_BYTES_MAX = 64  # ip netns names a file in /var/run/netns; 64 is ample for any scheme
+# Names go into netlink messages, dcb and tc argv and /var/run/netns paths: a strict set (what
+# the kernel's dev_valid_name allows, less anything a shell, a path or `ip` output reads
+# specially); "." and ".." are directory entries, not names.
+_NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 class NetConfigError(ValueError):
@@ -151,6 +158,37 @@ def _prios(value: Any, where: str) -> tuple[int, ...]:
     return out
 
 
+def valid_ifname(name: object) -> bool:
+    """What the kernel's dev_valid_name accepts (1..15 bytes, not "." or "..", no "/", ":" or
+    whitespace), restricted to letters, digits, "_", "." and "-"."""
+    return (
+        isinstance(name, str)
+        and 0 < len(name.encode()) <= IFNAME_BYTES_MAX
+        and name not in (".", "..")
+        and _NAME_RE.fullmatch(name) is not None
+    )
+
+
+def check_netns(name: object, where: str) -> str:
+    """A network namespace name ("" = this one); NetConfigError unless it is a plain file name
+    under /var/run/netns."""
+    if name == "":
+        return ""
+    ok = (
+        isinstance(name, str)
+        and len(name.encode()) <= NETNS_BYTES_MAX
+        and name not in (".", "..")
+        and _NAME_RE.fullmatch(name) is not None
+    )
+    if not ok:
+        raise NetConfigError(
+            f"{where} = {name!r}: a network namespace name of 1..{NETNS_BYTES_MAX} letters, "
+            "digits, '_', '.', '-' (not '.' or '..'), as `ip netns list` shows it"
+        )
+    assert isinstance(name, str)
+    return name
+
+
 def parse_net(section: Any, source: str = "[net]") -> NetDesired:
     net = _keys(section, {"netns", "interfaces"}, f"{source}: [net]")
     items = net.get("interfaces", [])
@@ -160,9 +198,7 @@ def parse_net(section: Any, source: str = "[net]") -> NetDesired:
     names = [s.name for s in specs] + [s.l3_name for s in specs if s.vlan]
     if len(set(names)) != len(names):
         raise NetConfigError(f"{source}: an interface is listed twice ({names})")
-    netns = net.get("netns", "")
-    if not isinstance(netns, str):
-        raise NetConfigError(f"{source}: [net] netns must be a string")
+    netns = check_netns(net.get("netns", ""), f"{source}: [net] netns")
     return NetDesired(interfaces=specs, netns=netns)
 
 
@@ -171,8 +207,12 @@ def _interface(table: Any, where: str) -> InterfaceSpec:
                "trust", "dscp_prio", "ets", "ecn"}  # fmt: skip
     t = _keys(table, allowed, where)
     name = t.get("name")
-    if not isinstance(name, str) or not _IFNAME_RE.match(name):
-        raise NetConfigError(f"{where}: name = {name!r}: an interface name of 1..15 characters")
+    if not valid_ifname(name):
+        raise NetConfigError(
+            f"{where}: name = {name!r}: an interface name of 1..{IFNAME_BYTES_MAX} characters: "
+            "letters, digits, '_', '.', '-' (not '.' or '..'; no '/', ':' or whitespace)"
+        )
+    assert isinstance(name, str)
     where = f"{where} ({name})"
     vlan = _int(t.get("vlan", 0), 0, 4094, f"{where} vlan")
     if vlan and len(f"{name}.{vlan}") > 15:

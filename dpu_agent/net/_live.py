@@ -14,7 +14,7 @@ from typing import Any
 from pyroute2 import IPRoute
 
 from dpu_agent.net._dcb import DcbState, read_dcb
-from dpu_agent.net._desired import PRIOS, SYSFS_NET, NetDesired
+from dpu_agent.net._desired import PRIOS, SYSFS_NET, NetDesired, check_netns
 
 __all__ = ["SYSFS_NET", "LinkState", "NetLive", "ecn_knobs", "open_ipr", "read_live"]
 
@@ -45,6 +45,7 @@ class NetLive:
 
 @contextlib.contextmanager
 def open_ipr(netns: str = "") -> Iterator[IPRoute]:
+    netns = check_netns(netns, "netns")  # pyroute2 opens /var/run/netns/<name>
     ipr = IPRoute(netns=netns) if netns else IPRoute()
     try:
         yield ipr

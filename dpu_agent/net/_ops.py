@@ -10,7 +10,7 @@ from typing import Any
 
 from pyroute2 import IPRoute
 
-from dpu_agent.net._desired import NetDesired, load_net
+from dpu_agent.net._desired import NetDesired, check_netns, load_net
 from dpu_agent.net._live import SYSFS_NET, open_ipr, read_live
 from dpu_agent.net._reconcile import apply, plan
 
@@ -27,7 +27,7 @@ class NetnsMissing(Exception):
 def net_session(config: str, netns: str | None) -> Iterator[tuple[NetDesired, IPRoute]]:
     desired = load_net(config)
     if netns is not None:
-        desired = dataclasses.replace(desired, netns=netns)
+        desired = dataclasses.replace(desired, netns=check_netns(netns, "--netns"))
     if desired.netns and not (NETNS_DIR / desired.netns).exists():
         raise NetnsMissing(f"no network namespace {desired.netns!r} (ip netns list)")
     with open_ipr(desired.netns) as ipr:

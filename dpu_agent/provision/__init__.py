@@ -17,6 +17,7 @@ from dpu_agent.provision._bfcfg import (
     ProvisionInputs,
     build_payload,
     render_bf_cfg,
+    write_bf_cfg,
 )
 from dpu_agent.provision._units import (
     AGENT_UNIT,
@@ -44,4 +45,5 @@ __all__ = [
     "render_bf_cfg",
     "run_bfb_install",
     "sysusers",
+    "write_bf_cfg",
 ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 import shlex
 import tarfile
 import time
@@ -28,10 +29,12 @@ __all__ = [
     "INSTALLER_KEYS",
     "MST_DEVICE",
     "PAYLOAD_BYTES_MAX",
+    "SECRET_KEYS",
     "ProvisionError",
     "ProvisionInputs",
     "build_payload",
     "render_bf_cfg",
+    "write_bf_cfg",
 ]
 
 # bf.cfg settings the BFB installer knows (BLUEFIELD.md); others are refused as typos
@@ -40,6 +43,9 @@ INSTALLER_KEYS = frozenset({
     "ERASE_PARTITIONS", "BMC_USER", "BMC_PASSWORD", "UPDATE_BMC_FW", "DUAL_BOOT",
     "ubuntu_PASSWORD",
 })  # fmt: skip
+# settings that are secrets: a bf.cfg holding one is written 0600
+SECRET_KEYS = frozenset({"BMC_PASSWORD", "ubuntu_PASSWORD"})
+SETTING_BYTES_MAX = 1024  # a password hash or a user name; bf.cfg is read into memory
 # A wheelhouse of the agent's dependencies is ~50 MiB; the installer reads bf.cfg into memory
 PAYLOAD_BYTES_MAX = 256 << 20
 _HOOK = Path(__file__).with_name("_hook.sh")
@@ -107,6 +113,12 @@ def _profiles(inputs: ProvisionInputs) -> tuple[dict[str, bytes], str, tuple[str
         raise ProvisionError(str(e)) from None
     files = {p.name: p.read_bytes() for d in PROFILE_DIRS if d.is_dir() for p in d.glob("*.toml")}
     files[f"{chosen.name}.toml"] = Path(chosen.source).read_bytes()
+    bad = [d for d in inputs.firmware_devices if not units.DEVICE_RE.fullmatch(d)]
+    if bad:
+        raise ProvisionError(
+            f"--firmware-device {bad}: an mst device (/dev/mst/NAME), a PCI address "
+            "([domain:]bus:dev.fn, e.g. 0000:03:00.0) or an RDMA device (mlx5_N)"
+        )
     devices = inputs.firmware_devices or next(
         (MST_DEVICE[t] for t in chosen.device_types if t in MST_DEVICE), ("03:00.0", "03:00.1")
     )
@@ -134,7 +146,10 @@ def build_payload(inputs: ProvisionInputs) -> tuple[bytes, dict[str, Any]]:
             _add(tar, f"etc/dpukv/firmware_profiles/{name}", data)
         _add(tar, f"systemd/{units.AGENT_UNIT}", units.agent_unit().encode())
         if profile or "net" in doc:
-            text = units.firstboot_unit(profile, devices, with_net="net" in doc)
+            try:
+                text = units.firstboot_unit(profile, devices, with_net="net" in doc)
+            except units.UnitValueError as e:
+                raise ProvisionError(str(e)) from None
             _add(tar, f"systemd/{units.FIRSTBOOT_UNIT}", text.encode())
         _add(tar, f"sysusers.d/{units.SYSUSERS}", units.sysusers().encode())
     data = buf.getvalue()
@@ -158,6 +173,15 @@ def render_bf_cfg(inputs: ProvisionInputs) -> tuple[str, dict[str, Any]]:
     if unknown:
         raise ProvisionError(f"unknown bf.cfg settings {sorted(unknown)}; known: "
                              f"{', '.join(sorted(INSTALLER_KEYS))}")  # fmt: skip
+    for key, value in settings.items():  # shell-quoted below; a newline is never a value
+        if len(value.encode()) > SETTING_BYTES_MAX or any(
+            ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in value
+        ):
+            raise ProvisionError(
+                f"bf.cfg setting {key}: at most {SETTING_BYTES_MAX} bytes, no control "
+                "characters (a newline, a tab)"
+            )
+    manifest["holds_secrets"] = sorted(SECRET_KEYS & set(settings))
     lines = [
         f"# bf.cfg made by dpuctl provision (dpu-kvtier {__version__}).",
         "# Sourced by the BlueField BFB installer (bfb-install -c bf.cfg); check with bash -n.",
@@ -173,3 +197,13 @@ def render_bf_cfg(inputs: ProvisionInputs) -> tuple[str, dict[str, Any]]:
         "",
     ]
     return "\n".join(lines), manifest
+
+
+def write_bf_cfg(path: Path, text: str, *, secret: bool) -> None:
+    """Write bf.cfg: 0600 when it holds a secret (a password), else 0644; an existing file
+    gets the mode before the text goes in."""
+    mode = 0o600 if secret else 0o644
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, mode)
+        f.write(text)

@@ -8,19 +8,31 @@ to SPDK), only the address families and devices (RDMA verbs) it uses.
 `dpukv-firstboot.service` applies the firmware profile to each physical function and the [net]
 section once, as root (mlxconfig and netlink need it); exit 5 of `dpuctl firmware apply`
 (written, waits for a power cycle) counts as success.
+
+Units are data, not code: every value put into one (the profile name, device names, paths) is
+checked against a strict pattern here, whoever called, and written as one systemd word
+(`exec_arg`): double-quoted with C escapes where it is not plain, `%` and `$` doubled, control
+characters (a newline would start a new directive) refused.
 """
 
 from __future__ import annotations
 
+import re
+
+from dpu_agent.firmware._profile import PROFILE_NAME_RE
+
 __all__ = [
     "AGENT_UNIT",
     "CONFIG_DIR",
+    "DEVICE_RE",
     "FIRSTBOOT_FLAG",
     "FIRSTBOOT_UNIT",
     "PREFIX",
     "STATE_DIR",
     "SYSUSERS",
+    "UnitValueError",
     "agent_unit",
+    "exec_arg",
     "firstboot_unit",
     "sysusers",
 ]
@@ -36,12 +48,49 @@ SYSUSERS = "dpukv.conf"
 STOP_TIMEOUT_S = 300
 # Missed pings before systemd restarts the agent: its loop pings every WatchdogSec/2.
 WATCHDOG_S = 30
+UNIT_ARG_BYTES_MAX = 4096  # a path or a device name; PATH_MAX, far above any real one
+# What `mlxconfig -d` takes and a first-boot unit may name: an mst device, a PCI address
+# ([domain:]bus:device.function) or an RDMA device name.
+DEVICE_RE = re.compile(
+    r"/dev/mst/[A-Za-z0-9][A-Za-z0-9_.]{0,63}"
+    r"|(?:[0-9a-fA-F]{4}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]"
+    r"|mlx5_[0-9]{1,3}"
+)
+_PLAIN_ARG_RE = re.compile(r"[A-Za-z0-9_./:@+,=-]+")  # a word systemd reads back as written
+
+
+class UnitValueError(ValueError):
+    """A value cannot go into a unit; the message names it and what is allowed."""
+
+
+def exec_arg(value: str, *, command: bool = False) -> str:
+    """`value` as one word of a unit's command line, read back by systemd exactly: as is when
+    plain, else double-quoted with backslash escapes and `%` doubled (specifiers), `$` doubled
+    in arguments (environment expansion; systemd does not expand the command itself, and
+    refuses a command path holding a quote or a backslash: so do we). Control characters are
+    refused, not escaped."""
+    if not value or len(value.encode()) > UNIT_ARG_BYTES_MAX:
+        raise UnitValueError(f"{value[:64]!r}: 1 to {UNIT_ARG_BYTES_MAX} bytes")
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F for c in value):
+        raise UnitValueError(f"{value!r}: control characters (a newline, a tab) are refused")
+    if _PLAIN_ARG_RE.fullmatch(value):
+        return value
+    if command and ('"' in value or "\\" in value):
+        raise UnitValueError(f"{value!r}: systemd refuses a command path with a quote or '\\'")
+    quoted = value.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+    return '"' + (quoted if command else quoted.replace("$", "$$")) + '"'
+
+
+def _command(value: str, what: str) -> str:
+    if not value.startswith("/"):
+        raise UnitValueError(f"{what} {value!r}: an absolute path")
+    return exec_arg(value, command=True)
 
 
 def agent_unit(prefix: str = PREFIX, dpuctl: str = "") -> str:
     """The agent's unit; `dpuctl` names the executable where it is not PREFIX/venv/bin/dpuctl
     (an install from a clone: `dpuctl agent unit`)."""
-    dpuctl = dpuctl or f"{prefix}/venv/bin/dpuctl"
+    dpuctl = _command(dpuctl or f"{prefix}/venv/bin/dpuctl", "dpuctl")
     return f"""\
 [Unit]
 Description=dpu-kvtier context-memory agent (KV-cache tier on the BlueField DPU)
@@ -106,13 +155,22 @@ def firstboot_unit(
     """At least one of a firmware profile and a [net] section (else no first-boot unit)."""
     assert profile or with_net, "nothing to do at first boot"
     assert devices or not profile, "a profile needs the devices to apply it to"
-    dpuctl = f"{prefix}/venv/bin/dpuctl"
+    if profile and not PROFILE_NAME_RE.fullmatch(profile):
+        raise UnitValueError(f"firmware profile name {profile!r}: letters, digits, '_.-'")
+    bad = [d for d in devices if not DEVICE_RE.fullmatch(d)]
+    if bad:
+        raise UnitValueError(
+            f"firmware devices {bad}: an mst device (/dev/mst/NAME), a PCI address "
+            "([domain:]bus:dev.fn) or an RDMA device (mlx5_N)"
+        )
+    dpuctl = _command(f"{prefix}/venv/bin/dpuctl", "prefix")
     steps = ""
     if profile:  # the mst driver gives /dev/mst/* names; PCI addresses work without it
         steps += "ExecStartPre=-/usr/bin/mst start\n"
+        toml = exec_arg(f"{CONFIG_DIR}/firmware_profiles/{profile}.toml")
         for device in devices:
-            steps += (f"ExecStart={dpuctl} firmware apply --device {device} --profile "
-                      f"{CONFIG_DIR}/firmware_profiles/{profile}.toml\n")  # fmt: skip
+            steps += (f"ExecStart={dpuctl} firmware apply --device {exec_arg(device)} "
+                      f"--profile {toml}\n")  # fmt: skip
     if with_net:
         steps += f"ExecStart={dpuctl} net apply --config {CONFIG_DIR}/agent.toml\n"
     return f"""\
