@@ -38,6 +38,7 @@ from dpu_agent.control import (
     ControlServer,
     Session,
     TenantRegistry,
+    host_nqn_problem,
     plain,
 )
 from dpu_agent.control_tls import exposure_warning, server_context
@@ -52,8 +53,7 @@ from dpu_agent.nvmf import NvmeTcpTarget, Subsystem, TargetOptions, tenant_nqn
 from dpu_agent.nvmf._keys import HOST_KEYS_FILE, HostKeyIssuer, hello_keys
 from dpu_agent.sdnotify import Notifier
 from dpu_agent.spdk_mode import SpdkDevices, check_spdk, listener_for
-from kvproto.control import valid_tenant_name
-from kvproto.nvme import NQN_BYTES_MAX
+from kvproto.control import TENANTS_MAX, valid_tenant_name
 
 __all__ = ["Agent", "AgentProcess", "run_agent", "spawn_agent"]
 
@@ -450,7 +450,14 @@ class Agent:
                 return {"backup": plain(result)}
             if op == "restore":
                 dirs = [Path(d) for d in fields["dirs"]]
-                missing = [t for t in backup_tenants(dirs) if t not in self.cfg.tenants]
+                named = backup_tenants(dirs)
+                bad = [t for t in named if not (isinstance(t, str) and valid_tenant_name(t))]
+                if bad:  # a damaged or foreign manifest: nothing is added or restored
+                    raise ValueError(
+                        f"the backup names tenant {str(bad[0])[:80]!r}, not a tenant name "
+                        "([a-z0-9][a-z0-9-]{0,62}); the backup is damaged or not a dpukv one"
+                    )
+                missing = [t for t in named if t not in self.cfg.tenants]
                 if self.engine.stats()["records"]:  # before adding tenants (the engine checks too)
                     raise ValueError(
                         "restore needs an agent that holds no chunks; start a fresh agent on an "
@@ -468,9 +475,15 @@ class Agent:
 
     # --- tenants at run time ------------------------------------------------------------------
     def _tenant_add(self, name: str, token: str | None, quota_bytes: int = 0) -> dict[str, Any]:
-        assert valid_tenant_name(name), name
+        if not valid_tenant_name(name):  # `_admin` passes the wire check: it names the admin
+            raise ValueError(
+                f"{name[:80]!r} is not a tenant name: [a-z0-9][a-z0-9-]{{0,62}} (it goes into "
+                "NVMe NQNs and file names)"
+            )
         if name in self.cfg.tenants:
             raise ValueError(f"tenant {name!r} exists; remove it first or pick another name")
+        if len(self.cfg.tenants) >= TENANTS_MAX:  # before anything is created for it
+            raise ValueError(f"already {TENANTS_MAX} tenants (TENANTS_MAX); remove one first")
         if self.cfg.spdk_mode:  # its tiers are SPDK namespaces, connected at start
             raise ValueError(
                 f"SPDK mode: add tenant {name!r} to [tenants] and its [[spdk.subsystems]] in "
@@ -495,8 +508,8 @@ class Agent:
     def _host_add(self, tenant: str, nqn: str) -> dict[str, Any]:
         """`dpuctl hosts add`: allow host `nqn` on the tenant's subsystem with issued keys."""
         self._known(tenant)
-        if not nqn.startswith("nqn.") or len(nqn.encode()) > NQN_BYTES_MAX or " " in nqn:
-            raise ValueError(f"host NQN {nqn[:64]!r}: must start with 'nqn.', <= 223 bytes")
+        if problem := host_nqn_problem(nqn):
+            raise ValueError(problem)
         if self.target is None:
             raise ValueError("SPDK mode: hosts and their keys are [spdk]'s (keyring files)")
         self._allow_host(tenant, nqn)
