@@ -194,6 +194,7 @@ class Agent:
         if self._spdk_devices is not None:  # after the engine: its close demotes through them
             self._spdk_devices.close()
             self._spdk_devices = None
+        await asyncio.to_thread(self.host_keys.close)  # issued keys pending a batched write
         self._remove_state()
         log.info("agent_stopped")
 
@@ -420,7 +421,9 @@ class Agent:
                     fields["tenant"], fields.get("token"), fields.get("quota_bytes") or 0
                 )
             if op == "tenant_remove":
-                return self._tenant_remove(fields["tenant"])
+                removed = self._tenant_remove(fields["tenant"])
+                await asyncio.to_thread(self.host_keys.flush)  # its keys gone from the file
+                return removed
             if op == "chunks_list":
                 self._known(fields["tenant"])
                 limit = min(fields["limit"], CHUNKS_PAGE_MAX)
@@ -430,7 +433,9 @@ class Agent:
                 self._known(fields["tenant"])
                 return {"chunk": self.engine.chunk(fields["tenant"], fields["key"])}
             if op == "host_add":
-                return self._host_add(fields["tenant"], fields["nqn"])
+                host = self._host_add(fields["tenant"], fields["nqn"])
+                await asyncio.to_thread(self.host_keys.flush)  # the operator copies them now
+                return host
             if op == "evict":
                 self._known(fields["tenant"])
                 return {"evicted": plain(self.engine.evict(fields["tenant"], fields["bytes"]))}
@@ -515,7 +520,8 @@ class Agent:
         self._allow_host(tenant, nqn)
         keys = {}
         if self.host_keys.enabled:
-            keys = hello_keys(self.host_keys.issue(tenant, self._subsystems[tenant], nqn))
+            sub = self._subsystems[tenant]
+            keys = hello_keys(self.host_keys.issue(tenant, sub, nqn, operator=True))
         log.info("host_added", tenant=tenant, keys=sorted(keys))
         return {"tenant": tenant, "hostnqn": nqn, "subnqn": tenant_nqn(tenant), **keys}
 

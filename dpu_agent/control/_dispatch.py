@@ -385,7 +385,13 @@ class Dispatcher:
             s.hostnqn = hostnqn
         s.tenant, s.admin = tenant, admin
         s.tenant_epoch = self.registry.epoch(tenant)
-        info = {} if s.admin else self.backend.hello_info(tenant, hostnqn, s.local_host)
+        try:
+            info = {} if s.admin else self.backend.hello_info(tenant, hostnqn, s.local_host)
+        except Exception:  # refused (the host key budget): what bind_host allowed goes
+            if s.hostnqn:
+                self.backend.session_closed(s)
+            s.hostnqn, s.tenant, s.admin, s.tenant_epoch = "", "", False, 0
+            raise
         log.info("control_session", tenant=tenant, peer=s.peer, session=s.session_id)
         return {"version": PROTOCOL_VERSION, "session": s.session_id, "tenant": tenant, **info}
 
