@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import ssl
 from collections.abc import Callable
@@ -70,6 +71,10 @@ HELLO_DEADLINE_S = 10.0  # a client says hello in its first round trip; 10 s on 
 # A TLS handshake is two round trips and ~1 ms of crypto; 5 s leaves room on a loaded 2-core
 # box and keeps a stalled handshake's buffers (~50 KiB) for at most that long.
 TLS_HANDSHAKE_DEADLINE_S = 5.0
+# When a stranger pool that held at least this many drains, the allocator is asked to give
+# the freed memory back to the OS (glibc keeps it otherwise: 256 strangers with TLS engines
+# are ~16 MiB); fewer is not worth a trim.
+STRANGERS_TRIM_PEAK = 64
 # The Unix socket (0600: the agent's own user) has its own slots, so no TCP flood can lock the
 # operator out; dpuctl uses one at a time, 64 leaves room for scripts.
 UNIX_CONNECTIONS_MAX = 64
@@ -80,6 +85,22 @@ REQUESTS_PER_TURN_MAX = 64
 # bigger frames span reads (the decoder gathers them). Reading into it spares the 256 KiB bytes
 # object asyncio allocates for every data_received read; TLS records (16 KiB) fit it.
 RECV_BUFFER_BYTES = 16 << 10
+# A stranger's read buffer until its hello: a hello frame is ~200 bytes and a ClientHello
+# ~0.5 KiB (TLS records span reads), so 256 strangers hold 1 MiB of buffers, not 4.
+STRANGER_RECV_BUFFER_BYTES = 2 << 10
+
+
+def _libc_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None where there is none (musl, macOS)."""
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return cast(Callable[[int], int], trim)
+
+
+_MALLOC_TRIM = _libc_malloc_trim()
 
 
 class ControlServer:
@@ -119,6 +140,8 @@ class ControlServer:
         self._unauthenticated_at: dict[str, dict[_Connection, None]] = {}
         self._per_tenant: dict[str, int] = {}  # authenticated TCP connections per tenant
         self._per_address: dict[str, int] = {}  # ... per peer address
+        self._stranger_peak = 0  # the most strangers since the pool last drained
+        self._trim: asyncio.TimerHandle | None = None
         self.unix_connections: set[_Connection] = set()
         self.tcp_address: tuple[str, int] | None = None
 
@@ -157,6 +180,9 @@ class ControlServer:
         return ended
 
     async def stop(self) -> None:
+        if self._trim is not None:
+            self._trim.cancel()
+            self._trim = None
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -186,6 +212,7 @@ class ControlServer:
             self._evict_stranger(next(iter(self.unauthenticated)), "unauthenticated_evicted")
         self.unauthenticated[conn] = address
         mine[conn] = None
+        self._stranger_peak = max(self._stranger_peak, len(self.unauthenticated))
 
     def _evict_stranger(self, conn: _Connection, reason: str) -> None:
         self._forget_stranger(conn)
@@ -201,7 +228,17 @@ class ControlServer:
             mine.pop(conn, None)
             if not mine:
                 del self._unauthenticated_at[address]
+        if not self.unauthenticated and self._stranger_peak >= STRANGERS_TRIM_PEAK:
+            self._stranger_peak = 0
+            if self._trim is None and _MALLOC_TRIM is not None:  # after their buffers are freed
+                self._trim = asyncio.get_running_loop().call_later(1.0, self._give_back_memory)
         return True
+
+    def _give_back_memory(self) -> None:
+        """A flood of strangers is over: return what their buffers took (off the loop)."""
+        self._trim = None
+        if _MALLOC_TRIM is not None:
+            asyncio.get_running_loop().run_in_executor(None, _MALLOC_TRIM, 0)
 
     def _admission(self, s: Session, tenant: str) -> str | None:
         """Whether a session that just proved its token may keep a slot (None) or why not.
@@ -271,7 +308,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._server = server
         self._dispatcher = server.dispatcher
         self._decoder = FrameDecoder()
-        self._recv = memoryview(bytearray(RECV_BUFFER_BYTES))
+        self._recv = memoryview(bytearray(STRANGER_RECV_BUFFER_BYTES))  # full size at hello
         self._transport: asyncio.Transport | None = None
         self._session: Session | None = None
         self._pending: asyncio.Future[Reply] | None = None
@@ -310,12 +347,11 @@ class _Connection(asyncio.BufferedProtocol):
         srv.connections.add(self)
         if self._unix:
             srv.unix_connections.add(self)
+            self._recv = memoryview(bytearray(RECV_BUFFER_BYTES))
         else:
             srv._stranger(self, address)
             self._deadline = loop.call_later(HELLO_DEADLINE_S, self._hello_deadline)
-            if srv._ssl is not None:
-                self._tls_in, self._tls_out = ssl.MemoryBIO(), ssl.MemoryBIO()
-                self._tls = srv._ssl.wrap_bio(self._tls_in, self._tls_out, server_side=True)
+            if srv._ssl is not None:  # the TLS engine itself comes with the first byte
                 self._tls_deadline = loop.call_later(TLS_HANDSHAKE_DEADLINE_S,
                                                      self._handshake_deadline)  # fmt: skip
         m.CONNECTIONS.inc()
@@ -399,8 +435,11 @@ class _Connection(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         self._last_active = asyncio.get_running_loop().time()
         if self._tls is None:
-            self.data_received(self._recv[:nbytes])
-            return
+            if self._server._ssl is None or self._unix:
+                self.data_received(self._recv[:nbytes])
+                return
+            self._tls_in, self._tls_out = ssl.MemoryBIO(), ssl.MemoryBIO()
+            self._tls = self._server._ssl.wrap_bio(self._tls_in, self._tls_out, server_side=True)
         assert self._tls_in is not None
         self._tls_in.write(self._recv[:nbytes])
         self._tls_received()
@@ -427,7 +466,7 @@ class _Connection(asyncio.BufferedProtocol):
         while self._tls is not None and not t.is_closing():
             try:
                 # with a buffer, read() returns the count (typeshed says bytes)
-                n = cast(int, tls.read(RECV_BUFFER_BYTES, self._recv))
+                n = cast(int, tls.read(len(self._recv), self._recv))
             except ssl.SSLWantReadError:
                 break
             except ssl.SSLZeroReturnError:  # close_notify: the client is done
@@ -484,6 +523,8 @@ class _Connection(asyncio.BufferedProtocol):
             reply = self._dispatcher.handle(s, msg)
             if s.state is SessionState.READY and not self._unix:
                 self._server._authenticated(self, s)
+                if len(self._recv) < RECV_BUFFER_BYTES:  # read into it next: free meanwhile
+                    self._recv = memoryview(bytearray(RECV_BUFFER_BYTES))
                 if self._deadline is not None:
                     self._deadline.cancel()
                     self._deadline = None
