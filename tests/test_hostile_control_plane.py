@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from test_control_tls import _cert
 
-from dpu_agent.control._dispatch import HELLO_FAILURES_PER_ADDRESS_MAX
+from dpu_agent.control._dispatch import HELLO_FAILURES_PER_ADDRESS_MAX, HelloFailures
 from dpu_agent.control._server import TLS_HANDSHAKE_DEADLINE_S
 from host_shim.client import AgentUnreachable, ControlChannel, ControlError, KVClient
 from host_shim.nvme import NvmeTcpController
@@ -513,3 +513,16 @@ def test_token_guesses_are_rate_limited_per_address(tmp_path: Path) -> None:
         legit.check()
         legit.assert_fast()
         assert a.alive()
+
+
+def test_failed_hellos_refill_and_count_an_ipv6_host_by_its_64() -> None:
+    now = [0.0]
+    failures = HelloFailures(clock=lambda: now[0])
+    for i in range(HELLO_FAILURES_PER_ADDRESS_MAX):  # one host, many addresses of its /64
+        assert not failures.blocked(f"2001:db8::{i + 1:x}")
+        failures.failed(f"2001:db8::{i + 1:x}")
+    assert failures.blocked("2001:db8::ffff")
+    assert not failures.blocked("2001:db8:0:1::1") and not failures.blocked("10.0.0.1")
+    assert not failures.blocked("")  # the Unix socket is never limited
+    now[0] = 1.0 / HELLO_FAILURES_PER_ADDRESS_MAX  # one try comes back
+    assert not failures.blocked("2001:db8::1")

@@ -11,6 +11,7 @@ to the server's `fatal` hook (the agent exits; the journal has every acknowledge
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import itertools
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -171,6 +172,17 @@ def _prune(table: dict[int, Any], limit: int, what: str) -> None:
         )
 
 
+def _principal(address: str) -> str:
+    """Whose failures an address's count: IPv4 by address, IPv6 by its /64 (one host is given
+    a whole /64 and picks addresses in it at will)."""
+    if ":" not in address:
+        return address
+    try:
+        return str(ipaddress.IPv6Network(f"{address}/64", strict=False))
+    except ValueError:
+        return address
+
+
 class HelloFailures:
     """Failed hellos per address: a token bucket of HELLO_FAILURES_PER_ADDRESS_MAX, refilled at
     that many per second. An address with an empty bucket gets its hello refused unchecked."""
@@ -188,11 +200,12 @@ class HelloFailures:
         return min(float(HELLO_FAILURES_PER_ADDRESS_MAX), tokens + refill)
 
     def blocked(self, address: str) -> bool:
-        return bool(address) and self._tokens(address) < 1.0
+        return bool(address) and self._tokens(_principal(address)) < 1.0
 
     def failed(self, address: str) -> None:
         if not address:  # the Unix socket: the agent's own user
             return
+        address = _principal(address)
         tokens = self._tokens(address) - 1.0
         self._buckets.pop(address, None)  # re-inserted last: the dict is oldest-first
         self._buckets[address] = (tokens, self._clock())
