@@ -26,13 +26,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from test_control_server import read_frame
 from test_control_tls import _cert
 
 from dpu_agent.control._dispatch import HELLO_FAILURES_PER_ADDRESS_MAX, HelloFailures
 from dpu_agent.control._server import TLS_HANDSHAKE_DEADLINE_S
 from host_shim.client import AgentUnreachable, ControlChannel, ControlError, KVClient
 from host_shim.nvme import NvmeTcpController
-from kvproto.control import ADMIN_TENANT
+from kvproto.control import ADMIN_TENANT, PROTOCOL_VERSION, encode_request
 from kvproto.keys import ChunkLayout, chunk_keys
 
 LAYOUT = ChunkLayout("test-model", "float16", 2, 2, 64, chunk_tokens=16)
@@ -416,6 +417,29 @@ def test_strangers_of_one_address_never_lock_out_a_newcomer_of_it(tmp_path: Path
         finally:
             for s in idle:
                 s.close()
+        assert a.alive()
+
+
+def test_a_silent_stranger_goes_before_a_client_mid_hello(tmp_path: Path) -> None:
+    """At an address's share the stranger closed is the oldest that sent nothing: a client
+    half-way through its hello survives a burst of silent sockets from its own address."""
+    with agent(tmp_path) as a:
+        hello = encode_request(1, "hello", version=PROTOCOL_VERSION, tenant="default",
+                               token=a.token)  # fmt: skip
+        with open_from("127.0.0.1", a.port) as s:
+            s.sendall(hello[:10])  # the client has spoken ...
+            time.sleep(0.2)
+            silent = [open_from("127.0.0.1", a.port) for _ in range(40)]  # ... then a burst
+            try:
+                time.sleep(0.2)
+                s.sendall(hello[10:])
+                s.settimeout(5)
+                reply = read_frame(s)
+                assert reply["ok"] is True and reply["result"]["tenant"] == "default"
+                assert sum(closed_by_peer(x, 0.2) for x in silent) == 40 - 31  # 31 kept + it
+            finally:
+                for x in silent:
+                    x.close()
         assert a.alive()
 
 

@@ -25,9 +25,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import itertools
 import os
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import cast
 
@@ -71,6 +72,9 @@ HELLO_DEADLINE_S = 10.0  # a client says hello in its first round trip; 10 s on 
 # A TLS handshake is two round trips and ~1 ms of crypto; 5 s leaves room on a loaded 2-core
 # box and keeps a stalled handshake's buffers (~50 KiB) for at most that long.
 TLS_HANDSHAKE_DEADLINE_S = 5.0
+# Strangers looked at for a silent one to close before the oldest (the per-address share): a
+# bounded scan per new connection, even under a flood.
+STRANGER_EVICTION_SCAN_MAX = UNAUTHENTICATED_PER_ADDRESS_MAX
 # When a stranger pool that held at least this many drains, the allocator is asked to give
 # the freed memory back to the OS (glibc keeps it otherwise: 256 strangers with TLS engines
 # are ~16 MiB); fewer is not worth a trim.
@@ -202,14 +206,16 @@ class ControlServer:
 
     # --- connection budgets -----------------------------------------------------------------
     def _stranger(self, conn: _Connection, address: str) -> None:
-        """A new TCP connection joins the unauthenticated pool, making room first: the oldest
-        stranger of its address at that address's share, else the oldest of all when the pool
-        is full. A flood must outpace every new client's first round trip to keep one out."""
+        """A new TCP connection joins the unauthenticated pool, making room first: a stranger of
+        its address at that address's share, else one of all when the pool is full; the oldest
+        that has sent nothing, else the oldest (_victim). A flood must outpace every new
+        client's first round trip to keep one out, and silent sockets go before a client
+        that is mid-handshake or mid-hello."""
         mine = self._unauthenticated_at.setdefault(address, {})
         if len(mine) >= UNAUTHENTICATED_PER_ADDRESS_MAX:
-            self._evict_stranger(next(iter(mine)), "per_address_evicted")
+            self._evict_stranger(_victim(mine), "per_address_evicted")
         elif len(self.unauthenticated) >= UNAUTHENTICATED_MAX:
-            self._evict_stranger(next(iter(self.unauthenticated)), "unauthenticated_evicted")
+            self._evict_stranger(_victim(self.unauthenticated), "unauthenticated_evicted")
         self.unauthenticated[conn] = address
         mine[conn] = None
         self._stranger_peak = max(self._stranger_peak, len(self.unauthenticated))
@@ -291,6 +297,16 @@ class ControlServer:
                 conn.abort()
 
 
+def _victim(strangers: Mapping[_Connection, object]) -> _Connection:
+    """The stranger to close for a newcomer: among the oldest STRANGER_EVICTION_SCAN_MAX, the
+    first that has sent nothing; else the oldest."""
+    oldest = next(iter(strangers))
+    for conn in itertools.islice(strangers, STRANGER_EVICTION_SCAN_MAX):
+        if not conn.spoke:
+            return conn
+    return oldest
+
+
 def _decrement(counts: dict[str, int], key: str) -> None:
     n = counts.get(key, 0) - 1
     if n > 0:
@@ -322,6 +338,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._tls_out: ssl.MemoryBIO | None = None
         self._handshaken = False
         self._last_active = 0.0  # loop time of the last bytes received
+        self.spoke = False  # any bytes received (a stranger mid-handshake or mid-hello)
         self.peer = "?"
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -434,6 +451,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self._last_active = asyncio.get_running_loop().time()
+        self.spoke = True
         if self._tls is None:
             if self._server._ssl is None or self._unix:
                 self.data_received(self._recv[:nbytes])
