@@ -520,8 +520,9 @@ class Agent:
         self._allow_host(tenant, nqn)
         keys = {}
         if self.host_keys.enabled:
-            sub = self._subsystems[tenant]
-            keys = hello_keys(self.host_keys.issue(tenant, sub, nqn, operator=True))
+            keys = hello_keys(
+                self.host_keys.issue(tenant, self._subsystems[tenant], nqn, any_address=True)
+            )
         log.info("host_added", tenant=tenant, keys=sorted(keys))
         return {"tenant": tenant, "hostnqn": nqn, "subnqn": tenant_nqn(tenant), **keys}
 

@@ -31,6 +31,8 @@ from test_control_tls import _cert
 
 from dpu_agent.control._dispatch import HELLO_FAILURES_PER_ADDRESS_MAX, HelloFailures
 from dpu_agent.control._server import TLS_HANDSHAKE_DEADLINE_S
+from dpu_agent.nvmf import Subsystem
+from dpu_agent.nvmf import _keys as nvmf_keys
 from host_shim.client import AgentUnreachable, ControlChannel, ControlError, KVClient
 from host_shim.nvme import NvmeTcpController
 from kvproto.control import ADMIN_TENANT, PROTOCOL_VERSION, encode_request
@@ -550,3 +552,34 @@ def test_failed_hellos_refill_and_count_an_ipv6_host_by_its_64() -> None:
     assert not failures.blocked("")  # the Unix socket is never limited
     now[0] = 1.0 / HELLO_FAILURES_PER_ADDRESS_MAX  # one try comes back
     assert not failures.blocked("2001:db8::1")
+
+
+def test_key_budget_makes_room_only_from_keys_nobody_uses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The issuer alone: an unbound hello key makes room; a bound or operator's key never."""
+    monkeypatch.setattr(nvmf_keys, "HOST_KEYS_PER_TENANT_MAX", 4)
+    path = tmp_path / "host_keys.json"
+    issuer = nvmf_keys.HostKeyIssuer(path, dhchap=True, psk=False)
+    sub = Subsystem(nqn="nqn.2026-11.io.dpu-kvtier:tenant:t")
+    other = Subsystem(nqn="nqn.2026-11.io.dpu-kvtier:tenant:u")
+    hosts = [f"nqn.2014-08.org.nvmexpress:uuid:{uuid.uuid4()}" for _ in range(6)]
+    kept = issuer.issue("u", other, hosts[5])  # another tenant's key: its own budget
+    operator = issuer.issue("t", sub, hosts[0], any_address=True)
+    bound = [issuer.issue("t", sub, h) for h in hosts[1:3]]
+    for h in hosts[1:3]:
+        sub.host_peers[h] = frozenset({"127.0.0.1"})  # a live session binds them
+    issuer.issue("t", sub, hosts[3])  # unbound: the one that makes room
+    issuer.issue("t", sub, hosts[4])
+    assert hosts[3] not in sub.host_keys and hosts[4] in sub.host_keys
+    sub.host_peers[hosts[4]] = frozenset({"127.0.0.1"})
+    with pytest.raises(nvmf_keys.HostKeyBudgetExceeded, match="HOST_KEYS_PER_TENANT_MAX"):
+        issuer.issue("t", sub, f"nqn.2014-08.org.nvmexpress:uuid:{uuid.uuid4()}")
+    issuer.close()  # what is pending is written
+    again = nvmf_keys.HostKeyIssuer(path, dhchap=True, psk=False)
+    fresh = Subsystem(nqn=sub.nqn)
+    again.bind("t", fresh)
+    assert fresh.host_keys[hosts[0]] == operator and fresh.host_keys[hosts[1]] == bound[0]
+    assert fresh.allowed_hosts == {hosts[0]}  # the operator's, from any address, after restart
+    assert again.issue("u", Subsystem(nqn=other.nqn), hosts[5]) == kept
+    again.close()

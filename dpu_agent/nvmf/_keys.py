@@ -17,6 +17,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from dpu_agent.log import get_logger
 from dpu_agent.nvmf._auth import HostKeys, host_keys_from_dict, host_keys_to_dict
@@ -33,11 +34,11 @@ HOST_KEYS_FILE = "host_keys.json"
 # slot of the oldest key no live control session uses (that host gets a new key at its next
 # hello); when every key is in use or was added by the operator, the new host is refused.
 HOST_KEYS_PER_TENANT_MAX = 4096
+_ANY_ADDRESS = "any_address"  # in a host's entry: an operator added it (allowed after restarts)
 # Writes of the key file are batched: changes within this window go out in one write, in a
 # writer thread. Hello-issued keys need not be durable before the reply (a host gets its key
 # again at every hello); operator-added ones are (`flush()` before `dpuctl hosts add` answers).
 HOST_KEYS_WRITE_INTERVAL_S = 0.2
-_OPERATOR = "added_by_operator"  # marks an operator's host in the file; never evicted
 
 
 class HostKeyBudgetExceeded(ValueError):
@@ -54,7 +55,7 @@ class HostKeyIssuer:
         self._lock = threading.Lock()  # the maps below
         self._write_lock = threading.Lock()  # one writer of the file at a time
         self._keys: dict[str, dict[str, HostKeys]] = {}  # tenant -> host -> keys (oldest first)
-        self._docs: dict[str, dict[str, dict[str, str]]] = {}  # the same, as the file has them
+        self._docs: dict[str, dict[str, dict[str, Any]]] = {}  # the same, as the file has them
         self._version = 0  # changes made
         self._written = 0  # changes on disk
         self._wake = threading.Event()
@@ -71,17 +72,25 @@ class HostKeyIssuer:
         return self.dhchap or self.psk
 
     def bind(self, tenant: str, sub: Subsystem) -> None:
-        """Put the tenant's remembered keys (and hosts) on its subsystem (at start)."""
+        """Put the tenant's remembered keys on its subsystem (at start). Hosts an operator
+        added (`dpuctl hosts add`) are allowed again, from any address, as before the restart;
+        a host whose keys a hello issued is allowed nowhere until a live control session binds
+        it again (with that session's address): its NQN alone, from anywhere, is no
+        credential, and the shim says hello again when it reconnects."""
+        docs = self._docs.get(tenant, {})
         for host, keys in self._keys.get(tenant, {}).items():
             sub.host_keys[host] = keys
-            sub.allowed_hosts.add(host)
+            if docs.get(host, {}).get(_ANY_ADDRESS):
+                sub.allowed_hosts.add(host)
 
     def issue(
-        self, tenant: str, sub: Subsystem, hostnqn: str, *, operator: bool = False
+        self, tenant: str, sub: Subsystem, hostnqn: str, *, any_address: bool = False
     ) -> HostKeys:
         """The host's keys on this tenant's subsystem: the remembered ones, else new ones.
-        `operator`: added by `dpuctl hosts add` (never evicted). Raises HostKeyBudgetExceeded
-        when the tenant is at its budget and no key can make room."""
+        Who may connect is the caller's business (a session's binding, or the operator's
+        `hosts add`); `any_address`: an operator added it, so `bind` allows it again after a
+        restart, and it is never evicted. Raises HostKeyBudgetExceeded when the tenant is at
+        its budget and no key can make room."""
         with self._lock:
             hosts = self._keys.setdefault(tenant, {})
             docs = self._docs.setdefault(tenant, {})
@@ -96,25 +105,24 @@ class HostKeyIssuer:
                 )
                 hosts.pop(hostnqn, None)
                 hosts[hostnqn] = keys
-                doc = host_keys_to_dict(keys)
-                if operator or _OPERATOR in docs.pop(hostnqn, {}):
-                    doc[_OPERATOR] = "1"
+                doc: dict[str, Any] = host_keys_to_dict(keys)
+                if any_address or docs.pop(hostnqn, {}).get(_ANY_ADDRESS):
+                    doc[_ANY_ADDRESS] = True
                 docs[hostnqn] = doc
                 self._changed()
-            elif operator and _OPERATOR not in docs[hostnqn]:
-                docs[hostnqn] = {**docs[hostnqn], _OPERATOR: "1"}
+            elif any_address and not docs[hostnqn].get(_ANY_ADDRESS):
+                docs[hostnqn] = {**docs[hostnqn], _ANY_ADDRESS: True}
                 self._changed()
             else:  # seen again: the newest, so the last to make room
                 hosts[hostnqn] = hosts.pop(hostnqn)
             sub.host_keys[hostnqn] = keys
-            sub.allowed_hosts.add(hostnqn)
             return keys
 
     def _make_room(self, tenant: str, sub: Subsystem) -> None:
         """Drop the tenant's oldest key that no live session binds and no operator added."""
         hosts, docs = self._keys[tenant], self._docs[tenant]
         for host in hosts:
-            if host not in sub.host_peers and _OPERATOR not in docs.get(host, {}):
+            if host not in sub.host_peers and not docs.get(host, {}).get(_ANY_ADDRESS):
                 del hosts[host]
                 docs.pop(host, None)
                 sub.host_keys.pop(host, None)
