@@ -53,6 +53,7 @@ from dpu_agent.control import (
     ControlServer,
     Session,
     TenantRegistry,
+    host_nqn_problem,
     plain,
 )
 from dpu_agent.control_tls import exposure_warning, server_context
@@ -68,7 +69,6 @@ from dpu_agent.nvmf._keys import HOST_KEYS_FILE, HostKeyIssuer, hello_keys
 from dpu_agent.sdnotify import Notifier
 from dpu_agent.spdk_mode import SpdkDevices, check_spdk, listener_for
 from kvproto.control import TENANTS_MAX, valid_tenant_name
-from kvproto.nvme import NQN_BYTES_MAX
 
 __all__ = ["Agent", "AgentProcess", "run_agent", "spawn_agent"]
 
@@ -226,6 +226,7 @@ class Agent:
         if self._spdk_devices is not None:  # after the engine: its close demotes through them
             self._spdk_devices.close()
             self._spdk_devices = None
+        await asyncio.to_thread(self.host_keys.close)  # issued keys pending a batched write
         self._remove_state()
         log.info("agent_stopped")
 
@@ -500,7 +501,9 @@ class Agent:
                     fields["tenant"], fields.get("token"), fields.get("quota_bytes") or 0
                 )
             if op == "tenant_remove":
-                return self._tenant_remove(fields["tenant"])
+                removed = self._tenant_remove(fields["tenant"])
+                await asyncio.to_thread(self.host_keys.flush)  # its keys gone from the file
+                return removed
             if op == "chunks_list":
                 self._known(fields["tenant"])
                 limit = min(fields["limit"], CHUNKS_PAGE_MAX)
@@ -510,7 +513,9 @@ class Agent:
                 self._known(fields["tenant"])
                 return {"chunk": self.engine.chunk(fields["tenant"], fields["key"])}
             if op == "host_add":
-                return self._host_add(fields["tenant"], fields["nqn"])
+                host = self._host_add(fields["tenant"], fields["nqn"])
+                await asyncio.to_thread(self.host_keys.flush)  # the operator copies them now
+                return host
             if op == "evict":
                 self._known(fields["tenant"])
                 return {"evicted": plain(self.engine.evict(fields["tenant"], fields["bytes"]))}
@@ -536,7 +541,14 @@ class Agent:
             if op == "restore":
                 dirs = [Path(d) for d in fields.get("dirs") or []]
                 check_no_interrupted_restore(self.cfg.data_dir)  # before "holds chunks"
-                missing = [t for t in backup_tenants(dirs) if t not in self.cfg.tenants]
+                named = backup_tenants(dirs)
+                bad = [t for t in named if not (isinstance(t, str) and valid_tenant_name(t))]
+                if bad:  # a damaged or foreign manifest: nothing is added or restored
+                    raise ValueError(
+                        f"the backup names tenant {str(bad[0])[:80]!r}, not a tenant name "
+                        "([a-z0-9][a-z0-9-]{0,62}); the backup is damaged or not a dpukv one"
+                    )
+                missing = [t for t in named if t not in self.cfg.tenants]
                 if self.engine.stats()["records"]:  # before adding tenants (the engine checks too)
                     raise ValueError(
                         "restore needs an agent that holds no chunks; start a fresh agent on an "
@@ -567,9 +579,15 @@ class Agent:
         return {"tenant": name, "token": t.token, "token_file": str(self.cfg.path(t.token_file))}
 
     def _check_addable(self, name: str) -> None:
-        assert valid_tenant_name(name), name
+        if not valid_tenant_name(name):  # `_admin` passes the wire check: it names the admin
+            raise ValueError(
+                f"{name[:80]!r} is not a tenant name: [a-z0-9][a-z0-9-]{{0,62}} (it goes into "
+                "NVMe NQNs and file names)"
+            )
         if name in self.cfg.tenants:
             raise ValueError(f"tenant {name!r} exists; remove it first or pick another name")
+        if len(self.cfg.tenants) >= TENANTS_MAX:  # before anything is created for it
+            raise ValueError(f"already {TENANTS_MAX} tenants (TENANTS_MAX); remove one first")
         if self.cfg.spdk_mode:  # its tiers are SPDK namespaces, connected at start
             raise ValueError(
                 f"SPDK mode: add tenant {name!r} to [tenants] and its [[spdk.subsystems]] in "
@@ -610,8 +628,8 @@ class Agent:
     def _host_add(self, tenant: str, nqn: str) -> dict[str, Any]:
         """`dpuctl hosts add`: allow host `nqn` on the tenant's subsystem with issued keys."""
         self._known(tenant)
-        if not nqn.startswith("nqn.") or len(nqn.encode()) > NQN_BYTES_MAX or " " in nqn:
-            raise ValueError(f"host NQN {nqn[:64]!r}: must start with 'nqn.', <= 223 bytes")
+        if problem := host_nqn_problem(nqn):
+            raise ValueError(problem)
         if self.target is None:
             raise ValueError("SPDK mode: hosts and their keys are [spdk]'s (keyring files)")
         self._allow_host(tenant, nqn)

@@ -385,7 +385,15 @@ class KVClient:
         hostnqn: str | None = None,
         transport: str = "nvme-tcp",
     ) -> None:
-        assert 1 <= io_queues <= IO_QUEUES_MAX, io_queues
+        if (
+            isinstance(io_queues, bool)
+            or not isinstance(io_queues, int)
+            or not (1 <= io_queues <= IO_QUEUES_MAX)
+        ):  # from a config (LMCache's dpukv.io_queues): a clear error, not an assert
+            raise ValueError(
+                f"io_queues={io_queues!r}: give an integer from 1 to {IO_QUEUES_MAX} "
+                "(LMCache: extra_config dpukv.io_queues)"
+            )
         # "nixl": the agent moves chunks into/out of registered buffers (host_shim.transport);
         # "auto": NIXL when both sides have it, NVMe/TCP otherwise; the log says which
         self._xport = TransportSelector(transport, tenant)

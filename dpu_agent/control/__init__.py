@@ -5,7 +5,13 @@ scopes every request to its session's tenant, calls the engine and answers.
 """
 
 from dpu_agent.control._auth import TENANTS_MAX, TenantRegistry
-from dpu_agent.control._dispatch import ControlBackend, Dispatcher, Session, plain
+from dpu_agent.control._dispatch import (
+    ControlBackend,
+    Dispatcher,
+    Session,
+    host_nqn_problem,
+    plain,
+)
 from dpu_agent.control._metrics import LEASES_ACTIVE, RESERVATIONS_ACTIVE
 from dpu_agent.control._server import ControlServer
 
@@ -18,5 +24,6 @@ __all__ = [
     "Dispatcher",
     "Session",
     "TenantRegistry",
+    "host_nqn_problem",
     "plain",
 ]

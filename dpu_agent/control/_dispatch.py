@@ -11,6 +11,7 @@ to the server's `fatal` hook (the agent exits; the journal has every acknowledge
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import itertools
 import secrets
 import time
@@ -37,9 +38,10 @@ from kvproto.control import (
     next_session_state,
     parse_request,
 )
+from kvproto.nvme import NQN_BYTES_MAX
 from kvproto.peer_auth import NONCE_BYTES, server_proof, verify_proof
 
-__all__ = ["ControlBackend", "Dispatcher", "Session"]
+__all__ = ["ControlBackend", "Dispatcher", "Session", "host_nqn_problem"]
 
 log = get_logger("dpu_agent.control")
 refusals = RateLimitedLog(log)  # failed logins: a flood costs a few lines a second
@@ -49,6 +51,14 @@ refusals = RateLimitedLog(log)  # failed logins: a flood costs a few lines a sec
 SESSION_LEASES_MAX = 1 << 16
 SESSION_RESERVATIONS_MAX = 1 << 16
 HELLO_FAILURES_MAX = 3  # then the connection is closed: no token guessing on one connection
+# Failed hellos one address may make: a burst of this many, refilled at this many per second.
+# A client with a wrong token fails once and stops (a fleet restarting with a stale token file
+# makes a few each); 10/s caps a guesser at ~1/250 of what it reached before (2,467/s), and
+# the address is not blocked: it gets back one try per 100 ms.
+HELLO_FAILURES_PER_ADDRESS_MAX = 10
+# Addresses whose failures are remembered at once: a guesser spread over more addresses than
+# this forgets the oldest; 4096 x ~200 bytes is under 1 MiB.
+HELLO_FAILURE_ADDRESSES_MAX = 4096
 
 _ERROR_CODES: tuple[tuple[type[Exception], ErrorCode], ...] = (
     (engine_errors.JournalUnavailable, ErrorCode.UNAVAILABLE),  # `full` when the disk is full
@@ -140,6 +150,22 @@ def plain(value: Any) -> Any:
     return str(value)
 
 
+def host_nqn_problem(nqn: str) -> str | None:
+    """What is wrong with a host NQN from a client or an operator (None: nothing). It goes into
+    the allowlist, the host key file and NVMe Connect data, so printable ASCII only."""
+    if (
+        not nqn.startswith("nqn.")
+        or len(nqn.encode()) > NQN_BYTES_MAX
+        or not (nqn.isascii() and nqn.isprintable())
+        or " " in nqn
+    ):
+        return (
+            f"host NQN {nqn[:64]!r}: must start with 'nqn.', be printable ASCII without "
+            f"spaces, <= {NQN_BYTES_MAX} bytes"
+        )
+    return None
+
+
 def _prune(table: dict[int, Any], limit: int, what: str) -> None:
     """Forget expired entries; refuse when the session still holds `limit` of them."""
     if len(table) < limit:
@@ -153,12 +179,57 @@ def _prune(table: dict[int, Any], limit: int, what: str) -> None:
         )
 
 
+def _principal(address: str) -> str:
+    """Whose failures an address's count: IPv4 by address, IPv6 by its /64 (one host is given
+    a whole /64 and picks addresses in it at will)."""
+    if ":" not in address:
+        return address
+    try:
+        return str(ipaddress.IPv6Network(f"{address}/64", strict=False))
+    except ValueError:
+        return address
+
+
+class HelloFailures:
+    """Failed hellos per address: a token bucket of HELLO_FAILURES_PER_ADDRESS_MAX, refilled at
+    that many per second. An address with an empty bucket gets its hello refused unchecked."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # address -> (tokens, at)
+
+    def _tokens(self, address: str) -> float:
+        got = self._buckets.get(address)
+        if got is None:
+            return float(HELLO_FAILURES_PER_ADDRESS_MAX)
+        tokens, at = got
+        refill = (self._clock() - at) * HELLO_FAILURES_PER_ADDRESS_MAX
+        return min(float(HELLO_FAILURES_PER_ADDRESS_MAX), tokens + refill)
+
+    def blocked(self, address: str) -> bool:
+        return bool(address) and self._tokens(_principal(address)) < 1.0
+
+    def failed(self, address: str) -> None:
+        if not address:  # the Unix socket: the agent's own user
+            return
+        address = _principal(address)
+        tokens = self._tokens(address) - 1.0
+        self._buckets.pop(address, None)  # re-inserted last: the dict is oldest-first
+        self._buckets[address] = (tokens, self._clock())
+        while len(self._buckets) > HELLO_FAILURE_ADDRESSES_MAX:
+            del self._buckets[next(iter(self._buckets))]
+
+
 class Dispatcher:
     """Turns one parsed message of one session into one Reply."""
 
     def __init__(self, backend: ControlBackend, registry: TenantRegistry) -> None:
         self.backend = backend
         self.registry = registry
+        self.hello_failures = HelloFailures()
+        # The server's check that an authenticated session may have a connection slot (per
+        # tenant, per address, global); returns why not, or None.
+        self.admission: Callable[[Session, str], str | None] | None = None
         self._session_ids = itertools.count(1)
         self._sync: dict[str, Callable[[Session, Mapping[str, Any]], dict[str, Any]]] = {
             "lookup": self._lookup,
@@ -305,9 +376,17 @@ class Dispatcher:
                 ErrorCode.VERSION,
             )
         tenant = f["tenant"]
+        if self.hello_failures.blocked(s.peer_host):
+            s.state = SessionState.CLOSED
+            raise RemoteProtocolError(
+                f"too many failed hellos from {s.peer_host} (HELLO_FAILURES_PER_ADDRESS_MAX "
+                f"{HELLO_FAILURES_PER_ADDRESS_MAX}/s); check the token file and retry in a second",
+                ErrorCode.AUTH,
+            )
         if "peer_proof" in f:
             self._peer_hello(s, tenant, f)
         elif not self.registry.authenticate(tenant, f["token"]):
+            self.hello_failures.failed(s.peer_host)
             s.hello_failures += 1
             if s.hello_failures >= HELLO_FAILURES_MAX:
                 s.state = SessionState.CLOSED
@@ -319,13 +398,24 @@ class Dispatcher:
             )
         admin = tenant == ADMIN_TENANT
         hostnqn = f.get("hostnqn")
+        if hostnqn and (problem := host_nqn_problem(hostnqn)):
+            raise RemoteProtocolError(problem, ErrorCode.PROTOCOL)
+        if self.admission is not None and (full := self.admission(s, tenant)):
+            s.state = SessionState.CLOSED  # answered, then closed: its slot is someone else's
+            raise RemoteProtocolError(full, ErrorCode.FAILED)
         if not admin and hostnqn:
             s.tenant = tenant  # bind_host needs it; the state moves only if hello succeeds
             self.backend.bind_host(s, hostnqn)
             s.hostnqn = hostnqn
         s.tenant, s.admin = tenant, admin
         s.tenant_epoch = self.registry.epoch(tenant)
-        info = {} if s.admin else self.backend.hello_info(tenant, hostnqn, s.local_host)
+        try:
+            info = {} if s.admin else self.backend.hello_info(tenant, hostnqn, s.local_host)
+        except Exception:  # refused (the host key budget): what bind_host allowed goes
+            if s.hostnqn:
+                self.backend.session_closed(s)
+            s.hostnqn, s.tenant, s.admin, s.tenant_epoch = "", "", False, 0
+            raise
         log.info("control_session", tenant=tenant, peer=s.peer, session=s.session_id)
         return {"version": PROTOCOL_VERSION, "session": s.session_id, "tenant": tenant, **info}
 

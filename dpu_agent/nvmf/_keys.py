@@ -15,37 +15,57 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from pathlib import Path
+from typing import Any
 
+from dpu_agent.log import get_logger
 from dpu_agent.nvmf._auth import HostKeys, host_keys_from_dict, host_keys_to_dict
 from dpu_agent.nvmf._subsystem import Subsystem
 from kvproto.nvme import DhchapHash, DhchapSecret, TlsPsk
 
-__all__ = ["HOST_KEYS_FILE", "HOST_KEYS_PER_TENANT_MAX", "HostKeyIssuer"]
+__all__ = ["HOST_KEYS_FILE", "HOST_KEYS_PER_TENANT_MAX", "HostKeyBudgetExceeded", "HostKeyIssuer"]
+
+log = get_logger(__name__)
 
 HOST_KEYS_FILE = "host_keys.json"
-HOST_KEYS_PER_TENANT_MAX = 4096  # as HOSTS_PER_TENANT_MAX: a fleet of GPU servers per tenant
+# Keys one tenant holds (each tenant its own budget: no tenant's hosts touch another's). As
+# HOSTS_PER_TENANT_MAX: a fleet of GPU servers per tenant. At the budget, a new host takes the
+# slot of the oldest key no live control session uses (that host gets a new key at its next
+# hello); when every key is in use or was added by the operator, the new host is refused.
+HOST_KEYS_PER_TENANT_MAX = 4096
 _ANY_ADDRESS = "any_address"  # in a host's entry: an operator added it (allowed after restarts)
+# Writes of the key file are batched: changes within this window go out in one write, in a
+# writer thread. Hello-issued keys need not be durable before the reply (a host gets its key
+# again at every hello); operator-added ones are (`flush()` before `dpuctl hosts add` answers).
+HOST_KEYS_WRITE_INTERVAL_S = 0.2
+
+
+class HostKeyBudgetExceeded(ValueError):
+    """The tenant holds HOST_KEYS_PER_TENANT_MAX keys, all in use or added by the operator."""
 
 
 class HostKeyIssuer:
-    """Issues, remembers and binds keys per (tenant, host NQN)."""
+    """Issues, remembers and binds keys per (tenant, host NQN); writes the file off the caller's
+    thread, batched (`flush()` waits for it)."""
 
     def __init__(self, path: str | os.PathLike[str], *, dhchap: bool, psk: bool) -> None:
         self.path = Path(path)
         self.dhchap, self.psk = dhchap, psk
-        self._lock = threading.Lock()
-        self._keys: dict[str, dict[str, HostKeys]] = {}  # tenant -> host -> keys
-        # tenant -> hosts an operator added: allowed from any address, across restarts
-        self._any_address: dict[str, set[str]] = {}
+        self._lock = threading.Lock()  # the maps below
+        self._write_lock = threading.Lock()  # one writer of the file at a time
+        self._keys: dict[str, dict[str, HostKeys]] = {}  # tenant -> host -> keys (oldest first)
+        self._docs: dict[str, dict[str, dict[str, Any]]] = {}  # the same, as the file has them
+        self._version = 0  # changes made
+        self._written = 0  # changes on disk
+        self._wake = threading.Event()
+        self._closed = False
+        self._writer: threading.Thread | None = None
         if self.path.exists():
             raw = json.loads(self.path.read_text())
-            self._keys = {
-                t: {h: host_keys_from_dict(k) for h, k in hosts.items()} for t, hosts in raw.items()
-            }
-            self._any_address = {
-                t: {h for h, k in hosts.items() if k.get(_ANY_ADDRESS)} for t, hosts in raw.items()
-            }
+            for t, hosts in raw.items():
+                self._keys[t] = {h: host_keys_from_dict(k) for h, k in hosts.items()}
+                self._docs[t] = {h: dict(k) for h, k in hosts.items()}
 
     @property
     def enabled(self) -> bool:
@@ -57,9 +77,10 @@ class HostKeyIssuer:
         a host whose keys a hello issued is allowed nowhere until a live control session binds
         it again (with that session's address): its NQN alone, from anywhere, is no
         credential, and the shim says hello again when it reconnects."""
+        docs = self._docs.get(tenant, {})
         for host, keys in self._keys.get(tenant, {}).items():
             sub.host_keys[host] = keys
-            if host in self._any_address.get(tenant, ()):
+            if docs.get(host, {}).get(_ANY_ADDRESS):
                 sub.allowed_hosts.add(host)
 
     def issue(
@@ -68,51 +89,106 @@ class HostKeyIssuer:
         """The host's keys on this tenant's subsystem: the remembered ones, else new ones.
         Who may connect is the caller's business (a session's binding, or the operator's
         `hosts add`); `any_address`: an operator added it, so `bind` allows it again after a
-        restart."""
+        restart, and it is never evicted. Raises HostKeyBudgetExceeded when the tenant is at
+        its budget and no key can make room."""
         with self._lock:
             hosts = self._keys.setdefault(tenant, {})
+            docs = self._docs.setdefault(tenant, {})
             keys = hosts.get(hostnqn)
             wanted = (self.dhchap, self.psk)
-            operators = self._any_address.setdefault(tenant, set())
-            changed = any_address and hostnqn not in operators
             if keys is None or ((keys.dhchap_key is not None, keys.psk is not None) != wanted):
-                if len(hosts) >= HOST_KEYS_PER_TENANT_MAX and hostnqn not in hosts:
-                    oldest = next(iter(hosts))  # insertion order: the first issued goes
-                    del hosts[oldest]
-                    operators.discard(oldest)
-                    sub.host_keys.pop(oldest, None)
+                if hostnqn not in hosts and len(hosts) >= HOST_KEYS_PER_TENANT_MAX:
+                    self._make_room(tenant, sub)
                 keys = HostKeys(
                     dhchap_key=DhchapSecret.generate(DhchapHash.SHA256) if self.dhchap else None,
                     psk=TlsPsk.generate(DhchapHash.SHA256) if self.psk else None,
                 )
+                hosts.pop(hostnqn, None)
                 hosts[hostnqn] = keys
-                changed = True
-            if any_address:
-                operators.add(hostnqn)
-            if changed:
-                self._save()
+                doc: dict[str, Any] = host_keys_to_dict(keys)
+                if any_address or docs.pop(hostnqn, {}).get(_ANY_ADDRESS):
+                    doc[_ANY_ADDRESS] = True
+                docs[hostnqn] = doc
+                self._changed()
+            elif any_address and not docs[hostnqn].get(_ANY_ADDRESS):
+                docs[hostnqn] = {**docs[hostnqn], _ANY_ADDRESS: True}
+                self._changed()
+            else:  # seen again: the newest, so the last to make room
+                hosts[hostnqn] = hosts.pop(hostnqn)
             sub.host_keys[hostnqn] = keys
             return keys
 
+    def _make_room(self, tenant: str, sub: Subsystem) -> None:
+        """Drop the tenant's oldest key that no live session binds and no operator added."""
+        hosts, docs = self._keys[tenant], self._docs[tenant]
+        for host in hosts:
+            if host not in sub.host_peers and not docs.get(host, {}).get(_ANY_ADDRESS):
+                del hosts[host]
+                docs.pop(host, None)
+                sub.host_keys.pop(host, None)
+                sub.allowed_hosts.discard(host)
+                return
+        raise HostKeyBudgetExceeded(
+            f"tenant {tenant!r} holds {HOST_KEYS_PER_TENANT_MAX} host keys "
+            "(HOST_KEYS_PER_TENANT_MAX), each in use by a connected host or added by the "
+            "operator; close some clients first"
+        )
+
     def forget_tenant(self, tenant: str) -> None:
         with self._lock:
-            self._any_address.pop(tenant, None)
+            self._docs.pop(tenant, None)
             if self._keys.pop(tenant, None) is not None:
-                self._save()
+                self._changed()
 
-    def _marks(self, tenant: str, host: str) -> dict[str, bool]:
-        return {_ANY_ADDRESS: True} if host in self._any_address.get(tenant, ()) else {}
+    def _changed(self) -> None:
+        """A change to write (the caller holds _lock): the writer thread takes it."""
+        self._version += 1
+        if self._writer is None and not self._closed:
+            self._writer = threading.Thread(target=self._write_loop, name="host-keys-writer",
+                                            daemon=True)  # fmt: skip
+            self._writer.start()
+        self._wake.set()
 
-    def _save(self) -> None:
-        data = {
-            t: {h: {**host_keys_to_dict(k), **self._marks(t, h)} for h, k in hs.items()}
-            for t, hs in self._keys.items()
-        }
-        tmp = self.path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, self.path)
+    def _write_loop(self) -> None:
+        while not self._closed:
+            self._wake.wait()
+            self._wake.clear()
+            if self._closed:
+                return
+            try:
+                self.flush()
+            except OSError as e:  # the keys stay in memory; the next change retries
+                log.error("host_keys_write_failed", path=str(self.path), error=str(e))
+            time.sleep(HOST_KEYS_WRITE_INTERVAL_S)  # what comes meanwhile goes in the next write
+
+    def flush(self) -> None:
+        """Write every change made so far to the file (0600, fsync, rename); raises OSError."""
+        with self._write_lock:
+            with self._lock:
+                version = self._version
+                if version == self._written:
+                    return
+                snapshot = {t: dict(hs) for t, hs in self._docs.items()}  # shallow: fast
+            data = json.dumps(snapshot).encode()
+            tmp = self.path.with_suffix(".tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
+            with self._lock:
+                self._written = max(self._written, version)
+
+    def close(self) -> None:
+        """Write what is pending and stop the writer thread."""
+        self._closed = True
+        self._wake.set()
+        if self._writer is not None:
+            self._writer.join(5)
+            self._writer = None
+        self.flush()
 
 
 def hello_keys(keys: HostKeys) -> dict[str, str]:
