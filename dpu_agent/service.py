@@ -98,6 +98,15 @@ def crash(e: BaseException) -> None:
     os._exit(EXIT_BROKEN_INVARIANT)
 
 
+def check_tenant_name(name: str) -> None:
+    """A clear error for a name a client or a manifest gave (`_admin` passes the wire check)."""
+    if not valid_tenant_name(name):
+        raise ValueError(
+            f"{name[:80]!r} is not a tenant name: [a-z0-9][a-z0-9-]{{0,62}} (it goes into "
+            "NVMe NQNs and file names)"
+        )
+
+
 class Agent:
     """One agent. Implements dpu_agent.control.ControlBackend for the control server."""
 
@@ -579,11 +588,7 @@ class Agent:
         return {"tenant": name, "token": t.token, "token_file": str(self.cfg.path(t.token_file))}
 
     def _check_addable(self, name: str) -> None:
-        if not valid_tenant_name(name):  # `_admin` passes the wire check: it names the admin
-            raise ValueError(
-                f"{name[:80]!r} is not a tenant name: [a-z0-9][a-z0-9-]{{0,62}} (it goes into "
-                "NVMe NQNs and file names)"
-            )
+        check_tenant_name(name)
         if name in self.cfg.tenants:
             raise ValueError(f"tenant {name!r} exists; remove it first or pick another name")
         if len(self.cfg.tenants) >= TENANTS_MAX:  # before anything is created for it
@@ -769,6 +774,8 @@ class Agent:
         if name in self.cfg.tenants and name not in self._cluster_served:
             raise ValueError(f"tenant {name!r} is this node's own ({self.cfg.source} or added "
                              "before etcd_endpoints was set); remove it here first")  # fmt: skip
+        if op == "tenant_add":
+            check_tenant_name(name)
         token = fields.get("token") or secrets.token_urlsafe(TENANT_TOKEN_BYTES)
         try:
             if op == "tenant_add":

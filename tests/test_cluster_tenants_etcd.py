@@ -100,6 +100,8 @@ def test_tenants_add_rotate_remove_reach_every_node_with_one_down(
         token = out["token"]
         rc, again = dpuctl(nodes["n1"], "tenants", "add", "acme")  # no second token
         assert rc != 0 and "exists" in again["error"], again
+        rc, bad = dpuctl(nodes["n2"], "tenants", "add", "_admin")  # never written to etcd
+        assert rc != 0 and "tenant name" in bad["error"], bad
         up = ["n0", "n1", "n2", "n3"]
         took = max(wait_for(f"{n} accepts", lambda n=n: accepts(nodes[n], "acme", token))
                    for n in up)  # fmt: skip

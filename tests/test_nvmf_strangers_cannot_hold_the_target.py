@@ -263,13 +263,17 @@ def test_issued_host_nqn_binds_nowhere_after_restart(tmp_path: Path) -> None:
     session's address); after a restart nothing binds it, so it opens nothing from anywhere.
     An operator-added host stays allowed from any address, as `dpuctl hosts add` says."""
     path = tmp_path / "host_keys.json"
-    HostKeyIssuer(path, dhchap=True, psk=False).issue("a", Subsystem(nqn=TENANT_A), VICTIM)
+    before = HostKeyIssuer(path, dhchap=True, psk=False)
+    before.issue("a", Subsystem(nqn=TENANT_A), VICTIM)
+    before.close()  # the agent's stop: the batched key file written
     after = Subsystem(nqn=TENANT_A)  # the restart: a new issuer, the same file
     HostKeyIssuer(path, dhchap=True, psk=False).bind("a", after)
     assert not after.host_allowed(VICTIM, STRANGER) and not after.host_allowed(VICTIM, "127.0.0.1")
     assert after.host_keys[VICTIM].dhchap_key is not None  # its key is kept for its next hello
     operator = f"nqn.2014-08.org.nvmexpress:uuid:{uuid.uuid4()}"
-    HostKeyIssuer(path, dhchap=True, psk=False).issue("a", after, operator, any_address=True)
+    added = HostKeyIssuer(path, dhchap=True, psk=False)
+    added.issue("a", after, operator, any_address=True)
+    added.close()
     again = Subsystem(nqn=TENANT_A)
     HostKeyIssuer(path, dhchap=True, psk=False).bind("a", again)
     assert again.host_allowed(operator, STRANGER) and not again.host_allowed(VICTIM, STRANGER)
