@@ -30,7 +30,13 @@ from prometheus_client import ProcessCollector, start_http_server
 
 from dpu_agent import telemetry
 from dpu_agent.blockdev import BlockDeviceError
-from dpu_agent.cluster import Membership, agent_cluster_view, start_membership
+from dpu_agent.cluster import (
+    Membership,
+    agent_cluster_view,
+    agent_cut_off,
+    agent_members_since,
+    start_membership,
+)
 from dpu_agent.config import AgentConfig, TenantConfig
 from dpu_agent.control import (
     LEASES_ACTIVE,
@@ -373,6 +379,12 @@ class Agent:
 
     def cluster_epoch(self) -> int | None:
         return self.cluster.epoch if self.cluster is not None else None
+
+    def cluster_members_since(self, tenant: str, since: int) -> dict[str, Any] | None:
+        return agent_members_since(self, tenant, since)
+
+    def cluster_cut_off(self) -> bool:
+        return agent_cut_off(self)
 
     async def nixl(
         self, session_id: int, tenant: str, op: str, fields: Mapping[str, Any]

@@ -89,7 +89,9 @@ def test_partitioned_node_is_marked_failed_and_comes_back(
         chunk = np.full(LAYOUT.chunk_shape, 3, np.float16)
         prompt = np.arange(16, dtype=np.uint32) + 77
         with KVClient(c.seeds(), "default", c.token, LAYOUT, SALT, io_queues=1) as kv:
-            assert kv.refresh() and {n.name for n in kv.placement.serving} == {"p1", "p2"}
+            r = kv.router
+            assert r is not None
+            assert r.refresh() and {n.name for n in r.placement.serving} == {"p1", "p2"}
             assert kv.put(prompt, [chunk]) == 1 and kv.lookup(prompt) == 1
         _ip("-n", ns, "link", "set", ns_if, "up")  # healed
         t1 = time.monotonic()

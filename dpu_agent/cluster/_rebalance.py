@@ -26,7 +26,7 @@ import numpy as np
 
 from dpu_agent.log import get_logger
 from dpu_agent.metrics import REGISTRY, Counter, Gauge
-from host_shim.client import KVClient
+from host_shim.client import NodeClient
 from kvproto.keys import ChunkLayout
 from kvproto.placement import Node, Placement
 
@@ -100,7 +100,7 @@ class Rebalancer:
         self.progress = RebalanceProgress()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._clients: dict[tuple[str, str], KVClient] = {}
+        self._clients: dict[tuple[str, str], NodeClient] = {}
         self._thread = threading.Thread(target=self._loop, name="cluster-rebalance", daemon=True)
         self._budget = 0.0
         self._budget_at = time.monotonic()
@@ -210,14 +210,14 @@ class Rebalancer:
         c = self._peer(tenant, token, node)
         return c.put_keys([key], [data], [None], chunk_bytes=len(data)) == 1
 
-    def _peer(self, tenant: str, token: str, node: Node) -> KVClient:
+    def _peer(self, tenant: str, token: str, node: Node) -> NodeClient:
         c = self._clients.get((tenant, node.name))
         if c is None or c._channel.url != node.control:
             if len(self._clients) >= PEER_CLIENTS_MAX:
                 for old in self._clients.values():
                     old.close()
                 self._clients.clear()
-            c = KVClient(node.control, tenant, token, _ANY_LAYOUT, _SALT, io_queues=1)
+            c = NodeClient(node.control, tenant, token, _ANY_LAYOUT, _SALT, io_queues=1)
             self._clients[(tenant, node.name)] = c
         return c
 
