@@ -720,8 +720,10 @@ def spawn_agent(
     env: Mapping[str, str] | None = None,
     config: str | os.PathLike[str] | None = None,
     timeout_s: float = SPAWN_TIMEOUT_S,
+    netns: str | None = None,
 ) -> AgentProcess:
-    """Start an agent on ephemeral loopback ports (unless `env` says otherwise) and wait for it."""
+    """Start an agent on ephemeral loopback ports (unless `env` says otherwise) and wait for it;
+    with `netns`, inside that network namespace (`ip netns exec`: the same process id)."""
     data = Path(data_dir).absolute()
     data.mkdir(parents=True, exist_ok=True)
     child_env = {
@@ -738,6 +740,8 @@ def spawn_agent(
     args = [sys.executable, "-c", "from dpu_agent.cli import main; main()", "agent", "run"]
     if config is not None:
         args += ["--config", str(config)]
+    if netns is not None:
+        args = ["ip", "netns", "exec", netns, *args]
     with open(data / "agent.log", "ab") as out:
         proc = subprocess.Popen(args, env=child_env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout_s

@@ -632,7 +632,7 @@ class NodeClient(KVStore):
         with self._lock:
             if self._closed:
                 return False
-            self._retry_at = 0.0
+            self._retry_at = 0.0  # a probe connects now, whatever the backoff says
             try:
                 self._ensure()
                 self._channel.call("stats")
@@ -655,6 +655,11 @@ class NodeClient(KVStore):
         never waits on the agent (it may be the reason we are here)."""
         self._drop(abort=True)
         self._channel.close()
+        # the next calls are misses at once for a while, not another timeout each (a miss
+        # during that while does not extend it)
+        now = time.monotonic()
+        if self._retry_at <= now:
+            self._retry_at = now + RECONNECT_BACKOFF_S
         if not self._lost_logged:
             reason = e.message if isinstance(e, ControlError) else f"{type(e).__name__}: {e}"
             log.warning("kvclient: agent lost (%s: %s); serving misses until it is back",

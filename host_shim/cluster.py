@@ -230,8 +230,10 @@ class ClusterRouter(KVStore):
             known = [n.control for n in self._placement.serving
                      if n.control and not self._breaker.is_down(n.name)]  # fmt: skip
             since = self._epoch if self._rows else None
-        random.shuffle(known)
-        for url in list(dict.fromkeys([*known, *self._seeds]))[:SEEDS_MAX]:
+        seeds = list(self._seeds)
+        random.shuffle(known)  # each refresh asks a random member: no member answers them all
+        random.shuffle(seeds)
+        for url in list(dict.fromkeys([*known, *seeds]))[:SEEDS_MAX]:
             left = deadline - time.monotonic()
             if left <= 0:
                 break

@@ -4,6 +4,7 @@ child, all sharing one tenant token file (tenants are cluster-wide through share
 from __future__ import annotations
 
 import os
+import random
 import secrets
 import subprocess
 import sys
@@ -12,8 +13,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dpu_agent.cluster import free_port
+from dpu_agent.cluster._serf_process import PICK_PORT_RANGE
 from dpu_agent.service import AgentProcess, spawn_agent
 from host_shim.client import ControlChannel, ControlError
+
+
+def _port(host: str, netns: str | None) -> int:
+    """A free port on `host`; in a namespace a test made (nothing else binds there), any
+    port from the range Serf ports are picked from."""
+    if netns is None:
+        return free_port(host)
+    return random.randrange(*PICK_PORT_RANGE)
+
 
 SMALL_TIERS = {"DPUKV_STORAGE_DRAM_BYTES": str(16 << 20), "DPUKV_STORAGE_NVME_BYTES": str(64 << 20)}
 
@@ -46,12 +57,21 @@ class Cluster:
         )
 
     def start(
-        self, name: str, zone: str = "", serf_rpc: str = "", extra_env: dict[str, str] | None = None
+        self,
+        name: str,
+        zone: str = "",
+        serf_rpc: str = "",
+        extra_env: dict[str, str] | None = None,
+        *,
+        netns: str | None = None,
+        host: str = "",
     ) -> Node:
-        """Start agent `name`; with `serf_rpc` it uses that (operator-run) Serf agent."""
+        """Start agent `name`; with `serf_rpc` it uses that (operator-run) Serf agent. With
+        `netns` and `host` the agent and its Serf run in that namespace on that address."""
         seeds = [n.serf_bind for n in self.nodes.values() if n.agent.proc.poll() is None]
-        bind = f"{self.host}:{free_port(self.host)}"
-        rpc = serf_rpc or f"{self.host}:{free_port(self.host)}"
+        host = host or self.host
+        bind = f"{host}:{_port(host, netns)}"
+        rpc = serf_rpc or f"{host}:{_port(host, netns)}"
         env = {
             "DPUKV_CLUSTER_SERF_START": "0" if serf_rpc else "1",
             **SMALL_TIERS,
@@ -66,7 +86,8 @@ class Cluster:
             "DPUKV_METRICS_ENABLED": "0",
             **(extra_env or {}),
         }
-        agent = spawn_agent(self.root / name, env=env, config=self.root / "cluster.toml")
+        agent = spawn_agent(self.root / name, env=env, config=self.root / "cluster.toml",
+                            netns=netns)  # fmt: skip
         env["DPUKV_AGENT_DATA_DIR"] = str(self.root / name)
         node = self.nodes[name] = Node(name, agent, bind, rpc, env)
         return node
