@@ -10,6 +10,10 @@ the inference loop; the next call reconnects.
     client = KVClient("tcp://127.0.0.1:7400", "default", token, layout, salt)
     n = client.get(tokens, [np.empty(layout.chunk_shape, np.float16) for _ in range(8)])
 
+One interface (KVStore), two implementations: NodeClient (one agent, here) and
+host_shim.cluster.ClusterRouter (a NodeClient per member of a cluster); KVClient holds the one
+its URL names (`tcp://a:7400,b:7400`: a cluster; parse_client_url lists the forms).
+
 The control channel is also what `dpuctl` uses for admin commands. Transport failures raise
 AgentUnreachable; error replies raise ControlError with the agent's code and message.
 """

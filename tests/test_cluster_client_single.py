@@ -1,4 +1,4 @@
-"""ClusterKVClient against one agent that is not in cluster mode (it owns everything, no epoch
+"""A cluster-URL KVClient (ClusterRouter) against one agent that is not in cluster mode (it owns everything, no epoch
 is sent), bad seed lists, and Serf's port picking."""
 
 from __future__ import annotations

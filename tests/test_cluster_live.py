@@ -1,5 +1,5 @@
 """One tier across real agents: each with its own real Serf agent on loopback ports, real
-NVMe/TCP and encryption; a ClusterKVClient routes by rendezvous placement."""
+NVMe/TCP and encryption; a cluster KVClient (ClusterRouter) routes by rendezvous placement."""
 
 from __future__ import annotations
 
