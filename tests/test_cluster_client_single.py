@@ -1,5 +1,5 @@
-"""A cluster-URL KVClient (ClusterRouter) against one agent that is not in cluster mode (it owns everything, no epoch
-is sent), bad seed lists, and Serf's port picking."""
+"""A cluster-URL KVClient (ClusterRouter) against one agent that is not in cluster mode (it
+owns everything, no epoch is sent), bad seed lists, and Serf's port picking."""
 
 from __future__ import annotations
 
