@@ -852,6 +852,7 @@ class NodeClient(KVStore):
         res = self._channel.call("lookup", keys=keys)
         hits = res["hits"]
         loaded = 0
+        ok: list[Any] = []  # stays empty when the data path broke: nothing was verified
         try:
             ok = self._parallel(nvme, [(h, views[i]) for i, h in enumerate(hits)], False)
             loaded = _leading(ok)
@@ -859,7 +860,10 @@ class NodeClient(KVStore):
             after: list[tuple[str, dict[str, Any]]] = []
             if res["lease_id"]:
                 after.append(("release", {"lease_id": res["lease_id"]}))
-            if loaded < len(hits):  # failed verification: never serve it again
+            # Only a checksum that did not match is corruption: a command the target failed,
+            # a chunk of another size or a broken connection (no answer within the timeout)
+            # is a miss, and the chunk stays for the next reader.
+            if loaded < len(ok) and ok[loaded] is False:
                 log.warning("kvclient: chunk %s failed verification", hits[loaded][0].hex())
                 after.append(("delete", {"key": hits[loaded][0], "corrupt": True}))
             self._channel.post(after)  # no round trip: the next call reads the replies
@@ -1041,13 +1045,14 @@ def _outcome(
     csum: Future[bytes] | None,
     write: bool,
 ) -> Any:
-    """The checksum of a written chunk, whether a read chunk verified, or False."""
+    """A written chunk: its checksum, or False. A read chunk: whether it verified, or None
+    when it was not read (a command the target failed, or a chunk of another size)."""
     oks = [f.result() for f in segs]  # every segment settled, failed or not
     good = bool(oks) and all(oks)
     if write:
         checksum = csum.result() if csum is not None else b""
         return checksum if good else False
-    return good and verify_checksum(hit[0], view, hit[5])
+    return verify_checksum(hit[0], view, hit[5]) if good else None
 
 
 def _segment_io(

@@ -71,10 +71,15 @@ MOVED_RETRIES_MAX = 1  # one re-read of the member list per call; still moved: m
 NODE_DEADLINE_S = 0.25
 PROBE_INTERVAL_S = 1.0  # a down member is probed (connect + one request) this often
 REFRESH_INTERVAL_S = 5.0  # re-read members at least this often (Serf converges in ~1 s)
+REFRESH_AGREE = 2  # answers that must agree on a new epoch before the client moves to it
 SEEDS_MAX = 64  # addresses tried per refresh (members plus seeds)
 MAINT_TICK_S = 0.2  # the maintenance thread's wake-up: probes and refreshes run off calls
 LEASES_MAX = 1 << 16  # cluster leases remembered; older ones lapse at the agents' TTL
-REFRESH_SOURCES_MAX = 64  # recent refresh sources kept for status (where refreshes went)
+# Copies a down replica missed, remembered for the handoff when it is back: a key and a few
+# numbers each (~100 bytes), so 64 Ki hints are ~6 MiB; past that the oldest are dropped
+# (counted) and those copies wait for the next change of their owners (the rebalancer).
+HINTS_MAX = 1 << 16
+REFRESH_SOURCES_MAX = 64  # recent refreshes kept for status (where they went, what came)
 # Hot prefixes: a chunk this client reads more than HOT_READS_PER_S times a second gets
 # HOT_EXTRA_REPLICAS more copies (the next owners in rendezvous order), and its reads spread
 # over all of them: a shared system prompt read by every server must not pin one node.
@@ -182,13 +187,18 @@ class ClusterRouter(KVStore):
         self._refreshing = threading.Lock()  # one refresh at a time (others use the view)
         self._breaker = _Breaker()
         self._leases: OrderedDict[int, list[tuple[str, int]]] = OrderedDict()
+        # (member, key) -> (chunk bytes, parent): copies a down member missed (hinted handoff)
+        self._hints: OrderedDict[tuple[str, bytes], tuple[int, bytes | None]] = OrderedDict()
+        self.hints_replayed = 0  # copies handed to a member that came back
+        self.hints_dropped = 0  # hints dropped at HINTS_MAX (left to the rebalancer)
         self._next_lease = 1
         self._pool = ThreadPoolExecutor(max_workers=FANOUT_MAX, thread_name_prefix="kvcluster")
         self._closed = False
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.moved_count = 0  # moved answers seen (stale views)
-        self.refresh_sources: deque[str] = deque(maxlen=REFRESH_SOURCES_MAX)
+        # recent refreshes: (member or seed that answered, member rows its answer carried)
+        self.refreshes: deque[tuple[str, int]] = deque(maxlen=REFRESH_SOURCES_MAX)
         self.refresh_rows = 0  # member rows the last refresh carried (0: unchanged)
         self.hot_reads_per_s = HOT_READS_PER_S  # 0 turns hot-prefix replicas off
         self._reads: dict[bytes, list[float]] = {}  # key -> [window start, reads in it]
@@ -213,7 +223,7 @@ class ClusterRouter(KVStore):
         """Members marked down (skipped until a probe or the member list says they are back)."""
         return self._breaker.down()
 
-    def refresh(self, budget_s: float | None = None) -> bool:
+    def refresh(self, budget_s: float | None = None, prefer: str = "") -> bool:
         """Read the member list from one member or seed that answers, starting at a random
         member (refreshes spread over the cluster) and asking only for what changed since the
         epoch held; False when none answered within `budget_s` (default: the seed budget)."""
@@ -221,11 +231,16 @@ class ClusterRouter(KVStore):
         if not self._refreshing.acquire(timeout=budget):
             return False  # another thread is refreshing; the view it gets serves us too
         try:
-            return self._refresh(time.monotonic() + budget)
+            return self._refresh(time.monotonic() + budget, prefer)
         finally:
             self._refreshing.release()
 
-    def _refresh(self, deadline: float) -> bool:
+    def _refresh(self, deadline: float, prefer: str = "") -> bool:
+        """Ask members in random order (`prefer` first: the member that answered `moved`).
+        The epoch held, confirmed by the first answer, is kept at once; a new epoch is taken
+        when REFRESH_AGREE answers agree on it (a member with a stale view, such as one whose
+        gossip is cut off, cannot move the client alone), or, when no more members answer in
+        time, the epoch most answers gave (the first on a tie)."""
         with self._lock:
             known = [n.control for n in self._placement.serving
                      if n.control and not self._breaker.is_down(n.name)]  # fmt: skip
@@ -233,19 +248,35 @@ class ClusterRouter(KVStore):
         seeds = list(self._seeds)
         random.shuffle(known)  # each refresh asks a random member: no member answers them all
         random.shuffle(seeds)
-        for url in list(dict.fromkeys([*known, *seeds]))[:SEEDS_MAX]:
+        votes: dict[Any, list[tuple[str, dict[str, Any]]]] = {}
+        for url in list(dict.fromkeys([u for u in (prefer,) if u] + known + seeds))[:SEEDS_MAX]:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             try:
                 res = self._ask_members(url, since, min(self.deadline_s, left))
-                self._apply(url, res)
+                epoch = res["epoch"] if "epoch" in res else None
             except (ControlError, OSError, ProtocolError, ValueError, KeyError, TypeError) as e:
                 log.debug("kvcluster: members from %s: %s", url, e)
                 continue  # that one did not answer, or answered nonsense: the next
-            return True
+            if epoch is None or (epoch == since and not votes):  # one agent; or no change
+                return self._take(url, res)
+            votes.setdefault(epoch, []).append((url, res))
+            if len(votes[epoch]) >= REFRESH_AGREE:
+                return self._take(*votes[epoch][-1])
+        if votes:  # dict order is answer order: max() keeps the first of equal counts
+            return self._take(*max(votes.values(), key=len)[-1])
         self._refreshed_at = time.monotonic()  # nobody answered: do not hammer the seeds
         return False
+
+    def _take(self, url: str, res: dict[str, Any]) -> bool:
+        try:
+            self._apply(url, res)
+        except (ValueError, KeyError, TypeError) as e:  # rows that make no placement
+            log.warning("kvcluster: unusable member list from %s: %s", url, e)
+            self._refreshed_at = time.monotonic()
+            return False
+        return True
 
     def _ask_members(self, url: str, since: int | None, timeout_s: float) -> dict[str, Any]:
         with ControlChannel(url, self._tenant, self._token, timeout_s=timeout_s,
@@ -292,7 +323,7 @@ class ClusterRouter(KVStore):
             self._epoch = res.get("epoch")
             self.replicas = max(1, min(REPLICAS_MAX, int(res.get("replicas") or 1)))
             self._refreshed_at = time.monotonic()
-            self.refresh_sources.append(url)
+            self.refreshes.append((url, self.refresh_rows))
             live = {n.name: n for n in placement.serving}
             for name in [n for n in self._clients if n not in live]:
                 close.append(self._clients.pop(name))
@@ -347,6 +378,7 @@ class ClusterRouter(KVStore):
                         continue
                     if self._node(node).probe() and self._breaker.clear(name):
                         log.warning("kvcluster: member %s answers again", name)
+                        self._handoff(name)
             except Exception:  # the thread must outlive any one bad round
                 log.exception("kvcluster: maintenance round failed")
 
@@ -433,13 +465,17 @@ class ClusterRouter(KVStore):
         for attempt in range(MOVED_RETRIES_MAX + 1):
             try:
                 return self._ranks(keys, call)
-            except _Moved:
-                self._moved(attempt)
+            except _Moved as m:
+                self._moved(attempt, m)
         return [None] * len(keys)
 
-    def _moved(self, attempt: int) -> None:
+    def _moved(self, attempt: int, moved: _Moved) -> None:
+        """A member answered `moved`: its view differs from ours; ask it first."""
         self.moved_count += 1
-        self.refresh(self.deadline_s)
+        name = moved.args[0] if moved.args else ""
+        with self._lock:
+            url = next((n.control for n in self._placement.serving if n.name == name), "")
+        self.refresh(self.deadline_s, prefer=url)
         if attempt == MOVED_RETRIES_MAX:
             log.warning("kvcluster: members keep moving; serving misses this call")
 
@@ -552,17 +588,58 @@ class ClusterRouter(KVStore):
                         if owners[i, rank] >= 0:  # -1: fewer owners (hot keys have more)
                             groups.setdefault(int(owners[i, rank]), []).append(i)
                     jobs += [
-                        (idxs, self._pool.submit(self._one, nodes[n], idxs, put))
+                        (nodes[n].name, idxs, self._pool.submit(self._one, nodes[n], idxs, put))
                         for n, idxs in groups.items()
                     ]
-                for (idxs, _), took in zip(jobs, _settle(dict(enumerate(jobs))).values(),
-                                           strict=True):  # fmt: skip
+                results = _settle({j: (name, fut) for j, (name, _, fut) in enumerate(jobs)})
+                missed: list[tuple[str, int]] = []
+                for (name, idxs, _), took in zip(jobs, results.values(), strict=True):
                     for i in idxs[:took]:
                         stored[i] = True
+                    if took < len(idxs) and self._breaker.is_down(name):
+                        missed += [(name, i) for i in idxs[took:]]
+                self._hint(missed, keys, chunks, parents, chunk_bytes, stored)
                 break
-            except _Moved:
-                self._moved(attempt)
+            except _Moved as m:
+                self._moved(attempt, m)
         return len(_prefix([True if s else None for s in stored]))
+
+    def _hint(
+        self, missed: list[tuple[str, int]], keys: list[bytes], chunks: Sequence[Any],
+        parents: Sequence[bytes | None], chunk_bytes: int | None, stored: list[bool],
+    ) -> None:  # fmt: skip
+        """Remember the copies a down replica missed (hinted handoff): when a probe finds it
+        back, the maintenance thread copies each chunk from a replica that has it."""
+        with self._lock:
+            for name, i in missed:
+                if not stored[i]:
+                    continue  # no replica has it: nothing to copy from
+                nbytes = _nbytes(chunks[i]) if chunk_bytes is None else chunk_bytes
+                self._hints[(name, keys[i])] = (nbytes, parents[i])
+                self._hints.move_to_end((name, keys[i]))
+                while len(self._hints) > HINTS_MAX:
+                    self._hints.popitem(last=False)
+                    self.hints_dropped += 1
+
+    def _handoff(self, name: str) -> None:
+        """Copy the chunks `name` missed while it was down from the replicas that have them."""
+        with self._lock:
+            todo = [(k, v) for (n, k), v in self._hints.items() if n == name]
+            node = next((m for m in self._placement.serving if m.name == name), None)
+        for key, (nbytes, parent) in todo:
+            if node is None or self._breaker.is_down(name) or self._stop.is_set():
+                return
+            buf = bytearray(nbytes)
+            copied = False
+            try:
+                if self.get_keys([key], [buf], chunk_bytes=nbytes) == 1:
+                    copied = self._node(node).put_keys([key], [buf], [parent],
+                                                       chunk_bytes=nbytes) == 1  # fmt: skip
+            except (ControlError, ValueError) as e:
+                log.debug("kvcluster: handoff of %s to %s: %s", key.hex(), name, e)
+            with self._lock:
+                self._hints.pop((name, key), None)
+            self.hints_replayed += copied
 
     def lease_keys(self, keys: list[bytes]) -> tuple[int, int]:
         """Each owner leases its part of the prefix; one cluster lease id names them all."""
@@ -650,7 +727,9 @@ class ClusterRouter(KVStore):
         return {
             "epoch": self._epoch, "replicas": self.replicas, "moved": self.moved_count,
             "down": self.down(), "breaker_trips": self._breaker.trips,
-            "refresh_sources": list(self.refresh_sources),
+            "hints": len(self._hints), "hints_replayed": self.hints_replayed,
+            "hints_dropped": self.hints_dropped,
+            "refreshes": list(self.refreshes),
             "nodes": {name: f.result() for name, f in jobs.items()},
         }  # fmt: skip
 
@@ -697,15 +776,16 @@ def _putter(
 def _settle(jobs: dict[Any, Any]) -> dict[Any, Any]:
     """Every job's result once all have finished (none may still touch a caller's buffer);
     _Moved if any node answered moved."""
-    results, moved = {}, False
+    results: dict[Any, Any] = {}
+    moved: _Moved | None = None
     for name, job in jobs.items():
         fut = job[1] if isinstance(job, tuple) else job
         try:
             results[name] = fut.result()
-        except _Moved:
-            moved = True
-    if moved:
-        raise _Moved()
+        except _Moved as m:
+            moved = moved or m
+    if moved is not None:
+        raise moved  # names the first member that answered moved
     return results
 
 

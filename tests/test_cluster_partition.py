@@ -169,9 +169,17 @@ def _p99_max(samples: list[float]) -> tuple[float, float]:
     return s[min(len(s) - 1, int(len(s) * 0.99))], s[-1]
 
 
+def _cut(ns: str, ns_if: str, host_if: str, mode: str, on: bool) -> None:
+    if mode == "silent":
+        _silent(ns, ns_if, host_if, on)
+    else:  # the node's own link
+        _ip("-n", ns, "link", "set", ns_if, "down" if on else "up")
+
+
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["silent", "link_down"])
 def test_silent_drop_partition_costs_one_deadline_and_the_cut_off_node_says_so(
-    tmp_path: Path, netns: tuple[str, str, str, str]
+    tmp_path: Path, netns: tuple[str, str, str, str], mode: str
 ) -> None:
     """Regression (two findings): with a member's packets silently dropped, the first call
     touching it blocked 34-36 s and calls for other members' keys from another thread stalled
@@ -180,7 +188,8 @@ def test_silent_drop_partition_costs_one_deadline_and_the_cut_off_node_says_so(
     p1 and p2 run on the host side of a veth pair, p3 (agent and Serf) inside the namespace;
     the partition drops every packet both ways. The client (R=2) must spend at most the
     per-node deadline plus a round trip on any call; p3 must report itself cut off (members,
-    metrics, log) and refuse writes; after the heal everything converges."""
+    metrics, log) and refuse writes; after the heal everything converges. `link_down`: p3's
+    own link goes down instead (it never dropped anyone in 39-60 s before)."""
     ns, ns_if, host_addr, ns_addr = netns
     host_if = "i13a" + ns.removeprefix("i13p")
     c = Cluster(tmp_path, replicas=2, host=host_addr)
@@ -195,7 +204,12 @@ def test_silent_drop_partition_costs_one_deadline_and_the_cut_off_node_says_so(
         names = ["p1", "p2", "p3"]
         c.wait_serving(names, on=names, timeout_s=60)
         p3 = c.nodes["p3"].agent
-        with KVClient(c.seeds(), "default", c.token, LAYOUT, SALT, io_queues=1) as kv:
+        # The deadline: 0.5 s, not the LAN default of 0.25 s: on this shared two-core box
+        # with several test runs at once a live agent was seen silent for 0.25 s (marked down
+        # for a probe interval: misses for keys whose other replica is p3, which this test
+        # counts as failures). test_cluster_failures.py runs the default.
+        with KVClient(c.seeds(), "default", c.token, LAYOUT, SALT, io_queues=1,
+                      node_deadline_s=0.5) as kv:  # fmt: skip
             r = kv.router
             assert r is not None
             r.hot_reads_per_s = 0  # hot copies would make p3 an owner of every key
@@ -225,7 +239,7 @@ def test_silent_drop_partition_costs_one_deadline_and_the_cut_off_node_says_so(
             bad: list[int] = []
             try:
                 time.sleep(0.3)
-                _silent(ns, ns_if, host_if, True)
+                _cut(ns, ns_if, host_if, mode, True)
                 partitioned = True
                 t0 = time.monotonic()
                 cut_s = None
@@ -239,7 +253,7 @@ def test_silent_drop_partition_costs_one_deadline_and_the_cut_off_node_says_so(
             p99, worst = _p99_max(times)
             op99, oworst = _p99_max(other_times)
             deadline = r.deadline_s
-            print(f"silent-drop partition: p3's keys {len(times)} gets p99 {p99 * 1e3:.1f} ms "
+            print(f"{mode} partition: p3's keys {len(times)} gets p99 {p99 * 1e3:.1f} ms "
                   f"max {worst * 1e3:.1f} ms; other thread {len(other_times)} gets p99 "
                   f"{op99 * 1e3:.1f} ms max {oworst * 1e3:.1f} ms; deadline "
                   f"{deadline * 1e3:.0f} ms; p3 cut off after {cut_s} s")  # fmt: skip
@@ -262,7 +276,7 @@ def test_silent_drop_partition_costs_one_deadline_and_the_cut_off_node_says_so(
                             epoch=view["epoch"])  # fmt: skip
                 assert refused.value.code == "unavailable"
 
-            _silent(ns, ns_if, host_if, False)  # healed
+            _cut(ns, ns_if, host_if, mode, False)  # healed
             partitioned = False
             t1 = time.monotonic()
             c.wait_serving(names, on=names, timeout_s=90)
@@ -278,5 +292,5 @@ def test_silent_drop_partition_costs_one_deadline_and_the_cut_off_node_says_so(
             assert not missed, missed
     finally:
         if partitioned:
-            _silent(ns, ns_if, host_if, False)
+            _cut(ns, ns_if, host_if, mode, False)
         c.stop_all()
