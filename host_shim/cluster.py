@@ -632,7 +632,9 @@ class ClusterRouter(KVStore):
             buf = bytearray(nbytes)
             copied = False
             try:
-                if self.get_keys([key], [buf], chunk_bytes=nbytes) == 1:
+                if self._node(node).lookup_keys([key]) == 1:
+                    pass  # it has it after all (it stored it before it went silent)
+                elif self.get_keys([key], [buf], chunk_bytes=nbytes) == 1:
                     copied = self._node(node).put_keys([key], [buf], [parent],
                                                        chunk_bytes=nbytes) == 1  # fmt: skip
             except (ControlError, ValueError) as e:
