@@ -286,6 +286,13 @@ def test_every_documented_client_url_form_parses() -> None:
     for bad in (",", "a:7400,b:7400", "http://a:1,b:2", "tcp://a,b:1", "tcp://a:1,b"):
         with pytest.raises(ValueError):
             parse_client_url(bad)
+    with pytest.raises(ValueError, match="node_deadline_s"):
+        KVClient("tcp://127.0.0.1:1,", "default", "t", LAYOUT, SALT, node_deadline_s=0)
+    s = ConnectorSettings.from_extra_config(
+        {"control": "tcp://a:1,b:2", "tenant": "t", "token": "x", "salt": SALT.hex(),
+         "node_deadline_s": "0.1"}
+    )  # fmt: skip
+    assert s.node_deadline_s == 0.1 and parse_client_url(s.control) == ["tcp://a:1", "tcp://b:2"]
     with KVClient("tcp://127.0.0.1:1,127.0.0.1:2", "default", "t", LAYOUT, SALT) as kv:
         assert router(kv)._seeds == ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]
         assert kv.node is None and kv.transport == "nvme-tcp"
