@@ -289,7 +289,8 @@ class ClusterRouter(KVStore):
             except ControlError as e:
                 if isinstance(e, AgentUnreachable):
                     raise
-                return ch.call("members")  # an agent without deltas: the whole list
+            ch.connect()  # an agent without deltas refused the field (and may have hung up)
+            return ch.call("members")  # the whole list
 
     def _apply(self, url: str, res: dict[str, Any]) -> None:
         """Take a `members` reply: the whole list, a delta against our epoch, or unchanged."""
