@@ -67,7 +67,8 @@ def parse_dpukv_url(url: str) -> tuple[str, str]:
     'dpukv://a:7400,b:7400/tenant' -> ('tcp://a:7400,b:7400', tenant) (KVClient routes)."""
     parts = urlsplit(url)
     tenant = parts.path.strip("/")
-    bad = ValueError(f"LMCache remote_url {url!r}: use dpukv://HOST:PORT[,HOST:PORT...]/TENANT")
+    bad = ValueError(f"LMCache remote_url {url!r}: use dpukv://HOST:PORT/TENANT (a cluster: "
+                     "dpukv://HOST:PORT,HOST:PORT/TENANT)")  # fmt: skip
     if parts.scheme != "dpukv" or not parts.netloc or not tenant:
         raise bad
     seeds = parts.netloc.split(",")
