@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["VIEW_HISTORY_MAX", "ViewHistory"]
@@ -29,7 +29,9 @@ class ViewHistory:
         self._lock = threading.Lock()
         self._views: OrderedDict[int, dict[str, Mapping[str, Any]]] = OrderedDict()
 
-    def delta(self, rows: list[Mapping[str, Any]], epoch: int, since: int) -> dict[str, Any] | None:
+    def delta(
+        self, rows: Sequence[Mapping[str, Any]], epoch: int, since: int
+    ) -> dict[str, Any] | None:
         """`{"unchanged": True}`, `{"changed": [...], "removed": [...]}` against the view of
         epoch `since`, or None when that view is not remembered (send the whole list)."""
         now = {str(r["name"]): r for r in rows}
@@ -48,6 +50,6 @@ class ViewHistory:
             "removed": [name for name in old if name not in now],
         }
 
-    def remember(self, rows: list[Mapping[str, Any]], epoch: int) -> None:
+    def remember(self, rows: Sequence[Mapping[str, Any]], epoch: int) -> None:
         """Keep the view a whole-list answer gave (a later delta is against it)."""
         self.delta(rows, epoch, epoch)
