@@ -74,12 +74,15 @@ REFRESH_INTERVAL_S = 5.0  # re-read members at least this often (Serf converges 
 REFRESH_AGREE = 2  # answers that must agree on a new epoch before the client moves to it
 SEEDS_MAX = 64  # addresses tried per refresh (members plus seeds)
 MAINT_TICK_S = 0.2  # the maintenance thread's wake-up: probes and refreshes run off calls
-LEASES_MAX = 1 << 16  # cluster leases remembered; older ones lapse at the agents' TTL
+# Cluster leases remembered (a few member lease ids each): a scheduler holds a lease for a few
+# steps of a batch of at most a few thousand requests, so 64 Ki is far beyond what is live;
+# a forgotten one is not released early and lapses at the agents' lease TTL.
+LEASES_MAX = 1 << 16
 # Copies a down replica missed, remembered for the handoff when it is back: a key and a few
 # numbers each (~100 bytes), so 64 Ki hints are ~6 MiB; past that the oldest are dropped
 # (counted) and those copies wait for the next change of their owners (the rebalancer).
 HINTS_MAX = 1 << 16
-REFRESH_SOURCES_MAX = 64  # recent refreshes kept for status (where they went, what came)
+REFRESH_SOURCES_MAX = 64  # recent refreshes kept for stats(): five minutes at one per 5 s
 # Hot prefixes: a chunk this client reads more than HOT_READS_PER_S times a second gets
 # HOT_EXTRA_REPLICAS more copies (the next owners in rendezvous order), and its reads spread
 # over all of them: a shared system prompt read by every server must not pin one node.
