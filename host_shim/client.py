@@ -967,6 +967,8 @@ class KVClient(KVStore):
         node_deadline_s: float | None = None,
     ) -> None:
         seeds = parse_client_url(control)
+        if not 1 <= io_queues <= IO_QUEUES_MAX:  # now: a cluster builds its NodeClients later
+            raise ValueError(f"io_queues={io_queues}: give 1..{IO_QUEUES_MAX}")
         self._init_keys(layout, salt)
         self.router: ClusterRouter | None = None
         impl: KVStore

@@ -286,6 +286,8 @@ def test_every_documented_client_url_form_parses() -> None:
     for bad in (",", "a:7400,b:7400", "http://a:1,b:2", "tcp://a,b:1", "tcp://a:1,b"):
         with pytest.raises(ValueError):
             parse_client_url(bad)
+    with pytest.raises(ValueError, match="io_queues"):  # at once, not at the first call
+        KVClient("tcp://127.0.0.1:1,", "default", "t", LAYOUT, SALT, io_queues=0)
     with pytest.raises(ValueError, match="node_deadline_s"):
         KVClient("tcp://127.0.0.1:1,", "default", "t", LAYOUT, SALT, node_deadline_s=0)
     s = ConnectorSettings.from_extra_config(
