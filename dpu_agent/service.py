@@ -42,6 +42,8 @@ from dpu_agent.cluster import (
     TenantSource,
     TenantSync,
     agent_cluster_view,
+    agent_cut_off,
+    agent_members_since,
     plan_tenants,
     start_membership,
     tenant_source,
@@ -440,6 +442,12 @@ class Agent:
 
     def cluster_epoch(self) -> int | None:
         return self.cluster.epoch if self.cluster is not None else None
+
+    def cluster_members_since(self, tenant: str, since: int) -> dict[str, Any] | None:
+        return agent_members_since(self, tenant, since)
+
+    def cluster_cut_off(self) -> bool:
+        return agent_cut_off(self)
 
     async def nixl(
         self, session_id: int, tenant: str, op: str, fields: Mapping[str, Any]
@@ -999,8 +1007,10 @@ def spawn_agent(
     env: Mapping[str, str] | None = None,
     config: str | os.PathLike[str] | None = None,
     timeout_s: float = SPAWN_TIMEOUT_S,
+    netns: str | None = None,
 ) -> AgentProcess:
-    """Start an agent on ephemeral loopback ports (unless `env` says otherwise) and wait for it."""
+    """Start an agent on ephemeral loopback ports (unless `env` says otherwise) and wait for it;
+    with `netns`, inside that network namespace (`ip netns exec`: the same process id)."""
     data = Path(data_dir).absolute()
     data.mkdir(parents=True, exist_ok=True)
     child_env = {
@@ -1017,6 +1027,8 @@ def spawn_agent(
     args = [sys.executable, "-c", "from dpu_agent.cli import main; main()", "agent", "run"]
     if config is not None:
         args += ["--config", str(config)]
+    if netns is not None:
+        args = ["ip", "netns", "exec", netns, *args]
     with open(data / "agent.log", "ab") as out:
         proc = subprocess.Popen(args, env=child_env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout_s

@@ -10,6 +10,10 @@ the inference loop; the next call reconnects.
     client = KVClient("tcp://127.0.0.1:7400", "default", token, layout, salt)
     n = client.get(tokens, [np.empty(layout.chunk_shape, np.float16) for _ in range(8)])
 
+One interface (KVStore), two implementations: NodeClient (one agent, here) and
+host_shim.cluster.ClusterRouter (a NodeClient per member of a cluster); KVClient holds the one
+its URL names (`tcp://a:7400,b:7400`: a cluster; parse_client_url lists the forms).
+
 The control channel is also what `dpuctl` uses for admin commands. Transport failures raise
 AgentUnreachable; error replies raise ControlError with the agent's code and message.
 """
@@ -26,9 +30,10 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any, Self
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -48,6 +53,9 @@ from kvproto.control import (
 )
 from kvproto.keys import KEY_BYTES, ChunkLayout, chunk_keys
 
+if TYPE_CHECKING:
+    from host_shim.cluster import ClusterRouter
+
 __all__ = [
     "PIPELINE_BYTES_MAX",
     "PIPELINE_DEPTH_MAX",
@@ -55,8 +63,12 @@ __all__ = [
     "ControlChannel",
     "ControlError",
     "KVClient",
+    "KVStore",
+    "NodeClient",
     "byte_view",
+    "is_cluster_url",
     "new_hostnqn",
+    "parse_client_url",
     "parse_control_url",
 ]
 
@@ -354,60 +366,20 @@ def byte_view(buf: Any, nbytes: int, *, writable: bool) -> memoryview:
     return view
 
 
-class KVClient:
-    """The inference side of the tier: lookup, get, put and prefetch of KV chunks.
+class KVStore(ABC):
+    """The one interface of the tier's client, for one agent (NodeClient) or a cluster
+    (host_shim.cluster.ClusterRouter over NodeClients); KVClient picks one from the URL.
 
-    `control` is ``tcp://host:port`` or ``unix:///path``; the NVMe/TCP address and subsystem
-    come from the agent's hello. Calls are thread-safe. When the agent is lost, calls return
-    0 (misses) and log once; the next call reconnects.
-
-    Several comma-separated seeds (``tcp://seed1:7400,seed2:7400``) give a cluster client
-    (host_shim.cluster.ClusterKVClient) that routes each key to its owners.
+    Key-level calls are what an implementation provides; token-level calls (lookup, get,
+    put, lease, delete by tokens) and prefetch are built on them here, once.
     """
 
-    def __new__(cls, control: str, *args: Any, **kwargs: Any) -> KVClient:
-        if cls is KVClient and "," in control:
-            from host_shim.cluster import ClusterKVClient  # imports this module: no cycle at top
+    layout: ChunkLayout
+    _salt: bytes
 
-            return super().__new__(ClusterKVClient)
-        return super().__new__(cls)
-
-    def __init__(
-        self,
-        control: str,
-        tenant: str,
-        token: str,
-        layout: ChunkLayout,
-        salt: bytes,
-        *,
-        io_queues: int = 4,
-        timeout_s: float = 5.0,
-        hostnqn: str | None = None,
-        transport: str = "nvme-tcp",
-    ) -> None:
-        if (
-            isinstance(io_queues, bool)
-            or not isinstance(io_queues, int)
-            or not (1 <= io_queues <= IO_QUEUES_MAX)
-        ):  # from a config (LMCache's dpukv.io_queues): a clear error, not an assert
-            raise ValueError(
-                f"io_queues={io_queues!r}: give an integer from 1 to {IO_QUEUES_MAX} "
-                "(LMCache: extra_config dpukv.io_queues)"
-            )
-        # "nixl": the agent moves chunks into/out of registered buffers (host_shim.transport);
-        # "auto": NIXL when both sides have it, NVMe/TCP otherwise; the log says which
-        self._xport = TransportSelector(transport, tenant)
+    def _init_keys(self, layout: ChunkLayout, salt: bytes) -> None:
         self.layout = layout
         self._salt = bytes(salt)
-        self._channel = ControlChannel(control, tenant, token, hostnqn=hostnqn, timeout_s=timeout_s)
-        self._io_queues = io_queues
-        self._timeout_s = timeout_s
-        self._nvme: NvmeTcpController | None = None
-        self._pool = ThreadPoolExecutor(max_workers=io_queues, thread_name_prefix="kvclient-io")
-        self._lock = threading.RLock()
-        self._lost_logged = False
-        self._retry_at = 0.0  # monotonic time before which a lost agent is not retried
-        self._closed = False
         chunk_keys(
             np.zeros(0, dtype=np.uint32),
             salt=self._salt,
@@ -415,16 +387,13 @@ class KVClient:
             chunk_tokens=layout.chunk_tokens,
         )  # validates the salt now, not mid-inference
 
-    def __repr__(self) -> str:
-        return f"KVClient({self._channel.url!r}, tenant={self._channel.tenant!r})"
-
-    def __enter__(self) -> KVClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # --- keys and connection ----------------------------------------------------------------
+    # --- token-level calls ------------------------------------------------------------------
     def keys(self, tokens: Sequence[int] | np.ndarray) -> list[bytes]:
         """One 16-byte key per full chunk of `tokens` (at most CHUNKS_PER_CALL_MAX chunks)."""
         n = self.layout.chunk_tokens
@@ -435,55 +404,6 @@ class KVClient:
             )
         return chunk_keys(tokens, salt=self._salt, layout_id=self.layout.layout_id, chunk_tokens=n)
 
-    def _ensure(self) -> NvmeTcpController:
-        assert not self._closed, "KVClient used after close()"
-        if self._nvme is not None and self._channel.connected:
-            return self._nvme
-        wait_s = self._retry_at - time.monotonic()
-        if wait_s > 0:  # the agent was lost a moment ago: a miss now, not a stall per call
-            raise AgentUnreachable(f"agent {self._channel.url} lost; retrying in {wait_s:.2f} s")
-        self._retry_at = time.monotonic() + RECONNECT_BACKOFF_S
-        self._drop()
-        hello = self._channel.connect()
-        nv = hello["nvme"]
-        try:
-            self._nvme = NvmeTcpController.connect(
-                nv["host"],
-                int(nv["port"]),
-                subnqn=nv["subnqn"],
-                hostnqn=self._channel.hostnqn,
-                io_queues=self._io_queues,
-                dhchap_key=nv.get("dhchap_key"),  # issued by the agent (docs/NVME_AUTH.md)
-                psk=nv.get("psk"),
-            )
-        except (OSError, NvmeError) as e:
-            self._channel.close()
-            raise AgentUnreachable(f"NVMe/TCP {nv['host']}:{nv['port']}: {e}") from None
-        if self._xport.wanted != "nvme-tcp":
-            self._xport.attach(self._channel, hello, _LOST)
-        if self._lost_logged:
-            log.warning("kvclient: agent %s is back", self._channel.url)
-        self._lost_logged = False
-        self._retry_at = 0.0
-        return self._nvme
-
-    def _drop(self) -> None:
-        if self._nvme is not None:
-            with contextlib.suppress(Exception):
-                self._nvme.close()
-            self._nvme = None
-
-    def _lost(self, e: Exception) -> int:
-        """The agent is gone or the data path broke: a miss, logged once per outage."""
-        self._drop()
-        self._channel.close()
-        if not self._lost_logged:
-            reason = e.message if isinstance(e, ControlError) else f"{type(e).__name__}: {e}"
-            log.warning("kvclient: agent lost (%s); serving misses until it is back", reason)
-            self._lost_logged = True
-        return 0
-
-    # --- public calls -----------------------------------------------------------------------
     def lookup(self, tokens: Sequence[int] | np.ndarray) -> int:
         """How many leading full chunks of `tokens` the tier holds."""
         return self.lookup_keys(self.keys(tokens))
@@ -509,14 +429,252 @@ class KVClient:
             )
         return self.put_keys(keys, chunks)
 
-    # --- key-level calls: for engines that name chunks themselves (LMCache) ------------------
+    def lease(self, tokens: Sequence[int] | np.ndarray) -> tuple[int, int]:
+        """lookup() that also leases the cached prefix (the agent neither evicts nor frees it
+        until release_lease() or the lease TTL): (chunks, lease_id); lease_id 0 holds nothing.
+        For a scheduler that promises chunks now and loads them a step later."""
+        keys = self.keys(tokens)
+        if not keys:
+            return 0, 0
+        return self.lease_keys(keys)
+
+    def delete(self, tokens: Sequence[int] | np.ndarray) -> int:
+        """Drop the chunks of `tokens`; returns how many were there."""
+        keys = self.keys(tokens)
+        return self.delete_keys(keys) if keys else 0
+
     def lookup_keys(self, keys: Sequence[bytes]) -> int:
         """How many leading chunks of `keys` the tier holds."""
         return len(self.lookup_lengths(keys))
 
+    async def prefetch(self, tokens: Sequence[int] | np.ndarray) -> int:
+        """Touch the cached prefix (the agent promotes it) without blocking the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.lookup, tokens)
+
+    # --- what an implementation provides ----------------------------------------------------
+    @abstractmethod
     def lookup_lengths(self, keys: Sequence[bytes]) -> list[int]:
         """The byte length of each leading cached chunk of `keys`: a buffer for get_keys()
         when chunks are not all layout.chunk_bytes long (LMCache objects)."""
+
+    @abstractmethod
+    def get_keys(
+        self, keys: Sequence[bytes], into: Sequence[Any], *, chunk_bytes: int | None = None
+    ) -> int:
+        """get() by key: load the cached prefix of `keys[:len(into)]` into `into[0..]`.
+
+        Each buffer holds `chunk_bytes` (default layout.chunk_bytes); a stored chunk of another
+        length is a miss. Checksums are verified as in get().
+        """
+
+    @abstractmethod
+    def put_keys(
+        self,
+        keys: Sequence[bytes],
+        chunks: Sequence[Any],
+        parents: Sequence[bytes | None] | None = None,
+        *,
+        chunk_bytes: int | None = None,
+    ) -> int:
+        """put() by key: store `chunks` under `keys[:len(chunks)]` (skipping those already
+        cached); returns how many leading chunks the tier holds afterwards.
+
+        `parents[i]` is the key chunk i extends (the agent evicts children first); by default
+        the previous key, None for the first. Each chunk holds `chunk_bytes` (default
+        layout.chunk_bytes).
+        """
+
+    @abstractmethod
+    def lease_keys(self, keys: list[bytes]) -> tuple[int, int]:
+        """lease() by key: (leading chunks held, lease_id); lease_id 0 holds nothing."""
+
+    @abstractmethod
+    def release_lease(self, lease_id: int) -> None:
+        """Give back a lease from lease(); a lost agent or an expired lease is not an error
+        (the agent dropped it already)."""
+
+    @abstractmethod
+    def delete_keys(self, keys: list[bytes]) -> int:
+        """delete() by key: how many of `keys` were there."""
+
+    @property
+    @abstractmethod
+    def transport(self) -> str:
+        """The data path in use: "nixl" or "nvme-tcp" ("" before the first connect)."""
+
+    @property
+    @abstractmethod
+    def channel(self) -> ControlChannel:
+        """A connected control channel (stats, members, raw calls)."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """The tenant's stats as the agent (or each member) reports them."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release every connection and thread; idempotent."""
+
+
+def parse_client_url(url: str) -> list[str]:
+    """The control URLs a client URL names: one agent, or the seeds of a cluster.
+
+    ``tcp://host:port``, ``tls://host:port``, ``unix:///path``: one agent (a list of one
+    URL, no comma). A comma makes a cluster URL: ``tcp://a:7400,b:7400`` (seeds after the
+    first take its scheme), ``tcp://a:7400,tcp://b:7400``, ``tcp://[::1]:7400,[::1]:7401``,
+    and ``tcp://seed:7400,`` (one seed, still a cluster). ValueError for anything else.
+    """
+    if "," not in url:
+        parse_control_url(url)
+        return [url]
+    parts = [u.strip() for u in url.split(",")]
+    seeds = [u for u in parts if u]
+    if not seeds:
+        raise ValueError(f"cluster URL {url!r} names no seed; tcp://host:port,host:port")
+    if "://" not in seeds[0]:
+        raise ValueError(
+            f"cluster URL {url!r}: the first seed needs a scheme (tcp://, tls:// or unix://); "
+            "later seeds may omit it: tcp://a:7400,b:7400"
+        )
+    scheme = seeds[0].split("://", 1)[0]
+    out = [u if "://" in u else f"{scheme}://{u}" for u in seeds]
+    for u in out:
+        parse_control_url(u)  # ValueError now, not mid-inference
+    return out
+
+
+def is_cluster_url(url: str) -> bool:
+    """A comma makes a cluster URL, even with one seed (``tcp://seed:7400,``)."""
+    return "," in url
+
+
+class NodeClient(KVStore):
+    """The tier's client of one agent: lookup, get, put and prefetch of KV chunks.
+
+    `control` is ``tcp://host:port`` or ``unix:///path``; the NVMe/TCP address and subsystem
+    come from the agent's hello. Calls are thread-safe. When the agent is lost, calls return
+    0 (misses) and log once; the next call reconnects. `timeout_s` bounds every wait on the
+    agent (connect, each reply, each NVMe/TCP PDU): the longest the agent may stay silent
+    while a call waits on it. `on_lost(error)` runs when the agent is lost (a cluster router
+    marks the node down).
+    """
+
+    def __init__(
+        self,
+        control: str,
+        tenant: str,
+        token: str,
+        layout: ChunkLayout,
+        salt: bytes,
+        *,
+        io_queues: int = 4,
+        timeout_s: float = 5.0,
+        hostnqn: str | None = None,
+        transport: str = "nvme-tcp",
+        on_lost: Callable[[Exception], None] | None = None,
+    ) -> None:
+        assert 1 <= io_queues <= IO_QUEUES_MAX, io_queues
+        # "nixl": the agent moves chunks into/out of registered buffers (host_shim.transport);
+        # "auto": NIXL when both sides have it, NVMe/TCP otherwise; the log says which
+        self._xport = TransportSelector(transport, tenant)
+        self._channel = ControlChannel(control, tenant, token, hostnqn=hostnqn, timeout_s=timeout_s)
+        self._io_queues = io_queues
+        self._timeout_s = timeout_s
+        self._on_lost = on_lost
+        self._nvme: NvmeTcpController | None = None
+        self._pool = ThreadPoolExecutor(max_workers=io_queues, thread_name_prefix="kvclient-io")
+        self._lock = threading.RLock()
+        self._lost_logged = False
+        self._retry_at = 0.0  # monotonic time before which a lost agent is not retried
+        self._closed = False
+        self._init_keys(layout, salt)
+
+    def __repr__(self) -> str:
+        return f"NodeClient({self._channel.url!r}, tenant={self._channel.tenant!r})"
+
+    @property
+    def url(self) -> str:
+        return self._channel.url
+
+    # --- connection -------------------------------------------------------------------------
+    def _ensure(self) -> NvmeTcpController:
+        assert not self._closed, "KVClient used after close()"
+        if self._nvme is not None and self._channel.connected:
+            return self._nvme
+        wait_s = self._retry_at - time.monotonic()
+        if wait_s > 0:  # the agent was lost a moment ago: a miss now, not a stall per call
+            raise AgentUnreachable(f"agent {self._channel.url} lost; retrying in {wait_s:.2f} s")
+        self._retry_at = time.monotonic() + RECONNECT_BACKOFF_S
+        self._drop()
+        hello = self._channel.connect()
+        nv = hello["nvme"]
+        try:
+            self._nvme = NvmeTcpController.connect(
+                nv["host"],
+                int(nv["port"]),
+                subnqn=nv["subnqn"],
+                hostnqn=self._channel.hostnqn,
+                io_queues=self._io_queues,
+                timeout_s=self._timeout_s,  # the same bound as the control channel's
+                dhchap_key=nv.get("dhchap_key"),  # issued by the agent (docs/NVME_AUTH.md)
+                psk=nv.get("psk"),
+            )
+        except (OSError, NvmeError) as e:
+            self._channel.close()
+            raise AgentUnreachable(f"NVMe/TCP {nv['host']}:{nv['port']}: {e}") from None
+        if self._xport.wanted != "nvme-tcp":
+            self._xport.attach(self._channel, hello, _LOST)
+        if self._lost_logged:
+            log.warning("kvclient: agent %s is back", self._channel.url)
+        self._lost_logged = False
+        self._retry_at = 0.0
+        return self._nvme
+
+    def probe(self) -> bool:
+        """Connect now if not connected (a circuit breaker's probe); True when connected."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._retry_at = 0.0  # a probe connects now, whatever the backoff says
+            try:
+                self._ensure()
+                self._channel.call("stats")
+            except _LOST as e:
+                self._lost(e, notify=False)
+                return False
+            return True
+
+    def _drop(self, *, abort: bool = False) -> None:
+        if self._nvme is not None:
+            with contextlib.suppress(Exception):
+                if abort:  # the agent stopped answering: the shutdown handshake would wait
+                    self._nvme.abort()
+                else:
+                    self._nvme.close()
+            self._nvme = None
+
+    def _lost(self, e: Exception, *, notify: bool = True) -> int:
+        """The agent is gone or the data path broke: a miss, logged once per outage. Closing
+        never waits on the agent (it may be the reason we are here)."""
+        self._drop(abort=True)
+        self._channel.close()
+        # the next calls are misses at once for a while, not another timeout each (a miss
+        # during that while does not extend it)
+        now = time.monotonic()
+        if self._retry_at <= now:
+            self._retry_at = now + RECONNECT_BACKOFF_S
+        if not self._lost_logged:
+            reason = e.message if isinstance(e, ControlError) else f"{type(e).__name__}: {e}"
+            log.warning("kvclient: agent lost (%s: %s); serving misses until it is back",
+                        self._channel.url, reason)  # fmt: skip
+            self._lost_logged = True
+        if notify and self._on_lost is not None:
+            self._on_lost(e)
+        return 0
+
+    # --- key-level calls --------------------------------------------------------------------
+    def lookup_lengths(self, keys: Sequence[bytes]) -> list[int]:
         keys = _checked_keys(keys, "keys")
         if not keys:
             return []
@@ -532,11 +690,6 @@ class KVClient:
     def get_keys(
         self, keys: Sequence[bytes], into: Sequence[Any], *, chunk_bytes: int | None = None
     ) -> int:
-        """get() by key: load the cached prefix of `keys[:len(into)]` into `into[0..]`.
-
-        Each buffer holds `chunk_bytes` (default layout.chunk_bytes); a stored chunk of another
-        length is a miss. Checksums are verified as in get().
-        """
         keys = _checked_keys(keys, "keys")[: len(into)]
         if not keys:
             return 0
@@ -560,13 +713,6 @@ class KVClient:
         *,
         chunk_bytes: int | None = None,
     ) -> int:
-        """put() by key: store `chunks` under `keys[:len(chunks)]` (skipping those already
-        cached); returns how many leading chunks the tier holds afterwards.
-
-        `parents[i]` is the key chunk i extends (the agent evicts children first); by default
-        the previous key, None for the first. Each chunk holds `chunk_bytes` (default
-        layout.chunk_bytes).
-        """
         keys = _checked_keys(keys, "keys")
         if parents is None:
             parents = [None, *keys[:-1]]
@@ -591,11 +737,8 @@ class KVClient:
             except _LOST as e:
                 return self._lost(e)
 
-    def lease(self, tokens: Sequence[int] | np.ndarray) -> tuple[int, int]:
-        """lookup() that also leases the cached prefix (the agent neither evicts nor frees it
-        until release_lease() or the lease TTL): (chunks, lease_id); lease_id 0 holds nothing.
-        For a scheduler that promises chunks now and loads them a step later."""
-        keys = self.keys(tokens)
+    def lease_keys(self, keys: list[bytes]) -> tuple[int, int]:
+        keys = _checked_keys(keys, "keys")
         if not keys:
             return 0, 0
         with self._lock:
@@ -607,8 +750,6 @@ class KVClient:
         return len(res["hits"]), int(res["lease_id"] or 0)
 
     def release_lease(self, lease_id: int) -> None:
-        """Give back a lease from lease(); a lost agent or an expired lease is not an error
-        (the agent dropped it already)."""
         if not lease_id:
             return
         with self._lock:
@@ -618,22 +759,34 @@ class KVClient:
             except _LOST as e:
                 self._lost(e)
 
-    def delete(self, tokens: Sequence[int] | np.ndarray) -> int:
-        """Drop the chunks of `tokens`; returns how many were there."""
-        keys = self.keys(tokens)
+    def delete_keys(self, keys: list[bytes]) -> int:
+        return sum(self.deleted(keys))
+
+    def deleted(self, keys: list[bytes]) -> list[bool]:
+        """Drop `keys`; per key whether it was there (all False when the agent is lost)."""
+        keys = _checked_keys(keys, "keys")
         if not keys:
-            return 0
+            return []
         with self._lock:
             try:
                 self._ensure()
                 replies = self._channel.pipeline([("delete", {"key": k}) for k in keys])
             except _LOST as e:
-                return self._lost(e)
-        return sum(1 for r in replies if r.ok)
+                self._lost(e)
+                return [False] * len(keys)
+        return [bool(r.ok) for r in replies]
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            try:
+                self._ensure()
+                return self._channel.call("stats")
+            except _LOST as e:
+                self._lost(e)
+                raise AgentUnreachable(f"agent {self._channel.url} does not answer: {e}") from None
 
     @property
     def transport(self) -> str:
-        """The data path in use: "nixl" or "nvme-tcp" ("" before the first connect)."""
         return self._xport.transport or ("" if self._xport.wanted != "nvme-tcp" else "nvme-tcp")
 
     def _nixl_call(
@@ -667,7 +820,6 @@ class KVClient:
         return self._channel
 
     async def prefetch(self, tokens: Sequence[int] | np.ndarray) -> int:
-        """Touch the cached prefix (the agent promotes it) without blocking the event loop."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self.lookup, tokens)
 
@@ -682,6 +834,17 @@ class KVClient:
             self._xport.close()
             self._closed = True
 
+    def abort(self) -> None:
+        """close() for an agent that stopped answering: nothing waits on it."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            if self._closed:
+                return
+            self._drop(abort=True)
+            self._channel.close()
+            self._xport.close()
+            self._closed = True
+
     # --- data path --------------------------------------------------------------------------
     def _read(self, nvme: NvmeTcpController, keys: list[bytes], views: list[memoryview]) -> int:
         """Lease, read and verify the cached prefix of `keys`; the lease is released (and a
@@ -689,6 +852,7 @@ class KVClient:
         res = self._channel.call("lookup", keys=keys)
         hits = res["hits"]
         loaded = 0
+        ok: list[Any] = []  # stays empty when the data path broke: nothing was verified
         try:
             ok = self._parallel(nvme, [(h, views[i]) for i, h in enumerate(hits)], False)
             loaded = _leading(ok)
@@ -696,7 +860,10 @@ class KVClient:
             after: list[tuple[str, dict[str, Any]]] = []
             if res["lease_id"]:
                 after.append(("release", {"lease_id": res["lease_id"]}))
-            if loaded < len(hits):  # failed verification: never serve it again
+            # Only a checksum that did not match is corruption: a command the target failed,
+            # a chunk of another size or a broken connection (no answer within the timeout)
+            # is a miss, and the chunk stays for the next reader.
+            if loaded < len(ok) and ok[loaded] is False:
                 log.warning("kvclient: chunk %s failed verification", hits[loaded][0].hex())
                 after.append(("delete", {"key": hits[loaded][0], "corrupt": True}))
             self._channel.post(after)  # no round trip: the next call reads the replies
@@ -770,6 +937,109 @@ class KVClient:
             raise
 
 
+class KVClient(KVStore):
+    """The client applications use, for one agent or a cluster: the same calls either way.
+
+    ``KVClient("tcp://127.0.0.1:7400", tenant, token, layout, salt)`` talks to one agent
+    (a NodeClient); a URL with a comma (``tcp://a:7400,b:7400``, ``tcp://seed:7400,``) routes
+    each key to its owners over every member (host_shim.cluster.ClusterRouter, one NodeClient
+    per member). `parse_client_url` lists the URL forms.
+
+    `timeout_s`: with one agent, the longest a call waits on it (connect, each reply); in a
+    cluster, the budget for reaching any seed when there is no member list yet.
+    `node_deadline_s` (clusters; default host_shim.cluster.NODE_DEADLINE_S): the longest a
+    call waits on one member before that member is marked down and skipped
+    (docs/CLUSTER.md, "Failures cost a deadline, once").
+    """
+
+    def __init__(
+        self,
+        control: str,
+        tenant: str,
+        token: str,
+        layout: ChunkLayout,
+        salt: bytes,
+        *,
+        io_queues: int = 4,
+        timeout_s: float = 5.0,
+        hostnqn: str | None = None,
+        transport: str = "nvme-tcp",
+        node_deadline_s: float | None = None,
+    ) -> None:
+        seeds = parse_client_url(control)
+        if not 1 <= io_queues <= IO_QUEUES_MAX:  # now: a cluster builds its NodeClients later
+            raise ValueError(f"io_queues={io_queues}: give 1..{IO_QUEUES_MAX}")
+        self._init_keys(layout, salt)
+        self.router: ClusterRouter | None = None
+        impl: KVStore
+        if is_cluster_url(control):
+            from host_shim.cluster import ClusterRouter  # imports this module: no cycle at top
+
+            impl = self.router = ClusterRouter(
+                seeds, tenant, token, layout, salt, io_queues=io_queues, timeout_s=timeout_s,
+                hostnqn=hostnqn, transport=transport, node_deadline_s=node_deadline_s,
+            )  # fmt: skip
+        else:
+            impl = NodeClient(
+                control, tenant, token, layout, salt, io_queues=io_queues,
+                timeout_s=timeout_s, hostnqn=hostnqn, transport=transport,
+            )  # fmt: skip
+        self._impl = impl
+        self.url = control
+
+    def __repr__(self) -> str:
+        return f"KVClient({self.url!r}, {self._impl!r})"
+
+    @property
+    def node(self) -> NodeClient | None:
+        """The single agent's client (None for a cluster URL)."""
+        return self._impl if isinstance(self._impl, NodeClient) else None
+
+    def lookup_lengths(self, keys: Sequence[bytes]) -> list[int]:
+        return self._impl.lookup_lengths(keys)
+
+    def get_keys(
+        self, keys: Sequence[bytes], into: Sequence[Any], *, chunk_bytes: int | None = None
+    ) -> int:
+        return self._impl.get_keys(keys, into, chunk_bytes=chunk_bytes)
+
+    def put_keys(
+        self,
+        keys: Sequence[bytes],
+        chunks: Sequence[Any],
+        parents: Sequence[bytes | None] | None = None,
+        *,
+        chunk_bytes: int | None = None,
+    ) -> int:
+        return self._impl.put_keys(keys, chunks, parents, chunk_bytes=chunk_bytes)
+
+    def lease_keys(self, keys: list[bytes]) -> tuple[int, int]:
+        return self._impl.lease_keys(keys)
+
+    def release_lease(self, lease_id: int) -> None:
+        self._impl.release_lease(lease_id)
+
+    def delete_keys(self, keys: list[bytes]) -> int:
+        return self._impl.delete_keys(keys)
+
+    @property
+    def transport(self) -> str:
+        return self._impl.transport
+
+    @property
+    def channel(self) -> ControlChannel:
+        return self._impl.channel
+
+    def stats(self) -> dict[str, Any]:
+        return self._impl.stats()
+
+    async def prefetch(self, tokens: Sequence[int] | np.ndarray) -> int:
+        return await self._impl.prefetch(tokens)
+
+    def close(self) -> None:
+        self._impl.close()
+
+
 def _outcome(
     hit: list[Any],
     view: memoryview,
@@ -777,13 +1047,14 @@ def _outcome(
     csum: Future[bytes] | None,
     write: bool,
 ) -> Any:
-    """The checksum of a written chunk, whether a read chunk verified, or False."""
+    """A written chunk: its checksum, or False. A read chunk: whether it verified, or None
+    when it was not read (a command the target failed, or a chunk of another size)."""
     oks = [f.result() for f in segs]  # every segment settled, failed or not
     good = bool(oks) and all(oks)
     if write:
         checksum = csum.result() if csum is not None else b""
         return checksum if good else False
-    return good and verify_checksum(hit[0], view, hit[5])
+    return verify_checksum(hit[0], view, hit[5]) if good else None
 
 
 def _segment_io(

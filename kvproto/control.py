@@ -30,7 +30,9 @@ Operations (fields; every connection starts with ``hello``):
   checksum check failed: the agent counts and logs an integrity failure).
 - ``stats`` -> the tenant's stats.  ``members`` -> members (list of {name, control, nvme,
   capacity_bytes}); in a cluster also epoch, replicas (the session tenant's R) and each
-  member's status, state and zone.
+  member's status, state and zone. With ``since`` (the client's epoch) a cluster member
+  answers ``unchanged: true``, or ``changed`` (rows) and ``removed`` (names) since that
+  epoch, with epoch and replicas; the whole list when it does not remember that epoch.
 - Cluster: ``lookup`` and ``reserve`` may carry ``epoch`` (the client's membership epoch,
   kvproto.placement); a node whose epoch differs answers ``moved`` and the client reads
   ``members`` again (Redis Cluster's MOVED).
@@ -305,7 +307,7 @@ OPS: Final[dict[str, _Schema]] = {
     "pin": {"key": (_key, True)},
     "unpin": {"key": (_key, True)},
     "stats": {},
-    "members": {},
+    "members": {"since": (_optional(_int), False)},  # cluster: the client's epoch (a delta)
     "tenants_list": {},
     "tenant_add": {
         "tenant": (_tenant, True),

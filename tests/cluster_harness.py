@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import random
 import secrets
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dpu_agent.cluster import free_port
+from dpu_agent.cluster._serf_process import PICK_PORT_RANGE
 from dpu_agent.service import AgentProcess, spawn_agent
 from host_shim.client import ControlChannel, ControlError
 
@@ -52,6 +54,12 @@ def secrets_env(root: Path, node_dir: Path) -> dict[str, str]:
         "DPUKV_CLUSTER_KEYRING_FILE": str(node_dir / "serf-keyring.json"),
         "DPUKV_CLUSTER_PEER_KEY_FILE": str(root / "peer.key"),
     }
+def _port(host: str, netns: str | None) -> int:
+    """A free port on `host`; in a namespace a test made (nothing else binds there), any
+    port from the range Serf ports are picked from."""
+    if netns is None:
+        return free_port(host)
+    return random.randrange(*PICK_PORT_RANGE)
 
 
 SMALL_TIERS = {"DPUKV_STORAGE_DRAM_BYTES": str(16 << 20), "DPUKV_STORAGE_NVME_BYTES": str(64 << 20)}
@@ -87,12 +95,21 @@ class Cluster:
         )
 
     def start(
-        self, name: str, zone: str = "", serf_rpc: str = "", extra_env: dict[str, str] | None = None
+        self,
+        name: str,
+        zone: str = "",
+        serf_rpc: str = "",
+        extra_env: dict[str, str] | None = None,
+        *,
+        netns: str | None = None,
+        host: str = "",
     ) -> Node:
-        """Start agent `name`; with `serf_rpc` it uses that (operator-run) Serf agent."""
+        """Start agent `name`; with `serf_rpc` it uses that (operator-run) Serf agent. With
+        `netns` and `host` the agent and its Serf run in that namespace on that address."""
         seeds = [n.serf_bind for n in self.nodes.values() if n.agent.proc.poll() is None]
-        bind = f"{self.host}:{free_port(self.host)}"
-        rpc = serf_rpc or f"{self.host}:{free_port(self.host)}"
+        host = host or self.host
+        bind = f"{host}:{_port(host, netns)}"
+        rpc = serf_rpc or f"{host}:{_port(host, netns)}"
         env = {
             "DPUKV_CLUSTER_SERF_START": "0" if serf_rpc else "1",
             **SMALL_TIERS,
@@ -108,7 +125,8 @@ class Cluster:
             **secrets_env(self.root, self.root / name),
             **(extra_env or {}),
         }
-        agent = spawn_agent(self.root / name, env=env, config=self.root / "cluster.toml")
+        agent = spawn_agent(self.root / name, env=env, config=self.root / "cluster.toml",
+                            netns=netns)  # fmt: skip
         env["DPUKV_AGENT_DATA_DIR"] = str(self.root / name)
         node = self.nodes[name] = Node(name, agent, bind, rpc, env)
         return node

@@ -77,7 +77,8 @@ def test_corrupted_chunk_ends_the_prefix(agent: AgentProcess, tmp_path: Path) ->
         assert c.put(tokens, chunks) == 3
         hits = c.channel.call("lookup", keys=c.keys(tokens), lease=False)["hits"]
         _, nsid, lba, _, _, _ = hits[1]
-        nvme = c._nvme  # the client's own data path: overwrite chunk 1 behind the engine's back
+        # the client's own data path: overwrite chunk 1 behind the engine's back
+        nvme = c.node._nvme if c.node is not None else None
         assert nvme is not None
         nvme.write(nsid, lba, bytes(4096))
         out = [np.empty(LAYOUT.chunk_shape, np.uint16) for _ in range(3)]

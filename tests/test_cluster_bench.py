@@ -26,6 +26,9 @@ def test_simulate_json_within_done_when_bounds() -> None:
     assert 1.0 <= rep["max_over_mean_load"] <= 1.1
     assert rep["lookup_hops"] == 1.0
     assert 0 < rep["convergence_s_p50"] <= rep["convergence_s_p99"] < 5
+    # a refresh is a delta by epoch: nothing changed costs a few dozen bytes, a join one row
+    assert rep["refresh_unchanged_bytes"] < 200 < rep["refresh_one_join_bytes"] < 600
+    assert rep["refresh_full_bytes"] > 64 * 150
 
 
 def test_bad_node_count_is_a_usage_error() -> None:

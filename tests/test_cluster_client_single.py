@@ -1,5 +1,5 @@
-"""ClusterKVClient against one agent that is not in cluster mode (it owns everything, no epoch
-is sent), bad seed lists, and Serf's port picking."""
+"""A cluster-URL KVClient (ClusterRouter) against one agent that is not in cluster mode (it
+owns everything, no epoch is sent), bad seed lists, and Serf's port picking."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dpu_agent.cluster import free_port
 from dpu_agent.cluster._serf_process import PICK_PORT_RANGE
 from dpu_agent.service import AgentProcess, spawn_agent
 from host_shim import KVClient
-from host_shim.cluster import ClusterKVClient
+from host_shim.client import NodeClient
 from kvproto.keys import ChunkLayout
 
 LAYOUT = ChunkLayout("single", "float16", 1, 1, 64, chunk_tokens=16)
@@ -31,8 +31,9 @@ def agent(tmp_path: Path) -> Iterator[AgentProcess]:
 def test_one_plain_agent_behind_a_cluster_url(agent: AgentProcess) -> None:
     dead = "tcp://127.0.0.1:1"  # a seed that does not answer is skipped
     with KVClient(f"{dead},{agent.control_url}", "default", agent.token, LAYOUT, SALT) as kv:
-        assert isinstance(kv, ClusterKVClient)
-        assert kv.refresh() and kv.epoch is None and len(kv.placement.serving) == 1
+        r = kv.router
+        assert r is not None
+        assert r.refresh() and r.epoch is None and len(r.placement.serving) == 1
         tokens = np.arange(3 * 16, dtype=np.uint32)
         chunks = [np.full(LAYOUT.chunk_shape, i, np.float16) for i in range(3)]
         assert kv.put(tokens, chunks) == 3 and kv.lookup(tokens) == 3
@@ -41,7 +42,7 @@ def test_one_plain_agent_behind_a_cluster_url(agent: AgentProcess) -> None:
         assert kv.get(tokens, out) == 3 and out[2].tobytes() == chunks[2].tobytes()
         assert kv.delete(tokens) == 3 and kv.lookup(tokens) == 0
     with KVClient(agent.control_url, "default", agent.token, LAYOUT, SALT) as one:
-        assert type(one) is KVClient  # one URL keeps meaning one agent
+        assert one.router is None and isinstance(one.node, NodeClient)  # one URL: one agent
 
 
 def test_no_seed_answering_gives_misses_not_errors() -> None:
@@ -77,17 +78,19 @@ def test_hot_keys_get_more_owners_and_cold_rows_name_no_extra_owner() -> None:
     from kvproto.placement import Node, Placement
 
     kv = KVClient("tcp://127.0.0.1:1,", "default", "t", LAYOUT, SALT)
-    assert isinstance(kv, ClusterKVClient)
+    r = kv.router
+    assert r is not None
     try:
-        kv._placement = Placement([Node(name=f"n{i}") for i in range(5)])
-        kv._refreshed_at = time.monotonic()
+        r._placement = Placement([Node(name=f"n{i}") for i in range(5)])
+        r._rows = {f"n{i}": {} for i in range(5)}
+        r._refreshed_at = time.monotonic()
         hot, cold = kv.keys(np.arange(16, dtype=np.uint32))[0], kv.keys(np.arange(16, 32))[0]
-        kv._hot[hot] = time.monotonic() + 60
-        nodes, owners = kv._owners([hot, cold])
+        r._hot[hot] = time.monotonic() + 60
+        nodes, owners = r._owners([hot, cold])
         assert owners.shape == (2, 3)
-        assert sorted(owners[0]) == sorted(kv.placement.owner_index(
+        assert sorted(owners[0]) == sorted(r.placement.owner_index(
             np.frombuffer(hot[:8], "<u8").astype(np.uint64), 3)[0])  # fmt: skip
-        assert nodes[int(owners[1, 0])].name == kv.placement.owners(cold)[0].name
+        assert nodes[int(owners[1, 0])].name == r.placement.owners(cold)[0].name
         assert list(owners[1, 1:]) == [-1, -1]
     finally:
         kv.close()

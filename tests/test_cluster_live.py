@@ -1,5 +1,5 @@
 """One tier across real agents: each with its own real Serf agent on loopback ports, real
-NVMe/TCP and encryption; a ClusterKVClient routes by rendezvous placement."""
+NVMe/TCP and encryption; a cluster KVClient (ClusterRouter) routes by rendezvous placement."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from cluster_harness import Cluster
 
 from host_shim import KVClient
-from host_shim.cluster import ClusterKVClient
+from host_shim.cluster import ClusterRouter
 from kvproto.keys import ChunkLayout
 
 pytestmark = [
@@ -35,17 +35,24 @@ def chunk(i: int) -> np.ndarray:
     return rng.integers(0, 1 << 16, LAYOUT.chunk_shape, dtype=np.uint16).view(np.float16)
 
 
-def client(c: Cluster) -> ClusterKVClient:
-    kv = KVClient(c.seeds(), "default", c.token, LAYOUT, SALT, io_queues=1, timeout_s=3.0)
-    assert isinstance(kv, ClusterKVClient)
-    return kv
+def client(c: Cluster) -> KVClient:
+    # a generous per-node deadline: these tests are about placement, not failure cost, and
+    # the box running them is loaded (test_cluster_failures.py checks the default deadline)
+    return KVClient(c.seeds(), "default", c.token, LAYOUT, SALT, io_queues=1, timeout_s=3.0,
+                    node_deadline_s=3.0)  # fmt: skip
 
 
-def owner_of(kv: ClusterKVClient, i: int) -> list[str]:
-    return [n.name for n in kv.placement.owners(kv.keys(prompt(i))[0], kv.replicas)]
+def router(kv: KVClient) -> ClusterRouter:
+    assert kv.router is not None
+    return kv.router
 
 
-def held_by(c: Cluster, name: str, kv: ClusterKVClient) -> set[int]:
+def owner_of(kv: KVClient, i: int) -> list[str]:
+    r = router(kv)
+    return [n.name for n in r.placement.owners(kv.keys(prompt(i))[0], r.replicas)]
+
+
+def held_by(c: Cluster, name: str, kv: KVClient) -> set[int]:
     """Which prompts' chunks node `name` holds (asked directly, no routing)."""
     a = c.nodes[name].agent
     with KVClient(a.control_url, "default", c.token, LAYOUT, SALT, io_queues=1) as one:
@@ -68,7 +75,11 @@ def cluster3(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster
 def test_r1_puts_land_on_owners_and_kill9_misses_only_that_nodes_chunks(cluster3: Cluster) -> None:
     c = cluster3
     with client(c) as kv:
-        assert kv.refresh() and len(kv.placement.serving) == 3 and kv.replicas == 1
+        assert (
+            router(kv).refresh()
+            and len(router(kv).placement.serving) == 3
+            and router(kv).replicas == 1
+        )
         for i in range(PROMPTS):
             assert kv.put(prompt(i), [chunk(i)]) == 1
         owners = {i: owner_of(kv, i)[0] for i in range(PROMPTS)}
@@ -83,7 +94,7 @@ def test_r1_puts_land_on_owners_and_kill9_misses_only_that_nodes_chunks(cluster3
         assert kv.put(two, [chunk(0), chunk(1)]) == 2 and kv.lookup(two) == 2
         # a hot prefix: read often, it gets copies on the other nodes
         hot = next(i for i, o in owners.items() if o == "n2")
-        kv.hot_reads_per_s = 5
+        router(kv).hot_reads_per_s = 5
         for _ in range(8):
             assert kv.get(prompt(hot), out) == 1
         deadline = time.monotonic() + 10
@@ -102,7 +113,7 @@ def test_r1_puts_land_on_owners_and_kill9_misses_only_that_nodes_chunks(cluster3
 def test_r2_kill9_every_chunk_still_served_byte_exact(cluster3: Cluster) -> None:
     c = cluster3
     with client(c) as kv:
-        assert kv.refresh() and kv.replicas == 2
+        assert router(kv).refresh() and router(kv).replicas == 2
         assert all(kv.put(prompt(i), [chunk(i)]) == 1 for i in range(PROMPTS))
         for name in ("n1", "n2", "n3"):  # each chunk on both of its owners
             want = {i for i in range(PROMPTS) if name in owner_of(kv, i)}
@@ -130,7 +141,7 @@ def test_join_moves_only_newly_owned_chunks_while_lookups_answer(cluster3: Clust
     c = cluster3
     out = [np.empty(LAYOUT.chunk_shape, np.float16)]
     with client(c) as kv:
-        assert kv.refresh()
+        assert router(kv).refresh()
         assert all(kv.put(prompt(i), [chunk(i)]) == 1 for i in range(PROMPTS))
         before = {i: owner_of(kv, i)[0] for i in range(PROMPTS)}
         c.start("n4")
@@ -148,7 +159,7 @@ def test_join_moves_only_newly_owned_chunks_while_lookups_answer(cluster3: Clust
                 done = False
             if done:
                 break
-        assert kv.refresh() and len(kv.placement.serving) == 4
+        assert router(kv).refresh() and len(router(kv).placement.serving) == 4
         after = {i: owner_of(kv, i)[0] for i in range(PROMPTS)}
         assert all(after[i] in (before[i], "n4") for i in range(PROMPTS))  # nothing else moves
         gained = {i for i in range(PROMPTS) if after[i] == "n4"}

@@ -144,3 +144,46 @@ def test_vllm_refuses_chunks_that_split_its_blocks(agent: Any, prompt: list[int]
     }
     with pytest.raises(EngineError, match=r"chunk_tokens=64 is not a multiple of .*block_size"):
         run_vllm(_spec(prompt[:300], connector, {"name": "x"}), PYTHON, timeout_s=600)
+
+
+def test_vllm_through_a_three_node_cluster_url_same_output(
+    prompt: list[int], tmp_path: Path
+) -> None:
+    """The connector on a cluster URL (three real agents with real Serf, R=2): a fresh
+    instance loads what a cold one stored, with the baseline's output; with one agent killed
+    (-9) the other replicas serve every chunk and the output is still the baseline's."""
+    import shutil
+
+    if shutil.which("serf") is None:
+        pytest.skip("needs the serf binary (apt-get install serf)")
+    from cluster_harness import Cluster
+
+    assert PYTHON is not None
+    c = Cluster(tmp_path / "cluster", replicas=2)
+    try:
+        for name in ("n1", "n2", "n3"):
+            c.start(name)
+        c.wait_serving(["n1", "n2", "n3"], on=["n1", "n2", "n3"])
+        hosts = ",".join(n.agent.control_url.removeprefix("tcp://") for n in c.nodes.values())
+        connector = {
+            "control": f"tcp://{hosts}",  # the short cluster form: one scheme for all seeds
+            "tenant": "default",
+            "token": c.token,
+            "salt": os.urandom(32).hex(),
+            "chunk_tokens": CHUNK_TOKENS,
+            "fault_file": str(tmp_path / "no-fault"),
+        }
+        base = run_vllm(_spec(prompt, None, {"name": "base"}), PYTHON)[-1]
+        cold = run_vllm(_spec(prompt, connector, {"name": "cold"}), PYTHON)[-1]
+        _same_output(cold, base)
+        assert cold["num_cached_tokens"] == 0
+        usable = (len(prompt) - 1) // CHUNK_TOKENS  # the last prompt token is always computed
+        warm = run_vllm(_spec(prompt, connector, {"name": "warm"}), PYTHON)[-1]
+        assert warm["num_cached_tokens"] == usable * CHUNK_TOKENS
+        _same_output(warm, base)
+        c.nodes["n1"].agent.kill()  # R=2: every chunk has another replica
+        one_down = run_vllm(_spec(prompt, connector, {"name": "one_down"}), PYTHON)[-1]
+        assert one_down["num_cached_tokens"] == usable * CHUNK_TOKENS
+        _same_output(one_down, base)
+    finally:
+        c.stop_all()

@@ -177,3 +177,40 @@ def test_multi_turn_chat_through_the_agent(smol: tuple[Any, Any], agent: Any) ->
     for row in rows:
         assert row["max_abs_logit_diff"] <= LOGIT_TOLERANCE, row
         assert row["same_next_token"], row
+
+
+def test_multi_turn_chat_through_a_cluster_url(
+    smol: tuple[Any, Any], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """TieredModel unchanged on a cluster URL: three real agents (real Serf), R=1, the same
+    conversation and the same results as through one agent."""
+    import shutil
+
+    if shutil.which("serf") is None:
+        pytest.skip("needs the serf binary (apt-get install serf)")
+    from cluster_harness import Cluster
+
+    from host_shim.client import KVClient
+
+    model, tok = smol
+    layout = model_layout(model.config, model_id="smol", dtype=torch.float32, chunk_tokens=128)
+    c = Cluster(tmp_path_factory.mktemp("cluster"))
+    try:
+        for name in ("n1", "n2", "n3"):
+            c.start(name, extra_env={"DPUKV_STORAGE_DRAM_BYTES": str(64 << 20)})
+        c.wait_serving(["n1", "n2", "n3"], on=["n1", "n2", "n3"])
+        hosts = ",".join(n.agent.control_url.removeprefix("tcp://") for n in c.nodes.values())
+        with KVClient(f"tcp://{hosts}", "default", c.token, layout, os.urandom(32)) as kv:
+            assert kv.router is not None
+            engine = TieredModel(model, kv, layout=layout)
+            rows = run_conversation(engine, tok, CHAT, cold_blocks=())
+            held = {n: kv.router.stats()["nodes"][n] for n in ("n1", "n2", "n3")}
+    finally:
+        c.stop_all()
+    first, second = rows
+    assert first["cached_tokens"] == 0 and first["stored_chunks"] >= 3
+    assert second["cached_tokens"] >= first["prompt_tokens"] // 128 * 128  # history came back
+    for row in rows:
+        assert row["max_abs_logit_diff"] <= LOGIT_TOLERANCE, row
+        assert row["same_next_token"], row
+    assert all("error" not in s for s in held.values()), held

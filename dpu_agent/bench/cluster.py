@@ -29,6 +29,8 @@ import click
 import numpy as np
 
 from dpu_agent.cluster import SerfClient, SerfProcess, free_port, node_of
+from dpu_agent.cluster._views import ViewHistory
+from kvproto.control import Reply, encode_reply
 from kvproto.peer_auth import AUTH_TAG, member_tag
 from kvproto.placement import Node, Placement
 
@@ -135,8 +137,38 @@ def run_simulation(nodes: int, keys: int, trials: int, seed: int = 1) -> dict[st
         "convergence_s_p50": round(float(np.percentile(conv, 50)), 3),
         "convergence_s_p99": round(float(np.percentile(conv, 99)), 3),
         "failure_detect_s": round(_failure_model_s(nodes), 2),
+        **refresh_bytes(nodes),
         "calibration": CALIBRATION,
         "elapsed_s": round(time.perf_counter() - t0, 2),
+    }  # fmt: skip
+
+
+def _row(i: int) -> dict[str, Any]:
+    """A member's row in `members`, with addresses as long as a real /16 deployment's."""
+    ip = f"10.{i >> 8 & 255}.{i & 255}"
+    return {"name": f"dpu-{i:05d}.rack-{i // 32:03d}", "status": "alive", "state": "serving",
+            "control": f"tcp://{ip}.2:7400", "nvme": f"{ip}.2:4420",
+            "capacity_bytes": 4 << 40, "zone": f"rack-{i // 32:03d}",
+            "serf": f"{ip}.2:7946"}  # fmt: skip
+
+
+def refresh_bytes(nodes: int) -> dict[str, int]:
+    """Bytes of one client's member-list refresh as the agent frames it (kvproto.control):
+    the whole list, `members since=EPOCH` when nothing changed, and after one join."""
+    rows = [_row(i) for i in range(nodes)]
+    h = ViewHistory()
+    h.remember(rows, 1)
+    extras = {"epoch": 2, "since": 1, "serving": nodes, "replicas": 2, "node": rows[0]["name"]}
+
+    def framed(result: dict[str, Any]) -> int:
+        return len(encode_reply(Reply(id=1, ok=True, result=result)))
+
+    joined = [*rows, _row(nodes)]
+    return {
+        "refresh_full_bytes": framed({"members": rows, **extras, "epoch": 1}),
+        "refresh_unchanged_bytes": framed({**(h.delta(rows, 1, 1) or {}), **extras,
+                                           "epoch": 1}),
+        "refresh_one_join_bytes": framed({**(h.delta(joined, 2, 1) or {}), **extras}),
     }  # fmt: skip
 
 

@@ -58,7 +58,7 @@ import numpy as np
 
 from dpu_agent.bench import _peers
 from dpu_agent.service import spawn_agent
-from host_shim.client import ControlChannel, KVClient
+from host_shim.client import ControlChannel, NodeClient
 from host_shim.transport import nixl_status
 from kvproto.keys import ChunkLayout
 
@@ -252,7 +252,7 @@ def _cpu_s() -> float:
 
 
 def _agent_round(
-    client: KVClient, chunks: list[np.ndarray], out: list[np.ndarray], rnd: int
+    client: NodeClient, chunks: list[np.ndarray], out: list[np.ndarray], rnd: int
 ) -> tuple[float, float, float]:
     """Seconds for put then get of every chunk (a new prompt each round), byte-exact, and this
     process's CPU seconds over both calls."""
@@ -342,7 +342,7 @@ def _percentiles(channel: ControlChannel, keys: list[bytes], count: int) -> tupl
     )
 
 
-def _lookup_latency(client: KVClient, unix_url: str, token: str, count: int) -> dict[str, Any]:
+def _lookup_latency(client: NodeClient, unix_url: str, token: str, count: int) -> dict[str, Any]:
     """64-key lookups (4 hits) over TCP, and over the Unix socket (a co-located client)."""
     tokens = np.arange(64 * LAYOUT.chunk_tokens, dtype=np.uint32)
     client.put(tokens[: 4 * LAYOUT.chunk_tokens], [np.zeros(LAYOUT.chunk_shape, np.float16)] * 4)
@@ -372,7 +372,7 @@ def _ucx_env() -> dict[str, str]:
 @contextlib.contextmanager
 def _agent_client(
     io_queues: int, transports: tuple[str, ...] = ("nvme-tcp",)
-) -> Iterator[tuple[Any, dict[str, KVClient]]]:
+) -> Iterator[tuple[Any, dict[str, NodeClient]]]:
     """A fresh agent child (DRAM tier sized for the largest run, metrics off) and one client
     per transport."""
     with tempfile.TemporaryDirectory(prefix="dpukv-bench-") as tmp, contextlib.ExitStack() as st:
@@ -384,8 +384,8 @@ def _agent_client(
         salt = b"bench-salt-0123456789"
         clients = {}
         for t in transports:
-            client = KVClient(agent.control_url, "default", agent.token, LAYOUT, salt,
-                              io_queues=io_queues, transport=t)  # fmt: skip
+            client = NodeClient(agent.control_url, "default", agent.token, LAYOUT, salt,
+                               io_queues=io_queues, transport=t)  # fmt: skip
             clients[t] = st.enter_context(client)
         yield agent, clients
 

@@ -5,7 +5,12 @@ child; `Membership` keeps the agent's view of the cluster (tags published, membe
 through the RPC event stream, placement epoch) for the control server.
 """
 
-from dpu_agent.cluster._agent import agent_cluster_view, start_membership
+from dpu_agent.cluster._agent import (
+    agent_cluster_view,
+    agent_cut_off,
+    agent_members_since,
+    start_membership,
+)
 from dpu_agent.cluster._etcd import ETCD_CALL_TIMEOUT_S, EtcdClient, EtcdError, EtcdUnreachable
 from dpu_agent.cluster._membership import (
     CAPACITY_BYTES_MAX,
@@ -57,6 +62,8 @@ __all__ = [
     "TenantSource",
     "TenantSync",
     "agent_cluster_view",
+    "agent_cut_off",
+    "agent_members_since",
     "check_member",
     "free_port",
     "node_of",

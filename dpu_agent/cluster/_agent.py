@@ -7,9 +7,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from dpu_agent.cluster._membership import Membership, MembershipOptions
+from dpu_agent.cluster._reach import Reachability
 from dpu_agent.cluster._rebalance import Rebalancer
+from dpu_agent.cluster._views import ViewHistory
 
-__all__ = ["agent_cluster_view", "start_membership"]
+__all__ = ["agent_cluster_view", "agent_cut_off", "agent_members_since", "start_membership"]
 
 _WILDCARDS = ("0.0.0.0", "::", "")
 
@@ -50,7 +52,16 @@ def start_membership(agent: Any) -> Membership:
         bytes_per_s=c.rebalance_bytes_per_s, peer_auth=agent.peer_auth,
     )  # fmt: skip
     m.rebalancer.start()
+    m.reach = Reachability(m.node, lambda: m.view()["members"])
+    m.reach.start()
     return m
+
+
+def agent_cut_off(agent: Any) -> bool:
+    """This node reaches no majority of the cluster (dpu_agent.cluster._reach): it refuses
+    writes until it does."""
+    m: Membership | None = agent.cluster
+    return m is not None and m.reach is not None and bool(m.reach.cut_off)
 
 
 def agent_cluster_view(agent: Any, tenant: str) -> dict[str, Any]:
@@ -62,6 +73,31 @@ def agent_cluster_view(agent: Any, tenant: str) -> dict[str, Any]:
     t = cfg.tenants.get(tenant)
     replicas = (t.replicas if t is not None and t.replicas else 0) or cfg.cluster.replicas
     view = m.view()
+    _history(agent).remember(view["members"], view["epoch"])  # a later `since` is against it
     rebalance = m.rebalancer.progress.as_dict() if m.rebalancer is not None else {}
+    reach = m.reach.as_dict() if m.reach is not None else {}
     return {"epoch": view["epoch"], "serving": view["serving"], "replicas": replicas,
-            "node": m.node, "rebalance": rebalance}  # fmt: skip
+            "node": m.node, "rebalance": rebalance, "reach": reach}  # fmt: skip
+
+
+def agent_members_since(agent: Any, tenant: str, since: int) -> dict[str, Any] | None:
+    """`members` with `since` (the client's epoch): unchanged, or what changed since that
+    epoch; None when not in a cluster or that epoch is not remembered (the whole list)."""
+    m: Membership | None = agent.cluster
+    if m is None:
+        return None
+    view = m.view()
+    delta = _history(agent).delta(view["members"], view["epoch"], since)
+    if delta is None:
+        return None
+    t = agent.cfg.tenants.get(tenant)
+    replicas = (t.replicas if t is not None and t.replicas else 0) or agent.cfg.cluster.replicas
+    return {**delta, "epoch": view["epoch"], "since": since, "serving": view["serving"],
+            "replicas": replicas, "node": m.node}  # fmt: skip
+
+
+def _history(agent: Any) -> ViewHistory:
+    h = getattr(agent, "_cluster_views", None)
+    if h is None:
+        h = agent._cluster_views = ViewHistory()
+    return h

@@ -168,6 +168,7 @@ class Membership:
         self.members: list[Member] = []
         self.placement = Placement([])
         self.rebalancer: Any = None  # dpu_agent.cluster.Rebalancer, set by start_membership
+        self.reach: Any = None  # dpu_agent.cluster._reach.Reachability, set by start_membership
         self.changes = 0  # view changes seen (epoch changes)
         self.last_change_s = 0.0
 
@@ -206,6 +207,8 @@ class Membership:
             self._thread.join(timeout=5.0)
         if self.rebalancer is not None:
             self.rebalancer.stop()
+        if self.reach is not None:
+            self.reach.stop()
         if self._client is not None:
             if leave and self.serf is None:
                 with contextlib.suppress(SerfError, SerfUnreachable, TimeoutError):

@@ -17,7 +17,7 @@ from typing import Any
 
 from dpu_agent.log import RateLimitedLog, get_logger
 from dpu_agent.metrics import REGISTRY, Counter
-from host_shim.client import AgentUnreachable, ControlChannel, ControlError, KVClient
+from host_shim.client import AgentUnreachable, ControlChannel, ControlError, NodeClient
 from kvproto.control import PROTOCOL_VERSION
 from kvproto.keys import ChunkLayout
 from kvproto.peer_auth import NONCE_BYTES, client_proof, verify_proof
@@ -121,7 +121,7 @@ class PeerChannel(ControlChannel):
         return self.hello
 
 
-class _PeerClient(KVClient):
+class _PeerClient(NodeClient):
     """A node client whose session is a peer session (PeerChannel)."""
 
     def __init__(self, node: Node, tenant: str, auth: PeerAuth, *, timeout_s: float) -> None:
@@ -133,7 +133,7 @@ class _PeerClient(KVClient):
 
 def open_peer(
     node: Node, tenant: str, auth: PeerAuth, *, timeout_s: float = PEER_TIMEOUT_S
-) -> KVClient:
+) -> NodeClient:
     """A data-plane client to member `node` acting for `tenant` (by name), authorised by the
     cluster key. It connects on first use; a peer that fails the handshake is a lost agent to
     the caller (misses, puts of 0), so nothing is ever handed to it or deleted because of it."""

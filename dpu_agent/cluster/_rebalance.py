@@ -27,7 +27,7 @@ import numpy as np
 from dpu_agent.cluster._peer import PeerAuth, open_peer
 from dpu_agent.log import get_logger
 from dpu_agent.metrics import REGISTRY, Counter, Gauge
-from host_shim.client import KVClient
+from host_shim.client import NodeClient
 from kvproto.placement import Node, Placement
 
 __all__ = ["REBALANCE_BATCH_KEYS", "RebalanceProgress", "Rebalancer", "tenant_keys"]
@@ -98,7 +98,7 @@ class Rebalancer:
         self.progress = RebalanceProgress()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._clients: dict[tuple[str, str], KVClient] = {}
+        self._clients: dict[tuple[str, str], NodeClient] = {}
         self._thread = threading.Thread(target=self._loop, name="cluster-rebalance", daemon=True)
         self._budget = 0.0
         self._budget_at = time.monotonic()
@@ -208,7 +208,7 @@ class Rebalancer:
         c = self._peer(tenant, token, node)
         return c.put_keys([key], [data], [None], chunk_bytes=len(data)) == 1
 
-    def _peer(self, tenant: str, token: str, node: Node) -> KVClient:
+    def _peer(self, tenant: str, token: str, node: Node) -> NodeClient:
         """A peer connection (cluster/_peer.py): the tenant by name, never its token; a peer
         that fails the handshake takes nothing, so nothing is deleted on its word."""
         assert self._peer_auth is not None, "a rebalancer without the cluster key"

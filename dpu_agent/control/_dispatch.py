@@ -106,6 +106,15 @@ class ControlBackend(Protocol):
         """The membership epoch requests are checked against; None: not in a cluster."""
         ...
 
+    def cluster_cut_off(self) -> bool:
+        """Cluster mode: this node reaches no majority of the members (it refuses writes)."""
+        ...
+
+    def cluster_members_since(self, tenant: str, since: int) -> dict[str, Any] | None:
+        """`members` with `since`: unchanged or the rows changed since that epoch; None:
+        send the whole list (not in a cluster, or that epoch is not remembered)."""
+        ...
+
     def tenants_list(self) -> list[dict[str, Any]]: ...
 
     async def admin(self, op: str, fields: Mapping[str, Any]) -> dict[str, Any]: ...
@@ -498,8 +507,14 @@ class Dispatcher:
             )
 
     def _reserve(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
-        if "epoch" in f:
+        if "epoch" in f:  # a cluster client: a node cut off from most members takes no writes
             self._check_epoch(f["epoch"])
+            if self.backend.cluster_cut_off():
+                raise RemoteProtocolError(
+                    "this node reaches no majority of the cluster; writes go to the majority "
+                    "side (dpuctl cluster status: reach)",
+                    ErrorCode.UNAVAILABLE,
+                )
         _prune(s.reservations, SESSION_RESERVATIONS_MAX, "reservations")
         r = self.backend.engine.reserve(s.tenant, f["key"], f["length"], parent=f.get("parent"))
         expiry = time.monotonic() + self.backend.lease_ttl_s
@@ -553,6 +568,10 @@ class Dispatcher:
         return {"stats": plain(stats)}
 
     def _members(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
+        if f.get("since") is not None:
+            delta = self.backend.cluster_members_since(s.tenant, f["since"])
+            if delta is not None:
+                return plain(delta)
         return {"members": plain(self.backend.members()), **self.backend.cluster_view(s.tenant)}
 
     def _tenants_list(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:

@@ -69,9 +69,11 @@ class DpuKVRemoteConnector(RemoteConnector):
         )
         queues = int(extra.get("dpukv.io_queues", IO_QUEUES_DEFAULT))
         timeout_s = float(extra.get("dpukv.timeout_s", TIMEOUT_S_DEFAULT))
+        deadline = extra.get("dpukv.node_deadline_s")  # a cluster's per-node deadline
         self._client = KVClient(
             control, tenant, _secret(extra, "token"), layout, self._salt,
             io_queues=queues, timeout_s=timeout_s,
+            node_deadline_s=float(deadline) if deadline else None,
         )  # fmt: skip
         self._objects = KeyedChunks(self._client)
         self.loop = context.loop

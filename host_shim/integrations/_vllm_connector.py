@@ -97,7 +97,8 @@ class DpuKVConnector(KVConnectorBase_V1):
             tp_rank = get_tensor_model_parallel_rank()
         self._layout = _layout(vllm_config, s.chunk_tokens, tp_rank)
         self._client = KVClient(s.control, s.tenant, s.token, self._layout, s.salt,
-                                transport=s.transport)  # fmt: skip
+                                transport=s.transport,
+                                node_deadline_s=s.node_deadline_s)  # fmt: skip
         # scheduler side
         self._hits: dict[str, int] = {}  # req -> chunks the agent held at the match
         self._leases: dict[str, int] = {}  # req -> lease on its matched chunks

@@ -63,12 +63,25 @@ def tier_key(salt: bytes, lmcache_key: str) -> bytes:
 
 
 def parse_dpukv_url(url: str) -> tuple[str, str]:
-    """'dpukv://host:port/tenant' -> ('tcp://host:port', tenant)."""
+    """'dpukv://host:port/tenant' -> ('tcp://host:port', tenant); a cluster's seeds
+    'dpukv://a:7400,b:7400/tenant' -> ('tcp://a:7400,b:7400', tenant) (KVClient routes)."""
     parts = urlsplit(url)
     tenant = parts.path.strip("/")
-    if parts.scheme != "dpukv" or not parts.hostname or parts.port is None or not tenant:
-        raise ValueError(f"LMCache remote_url {url!r}: use dpukv://HOST:PORT/TENANT")
-    return f"tcp://{parts.hostname}:{parts.port}", tenant
+    bad = ValueError(f"LMCache remote_url {url!r}: use dpukv://HOST:PORT/TENANT (a cluster: "
+                     "dpukv://HOST:PORT,HOST:PORT/TENANT)")  # fmt: skip
+    if parts.scheme != "dpukv" or not parts.netloc or not tenant:
+        raise bad
+    seeds = parts.netloc.split(",")
+    for seed in filter(None, seeds):
+        try:
+            one = urlsplit(f"tcp://{seed}")
+            if not one.hostname or one.port is None:
+                raise bad
+        except ValueError:  # a port that is not a number
+            raise bad from None
+    if not any(seeds):
+        raise bad
+    return "tcp://" + ",".join(seeds), tenant
 
 
 def agent_address(url: str, extra: Mapping[str, Any]) -> tuple[str, str]:

@@ -81,6 +81,7 @@ class ConnectorSettings:
     chunk_tokens: int = 256
     paged_kind: str = "auto"
     transport: str = "nvme-tcp"  # or "nixl" / "auto": KVClient's data path (host_shim.transport)
+    node_deadline_s: float | None = None  # a cluster URL's per-node deadline (None: default)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
@@ -114,6 +115,9 @@ class ConnectorSettings:
             chunk_tokens=chunk_tokens,
             paged_kind=kind,
             transport=str(extra.get("transport", "nvme-tcp")),
+            node_deadline_s=(
+                float(extra["node_deadline_s"]) if extra.get("node_deadline_s") else None
+            ),
         )
 
 

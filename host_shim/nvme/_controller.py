@@ -266,6 +266,9 @@ class NvmeTcpController:
         self._closed.set()
         if self._ka_thread is not None:
             self._ka_thread.join(timeout=5)
+        if self._admin.broken:  # nobody to tell: the handshake would only wait on a timeout
+            self.abort()
+            return
         try:
             self._shutdown()
         except NvmeError:
@@ -274,6 +277,18 @@ class NvmeTcpController:
             q.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+    def abort(self) -> None:
+        """Close every connection now, without the shutdown handshake: for a controller whose
+        target stopped answering, where close() would wait on the dead admin queue (its
+        timeout per command). The target frees the controller when its keep-alive timer
+        expires. Never blocks on the peer, on a queue's lock or on the keep-alive thread (it
+        ends on its own when its command fails). Idempotent."""
+        self._closed.set()
+        for q in [*self._io, self._admin]:
+            q.abort()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
     def _shutdown(self) -> None:
         """CC.SHN = normal, then poll CSTS.SHST until the controller reports the shutdown

@@ -117,6 +117,7 @@ class QueuePairSocket:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
             self._sock.settimeout(None)
+            self._raw = self._sock  # abort() shuts this down, under any TLS wrapper
             if tls is not None:
                 self._sock = tls(self._sock)
         except OSError as e:
@@ -137,6 +138,17 @@ class QueuePairSocket:
             self._sock.close()
         except OSError:
             pass
+
+    def abort(self) -> None:
+        """Close without waiting on the peer or on the queue's lock: shutdown() wakes a thread
+        blocked in recv on this socket (close() alone would leave it blocked until its
+        timeout), and nothing is sent that needs an answer."""
+        self.broken = self.broken or "aborted"
+        try:
+            self._raw.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # not connected any more
+        self.close()
 
     def execute(self, requests: Sequence[Request]) -> None:
         """Run `requests` with up to `depth` in flight; each gets its `cqe`.
