@@ -84,7 +84,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             c.start(name)
         c.wait_serving(NAMES, on=NAMES, timeout_s=90)
         with KVClient(c.seeds(), "default", c.token, LAYOUT, SALT, io_queues=1) as kv:
-            assert kv.refresh()
+            assert kv.router is not None and kv.router.refresh()
             for i in range(CHUNKS):
                 assert kv.put(_prompt(i), [_chunk(i)]) == 1
         yield c
@@ -172,7 +172,12 @@ def test_member_without_the_cluster_key_gets_no_token_no_chunk_no_traffic(
         assert listener.connections == 0 and listener.received == b""
         assert _holdings(c) == before
         with KVClient(c.seeds(), "default", c.token, LAYOUT, SALT, io_queues=1) as kv:
-            assert kv.refresh() and {n.name for n in kv.placement.serving} == set(NAMES)
+            r = kv.router
+            assert (
+                r is not None
+                and r.refresh()
+                and {n.name for n in r.placement.serving} == set(NAMES)
+            )
             out = [np.empty(LAYOUT.chunk_shape, np.float16)]
             for i in range(CHUNKS):
                 assert kv.get(_prompt(i), out) == 1 and (out[0] == i % 100).all()
