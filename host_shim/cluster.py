@@ -93,6 +93,12 @@ HOT_TRACK_MAX = 1 << 16  # keys whose read rate is tracked; the table resets whe
 T = TypeVar("T")
 
 
+# Refusals by one member that cost a miss there, not an error: `auth` (a tenant change that has
+# not reached that member yet, or one it could not apply), `unavailable` (a member cut off from
+# the cluster refuses writes). A wrong token fails the router's member-list refresh instead.
+MISS_CODES = frozenset({"auth", "unavailable"})
+
+
 class EpochChannel(ControlChannel):
     """A control channel whose lookup and reserve requests carry the membership epoch."""
 
@@ -189,6 +195,7 @@ class ClusterRouter(KVStore):
         self._lock = threading.Lock()  # guards the maps above; never held across I/O
         self._refreshing = threading.Lock()  # one refresh at a time (others use the view)
         self._breaker = _Breaker()
+        self._refusals_logged: set[tuple[str, str]] = set()  # (member, code) logged once
         self._leases: OrderedDict[int, list[tuple[str, int]]] = OrderedDict()
         # (member, key) -> (chunk bytes, parent): copies a down member missed (hinted handoff)
         self._hints: OrderedDict[tuple[str, bytes], tuple[int, bytes | None]] = OrderedDict()
@@ -533,6 +540,13 @@ class ClusterRouter(KVStore):
             if e.code == "moved":
                 raise _Moved(node.name) from None
             if isinstance(e, AgentUnreachable):
+                return 0
+            if e.code in MISS_CODES:  # this member refuses (a tenant change not there yet, a
+                # cut-off node refusing writes): a miss here, the next replica is asked
+                if (node.name, e.code) not in self._refusals_logged:  # once per member
+                    self._refusals_logged.add((node.name, e.code))
+                    log.warning("kvcluster: member %s refused (%s: %s); counted as a miss",
+                                node.name, e.code, e.message)  # fmt: skip
                 return 0
             raise
 

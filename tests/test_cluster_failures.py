@@ -346,3 +346,30 @@ def test_engine_integrations_work_on_a_cluster_url(cluster: Cluster, tmp_path: P
         assert store.lengths(keys) == [4096] * 4 + [1024] * 2
         into = [bytearray(len(b)) for b in bufs]
         assert store.read_into(keys, into) == 6 and [bytes(b) for b in into] == bufs
+
+
+def test_a_member_that_refuses_the_tenant_costs_a_miss_not_an_exception(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Regression: a tenant known on one member only (added there, not yet on the others)
+    raised ControlError(auth) out of cluster puts and gets; a refusal is that member's miss."""
+    c = cluster
+    token_file = tmp_path / "acme.token"
+    token_file.write_text("acme-token-known-on-n1-only-0123456789")
+    token_file.chmod(0o600)
+    r = c.dpuctl("n1", "tenants", "add", "acme", "--token-file", str(token_file), "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    token = token_file.read_text()
+    stored = 0
+    with KVClient(c.seeds(), "acme", token, LAYOUT, SALT, io_queues=1) as kv:
+        for i in range(PROMPTS):  # owners n2/n3 refuse: 0 there, no exception
+            stored += kv.put(prompt(i), [chunk(i)])
+        out = [np.empty(LAYOUT.chunk_shape, np.float16)]
+        served = 0
+        for i in range(PROMPTS):
+            got = kv.get(prompt(i), out)
+            served += got
+            if got:
+                assert (out[0].view(np.uint16) == chunk(i).view(np.uint16)).all()
+    # R=2 of 3 members: n1 owns about two thirds of the keys; those are stored and served
+    assert 0 < stored < PROMPTS and served == stored, (stored, served)
