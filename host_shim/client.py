@@ -967,8 +967,15 @@ class KVClient(KVStore):
         node_deadline_s: float | None = None,
     ) -> None:
         seeds = parse_client_url(control)
-        if not 1 <= io_queues <= IO_QUEUES_MAX:  # now: a cluster builds its NodeClients later
-            raise ValueError(f"io_queues={io_queues}: give 1..{IO_QUEUES_MAX}")
+        if (
+            isinstance(io_queues, bool)
+            or not isinstance(io_queues, int)
+            or not (1 <= io_queues <= IO_QUEUES_MAX)
+        ):  # from a config (LMCache's dpukv.io_queues): a clear error now, not an assert later
+            raise ValueError(
+                f"io_queues={io_queues!r}: give an integer from 1 to {IO_QUEUES_MAX} "
+                "(LMCache: extra_config dpukv.io_queues)"
+            )
         self._init_keys(layout, salt)
         self.router: ClusterRouter | None = None
         impl: KVStore
