@@ -155,6 +155,10 @@ class ClusterSection:
     refresh_interval_s: float = 5.0  # re-read the member list at least this often
     advertise_host: str = ""  # host in the published control/NVMe addresses ("" = bind host)
     rebalance_bytes_per_s: int = 64 << 20  # hand-off rate after a membership change
+    # What this node accepts from all senders together (0: rebalance_bytes_per_s): a joiner
+    # is sent to by every other node at once and must not take N times one sender's rate
+    rebalance_receive_bytes_per_s: int = 0
+    anti_entropy_interval_s: float = 30.0  # compare replicas' digests, drop surplus copies
 
 
 @dataclass(slots=True, kw_only=True)

@@ -30,7 +30,13 @@ from prometheus_client import ProcessCollector, start_http_server
 
 from dpu_agent import telemetry
 from dpu_agent.blockdev import BlockDeviceError
-from dpu_agent.cluster import Membership, agent_cluster_view, start_membership
+from dpu_agent.cluster import (
+    Membership,
+    agent_cluster_op,
+    agent_cluster_reads,
+    agent_cluster_view,
+    start_membership,
+)
 from dpu_agent.config import AgentConfig, TenantConfig
 from dpu_agent.control import (
     LEASES_ACTIVE,
@@ -373,6 +379,12 @@ class Agent:
 
     def cluster_epoch(self) -> int | None:
         return self.cluster.epoch if self.cluster is not None else None
+
+    def cluster_op(self, tenant: str, op: str, fields: Mapping[str, Any]) -> dict[str, Any]:
+        return agent_cluster_op(self, tenant, op, dict(fields))
+
+    def cluster_reads(self, tenant: str, keys: list[bytes]) -> list[int]:
+        return agent_cluster_reads(self, tenant, keys)
 
     async def nixl(
         self, session_id: int, tenant: str, op: str, fields: Mapping[str, Any]

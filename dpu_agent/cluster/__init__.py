@@ -5,7 +5,12 @@ child; `Membership` keeps the agent's view of the cluster (tags published, membe
 through the RPC event stream, placement epoch) for the control server.
 """
 
-from dpu_agent.cluster._agent import agent_cluster_view, start_membership
+from dpu_agent.cluster._agent import (
+    agent_cluster_op,
+    agent_cluster_reads,
+    agent_cluster_view,
+    start_membership,
+)
 from dpu_agent.cluster._membership import Membership, MembershipOptions, node_of
 from dpu_agent.cluster._rebalance import RebalanceProgress, Rebalancer, tenant_keys
 from dpu_agent.cluster._serf_client import RECORDS_MAX, SerfClient, SerfUnreachable
@@ -20,6 +25,8 @@ __all__ = [
     "SerfClient",
     "SerfProcess",
     "SerfUnreachable",
+    "agent_cluster_op",
+    "agent_cluster_reads",
     "agent_cluster_view",
     "free_port",
     "node_of",

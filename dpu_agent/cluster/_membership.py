@@ -227,5 +227,8 @@ class Membership:
                 "control": t.get("ctl", ""), "nvme": t.get("nvme", ""),
                 "capacity_bytes": int(t.get("cap", "0") or 0), "zone": t.get("zone", ""),
                 "serf": f"{m.addr}:{m.port}",
+                # answers reads for what it holds: serving, or leaving and still alive (a
+                # draining node keeps its copies until it is gone; clients read it last)
+                "reads": m.status == "alive" and t.get("state") in ("serving", "leaving"),
             })  # fmt: skip
         return {"members": rows, "epoch": self.epoch, "serving": len(self.placement.serving)}

@@ -165,6 +165,8 @@ class Dispatcher:
             "stats": self._stats,
             "members": self._members,
             "tenants_list": self._tenants_list,
+            "cluster_grant": lambda s, f: self._cluster(s, "cluster_grant", f),
+            "cluster_digest": lambda s, f: self._cluster(s, "cluster_digest", f),
         }
 
     def new_session(self, peer: str, local_host: str = "127.0.0.1", peer_host: str = "") -> Session:
@@ -337,7 +339,13 @@ class Dispatcher:
         _count_lookup(s.tenant, len(hits), len(keys))
         if stale and not hits:  # held here anyway (a move in progress): served, not moved
             self._check_epoch(f["epoch"])
-        return {"hits": hits, "lease_id": lease_id, "lease_expires_s": expires_s}
+        reply = {"hits": hits, "lease_id": lease_id, "lease_expires_s": expires_s}
+        reads = getattr(self.backend, "cluster_reads", None)
+        if lease_id and reads is not None:  # a read (a probe is not): hot prefixes count here
+            hot = reads(s.tenant, keys[: len(hits)])
+            if hot:
+                reply["hot"] = hot  # indexes of hot keys: clients spread reads over copies
+        return reply
 
     def _release(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
         lease_id = f["lease_id"]
@@ -416,6 +424,13 @@ class Dispatcher:
     def _members(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
         return {"members": plain(self.backend.members()), **self.backend.cluster_view(s.tenant)}
 
+    def _cluster(self, s: Session, op: str, f: Mapping[str, Any]) -> dict[str, Any]:
+        """Agent-to-agent ops of the rebalancer (dpu_agent.cluster.agent_cluster_op)."""
+        cluster_op = getattr(self.backend, "cluster_op", None)
+        if cluster_op is None:
+            raise ValueError(f"{op}: this agent is not in a cluster")
+        return dict(cluster_op(s.tenant, op, f))
+
     def _tenants_list(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
         return {"tenants": plain(self.backend.tenants_list())}
 
@@ -424,6 +439,7 @@ _KNOWN_OPS = frozenset(
     {"hello", "lookup", "release", "reserve", "commit", "abort", "delete", "pin", "unpin"}
     | {"stats"}
     | {"members", "tenants_list", "tenant_add", "tenant_remove", "evict", "checkpoint"}
+    | {"cluster_grant", "cluster_digest"}
     | {"backup", "restore"}
     | {"host_add"}
     | NIXL_OPS
