@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -240,10 +241,14 @@ class ClusterKVClient(KVClient):
                 continue  # moved or unreachable: the copy is an optimisation
 
     def _fallback(self, keys: list[bytes], tried: list[set[str]]) -> tuple[list[Node], np.ndarray]:
-        """The previous view's first owners that are still members and were not asked: while
-        a join's chunks move to their new owners, reads find them where they were."""
+        """The previous view's first owners that still answer reads and were not asked: while
+        a join's chunks move to their new owners, reads find them where they were; a leaving
+        member (alive, state `leaving`, flagged `reads`) keeps its copies until it is gone."""
         with self._lock:
-            prev, live = self._previous, {n.name: n for n in self._placement.serving}
+            prev = self._previous
+            live = {n.name: n for n in self._placement.nodes if n.state in ("serving", "leaving")}
+            if prev is None and any(n.state == "leaving" for n in self._placement.nodes):
+                prev = Placement([replace(n, state="serving") for n in live.values()])
         if prev is None or not live:
             return [], np.empty(0, dtype=np.int64)
         nodes = [live.get(n.name) or n for n in prev.serving]

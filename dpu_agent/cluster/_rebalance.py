@@ -258,6 +258,8 @@ class Rebalancer:
         self._done: set[tuple[str, int]] = set()  # keys finished at _done_epoch
         self._done_epoch = 0
         self._retry = False
+        self._pass_t0 = time.monotonic()
+        self._pass_bytes = 0  # written in the current pass (the ETA's rate)
         self._lock = threading.Lock()  # the hot-read table (control server thread)
         self._reads: dict[tuple[str, bytes], list[float]] = {}
         self._hot: dict[tuple[str, bytes], float] = {}  # -> monotonic time the mark lapses
@@ -310,7 +312,8 @@ class Rebalancer:
             self._done_epoch = placement.epoch
         p.running, p.epoch, p.scanned, p.failed = True, placement.epoch, 0, 0
         p.kept_leaving = 0
-        t0 = time.monotonic()
+        t0 = self._pass_t0 = time.monotonic()
+        self._pass_bytes = 0
         work: list[tuple[str, str, int, TenantRows, Any, np.ndarray]] = []
         tables: dict[str, OwnerTable] = {}
         cpu0 = time.process_time()
@@ -352,7 +355,10 @@ class Rebalancer:
     def _set_pending(self, chunks: int, nbytes: int) -> None:
         p = self.progress
         p.pending, p.pending_bytes = max(0, chunks), max(0, nbytes)
-        p.eta_s = round(p.pending_bytes / self.bytes_per_s, 1)
+        # at the rate this pass achieves (the receivers' grants included), else the throttle's
+        took = time.monotonic() - self._pass_t0
+        rate = self._pass_bytes / took if self._pass_bytes and took > 0 else self.bytes_per_s
+        p.eta_s = round(p.pending_bytes / rate, 1) if p.pending_bytes else 0.0
         PENDING.set(p.pending)
         PENDING_BYTES.set(p.pending_bytes)
 
@@ -528,6 +534,7 @@ class Rebalancer:
         p = self.progress
         p.sent_chunks += 1
         p.sent_bytes += nbytes
+        self._pass_bytes += nbytes
         if moved:
             p.moved_chunks += 1
             p.moved_bytes += nbytes
