@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -81,6 +82,16 @@ def rebalanced(c: Cluster, names: list[str]) -> bool:
     )  # fmt: skip
 
 
+def committed_bytes(metrics_url: str) -> float:
+    """kvtier_bytes_in for the tenant: every byte written to that agent (commits)."""
+    url = metrics_url if metrics_url.endswith("/metrics") else metrics_url.rstrip("/") + "/metrics"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith('kvtier_bytes_in_total{tenant="default"}')
+               or line.startswith('kvtier_bytes_in{tenant="default"}'))  # fmt: skip
+
+
 def wait_for(cond, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -135,13 +146,20 @@ def test_leave_at_r1_misses_nothing_the_leaving_node_answers_until_gone(
         try:
             with SerfClient(c.nodes["b"].serf_rpc) as serf:  # what `cluster leave` does first
                 serf.tags({"state": "leaving"})
-            wait_for(lambda: c.members("b")["rebalance"]["kept_leaving"] == len(on_b)
-                     and rebalanced(c, ["a", "b", "c"]), 60, "the drain")  # fmt: skip
+            wait_for(
+                lambda: (
+                    rebalanced(c, ["a", "b", "c"])
+                    and any(r["state"] == "leaving" for r in c.members("b")["members"])
+                ),
+                60,
+                "the drain",
+            )
+            # drained: the new owners hold every chunk, and b still answers all of its own
+            assert all(nc.holds("a", i) or nc.holds("c", i) for i in range(n_prompts))
+            assert all(nc.holds("b", i) for i in on_b)
+            assert c.members("b")["rebalance"]["kept_leaving"] == len(on_b)
             row = next(r for r in c.members("a")["members"] if r["name"] == "b")
             assert row["state"] == "leaving" and row["reads"] is True
-            # drained: the new owners hold every chunk, and b still answers all of its own
-            assert all(nc.holds("b", i) for i in on_b)
-            assert all(nc.holds("a", i) or nc.holds("c", i) for i in range(n_prompts))
             r = c.dpuctl("b", "cluster", "leave", "--json", "--timeout", "60")
             assert r.returncode == 0, r.stdout + r.stderr
             c.wait_serving(["a", "c"], on=["a", "c"])
@@ -177,7 +195,7 @@ def test_join_at_r2_sends_each_chunk_once_at_the_receivers_rate_with_pending_and
             assert all(kv.put(prompt(i), [chunk(i)]) == 1 for i in range(n_prompts))
         base = {n: c.members(n)["rebalance"]["moved_chunks"] for n in names}
         t0 = time.monotonic()
-        c.start("n5", extra_env=rates)
+        c.start("n5", extra_env={**rates, "DPUKV_METRICS_ENABLED": "1"})
         names.append("n5")
         c.wait_serving(names, on=names)
         seen_pending = seen_eta = 0.0
@@ -185,7 +203,7 @@ def test_join_at_r2_sends_each_chunk_once_at_the_receivers_rate_with_pending_and
         while time.monotonic() < deadline:
             views = [c.members(n)["rebalance"] for n in names]
             seen_pending = max(seen_pending, *(v["pending"] for v in views))
-            seen_eta = max(seen_eta, *(v["eta_s"] for v in views))
+            seen_eta = max(seen_eta, *(v.get("eta_s", 0.0) for v in views))
             if rebalanced(c, names) and seen_pending:
                 break
             time.sleep(0.1)
@@ -201,7 +219,8 @@ def test_join_at_r2_sends_each_chunk_once_at_the_receivers_rate_with_pending_and
         print(f"join at R=2: n5 gains {len(gained)} chunks, {writes} writes, "
               f"{moved_bytes / ideal:.2f}x ideal bytes, {took_s:.1f} s, "
               f"max pending {seen_pending}, max eta {seen_eta} s")  # fmt: skip
-        assert gained and writes == len(gained)  # each chunk sent once
+        assert gained and writes == len(gained)  # each chunk sent once, by the senders' count
+        assert committed_bytes(c.nodes["n5"].agent.metrics_url) == ideal  # and by the joiner's
         assert moved_bytes <= 1.1 * ideal
         assert seen_pending > 0 and seen_eta > 0
         # the receiver's grants, not four senders' rates: at least (bytes - one burst) / rate
@@ -209,7 +228,7 @@ def test_join_at_r2_sends_each_chunk_once_at_the_receivers_rate_with_pending_and
         for name in names:  # every chunk on exactly its owners: the dropped owner dropped
             held = {i for i in range(n_prompts) if nc.holds(name, i)}
             assert held == {i for i in range(n_prompts) if name in owners[i]}, name
-        assert sum(views[n]["dropped_chunks"] for n in names) == len(gained)
+        assert sum(views[n].get("dropped_chunks", 0) for n in names) == len(gained)
     finally:
         c.stop_all()
 

@@ -12,6 +12,7 @@ from dpu_agent.cluster._agent import (
     start_membership,
 )
 from dpu_agent.cluster._membership import Membership, MembershipOptions, node_of
+from dpu_agent.cluster._plan import OwnerTable, plan
 from dpu_agent.cluster._rebalance import RebalanceProgress, Rebalancer, tenant_keys
 from dpu_agent.cluster._serf_client import RECORDS_MAX, SerfClient, SerfUnreachable
 from dpu_agent.cluster._serf_process import SerfProcess, free_port
@@ -20,6 +21,7 @@ __all__ = [
     "RECORDS_MAX",
     "Membership",
     "MembershipOptions",
+    "OwnerTable",
     "RebalanceProgress",
     "Rebalancer",
     "SerfClient",
@@ -30,6 +32,7 @@ __all__ = [
     "agent_cluster_view",
     "free_port",
     "node_of",
+    "plan",
     "start_membership",
     "tenant_keys",
 ]
