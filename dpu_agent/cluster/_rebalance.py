@@ -69,7 +69,8 @@ log = get_logger("dpu_agent.cluster")
 REBALANCE_BATCH_KEYS = 256  # keys acted on between checks for a newer view
 WRITE_BATCH_KEYS = 32  # chunks per write call (and per receive grant) to one node
 PEER_CLIENTS_MAX = 1024  # one client per (tenant, owner) at most; a 1,024-node cluster
-RETRY_S = 1.0  # a pass that left chunks pending runs again after this
+RETRY_S = 1.0  # a pass that left chunks pending runs again after this, doubling while stuck
+RETRY_MAX_S = 30.0
 ANTI_ENTROPY_INTERVAL_S = 30.0  # default; [cluster] anti_entropy_interval_s
 # Digest buckets: the top 8 bits of the key (a hash already). 256 digests are 2 KiB a peer and
 # round; at 1M chunks a node, a bucket lists ~4K keys when it differs.
@@ -258,6 +259,7 @@ class Rebalancer:
         self._done: set[tuple[str, int]] = set()  # keys finished at _done_epoch
         self._done_epoch = 0
         self._retry = False
+        self._retry_s = RETRY_S
         self._pass_t0 = time.monotonic()
         self._pass_bytes = 0  # written in the current pass (the ETA's rate)
         self._lock = threading.Lock()  # the hot-read table (control server thread)
@@ -284,7 +286,7 @@ class Rebalancer:
     def _loop(self) -> None:
         next_round = time.monotonic() + self.interval_s
         while not self._stop.is_set():
-            wait = RETRY_S if self._retry else max(0.0, next_round - time.monotonic())
+            wait = self._retry_s if self._retry else max(0.0, next_round - time.monotonic())
             woke = self._wake.wait(0.0 if self._hot_queue else wait)
             self._wake.clear()
             if self._stop.is_set():
@@ -310,8 +312,10 @@ class Rebalancer:
         if placement.epoch != self._done_epoch:
             self._done.clear()
             self._done_epoch = placement.epoch
+        first = p.epoch != placement.epoch
         p.running, p.epoch, p.scanned, p.failed = True, placement.epoch, 0, 0
         p.kept_leaving = 0
+        progress0 = (p.sent_chunks, p.dropped_chunks)
         t0 = self._pass_t0 = time.monotonic()
         self._pass_bytes = 0
         work: list[tuple[str, str, int, TenantRows, Any, np.ndarray]] = []
@@ -348,7 +352,10 @@ class Rebalancer:
             p.running = False
             p.passes += 1
             p.last_pass_s = round(time.monotonic() - t0, 3)
-            if p.moved_chunks or p.failed or p.pending:
+            moved = (p.sent_chunks, p.dropped_chunks) != progress0
+            # a stuck pass retries less and less often, and logs only when something changed
+            self._retry_s = RETRY_S if moved or first else min(RETRY_MAX_S, 2 * self._retry_s)
+            if moved or (first and (p.failed or p.pending)):
                 log.info("cluster_rebalance_pass", **p.as_dict())
         return p
 
@@ -386,6 +393,9 @@ class Rebalancer:
         for i in map(int, idx):
             self.progress.scanned += 1
             owners = [pl.names[j] for j in pl.after[i] if j >= 0]
+            if not owners:  # nobody serves: keep everything until somebody does
+                self.progress.failed += 1
+                continue
             if pl.before is None:  # no settled view: the first owner (or a non-owner) sends
                 sender = me if (me not in owners or owners[0] == me) else ""
                 targets = [o for o in owners if o != me]
