@@ -141,6 +141,12 @@ class Placement:
         """Node `name`'s equal-weight score (the raw hash) for each key; `name` need not serve."""
         return _mix64(k64 ^ np.uint64(_seed(name)))
 
+    @staticmethod
+    def hash_pairs(k64: np.ndarray, names: Sequence[str], idx: np.ndarray) -> np.ndarray:
+        """The equal-weight score of key i at node names[idx[i]], for every i at once."""
+        seeds = np.array([_seed(n) for n in names], dtype=np.uint64)
+        return _mix64(k64 ^ seeds[idx])
+
     def by_name(self) -> dict[str, Node]:
         return {n.name: n for n in self.nodes}
 

@@ -5,9 +5,11 @@ whose owners changed.
 under that view (indexes into the view's serving names). On a new view, `plan` reuses every
 row it can: with equal weights and no zones (Placement.delta_safe) a key's owners change only
 when a joined node outranks the key's R-th owner or a gone node was one of them, which one
-vectorised hash column per joined node and one comparison per gone node decide; only those
-keys, and keys the table has not seen yet, get a full rendezvous ranking (O(N) each). Weighted
-or zoned views rank every key again (documented in docs/CLUSTER.md).
+vectorised hash per key and joined node and one comparison per gone node decide; only those
+keys get a full rendezvous ranking under the new view (O(N) each), and keys the table has not
+seen yet one under the settled view. Weighted or zoned views rank every key again (documented
+in docs/CLUSTER.md). Keys are processed in sorted order (the table is sorted), so matching
+them against the table streams through memory instead of jumping around it.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ class OwnerTable:
 
 @dataclass(slots=True)
 class Plan:
-    """For the keys given to `plan`: owners now, owners under the settled view (None for a
-    node with no settled view), and which keys' owner sets changed."""
+    """For the keys given to `plan` (in their order): owners now, owners under the settled
+    view (None for a node with no settled view), and which keys' owner sets changed."""
 
     names: tuple[str, ...]  # the new view's serving names (what `after` indexes)
     before_names: tuple[str, ...]
@@ -70,74 +72,56 @@ def plan(
     names = tuple(n.name for n in new.serving)
     k64 = np.asarray(k64, dtype=np.uint64)
     n = len(k64)
+    order = np.argsort(k64, kind="stable")
+    ks = k64[order]
+    inv = np.empty(n, dtype=np.int64)
+    inv[order] = np.arange(n)
     if settled is None:
-        after = _full(new, k64, r)
-        t = _table(new, names, k64, after)
-        return Plan(names, (), after, None, np.ones(n, dtype=bool), n, t)
+        after_s = _full(new, ks, r)
+        return Plan(names, (), after_s[inv], None, np.ones(n, dtype=bool), n,
+                    OwnerTable(new.epoch, names, ks, after_s))  # fmt: skip
     old_names = tuple(x.name for x in settled.serving)
     before = np.full((n, r), -1, dtype=np.int32)
     known = np.zeros(n, dtype=bool)
     if table is not None and table.epoch == settled.epoch and len(table.k64):
-        pos = np.searchsorted(table.k64, k64)
-        pos_c = np.minimum(pos, len(table.k64) - 1)
-        known = table.k64[pos_c] == k64
-        before[known] = _reindex(table.owners[pos_c[known]], table.names, old_names)
+        pos = np.minimum(np.searchsorted(table.k64, ks), len(table.k64) - 1)
+        known = table.k64[pos] == ks
+        before[known] = _reindex(table.owners[pos[known]], table.names, old_names)
     unknown = ~known
-    before[unknown] = _full(settled, k64[unknown], r)
     ranked = int(unknown.sum())
-    after = np.full((n, r), -1, dtype=np.int32)
-    flag = unknown.copy()
-    common_same = (
-        settled.delta_safe and new.delta_safe and all(a == b for a, b in _common(settled, new))
+    if ranked:
+        before[unknown] = _full(settled, ks[unknown], r)
+    common = {x.name: (x.capacity_bytes, x.zone) for x in new.serving}
+    delta = (
+        settled.delta_safe
+        and new.delta_safe
+        and all(
+            common[x.name] == (x.capacity_bytes, x.zone)
+            for x in settled.serving
+            if x.name in common
+        )
     )
-    if common_same:
+    if delta:
         joined = [x for x in names if x not in old_names]
-        gone_idx = [i for i, x in enumerate(old_names) if x not in names]
-        full_old = len(old_names) >= r  # fewer nodes than R: any join adds an owner
-        kn = np.flatnonzero(known)
-        rows = before[kn]
-        if joined and not full_old:
-            flag[kn] = True
+        gone = [i for i, x in enumerate(old_names) if x not in names]
+        flag = np.zeros(n, dtype=bool)
+        if joined and len(old_names) < r:  # fewer nodes than R: any join adds an owner
+            flag[:] = True
         elif joined:
-            rth = _rth_hash(settled, k64[kn], rows[:, -1], old_names)
+            rth = Placement.hash_pairs(ks, old_names, np.maximum(before[:, -1], 0))
             for j in joined:
-                flag[kn] |= new.hash_column(k64[kn], j) > rth
-        for g in gone_idx:
-            flag[kn] |= (rows == g).any(axis=1)
-        keep = known & ~flag
-        after[keep] = _reindex(before[keep], old_names, names)
+                flag |= new.hash_column(ks, j) > rth
+        for g in gone:
+            flag |= (before == g).any(axis=1)
+        after = _reindex(before, old_names, names)
     else:
-        flag[:] = True
-    after[flag] = _full(new, k64[flag], r)
-    ranked += int(flag.sum())
-    changed = _sets_differ(before, old_names, after, names)
-    return Plan(names, old_names, after, before, changed, ranked,
-                _table(new, names, k64, after))  # fmt: skip
-
-
-def _rth_hash(p: Placement, k64: np.ndarray, rth: np.ndarray, names: tuple[str, ...]) -> np.ndarray:
-    """Each key's score at its R-th owner (equal weights: the raw hash), one column per node."""
-    out = np.zeros(len(k64), dtype=np.uint64)
-    for i, name in enumerate(names):
-        sel = rth == i
-        if sel.any():
-            out[sel] = p.hash_column(k64[sel], name)
-    return out
-
-
-def _common(a: Placement, b: Placement) -> list[tuple[tuple[int, str], tuple[int, str]]]:
-    bn = {n.name: n for n in b.serving}
-    return [((n.capacity_bytes, n.zone), (bn[n.name].capacity_bytes, bn[n.name].zone))
-            for n in a.serving if n.name in bn]  # fmt: skip
-
-
-def _sets_differ(
-    before: np.ndarray, bn: tuple[str, ...], after: np.ndarray, an: tuple[str, ...]
-) -> np.ndarray:
-    b = np.sort(_reindex(before, bn, an), axis=1)
-    return (b != np.sort(after, axis=1)).any(axis=1)
-
-
-def _table(p: Placement, names: tuple[str, ...], k64: np.ndarray, owners: np.ndarray) -> OwnerTable:
-    order = np.argsort(k64, kind="stable")
-    return OwnerTable(p.epoch, names, k64[order], owners[order])
+        flag = np.ones(n, dtype=bool)
+        after = np.empty_like(before)
+    nflag = int(flag.sum())
+    if nflag:
+        after[flag] = _full(new, ks[flag], r)
+    ranked += nflag
+    b = np.sort(_reindex(before, old_names, names), axis=1)
+    changed = (b != np.sort(after, axis=1)).any(axis=1)
+    return Plan(names, old_names, after[inv], before[inv], changed[inv], ranked,
+                OwnerTable(new.epoch, names, ks, after))  # fmt: skip
