@@ -184,7 +184,7 @@ def run_moves(nodes: int, replicas: int, chunks: int = MOVE_CHUNKS) -> dict[str,
     from kvproto.keys import ChunkLayout
 
     nodes = max(2, min(nodes, MOVE_NODES_MAX))
-    layout = ChunkLayout("bench-moves", "uint8", 1, 1, 2048, chunk_tokens=1)
+    layout = ChunkLayout("bench-moves", "uint8", 1, 1, 1024, chunk_tokens=1)  # 2 KiB (K and V)
     salt = b"bench-cluster-moves-salt"
     agents: list[Any] = []
     binds: list[str] = []
@@ -219,9 +219,12 @@ def run_moves(nodes: int, replicas: int, chunks: int = MOVE_CHUNKS) -> dict[str,
             kv: Any = KVClient(seeds, "default", token, layout, salt, io_queues=1)
             with kv:
                 _wait_members(kv, nodes)
+                deadline = time.monotonic() + WAIT_S_MAX  # every agent on one epoch first
+                while time.monotonic() < deadline and not _settled(agents, token, nodes):
+                    time.sleep(0.2)
                 rng = np.random.default_rng(3)
                 for i in range(chunks):
-                    data = rng.integers(0, 256, 2048, dtype=np.uint8)
+                    data = rng.integers(0, 256, layout.chunk_bytes, dtype=np.uint8)
                     kv.put(np.array([i + 1], dtype=np.uint32), [data])
                 moved0 = sum(_rebalance(a, token)["moved_bytes"] for a in agents)
                 t0 = time.monotonic()
@@ -238,7 +241,7 @@ def run_moves(nodes: int, replicas: int, chunks: int = MOVE_CHUNKS) -> dict[str,
         finally:
             for a in agents:
                 a.stop(timeout_s=20)
-    ideal = owned * 2048
+    ideal = owned * layout.chunk_bytes
     return {
         "move_nodes": nodes, "move_replicas": replicas, "move_chunks": chunks,
         "moved_bytes_join": moved, "moved_bytes_join_ideal": ideal,
