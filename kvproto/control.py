@@ -306,8 +306,10 @@ OPS: Final[dict[str, _Schema]] = {
         "after": (_optional(_key), False),
     },
     "chunk_inspect": {"tenant": (_tenant, True), "key": (_key, True)},
-    # agent to agent (dpu_agent.cluster): the receiver's rebalance rate, replica digests
+    # agent to agent (dpu_agent.cluster): the receiver's rebalance rate, replica digests,
+    # which copies beyond R their first owner still marks hot
     "cluster_grant": {"bytes": (_posint, True)},
+    "cluster_hot": {"keys": (_keys, True)},
     "cluster_digest": {
         "coordinator": (_str, True),
         "epoch": (_int, True),

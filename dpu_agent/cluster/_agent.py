@@ -71,14 +71,17 @@ def _replicas(agent: Any, tenant: str) -> int:
 
 
 def agent_cluster_op(agent: Any, tenant: str, op: str, fields: dict[str, Any]) -> dict[str, Any]:
-    """Agent-to-agent ops of the rebalancer: `cluster_grant` (the receive-side rate) and
-    `cluster_digest` (anti-entropy). ValueError outside a cluster."""
+    """Agent-to-agent ops of the rebalancer: `cluster_grant` (the receive-side rate),
+    `cluster_digest` (anti-entropy), `cluster_hot` (which copies beyond R are still hot).
+    ValueError outside a cluster."""
     m: Membership | None = agent.cluster
     if m is None or m.rebalancer is None:
         raise ValueError(f"{op}: this agent is not in a cluster")
     r: Rebalancer = m.rebalancer
     if op == "cluster_grant":
         return {"wait_s": r.receiver.grant(int(fields["bytes"]))}
+    if op == "cluster_hot":
+        return {"hot": r.hot_indexes(tenant, list(fields["keys"]))}
     assert op == "cluster_digest", op
     return r.answer_digest(tenant, _replicas(agent, tenant), dict(fields))
 

@@ -46,6 +46,7 @@ from dpu_agent.cluster._plan import OwnerTable, plan
 from dpu_agent.log import get_logger
 from dpu_agent.metrics import REGISTRY, Counter, Gauge
 from host_shim.client import ControlError, KVClient
+from kvproto.control import LOOKUP_KEYS_MAX
 from kvproto.keys import ChunkLayout
 from kvproto.placement import REPLICAS_MAX, Node, Placement
 
@@ -82,6 +83,7 @@ HOT_READS_PER_S = 20.0
 HOT_EXTRA_REPLICAS = 2
 HOT_TTL_S = 60.0
 HOT_TRACK_MAX = 1 << 16  # keys whose read rate is tracked; the table resets when full
+HOT_ASK_KEYS_MAX = LOOKUP_KEYS_MAX  # keys per `cluster_hot` question (a lookup's batch)
 HOT_QUEUE_MAX = 1024  # chunks waiting to be copied; a burst beyond it waits for the next mark
 # The layout only sizes buffers for token-level calls; moves use key-level calls with the
 # chunk's own length, so any layout works here.
@@ -641,11 +643,15 @@ class Rebalancer:
             return 0
         nodes = placement.by_name()
         wide = placement.owner_index(rows.k64[stray], min(r + HOT_EXTRA_REPLICAS, REPLICAS_MAX))
-        jobs: list[tuple[int, list[str]]] = []
+        ask: dict[str, list[int]] = {}  # first owner -> stray chunks that may be hot copies
         for i, w in zip(map(int, stray), wide, strict=True):
-            if (w == me).any() and rows.idle_s[i] < HOT_TTL_S:
-                continue  # a hot copy, still read
-            jobs.append((i, [names[j] for j in after[i] if j >= 0]))
+            if (w == me).any() and after[i, 0] >= 0:
+                ask.setdefault(names[after[i, 0]], []).append(i)
+        hot: set[int] = set()
+        for name, idxs in ask.items():  # a hot copy stays while its first owner marks it hot
+            hot.update(self._hot_at(tenant, token, nodes.get(name), rows, idxs))
+        jobs = [(int(i), [names[j] for j in after[i] if j >= 0])
+                for i in stray if int(i) not in hot]  # fmt: skip
         if not jobs:
             return 0
         ok = self._send(tenant, token, nodes, rows, jobs, moved=False)
@@ -740,6 +746,29 @@ class Rebalancer:
         DIVERGENT.inc(divergent)
         REPAIRED.inc(repaired)
         return divergent, repaired
+
+    def _hot_at(
+        self, tenant: str, token: str, node: Node | None, rows: TenantRows, idxs: list[int]
+    ) -> list[int]:
+        """Which of chunks `idxs` `node` (their first owner) marks hot."""
+        if node is None:
+            return []
+        out: list[int] = []
+        for b in range(0, len(idxs), HOT_ASK_KEYS_MAX):
+            part = idxs[b : b + HOT_ASK_KEYS_MAX]
+            try:
+                ch = self._peer(tenant, token, node).channel
+                got = ch.call("cluster_hot", keys=[rows.keys[i] for i in part])["hot"]
+            except (ControlError, OSError):
+                continue
+            out += [part[int(n)] for n in got if 0 <= int(n) < len(part)]
+        return out
+
+    def hot_indexes(self, tenant: str, keys: Sequence[bytes]) -> list[int]:
+        """`cluster_hot`: the indexes of `keys` this node marks hot now."""
+        now = time.monotonic()
+        with self._lock:
+            return [n for n, k in enumerate(keys) if self._hot.get((tenant, k), 0.0) > now]
 
     def _fetch(self, tenant: str, token: str, node: Node, key: bytes, length: int) -> bytes | None:
         buf = bytearray(length)

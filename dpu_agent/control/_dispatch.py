@@ -167,6 +167,7 @@ class Dispatcher:
             "tenants_list": self._tenants_list,
             "cluster_grant": lambda s, f: self._cluster(s, "cluster_grant", f),
             "cluster_digest": lambda s, f: self._cluster(s, "cluster_digest", f),
+            "cluster_hot": lambda s, f: self._cluster(s, "cluster_hot", f),
         }
 
     def new_session(self, peer: str, local_host: str = "127.0.0.1", peer_host: str = "") -> Session:
@@ -439,7 +440,7 @@ _KNOWN_OPS = frozenset(
     {"hello", "lookup", "release", "reserve", "commit", "abort", "delete", "pin", "unpin"}
     | {"stats"}
     | {"members", "tenants_list", "tenant_add", "tenant_remove", "evict", "checkpoint"}
-    | {"cluster_grant", "cluster_digest"}
+    | {"cluster_grant", "cluster_digest", "cluster_hot"}
     | {"backup", "restore"}
     | {"host_add"}
     | NIXL_OPS
