@@ -152,6 +152,7 @@ class TenantRows:
 
     keys: list[bytes]
     k64: np.ndarray  # the placement key (first 8 bytes)
+    k1: np.ndarray  # key bytes 8..15
     c0: np.ndarray  # checksum words
     c1: np.ndarray
     length: np.ndarray
@@ -174,8 +175,8 @@ def tenant_rows(engine: Any, tenant: str) -> TenantRows:
     words[:, 0], words[:, 1] = cols["k0"], cols["k1"]
     blob = words.tobytes()
     keys = [blob[i : i + 16] for i in range(0, len(blob), 16)]
-    return TenantRows(keys, cols["k0"].astype(np.uint64), cols["c0"], cols["c1"],
-                      cols["length"], now - last)  # fmt: skip
+    return TenantRows(keys, cols["k0"].astype(np.uint64), cols["k1"].astype(np.uint64),
+                      cols["c0"], cols["c1"], cols["length"], now - last)  # fmt: skip
 
 
 def tenant_keys(engine: Any, tenant: str) -> list[bytes]:
@@ -675,14 +676,13 @@ class Rebalancer:
         me = names.index(self.node)
         first = after[:, 0] == me
         nodes = placement.by_name()
-        k1 = np.array([int.from_bytes(k[8:16], "little") for k in rows.keys], dtype=np.uint64)
         divergent = repaired = 0
         for j in sorted({int(x) for x in after[first, 1:].ravel() if x >= 0}):
             peer = nodes.get(names[j])
             if peer is None:
                 continue
             sel = first & (after[:, 1:] == j).any(axis=1)
-            mine = digest(rows.k64[sel], k1[sel], rows.c0[sel], rows.c1[sel])
+            mine = digest(rows.k64[sel], rows.k1[sel], rows.c0[sel], rows.c1[sel])
             try:
                 ch = self._peer(tenant, token, peer).channel
                 theirs = ch.call("cluster_digest", coordinator=self.node, epoch=placement.epoch)
@@ -797,9 +797,7 @@ class Rebalancer:
             sel = (a[:, 0] == names.index(coord)) & (a == names.index(me)).any(axis=1)
         bucket = fields.get("bucket")
         if bucket is None:
-            k1 = np.array([int.from_bytes(k[8:16], "little") for k in rows.keys],
-                          dtype=np.uint64)  # fmt: skip
-            return {"digests": digest(rows.k64[sel], k1[sel], rows.c0[sel], rows.c1[sel])}
+            return {"digests": digest(rows.k64[sel], rows.k1[sel], rows.c0[sel], rows.c1[sel])}
         idx = np.flatnonzero(sel & ((rows.k64 >> np.uint64(56)) == int(bucket)))
         if len(idx) > AE_BUCKET_KEYS_MAX:
             raise ValueError(f"{len(idx)} keys in one digest bucket; more than "
