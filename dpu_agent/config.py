@@ -181,6 +181,10 @@ class ClusterSection:
     # gateway refuses a certificate CN (the user comes from etcd_user)
     etcd_cert_file: str = ""
     etcd_key_file: str = ""
+    # What this node accepts from all senders together (0: rebalance_bytes_per_s): a joiner
+    # is sent to by every other node at once and must not take N times one sender's rate
+    rebalance_receive_bytes_per_s: int = 0
+    anti_entropy_interval_s: float = 30.0  # compare replicas' digests, drop surplus copies
 
 
 @dataclass(slots=True, kw_only=True)

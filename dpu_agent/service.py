@@ -41,6 +41,8 @@ from dpu_agent.cluster import (
     TenantRecord,
     TenantSource,
     TenantSync,
+    agent_cluster_op,
+    agent_cluster_reads,
     agent_cluster_view,
     agent_cut_off,
     agent_members_since,
@@ -448,6 +450,12 @@ class Agent:
 
     def cluster_cut_off(self) -> bool:
         return agent_cut_off(self)
+
+    def cluster_op(self, tenant: str, op: str, fields: Mapping[str, Any]) -> dict[str, Any]:
+        return agent_cluster_op(self, tenant, op, dict(fields))
+
+    def cluster_reads(self, tenant: str, keys: list[bytes]) -> list[int]:
+        return agent_cluster_reads(self, tenant, keys)
 
     async def nixl(
         self, session_id: int, tenant: str, op: str, fields: Mapping[str, Any]

@@ -573,6 +573,7 @@ class NodeClient(KVStore):
         hostnqn: str | None = None,
         transport: str = "nvme-tcp",
         on_lost: Callable[[Exception], None] | None = None,
+        on_hot: Callable[[list[bytes]], None] | None = None,
     ) -> None:
         assert 1 <= io_queues <= IO_QUEUES_MAX, io_queues
         # "nixl": the agent moves chunks into/out of registered buffers (host_shim.transport);
@@ -582,6 +583,7 @@ class NodeClient(KVStore):
         self._io_queues = io_queues
         self._timeout_s = timeout_s
         self._on_lost = on_lost
+        self._on_hot = on_hot
         self._nvme: NvmeTcpController | None = None
         self._pool = ThreadPoolExecutor(max_workers=io_queues, thread_name_prefix="kvclient-io")
         self._lock = threading.RLock()
@@ -747,6 +749,7 @@ class NodeClient(KVStore):
                 res = self._channel.call("lookup", keys=keys)
             except _LOST as e:
                 return self._lost(e), 0
+        self._note_hot(keys, res)
         return len(res["hits"]), int(res["lease_id"] or 0)
 
     def release_lease(self, lease_id: int) -> None:
@@ -845,11 +848,20 @@ class NodeClient(KVStore):
             self._xport.close()
             self._closed = True
 
+    def _note_hot(self, keys: list[bytes], res: dict[str, Any]) -> None:
+        """A cluster owner marks the keys it sees read often by every client (`hot`: indexes
+        into `keys`); the router spreads their reads over the extra copies the owner made."""
+        hot = res.get("hot")
+        if self._on_hot is None or not hot or not isinstance(hot, list):
+            return
+        self._on_hot([keys[i] for i in hot if isinstance(i, int) and 0 <= i < len(keys)])
+
     # --- data path --------------------------------------------------------------------------
     def _read(self, nvme: NvmeTcpController, keys: list[bytes], views: list[memoryview]) -> int:
         """Lease, read and verify the cached prefix of `keys`; the lease is released (and a
         chunk that failed verification deleted) without waiting for the replies."""
         res = self._channel.call("lookup", keys=keys)
+        self._note_hot(keys, res)
         hits = res["hits"]
         loaded = 0
         ok: list[Any] = []  # stays empty when the data path broke: nothing was verified

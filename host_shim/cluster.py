@@ -32,6 +32,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -83,13 +84,13 @@ LEASES_MAX = 1 << 16
 # (counted) and those copies wait for the next change of their owners (the rebalancer).
 HINTS_MAX = 1 << 16
 REFRESH_SOURCES_MAX = 64  # recent refreshes kept for stats(): five minutes at one per 5 s
-# Hot prefixes: a chunk this client reads more than HOT_READS_PER_S times a second gets
-# HOT_EXTRA_REPLICAS more copies (the next owners in rendezvous order), and its reads spread
-# over all of them: a shared system prompt read by every server must not pin one node.
-HOT_READS_PER_S = 20.0
-HOT_EXTRA_REPLICAS = 2
-HOT_TTL_S = 60.0  # a hot mark lapses after this; the extra copies are soft (evictable)
-HOT_TRACK_MAX = 1 << 16  # keys whose read rate is tracked; the table resets when full
+# Hot prefixes are decided by their first owner, from every client's reads (it copies them to
+# the next HOT_EXTRA_REPLICAS owners and marks them `hot` in lookup replies); the router then
+# reads them from a random one of those copies for HOT_TTL_S: a shared system prompt read by
+# every server must not pin one node.
+HOT_EXTRA_REPLICAS = 2  # as the owner's (dpu_agent.cluster._rebalance)
+HOT_TTL_S = 60.0
+HOT_TRACK_MAX = 1 << 16  # hot marks remembered; expired ones dropped past it
 T = TypeVar("T")
 
 
@@ -210,8 +211,7 @@ class ClusterRouter(KVStore):
         # recent refreshes: (member or seed that answered, member rows its answer carried)
         self.refreshes: deque[tuple[str, int]] = deque(maxlen=REFRESH_SOURCES_MAX)
         self.refresh_rows = 0  # member rows the last refresh carried (0: unchanged)
-        self.hot_reads_per_s = HOT_READS_PER_S  # 0 turns hot-prefix replicas off
-        self._reads: dict[bytes, list[float]] = {}  # key -> [window start, reads in it]
+        self.spread_hot_reads = True  # read owners' hot keys from any copy (False: first owners)
         self._hot: dict[bytes, float] = {}  # key -> monotonic time its mark lapses
         self._rng = np.random.default_rng()
         self._maint = threading.Thread(target=self._maintain, name="kvcluster-maint", daemon=True)
@@ -354,7 +354,7 @@ class ClusterRouter(KVStore):
             old = c
             c = NodeClient(node.control, self._tenant, self._token, self.layout, self._salt,
                            on_lost=functools.partial(self._tripped, node.name),
-                           **self._node_opts)  # fmt: skip
+                           on_hot=self._mark_hot, **self._node_opts)  # fmt: skip
             ch = c._channel
             c._channel = EpochChannel(ch.url, ch.tenant, self._token, hostnqn=ch.hostnqn,
                                       timeout_s=ch.timeout_s)  # fmt: skip
@@ -405,7 +405,10 @@ class ClusterRouter(KVStore):
             self._wake.set()  # the maintenance thread refreshes; this call uses the view held
         with self._lock:
             p = self._placement
-            hot = [i for i, k in enumerate(keys) if k in self._hot] if self._hot else []
+            now = time.monotonic()
+            hot = (
+                [i for i, k in enumerate(keys) if self._hot.get(k, 0.0) > now] if self._hot else []
+            )
         owners = p.owner_index(keys64(keys), self.replicas)
         if hot and len(p.serving) > owners.shape[1]:
             wide = p.owner_index(keys64([keys[i] for i in hot]), self.replicas + HOT_EXTRA_REPLICAS)
@@ -417,49 +420,27 @@ class ClusterRouter(KVStore):
             owners = out
         return list(p.serving), owners
 
-    def _note_reads(self, keys: list[bytes], into: Sequence[Any], loaded: int) -> None:
-        """Count reads; a chunk that turns hot is copied (from `into`, now) to its extra owners."""
-        if self.hot_reads_per_s <= 0 or not loaded:
+    def _mark_hot(self, keys: list[bytes]) -> None:
+        """An owner said these keys are hot: read them from any of their copies for a while."""
+        if not self.spread_hot_reads:
             return
-        now = time.monotonic()
-        spread = []
+        until = time.monotonic() + HOT_TTL_S
         with self._lock:
-            if len(self._reads) >= HOT_TRACK_MAX:
-                self._reads.clear()
-            for i, key in enumerate(keys[:loaded]):
-                w = self._reads.setdefault(key, [now, 0.0])
-                if now - w[0] > 1.0:
-                    w[0], w[1] = now, 0.0
-                w[1] += 1
-                if w[1] > self.hot_reads_per_s and self._hot.get(key, 0.0) < now:
-                    self._hot[key] = now + HOT_TTL_S
-                    spread.append(
-                        (key, bytes(byte_view(into[i], _nbytes(into[i]), writable=False)))
-                    )
+            for key in keys:
+                self._hot[key] = until
             if len(self._hot) > HOT_TRACK_MAX:
+                now = time.monotonic()
                 self._hot = {k: t for k, t in self._hot.items() if t > now}
-        for key, data in spread:
-            self._pool.submit(self._spread, key, data)
-
-    def _spread(self, key: bytes, data: bytes) -> None:
-        """Write a hot chunk to the owners past its R (they cache it like any chunk)."""
-        p = self._placement
-        nodes = list(p.serving)
-        owners = p.owner_index(keys64([key]), self.replicas + HOT_EXTRA_REPLICAS)[0]
-        for n in owners[self.replicas :]:
-            node = nodes[int(n)]
-            if self._breaker.is_down(node.name):
-                continue
-            try:
-                self._node(node).put_keys([key], [data], [None], chunk_bytes=len(data))
-            except ControlError:
-                continue  # moved or refused: the copy is an optimisation
 
     def _fallback(self, keys: list[bytes], tried: list[set[str]]) -> tuple[list[Node], np.ndarray]:
-        """The previous view's first owners that are still members and were not asked: while
-        a join's chunks move to their new owners, reads find them where they were."""
+        """The previous view's first owners that still answer reads and were not asked: while
+        a join's chunks move to their new owners, reads find them where they were; a leaving
+        member (alive, state `leaving`, flagged `reads`) keeps its copies until it is gone."""
         with self._lock:
-            prev, live = self._previous, {n.name: n for n in self._placement.serving}
+            prev = self._previous
+            live = {n.name: n for n in self._placement.nodes if n.state in ("serving", "leaving")}
+            if prev is None and any(n.state == "leaving" for n in self._placement.nodes):
+                prev = Placement([replace(n, state="serving") for n in live.values()])
         if prev is None or not live:
             return [], np.empty(0, dtype=np.int64)
         nodes = [live.get(n.name) or n for n in prev.serving]
@@ -572,9 +553,7 @@ class ClusterRouter(KVStore):
             return c.get_keys([keys[i] for i in idxs], [into[i] for i in idxs],
                               chunk_bytes=chunk_bytes)  # fmt: skip
 
-        loaded = len(_prefix(self._by_owner(keys, read)))
-        self._note_reads(keys, into, loaded)
-        return loaded
+        return len(_prefix(self._by_owner(keys, read)))
 
     def put_keys(
         self,

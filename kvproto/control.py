@@ -330,6 +330,15 @@ OPS: Final[dict[str, _Schema]] = {
         "after": (_optional(_key), False),
     },
     "chunk_inspect": {"tenant": (_tenant, True), "key": (_key, True)},
+    # agent to agent (dpu_agent.cluster): the receiver's rebalance rate, replica digests,
+    # which copies beyond R their first owner still marks hot
+    "cluster_grant": {"bytes": (_posint, True)},
+    "cluster_hot": {"keys": (_keys, True)},
+    "cluster_digest": {
+        "coordinator": (_str, True),
+        "epoch": (_int, True),
+        "bucket": (_optional(_int), False),
+    },
     "nixl_connect": {"metadata": (_metadata, True)},
     "nixl_register": {
         "metadata": (_metadata, True),

@@ -131,6 +131,22 @@ class Placement:
     def __len__(self) -> int:
         return len(self.serving)
 
+    @property
+    def delta_safe(self) -> bool:
+        """Equal weights and no zones: a key's order over two nodes never depends on the
+        others, so a join or leave changes only the keys the joined or gone node ranks in."""
+        return self._equal and not self._zoned
+
+    def hash_column(self, k64: np.ndarray, name: str) -> np.ndarray:
+        """Node `name`'s equal-weight score (the raw hash) for each key; `name` need not serve."""
+        return _mix64(k64 ^ np.uint64(_seed(name)))
+
+    @staticmethod
+    def hash_pairs(k64: np.ndarray, names: Sequence[str], idx: np.ndarray) -> np.ndarray:
+        """The equal-weight score of key i at node names[idx[i]], for every i at once."""
+        seeds = np.array([_seed(n) for n in names], dtype=np.uint64)
+        return _mix64(k64 ^ seeds[idx])
+
     def by_name(self) -> dict[str, Node]:
         return {n.name: n for n in self.nodes}
 

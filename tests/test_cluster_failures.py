@@ -140,7 +140,9 @@ def test_silent_member_costs_one_deadline_and_never_stalls_other_members_calls(
     out = [np.empty(LAYOUT.chunk_shape, np.float16)]
     with KVClient(c.seeds(), "default", c.token, LAYOUT, SALT, io_queues=1) as kv:
         r = router(kv)
-        r.hot_reads_per_s = 0  # hot copies would put the silent member among every key's owners
+        r.spread_hot_reads = (
+            False  # hot copies would put the silent member among every key's owners
+        )
         assert r.refresh() and r.replicas == 2 and r.deadline_s == NODE_DEADLINE_S
         assert all(kv.put(prompt(i), [chunk(i)]) == 1 for i in range(PROMPTS))
         owners = {i: [n.name for n in r.placement.owners(kv.keys(prompt(i))[0], 2)]

@@ -213,7 +213,7 @@ def test_silent_drop_partition_costs_one_deadline_and_the_cut_off_node_says_so(
                       node_deadline_s=0.5) as kv:  # fmt: skip
             r = kv.router
             assert r is not None
-            r.hot_reads_per_s = 0  # hot copies would make p3 an owner of every key
+            r.spread_hot_reads = False  # hot copies would make p3 an owner of every key
             assert r.refresh() and r.replicas == 2 and len(r.placement.serving) == 3
             n = 30
             assert all(kv.put(_prompt(i), [_chunk(i)]) == 1 for i in range(n))

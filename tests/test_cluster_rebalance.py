@@ -103,9 +103,12 @@ def test_pass_hands_over_what_is_not_ours_resumes_and_keeps_the_rest(
     r2 = Rebalancer(engine=engine, node="me", placement=view, tenants=lambda: tenants,
                     bytes_per_s=1e9, peer_auth=me())  # fmt: skip
     p2 = r2.run_pass()
-    assert p2.pending > 0 and tenant_keys(engine, "default")  # cut short, nothing lost
+    assert p2.pending > 0 and set(tenant_keys(engine, "default")) == mine  # cut short
     p2 = r2.run_pass()
-    assert p2.pending == 0 and tenant_keys(engine, "default") == []
+    # drained: the owner holds everything, and the leaving node keeps its copies (reads still
+    # come to it until it is gone)
+    assert p2.pending == 0 and p2.kept_leaving == len(mine) and p2.dropped_chunks == 0
+    assert set(tenant_keys(engine, "default")) == mine
     with KVClient(target.control_url, "default", target.token, LAYOUT, b"any-salt-1234567") as c:
         for i in range(40):
             buf = bytearray(len(data(i)))
@@ -146,13 +149,13 @@ def test_replicas_copied_when_owner_sets_change_then_not_checked_again(
                    tenants=lambda: {"default": ("", 2)}, bytes_per_s=1e9,
                    peer_auth=me())  # fmt: skip
     checks: list[bytes] = []
-    real = r._missing_anywhere
-    monkeypatch.setattr(r, "_missing_anywhere", lambda t, tok, k, n: checks.append(k) or real(
-        t, tok, k, n))  # fmt: skip
+    real = r._has
+    monkeypatch.setattr(r, "_has", lambda t, tok, n, keys: checks.extend(keys) or real(
+        t, tok, n, keys))  # fmt: skip
     assert r.run_pass().failed == 0 and checks == []  # alone: nothing to copy; settled
     views["v"] = both  # "other" joins: every chunk's owner set changed
     p = r.run_pass()
-    assert len(checks) == 20 and p.copied_chunks == 20 and p.failed == 0
+    assert len(checks) == 20 and p.moved_chunks == p.sent_chunks == 20 and p.failed == 0
     assert len(tenant_keys(engine, "default")) == 20  # an owner keeps its copy
     r.run_pass()  # same view, settled: nothing to check again
     assert len(checks) == 20

@@ -18,6 +18,7 @@ report, through the same placement code.
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import tempfile
@@ -28,7 +29,7 @@ from typing import Any
 import click
 import numpy as np
 
-from dpu_agent.cluster import SerfClient, SerfProcess, free_port, node_of
+from dpu_agent.cluster import SerfClient, SerfProcess, free_port, node_of, plan
 from dpu_agent.cluster._views import ViewHistory
 from kvproto.control import Reply, encode_reply
 from kvproto.peer_auth import AUTH_TAG, member_tag
@@ -39,6 +40,10 @@ __all__ = ["cluster_cmd", "gossip_rounds", "run_real", "run_simulation"]
 NODES_MAX = 4096  # simulated; the design's target is 1,024
 REAL_NODES_MAX = 64  # live Serf agents on this 2-core machine (~15 MB and ~0.2% CPU each)
 KEYS_MAX = 8 << 20
+VIEW_KEYS = 1 << 20  # held chunks whose view-change planning is timed (the per-million base)
+VIEW_REPLICAS = 2
+MOVE_NODES_MAX = 6  # real agents (engine, NVMe/TCP, Serf each) for the moved-bytes figure
+MOVE_CHUNKS = 240  # 2 KiB chunks put before the join: ~100 KiB move into the joiner
 KEYS_PER_NODE = 2048  # max/mean load's sampling noise ~ 3.7/sqrt(2048) = 8% at 1,024 nodes
 TRIALS_MAX = 1000
 POLL_S = 0.02
@@ -112,12 +117,37 @@ def _placement_figures(nodes: list[Node], k64: np.ndarray) -> dict[str, Any]:
         "moved_fraction_leave_ideal": round(1 / n, 6),
         "moved_leave_over_ideal": round(ml * n, 3),
         "max_over_mean_load": round(float(load.max() / load.mean()), 4),
-        "lookup_hops": 1.0,  # the client computes owners: one request, no directory
-        "lookup_hops_during_change": round(1.0 + mj, 6),  # a moved key costs one MOVED retry
     }
 
 
-def run_simulation(nodes: int, keys: int, trials: int, seed: int = 1) -> dict[str, Any]:
+def view_change_cpu(nodes: int, replicas: int, keys: int = VIEW_KEYS) -> dict[str, Any]:
+    """CPU seconds per million held chunks to work out what a view change moves
+    (dpu_agent.cluster._plan: one hash column per joined node, full ranking only for the keys
+    whose owners changed), against ranking every key under both views (what a pass did
+    before). Equal weights, no zones (weighted or zoned views rank everything)."""
+    k64 = np.random.default_rng(7).integers(0, 1 << 63, size=keys, dtype=np.uint64)
+    base = Placement([Node(name=f"node-{i:05d}") for i in range(nodes)])
+    joined = Placement([*base.serving, Node(name="joining-node")])
+    left = Placement(base.serving[1:])
+    r = min(replicas, nodes)
+    table = plan(k64, r, base, None, None).table
+    per_m = 1e6 / keys
+    out: dict[str, Any] = {}
+    for what, new in (("join", joined), ("leave", left)):
+        t0 = time.process_time()
+        p = plan(k64, r, new, base, table)
+        out[f"view_change_cpu_s_per_million_{what}"] = round((time.process_time() - t0) * per_m, 4)
+        out[f"view_change_ranked_fraction_{what}"] = round(p.ranked / keys, 6)
+    t0 = time.process_time()
+    base.owner_index(k64, r)
+    joined.owner_index(k64, r)
+    out["full_rank_cpu_s_per_million"] = round((time.process_time() - t0) * per_m, 4)
+    return out
+
+
+def run_simulation(
+    nodes: int, keys: int, trials: int, seed: int = 1, replicas: int = VIEW_REPLICAS
+) -> dict[str, Any]:
     if not 2 <= nodes <= NODES_MAX:
         raise click.BadParameter(f"--nodes {nodes}: give 2..{NODES_MAX}")
     keys = keys or min(KEYS_MAX, max(1 << 16, KEYS_PER_NODE * nodes))
@@ -138,6 +168,7 @@ def run_simulation(nodes: int, keys: int, trials: int, seed: int = 1) -> dict[st
         "convergence_s_p99": round(float(np.percentile(conv, 99)), 3),
         "failure_detect_s": round(_failure_model_s(nodes), 2),
         **refresh_bytes(nodes),
+        **view_change_cpu(nodes, replicas),
         "calibration": CALIBRATION,
         "elapsed_s": round(time.perf_counter() - t0, 2),
     }  # fmt: skip
@@ -170,6 +201,132 @@ def refresh_bytes(nodes: int) -> dict[str, int]:
                                            "epoch": 1}),
         "refresh_one_join_bytes": framed({**(h.delta(joined, 2, 1) or {}), **extras}),
     }  # fmt: skip
+
+
+# --- live agents: a join's moved bytes -------------------------------------------------------
+
+
+def run_moves(nodes: int, replicas: int, chunks: int = MOVE_CHUNKS) -> dict[str, Any]:
+    """`nodes` real agents (each with its Serf child) at R=`replicas`; `chunks` 2 KiB chunks
+    put through a cluster client; one more agent joins: the bytes written to other nodes by
+    every rebalancer, against the ideal (the chunks the joiner now owns), and the drain time."""
+    import os
+    import secrets
+
+    from dpu_agent.service import spawn_agent
+    from host_shim import KVClient
+    from kvproto.keys import ChunkLayout
+
+    nodes = max(2, min(nodes, MOVE_NODES_MAX))
+    layout = ChunkLayout("bench-moves", "uint8", 1, 1, 1024, chunk_tokens=1)  # 2 KiB (K and V)
+    salt = b"bench-cluster-moves-salt"
+    agents: list[Any] = []
+    binds: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="dpukv-bench-moves-") as d:
+        token = secrets.token_urlsafe(24)
+        fd = os.open(f"{d}/default.token", os.O_WRONLY | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        cfg = f"{d}/cluster.toml"
+        with open(cfg, "w") as f:
+            f.write(f'[tenants.default]\ntoken_file = "{d}/default.token"\n')
+        # the cluster's secrets (docs/CLUSTER.md, Keys): one gossip key, one peer key, 0600
+        gossip = json.dumps([base64.b64encode(secrets.token_bytes(32)).decode()])
+        peer_key = base64.b64encode(secrets.token_bytes(32)).decode() + "\n"
+
+        def secret(path: str, text: str) -> None:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+
+        def start(i: int) -> None:
+            bind = f"127.0.0.1:{free_port()}"
+            os.makedirs(f"{d}/m{i}", exist_ok=True)
+            secret(f"{d}/m{i}/serf-keyring.json", gossip)
+            secret(f"{d}/m{i}/cluster-peer.key", peer_key)
+            env = {
+                "DPUKV_AGENT_NODE_NAME": f"m{i}", "DPUKV_CLUSTER_ENABLED": "1",
+                "DPUKV_CLUSTER_SERF_BIND": bind,
+                "DPUKV_CLUSTER_SERF_RPC": f"127.0.0.1:{free_port()}",
+                "DPUKV_CLUSTER_JOIN": ",".join(binds[:2]),
+                "DPUKV_CLUSTER_REPLICAS": str(replicas),
+                "DPUKV_CLUSTER_REFRESH_INTERVAL_S": "1", "DPUKV_METRICS_ENABLED": "0",
+                "DPUKV_STORAGE_DRAM_BYTES": str(16 << 20),
+                "DPUKV_STORAGE_NVME_BYTES": str(64 << 20),
+            }  # fmt: skip
+            agents.append(spawn_agent(f"{d}/m{i}", env=env, config=cfg))
+            binds.append(bind)
+
+        try:
+            for i in range(nodes):
+                start(i)
+            seeds = ",".join(a.control_url for a in agents)
+            kv: Any = KVClient(seeds, "default", token, layout, salt, io_queues=1)
+            with kv:
+                _wait_members(kv, nodes)
+                deadline = time.monotonic() + WAIT_S_MAX  # every agent on one epoch first
+                while time.monotonic() < deadline and not _settled(agents, token, nodes):
+                    time.sleep(0.2)
+                rng = np.random.default_rng(3)
+                for i in range(chunks):
+                    data = rng.integers(0, 256, layout.chunk_bytes, dtype=np.uint8)
+                    kv.put(np.array([i + 1], dtype=np.uint32), [data])
+                moved0 = sum(_rebalance(a, token)["moved_bytes"] for a in agents)
+                t0 = time.monotonic()
+                start(nodes)
+                deadline = time.monotonic() + WAIT_S_MAX * 4
+                while time.monotonic() < deadline and not _settled(agents, token, nodes + 1):
+                    time.sleep(0.2)
+                drain_s = time.monotonic() - t0
+                _wait_members(kv, nodes + 1)
+                keys = [kv.keys(np.array([i + 1], dtype=np.uint32))[0] for i in range(chunks)]
+                owned = sum(f"m{nodes}" in {n.name for n in kv.router.placement.owners(k, replicas)}
+                            for k in keys)  # fmt: skip
+            moved = sum(_rebalance(a, token)["moved_bytes"] for a in agents) - moved0
+        finally:
+            for a in agents:
+                a.stop(timeout_s=20)
+    ideal = owned * layout.chunk_bytes
+    return {
+        "move_nodes": nodes, "move_replicas": replicas, "move_chunks": chunks,
+        "moved_bytes_join": moved, "moved_bytes_join_ideal": ideal,
+        "moved_bytes_over_ideal": round(moved / ideal, 3) if ideal else None,
+        "join_drain_s": round(drain_s, 2),
+    }  # fmt: skip
+
+
+def _rebalance(agent: Any, token: str) -> dict[str, Any]:
+    from host_shim.client import ControlChannel
+
+    with ControlChannel(agent.control_url, "default", token, timeout_s=5.0) as ch:
+        ch.connect()
+        return dict(ch.call("members")["rebalance"])
+
+
+def _settled(agents: list[Any], token: str, n: int) -> bool:
+    from host_shim.client import ControlChannel, ControlError
+
+    try:
+        views = []
+        for a in agents:
+            with ControlChannel(a.control_url, "default", token, timeout_s=5.0) as ch:
+                ch.connect()
+                views.append(ch.call("members"))
+    except (ControlError, OSError):
+        return False
+    return len({v["epoch"] for v in views}) == 1 and all(
+        v["serving"] == n and not v["rebalance"]["running"] and v["rebalance"]["pending"] == 0
+        and v["rebalance"]["epoch"] == v["epoch"] for v in views
+    )  # fmt: skip
+
+
+def _wait_members(kv: Any, n: int) -> None:
+    deadline = time.monotonic() + WAIT_S_MAX
+    while time.monotonic() < deadline:
+        if kv.router.refresh() and len(kv.router.placement.serving) == n:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"the cluster client did not see {n} serving members in {WAIT_S_MAX} s")
 
 
 # --- live Serf agents -----------------------------------------------------------------------
@@ -210,17 +367,24 @@ def _status(c: SerfClient, name: str) -> str:
     return next((m.status for m in c.members() if m.name == name), "")
 
 
-def run_real(nodes: int, trials: int, keys: int = 1 << 18) -> dict[str, Any]:
+def run_real(
+    nodes: int, trials: int, keys: int = 1 << 18, *, replicas: int = VIEW_REPLICAS,
+    moves: bool = True,
+) -> dict[str, Any]:  # fmt: skip
     if not 2 <= nodes <= REAL_NODES_MAX:
         raise click.BadParameter(f"--real --nodes {nodes}: give 2..{REAL_NODES_MAX}")
     trials = max(1, min(trials, 20))
     procs: list[SerfProcess] = []
     with tempfile.TemporaryDirectory(prefix="dpukv-bench-serf-") as d:
         try:
-            return _real(nodes, trials, keys, procs, d)
+            report = _real(nodes, trials, keys, procs, d)
         finally:
             for p in procs:
                 p.kill()
+    report.update(view_change_cpu(nodes, replicas))
+    if moves:
+        report.update(run_moves(nodes, replicas))
+    return report
 
 
 def _start(name: str, i: int, seed: str, d: str) -> SerfProcess:
@@ -276,7 +440,6 @@ def _real(nodes: int, trials: int, keys: int, procs: list[SerfProcess], d: str) 
         "moved_fraction_join": round(mj, 6), "moved_join_over_ideal": round(mj * (nodes + 1), 3),
         "moved_fraction_leave": round(ml, 6), "moved_leave_over_ideal": round(ml * nodes, 3),
         "max_over_mean_load": round(float(load.max() / load.mean()), 4),
-        "lookup_hops": 1.0,
         "convergence_s_p50": round(float(np.percentile(conv, 50)), 3),
         "convergence_s_p99": round(float(np.percentile(conv, 99)), 3),
         "join_s": round(join_s, 3), "leave_s": round(leave_s, 3),
@@ -306,13 +469,22 @@ def _real(nodes: int, trials: int, keys: int, procs: list[SerfProcess], d: str) 
     show_default=True,
     help="Gossip model runs (simulate) or tag changes timed (real, at most 20).",
 )
+@click.option("--replicas", type=int, default=VIEW_REPLICAS, show_default=True,
+              help="R for the view-change CPU and (real) the join's moved bytes.")  # fmt: skip
+@click.option("--moves/--no-moves", default=True, show_default=True,
+              help=f"Real: a join's data move on up to {MOVE_NODES_MAX} agents.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def cluster_cmd(mode: str, nodes: int, keys: int, trials: int, as_json: bool) -> None:
-    """Rendezvous placement and Serf membership: moved fraction, balance, hops, convergence."""
+def cluster_cmd(
+    mode: str, nodes: int, keys: int, trials: int, replicas: int, moves: bool, as_json: bool
+) -> None:
+    """Rendezvous placement and Serf membership: moved fraction and bytes, balance,
+    convergence, view-change CPU."""
+    if not 1 <= replicas <= 8:
+        raise click.BadParameter(f"--replicas {replicas}: give 1..8")
     if mode == "real":
-        report = run_real(nodes, trials, keys or (1 << 18))
+        report = run_real(nodes, trials, keys or (1 << 18), replicas=replicas, moves=moves)
     else:
-        report = run_simulation(nodes, keys, trials)
+        report = run_simulation(nodes, keys, trials, replicas=replicas)
     if as_json:
         click.echo(json.dumps(report))
     else:

@@ -6,6 +6,8 @@ through the RPC event stream, placement epoch) for the control server.
 """
 
 from dpu_agent.cluster._agent import (
+    agent_cluster_op,
+    agent_cluster_reads,
     agent_cluster_view,
     agent_cut_off,
     agent_members_since,
@@ -20,6 +22,7 @@ from dpu_agent.cluster._membership import (
     node_of,
 )
 from dpu_agent.cluster._peer import PeerAuth, open_peer
+from dpu_agent.cluster._plan import OwnerTable, plan
 from dpu_agent.cluster._rebalance import RebalanceProgress, Rebalancer, tenant_keys
 from dpu_agent.cluster._serf_client import (
     RECORDS_MAX,
@@ -51,6 +54,7 @@ __all__ = [
     "KeyringReply",
     "Membership",
     "MembershipOptions",
+    "OwnerTable",
     "PeerAuth",
     "RebalanceProgress",
     "Rebalancer",
@@ -61,6 +65,8 @@ __all__ = [
     "TenantRecord",
     "TenantSource",
     "TenantSync",
+    "agent_cluster_op",
+    "agent_cluster_reads",
     "agent_cluster_view",
     "agent_cut_off",
     "agent_members_since",
@@ -68,6 +74,7 @@ __all__ = [
     "free_port",
     "node_of",
     "open_peer",
+    "plan",
     "plan_tenants",
     "start_membership",
     "tenant_keys",

@@ -11,7 +11,14 @@ from dpu_agent.cluster._reach import Reachability
 from dpu_agent.cluster._rebalance import Rebalancer
 from dpu_agent.cluster._views import ViewHistory
 
-__all__ = ["agent_cluster_view", "agent_cut_off", "agent_members_since", "start_membership"]
+__all__ = [
+    "agent_cluster_op",
+    "agent_cluster_reads",
+    "agent_cluster_view",
+    "agent_cut_off",
+    "agent_members_since",
+    "start_membership",
+]
 
 _WILDCARDS = ("0.0.0.0", "::", "")
 
@@ -50,6 +57,8 @@ def start_membership(agent: Any) -> Membership:
     m.rebalancer = Rebalancer(
         engine=agent.engine, node=m.node, placement=lambda: m.placement, tenants=tenants,
         bytes_per_s=c.rebalance_bytes_per_s, peer_auth=agent.peer_auth,
+        receive_bytes_per_s=c.rebalance_receive_bytes_per_s,
+        interval_s=c.anti_entropy_interval_s,
     )  # fmt: skip
     m.rebalancer.start()
     m.reach = Reachability(m.node, lambda: m.view()["members"])
@@ -69,9 +78,7 @@ def agent_cluster_view(agent: Any, tenant: str) -> dict[str, Any]:
     m: Membership | None = agent.cluster
     if m is None:
         return {}
-    cfg = agent.cfg
-    t = cfg.tenants.get(tenant)
-    replicas = (t.replicas if t is not None and t.replicas else 0) or cfg.cluster.replicas
+    replicas = _replicas(agent, tenant)
     view = m.view()
     _history(agent).remember(view["members"], view["epoch"])  # a later `since` is against it
     rebalance = m.rebalancer.progress.as_dict() if m.rebalancer is not None else {}
@@ -101,3 +108,33 @@ def _history(agent: Any) -> ViewHistory:
     if h is None:
         h = agent._cluster_views = ViewHistory()
     return h
+
+
+def _replicas(agent: Any, tenant: str) -> int:
+    cfg = agent.cfg
+    t = cfg.tenants.get(tenant)
+    return (t.replicas if t is not None and t.replicas else 0) or cfg.cluster.replicas
+
+
+def agent_cluster_op(agent: Any, tenant: str, op: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """Agent-to-agent ops of the rebalancer: `cluster_grant` (the receive-side rate),
+    `cluster_digest` (anti-entropy), `cluster_hot` (which copies beyond R are still hot).
+    ValueError outside a cluster."""
+    m: Membership | None = agent.cluster
+    if m is None or m.rebalancer is None:
+        raise ValueError(f"{op}: this agent is not in a cluster")
+    r: Rebalancer = m.rebalancer
+    if op == "cluster_grant":
+        return {"wait_s": r.receiver.grant(int(fields["bytes"]))}
+    if op == "cluster_hot":
+        return {"hot": r.hot_indexes(tenant, list(fields["keys"]))}
+    assert op == "cluster_digest", op
+    return r.answer_digest(tenant, _replicas(agent, tenant), dict(fields))
+
+
+def agent_cluster_reads(agent: Any, tenant: str, keys: list[bytes]) -> list[int]:
+    """Reads served here (from every client): the indexes of `keys` that are hot."""
+    m: Membership | None = agent.cluster
+    if m is None or m.rebalancer is None:
+        return []
+    return m.rebalancer.note_reads(tenant, keys)

@@ -305,7 +305,7 @@ class Membership:
     def view(self) -> dict[str, Any]:
         """Every kv member Serf knows (with Serf's status; a member refused for its tags or
         its proof shows as ``refused`` with the reason), the epoch and the serving count."""
-        rows = []
+        rows: list[dict[str, Any]] = []
         for m in sorted(self.members, key=lambda m: m.name):
             if m.tags.get("kv") != KV_TAG_VERSION:
                 continue
@@ -314,5 +314,9 @@ class Membership:
                 rows.append({"name": m.name[:NAME_CHARS_MAX], "status": "refused",
                              "reason": node, "serf": f"{m.addr}:{m.port}"})  # fmt: skip
                 continue
-            rows.append({**node.as_dict(), "status": m.status, "serf": f"{m.addr}:{m.port}"})
+            # answers reads for what it holds: serving, or leaving and still alive (a draining
+            # node keeps its copies until it is gone; clients read it last)
+            reads = m.status == "alive" and node.state in ("serving", "leaving")
+            rows.append({**node.as_dict(), "status": m.status, "serf": f"{m.addr}:{m.port}",
+                         "reads": reads})  # fmt: skip
         return {"members": rows, "epoch": self.epoch, "serving": len(self.placement.serving)}

@@ -252,6 +252,9 @@ class Dispatcher:
             "stats": self._stats,
             "members": self._members,
             "tenants_list": self._tenants_list,
+            "cluster_grant": lambda s, f: self._cluster(s, "cluster_grant", f),
+            "cluster_digest": lambda s, f: self._cluster(s, "cluster_digest", f),
+            "cluster_hot": lambda s, f: self._cluster(s, "cluster_hot", f),
         }
 
     def new_session(self, peer: str, local_host: str = "127.0.0.1", peer_host: str = "") -> Session:
@@ -485,7 +488,13 @@ class Dispatcher:
         _count_lookup(s.tenant, len(hits), len(keys))
         if stale and not hits:  # held here anyway (a move in progress): served, not moved
             self._check_epoch(f["epoch"])
-        return {"hits": hits, "lease_id": lease_id, "lease_expires_s": expires_s}
+        reply = {"hits": hits, "lease_id": lease_id, "lease_expires_s": expires_s}
+        reads = getattr(self.backend, "cluster_reads", None)
+        if lease_id and reads is not None:  # a read (a probe is not): hot prefixes count here
+            hot = reads(s.tenant, keys[: len(hits)])
+            if hot:
+                reply["hot"] = hot  # indexes of hot keys: clients spread reads over copies
+        return reply
 
     def _release(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
         lease_id = f["lease_id"]
@@ -574,6 +583,18 @@ class Dispatcher:
                 return plain(delta)
         return {"members": plain(self.backend.members()), **self.backend.cluster_view(s.tenant)}
 
+    def _cluster(self, s: Session, op: str, f: Mapping[str, Any]) -> dict[str, Any]:
+        """Agent-to-agent ops of the rebalancer (dpu_agent.cluster.agent_cluster_op): only on
+        a session that proved the cluster key (a tenant's client could otherwise spend a
+        receiver's rebalance rate or list its keys' digests)."""
+        if not s.peer_node:
+            raise RemoteProtocolError(f"{op} is for cluster members (the peer handshake)",
+                                      ErrorCode.AUTH)  # fmt: skip
+        cluster_op = getattr(self.backend, "cluster_op", None)
+        if cluster_op is None:
+            raise ValueError(f"{op}: this agent is not in a cluster")
+        return dict(cluster_op(s.tenant, op, f))
+
     def _tenants_list(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
         return {"tenants": plain(self.backend.tenants_list())}
 
@@ -583,6 +604,7 @@ _KNOWN_OPS = frozenset(
     | {"pin", "unpin"}
     | {"stats"}
     | {"members", "tenants_list", "tenant_add", "tenant_remove", "evict", "checkpoint"}
+    | {"cluster_grant", "cluster_digest", "cluster_hot"}
     | {"backup", "restore"}
     | {"host_add", "tenant_rotate"}
     | NIXL_OPS
