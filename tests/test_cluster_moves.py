@@ -20,7 +20,6 @@ from cluster_harness import Cluster
 
 from dpu_agent.cluster import SerfClient
 from host_shim import KVClient
-from host_shim.cluster import ClusterKVClient
 from kvproto.checksum import chunk_checksum
 from kvproto.keys import ChunkLayout
 from kvproto.placement import Node, Placement
@@ -123,7 +122,9 @@ def test_leave_at_r1_misses_nothing_the_leaving_node_answers_until_gone(
         n_prompts = 36
         with KVClient(c.seeds(), "default", c.token, LAYOUT, SALT, io_queues=1) as kv:
             assert all(kv.put(prompt(i), [chunk(i)]) == 1 for i in range(n_prompts))
-            on_b = {i for i in range(n_prompts) if kv.placement.owners(nc.key(i))[0].name == "b"}
+            assert kv.router is not None
+            p = kv.router.placement
+            on_b = {i for i in range(n_prompts) if p.owners(nc.key(i))[0].name == "b"}
         assert on_b
         stop, misses, reads = threading.Event(), [0], [0]
 
@@ -144,7 +145,8 @@ def test_leave_at_r1_misses_nothing_the_leaving_node_answers_until_gone(
         t = threading.Thread(target=reader, daemon=True)
         t.start()
         try:
-            with SerfClient(c.nodes["b"].serf_rpc) as serf:  # what `cluster leave` does first
+            rpc_key = (c.root / "b" / "serf-rpc.key").read_text().strip()
+            with SerfClient(c.nodes["b"].serf_rpc, auth_key=rpc_key) as serf:  # `cluster leave`
                 serf.tags({"state": "leaving"})
             wait_for(
                 lambda: (
@@ -191,7 +193,8 @@ def test_join_at_r2_sends_each_chunk_once_at_the_receivers_rate_with_pending_and
         c.wait_serving(names, on=names)
         n_prompts = 120
         with KVClient(c.seeds(), "default", c.token, LAYOUT, SALT, io_queues=1) as kv:
-            assert isinstance(kv, ClusterKVClient) and kv.refresh() and kv.replicas == 2
+            r = kv.router
+            assert r is not None and r.refresh() and r.replicas == 2
             assert all(kv.put(prompt(i), [chunk(i)]) == 1 for i in range(n_prompts))
         base = {n: c.members(n)["rebalance"]["moved_chunks"] for n in names}
         t0 = time.monotonic()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cluster_harness import Cluster
+from cluster_harness import Cluster, secrets_env
 
 from dpu_agent.cluster import SerfProcess, free_port
 from host_shim import KVClient
@@ -88,7 +88,8 @@ def test_partition_both_sides_write_replicas_converge_to_r_identical_copies(
         serf3 = SerfProcess(
             "q3", bind=f"{ns_addr}:{free_port()}", rpc_addr=f"{ns_addr}:{free_port()}",
             join=[c.nodes["q1"].serf_bind], netns=ns, log_path=tmp_path / "serf-q3.log",
-            auth_key="q3-rpc-key",
+            auth_key="q3-rpc-key", keyring_file=secrets_env(tmp_path, tmp_path / "q3")[
+                "DPUKV_CLUSTER_KEYRING_FILE"],
         )  # fmt: skip
         serf3.wait_ready().close()
         c.start("q3", serf_rpc=serf3.rpc_addr,
