@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import nixl_md
 import numpy as np
 import pytest
 
@@ -28,7 +29,7 @@ KEY = b"k" * 16
 
 
 def _md(name: bytes) -> bytes:
-    return b"nixlSerDes|Agent" + struct.pack("<Q", len(name)) + name + b"|Conns..."
+    return nixl_md.encode(name)
 
 
 @pytest.mark.parametrize(
@@ -67,7 +68,7 @@ def test_metadata_agent_name_is_read_before_nixl_loads_it() -> None:
 
 
 def test_session_regions_contain_spans_exactly() -> None:
-    s = _Session(tenant="t", remote="dpukv.t.1")
+    s = _Session(tenant="t", remote="dpukv.t.1", metadata=b"")
     s.add(1000, 100, 0, "DRAM")
     s.add(5000, 50, 1, "VRAM")
     assert s.find(1000, 100) == (0, "DRAM")
