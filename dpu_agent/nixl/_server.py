@@ -154,7 +154,8 @@ def _covered(md: NixlMetadata, addr: int, nbytes: int, dev: int, mem: str) -> bo
 class _Link:
     """The agent's end of one worker process: commands out, replies resolved as futures."""
 
-    def __init__(self, name: str, shm_fd: int, shm_bytes: int) -> None:
+    def __init__(self, name: str, shm_fd: int, shm_bytes: int, on_exit: Callable[[], None]) -> None:
+        self._on_exit, self._closed = on_exit, False
         mine, theirs = socket.socketpair()
         cmd = [sys.executable, "-m", "dpu_agent.nixl._worker", str(theirs.fileno()),
                str(shm_fd), str(shm_bytes), name]  # fmt: skip
@@ -200,6 +201,8 @@ class _Link:
         log.warning("nixl_worker_exited", status=status, calls_failed=len(pending))
         for fut in pending.values():
             fut.set_exception(WorkerLost(f"exit status {status}"))
+        if not self._closed:
+            self._on_exit()
 
     def call(self, *cmd: Any) -> cf.Future[Any]:
         fut: cf.Future[Any] = cf.Future()
@@ -233,6 +236,7 @@ class _Link:
                     pass  # the reader sees the worker go and fails what is pending
 
     def close(self) -> None:
+        self._closed = True
         self.conn.close()
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -270,6 +274,7 @@ class NixlServer:
         self._lane_ids = itertools.count()
         self._gates: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}
         self._penalty: dict[str, float] = {}  # tenant -> monotonic time its penalty ends
+        self._closing = False
 
     def status(self) -> dict[str, Any]:
         """What hello says: whether hosts may use NIXL with this agent, and why not."""
@@ -302,6 +307,7 @@ class NixlServer:
             self._thread.submit(self._forget, session_id)
 
     def close(self) -> None:
+        self._closing = True
         self._thread.shutdown(wait=True, cancel_futures=True)
         self._io.shutdown(wait=True, cancel_futures=True)
         with self._lock:
@@ -326,6 +332,8 @@ class NixlServer:
         with self._lock:
             if self._link is not None and self._link.alive:
                 return self._link
+            if self._closing:
+                raise WorkerLost("the agent is stopping")
             try:
                 load_nixl()
             except NixlUnavailable as e:
@@ -340,7 +348,7 @@ class NixlServer:
             if old is not None:
                 old.close()
             fd, _, staging = self._shm
-            self._link = link = _Link(self.name, fd, staging.nbytes)
+            self._link = link = _Link(self.name, fd, staging.nbytes, self._restart)
             log.info("nixl_started", name=self.name, pid=link.proc.pid, restart=restart,
                      staging_bytes=staging.nbytes)  # fmt: skip
             for sid, s in list(self._sessions.items()):
@@ -351,6 +359,18 @@ class NixlServer:
                     self._sessions.pop(sid, None)
                     self._names.pop(s.remote, None)
             return link
+
+    def _restart(self) -> None:
+        """The worker ended by itself: start the next one now (not at the next call), so the
+        sessions' metadata is back in NIXL before their next transfer."""
+
+        def restart() -> None:
+            try:
+                self._worker()
+            except (RemoteProtocolError, WorkerLost) as e:  # the next call tries again
+                log.warning("nixl_worker_restart_failed", error=str(e))
+
+        threading.Thread(target=restart, name="nixl-restart", daemon=True).start()
 
     def _forget(self, session_id: int) -> None:
         with self._lock:
