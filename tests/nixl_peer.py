@@ -215,15 +215,23 @@ def frozen(url: str, token: str) -> dict[str, Any]:
 
 
 def register_other(url: str, token: str, calls: int) -> dict[str, Any]:
-    """nixl_register naming another host agent of the same tenant, `calls` times."""
+    """nixl_register naming another host agent of the same tenant, `calls` times, each call
+    another name (the other agent's metadata renamed: NIXL would load each as a new peer)."""
+    import struct
+
     mine, other = NixlHostPath("default"), NixlHostPath("default")
+    md = other.metadata()
+    (n,) = struct.unpack_from("<Q", md, 16)
+    rest = md[16 + 8 + n + 1 :]
     codes: dict[str, int] = {}
     with ControlChannel(url, "default", token) as ch:
         ch.connect()
         ch.call("nixl_connect", metadata=mine.metadata())
-        for _ in range(calls):
-            code = _code(lambda: ch.call("nixl_register", metadata=other.metadata(), add=[],
-                                         drop=[]))  # fmt: skip
+        for i in range(calls):
+            name = f"dpukv.default.other-{i}".encode()
+            renamed = b"nixlSerDes|Agent" + struct.pack("<Q", len(name)) + name + b"|" + rest
+            code = _code(lambda md=renamed: ch.call("nixl_register", metadata=md, add=[],
+                                                    drop=[]))  # fmt: skip
             codes[code] = codes.get(code, 0) + 1
         print("DONE", flush=True)
         sys.stdin.readline()  # the parent counts the agent's fds while this session lives
