@@ -569,9 +569,14 @@ class _Mover:
 
     def post(self, op: str, slot: int, span: _Span, off: int, n: int) -> _Xfer:
         deadline = time.monotonic() + NIXL_XFER_TIMEOUT_S
-        fut = self.link.call(
-            "xfer", op, slot * NIXL_SEGMENT_BYTES, n, span[0] + off, span[2], span[3], self.remote
-        )
+        try:
+            fut = self.link.call(
+                "xfer", op, slot * NIXL_SEGMENT_BYTES, n, span[0] + off, span[2], span[3],
+                self.remote,
+            )  # fmt: skip
+        except WorkerLost:
+            self.free.append(slot)  # nothing was posted: the slot is free
+            raise
         return _Xfer(fut, deadline)
 
     def state(self, x: _Xfer, slot: int) -> str:
@@ -597,6 +602,16 @@ class _Mover:
         """A callback giving `slot` back to the lane once what used it ended."""
         free = self.free
         return lambda _fut: free.append(slot)
+
+    def release(self, io: list[tuple[cf.Future[Any], int]], xfers: list[tuple[_Xfer, int]]) -> None:
+        """After a failed call, each slot back to the lane once what used it ended."""
+        for f, slot in io:
+            f.add_done_callback(self.returner(slot))
+        for x, slot in xfers:
+            if x.fut is None:
+                self.free.append(slot)
+            else:
+                x.fut.add_done_callback(self.returner(slot))
 
     def wait(self, xs: list[_Xfer], futs: list[cf.Future[Any]]) -> None:
         """Until one of these transfers or futures is done, or the first deadline passes."""
@@ -670,45 +685,49 @@ class _Mover:
         failed = usable  # the first chunk that failed (transfer or checksum)
         corrupt = None
         stuck_since = None  # no free slot and nothing in flight: slots held by LATE transfers
-        while True:
-            while self.free and jobs:
-                ci, off, n = jobs.popleft()
-                if ci >= failed:
-                    continue
-                slot, hit = self.free.popleft(), hits[ci]
-                last[ci] = fut = self.io.submit(
-                    self.read_tier, int(hit[1]), int(hit[2]) + off // BLOCK_SIZE, slot, n,
-                    hashers[ci], last[ci],
-                )  # fmt: skip
-                reads.append((fut, slot, ci, off, n))
-            failed = self.reap(writes, failed, block=False)
-            if reads:
-                fut, slot, ci, off, n = reads[0]
-                if not fut.done():  # keep the wire moving while the tier read decrypts
-                    self.wait([w[1] for w in writes][:1], [fut])
-                    continue
-                reads.popleft()
-                if fut.exception() is not None:
-                    log.warning("nixl_tier_read_failed", error=repr(fut.exception()))
-                if fut.exception() is not None or ci >= failed:
-                    self.free.append(slot)
-                    failed = min(failed, ci)
-                    continue
-                if off + n == lengths[ci] and hashers[ci].digest() != hits[ci][5]:
-                    corrupt, failed = hits[ci][0], min(failed, ci)
-                    self.free.append(slot)
-                    continue
-                writes.append((slot, self.post("WRITE", slot, targets[ci], off, n), ci))
-            elif writes:
-                failed = self.reap(writes, failed, block=True)
-            elif not any(j[0] < failed for j in jobs):
-                return failed, corrupt
-            elif not self.free:  # every slot waits on a transfer to a host that stopped
-                stuck_since = stuck_since or time.monotonic()
-                if time.monotonic() - stuck_since > NIXL_XFER_TIMEOUT_S:
-                    log.warning("nixl_lane_no_slot", remote=self.remote)
-                    return failed if failed < usable else min(j[0] for j in jobs), corrupt
-                time.sleep(0.01)
+        try:
+            while True:
+                while self.free and jobs:
+                    ci, off, n = jobs.popleft()
+                    if ci >= failed:
+                        continue
+                    slot, hit = self.free.popleft(), hits[ci]
+                    last[ci] = fut = self.io.submit(
+                        self.read_tier, int(hit[1]), int(hit[2]) + off // BLOCK_SIZE, slot, n,
+                        hashers[ci], last[ci],
+                    )  # fmt: skip
+                    reads.append((fut, slot, ci, off, n))
+                failed = self.reap(writes, failed, block=False)
+                if reads:
+                    fut, slot, ci, off, n = reads[0]
+                    if not fut.done():  # keep the wire moving while the tier read decrypts
+                        self.wait([w[1] for w in writes][:1], [fut])
+                        continue
+                    reads.popleft()
+                    if fut.exception() is not None:
+                        log.warning("nixl_tier_read_failed", error=repr(fut.exception()))
+                    if fut.exception() is not None or ci >= failed:
+                        self.free.append(slot)
+                        failed = min(failed, ci)
+                        continue
+                    if off + n == lengths[ci] and hashers[ci].digest() != hits[ci][5]:
+                        corrupt, failed = hits[ci][0], min(failed, ci)
+                        self.free.append(slot)
+                        continue
+                    writes.append((slot, self.post("WRITE", slot, targets[ci], off, n), ci))
+                elif writes:
+                    failed = self.reap(writes, failed, block=True)
+                elif not any(j[0] < failed for j in jobs):
+                    return failed, corrupt
+                elif not self.free:  # every slot waits on a transfer to a host that stopped
+                    stuck_since = stuck_since or time.monotonic()
+                    if time.monotonic() - stuck_since > NIXL_XFER_TIMEOUT_S:
+                        log.warning("nixl_lane_no_slot", remote=self.remote)
+                        return failed if failed < usable else min(j[0] for j in jobs), corrupt
+                    time.sleep(0.01)
+        except BaseException:  # the worker stopped mid-call: give the slots back as they end
+            self.release([(f, slot) for f, slot, *_ in reads], [(x, slot) for slot, x, _ in writes])
+            raise
 
     def reap(self, writes: deque[tuple[int, _Xfer, int]], failed: int, *, block: bool) -> int:
         """Retire completed transfers (the oldest first); with `block`, at least one."""
@@ -778,8 +797,8 @@ class _Mover:
                         failed = job[0]
                     time.sleep(0.01)
         except BaseException:  # the worker stopped mid-call: nothing of it is committed
-            for fut, slot, _ci in writes:
-                fut.add_done_callback(self.returner(slot))
+            cf.wait([fut for fut, _, _ in writes])  # tier writes end before their space is freed
+            self.release([(f, slot) for f, slot, _ in writes], [(x, slot) for slot, x, *_ in reads])
             self.commit(res, hashers, 0)
             raise
 
