@@ -43,6 +43,12 @@ def _md(name: bytes) -> bytes:
         ("nixl_get", {"keys": [KEY], "targets": [[1]]}),
         ("nixl_get", {"keys": [KEY], "targets": [[1, 2, 3]]}),
         ("nixl_get", {"keys": [KEY], "targets": [[True, 2]]}),
+        # sizes past what a host can register or a chunk can be, checked before any planning
+        ("nixl_register", {"metadata": b"m", "add": [[1, (64 << 30) + 1, 0, "DRAM"]], "drop": []}),
+        ("nixl_register", {"metadata": b"m", "add": [[(1 << 64) - 8, 16, 0, "DRAM"]], "drop": []}),
+        ("nixl_get", {"keys": [KEY], "targets": [[1, (1 << 30) + 1]]}),
+        ("nixl_put", {"keys": [KEY], "sources": [[1, 1 << 46]], "parents": [None]}),
+        ("nixl_put", {"keys": [KEY], "sources": [[(1 << 64) - 8, 16]], "parents": [None]}),
         ("nixl_put", {"keys": [KEY], "sources": [[1, 2]], "parents": [b"short"]}),
         ("nixl_put", {"keys": [KEY], "sources": [[1, 2]]}),
     ],
