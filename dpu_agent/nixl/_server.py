@@ -95,6 +95,9 @@ NIXL_WORKER_CALL_S = 30.0
 # A tenant whose metadata took the worker down is refused NIXL for this long (it uses NVMe/TCP):
 # each crash fails every tenant's calls in flight, so one tenant cannot repeat it at will.
 NIXL_CRASH_PENALTY_S = 60.0
+# Restarts on its own per window: a worker that dies as it starts (a broken install, no memory)
+# is not started in a loop; the next NIXL call starts it again.
+NIXL_RESTARTS_MAX, NIXL_RESTART_WINDOW_S = 5, 60.0
 SESSIONS_MAX = 4096  # NIXL sessions (bounded by the control server's connections_max anyway)
 # Regions one session may hold: the host keeps at most NIXL_REGIONS_MAX registered and drops
 # before it adds; twice that leaves room for one call's additions before its drops land.
@@ -275,6 +278,7 @@ class NixlServer:
         self._gates: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}
         self._penalty: dict[str, float] = {}  # tenant -> monotonic time its penalty ends
         self._closing = False
+        self._restarts: deque[float] = deque()  # when the worker was restarted by itself
 
     def status(self) -> dict[str, Any]:
         """What hello says: whether hosts may use NIXL with this agent, and why not."""
@@ -314,11 +318,6 @@ class NixlServer:
             if self._link is not None:
                 self._link.close()
                 self._link = None
-
-    def worker_pid(self) -> int | None:
-        """The NIXL worker process (tests, doctor); None before the first NIXL session."""
-        link = self._link
-        return link.proc.pid if link is not None and link.alive else None
 
     # --- on a lane thread ----------------------------------------------------------------------
     def _lane(self) -> _Lane:
@@ -363,6 +362,15 @@ class NixlServer:
     def _restart(self) -> None:
         """The worker ended by itself: start the next one now (not at the next call), so the
         sessions' metadata is back in NIXL before their next transfer."""
+
+        now = time.monotonic()
+        while self._restarts and self._restarts[0] < now - NIXL_RESTART_WINDOW_S:
+            self._restarts.popleft()
+        if len(self._restarts) >= NIXL_RESTARTS_MAX:  # dying as it starts: the next call tries
+            log.warning("nixl_worker_not_restarted", restarts=len(self._restarts),
+                        window_s=NIXL_RESTART_WINDOW_S)  # fmt: skip
+            return
+        self._restarts.append(now)
 
         def restart() -> None:
             try:
