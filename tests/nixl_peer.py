@@ -161,6 +161,7 @@ def killed(url: str, token: str) -> dict[str, Any]:
 LEGIT_CHUNKS, LEGIT_CHUNK_BYTES = 4, 1 << 20
 LEGIT_RUN_MAX_S = 240  # a legit loop ends by itself even if its stop file never appears
 FROZEN_CHUNK_BYTES = 32 << 20
+KILLED_CHUNKS = 6  # 192 MiB: the get is still moving when the parent kills the worker
 
 
 def legit(url: str, token: str, tenant: str, stop_file: str) -> dict[str, Any]:
@@ -238,6 +239,46 @@ def register_other(url: str, token: str, calls: int) -> dict[str, Any]:
     return {"codes": codes}
 
 
+def worker_killed(url: str, token: str) -> dict[str, Any]:
+    """A NIXL get in flight when the parent kills the agent's NIXL worker: the call gets an
+    error reply; the session's next get (its metadata reloaded into a new worker) is whole."""
+    keys = [bytes([0xA0 + i]) * 16 for i in range(KILLED_CHUNKS)]
+    src = [np.full(FROZEN_CHUNK_BYTES, 0x30 + i, np.uint8) for i in range(KILLED_CHUNKS)]
+    out: dict[str, Any] = {}
+    with KVClient(url, "default", token, LAYOUT, SALT, transport="nixl", timeout_s=60) as c:
+        out["stored"] = c.put_keys(keys, src, chunk_bytes=FROZEN_CHUNK_BYTES)
+    host = NixlHostPath("default")
+    pool = np.zeros((KILLED_CHUNKS, FROZEN_CHUNK_BYTES), np.uint8)
+    with ControlChannel(url, "default", token, timeout_s=120) as ch:
+        ch.connect()
+        ch.call("nixl_connect", metadata=host.metadata())
+        added, _ = host.prepare([buffer_desc(pool, pool.nbytes, writable=True)])
+        ch.call("nixl_register", metadata=host.metadata(), add=added, drop=[])
+        targets = [[int(pool[i].ctypes.data), FROZEN_CHUNK_BYTES] for i in range(KILLED_CHUNKS)]
+
+        def get() -> None:
+            try:
+                out["first"] = ["ok", ch.call("nixl_get", keys=keys, targets=targets)["loaded"]]
+            except ControlError as e:
+                out["first"] = [e.code, e.message]
+
+        t = threading.Thread(target=get)
+        t.start()
+        deadline = time.monotonic() + 60
+        while not pool[0, :4096].any() and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        print("TRANSFERRING", flush=True)  # the parent kills the worker now
+        t.join(120)
+        pool.fill(0)
+        time.sleep(3)  # the agent restarts its worker and reloads this session's metadata
+        try:
+            out["next"] = ch.call("nixl_get", keys=keys, targets=targets)["loaded"]
+        except ControlError as e:
+            out["next"] = f"{e.code}: {e.message}"
+        out["next_exact"] = all(bool((pool[i] == 0x30 + i).all()) for i in range(KILLED_CHUNKS))
+    return out
+
+
 def _unchecked(ch: ControlChannel, op: str, **fields: Any) -> str:
     """A call sent without the client's own field checks, as a hostile client would."""
     import host_shim.client as hc
@@ -306,6 +347,8 @@ def main() -> None:
         out = register_other(url, token, int(sys.argv[4]))
     elif scenario == "huge":
         out = huge(url, token)
+    elif scenario == "worker_killed":
+        out = worker_killed(url, token)
     elif scenario == "metadata":
         out = metadata()
     else:
