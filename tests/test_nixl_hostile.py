@@ -29,9 +29,11 @@ pytestmark = pytest.mark.skipif(
 )
 ROOT = Path(__file__).resolve().parent.parent
 UCX_ENV = {"UCX_TLS": "tcp"}  # as between a host and its DPU without RDMA
-# A legit 4 x 1 MiB get takes 10-60 ms here; 5 s is a stall (the old single NIXL thread held
-# others for 30 s), not a loaded box.
-LEGIT_LATENCY_MAX_S = 5.0
+# A legit 4 x 1 MiB get takes 10-60 ms here. Its worst case beside an abusive tenant: stuck
+# behind a stalled worker until the abuser's transfer deadline (NIXL_XFER_TIMEOUT_S, 3 s), then
+# the worker is replaced and the call is served over NVMe/TCP; 6 s leaves room for a loaded box.
+# The old code held others for 30-60 s.
+LEGIT_LATENCY_MAX_S = 6.0
 # The agent process alone (its NIXL worker is counted apart): ~150-250 MiB here with a 512 MiB
 # DRAM tier mostly empty, plus the 128 MiB staging it shares with the worker once touched.
 AGENT_RSS_MAX = 768 << 20
@@ -183,27 +185,35 @@ def _renamed(md: bytes, name: str) -> bytes:
 
 
 def _mutate(md: bytes, rng: random.Random) -> bytes:
+    """One seeded mutation of the framing, the lengths, the name, the sections or the UCX
+    address's header byte. The address's body (IPs, ports) is left alone: what passes the codec
+    reaches UCX, which would connect to whatever address the bytes became, off loopback."""
     b = bytearray(md)
-    kind = rng.randrange(6)
+    head = md.index(b"|c") + 2 + 8  # the UCX address's header byte
+    (n,) = struct.unpack_from("<Q", md, head - 8)
+    body = range(head + 1, head + n)
+
+    def outside() -> int:
+        while (i := rng.randrange(len(b))) in body:
+            pass
+        return i
+
+    kind = rng.randrange(5)
     if kind == 0:  # flip bits
         for _ in range(rng.randint(1, 4)):
-            i = rng.randrange(len(b))
-            b[i] ^= 1 << rng.randrange(8)
+            b[outside()] ^= 1 << rng.randrange(8)
     elif kind == 1:  # truncate
         del b[rng.randrange(1, len(b)) :]
     elif kind == 2:  # a length field set to something else
-        starts = [i for i in range(len(b) - 8) if b[i - 1 : i] in (b"t", b"c", b"s", b"n", b"|")]
-        i = rng.choice(starts) if starts else 0
+        starts = [i for i in range(len(b) - 8) if b[i - 1 : i] in (b"t", b"c", b"s", b"n", b"|")
+                  and not set(range(i, i + 8)) & set(body)]  # fmt: skip
+        i = rng.choice(starts)
         b[i : i + 8] = struct.pack("<Q", rng.choice([0, 1, 7, 255, 1 << 20, (1 << 64) - 1]))
-    elif kind == 3:  # random bytes inside the UCX address
-        i = md.index(b"|c") + 10 + rng.randrange(1, 90)
-        b[i] = rng.randrange(256)
-    elif kind == 4:  # insert bytes
-        i = rng.randrange(len(b))
+    elif kind == 3:  # insert bytes
+        i = outside()
         b[i:i] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 16)))
     else:  # the UCX address's header byte
-        i = md.index(b"|c") + 10
-        b[i] = rng.randrange(256)
+        b[head] = rng.randrange(256)
     return bytes(b)
 
 
@@ -306,7 +316,7 @@ def test_nixl_frozen_client_does_not_stall_other_tenants(
     try:
         time.sleep(12)  # the legit client keeps getting meanwhile
         r = legit.result()
-        assert r["transports"] == ["nixl"], r  # served by NIXL, no fallback needed
+        assert r["transports"][0] == "nixl", r  # NVMe/TCP after a worker replacement
         _bounded(agent)
     finally:
         os.kill(frozen.pid, signal.SIGCONT)

@@ -35,6 +35,7 @@ import concurrent.futures as cf
 import itertools
 import mmap
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -85,15 +86,23 @@ NIXL_LANES_PER_TENANT = NIXL_LANES // 2
 # after decrypting this much rather than a whole segment (0.7-2 ms of a 60 ms get here).
 NIXL_FIRST_SEGMENT_BYTES = 1 << 20
 NIXL_IO_WORKERS = 2  # decrypt/encrypt threads (AES-XTS releases the GIL); the DPU's spare cores
-# One transfer (a 4 MiB segment, ~40 ms at 1 Gbit/s) not done 10 s after it was posted: the host
-# stopped reading. Counted per transfer from its own post: nothing else can extend it.
-NIXL_XFER_TIMEOUT_S = 10.0
+# One transfer (a 4 MiB segment, ~40 ms at 1 Gbit/s; 8 queued behind each other under 1 s here)
+# not done 3 s after it was posted: the host stopped reading. Counted per transfer from its own
+# post: nothing else can extend it. It bounds what a stalled worker costs other sessions.
+NIXL_XFER_TIMEOUT_S = 3.0
 # The worker process: a NIXL agent starts in 1-3 s here; 60 s is a broken install.
 NIXL_WORKER_START_S = 60.0
 # A command to the worker (load, remove) answers in milliseconds; 30 s is a hung worker.
 NIXL_WORKER_CALL_S = 30.0
-# A tenant whose metadata took the worker down is refused NIXL for this long (it uses NVMe/TCP):
-# each crash fails every tenant's calls in flight, so one tenant cannot repeat it at will.
+# The watchdog pings the worker this often while it has work; a worker whose loop has not
+# answered for NIXL_WORKER_HANG_S is stuck inside NIXL or UCX (seen: a peer address that passed
+# the codec, a host stopped mid-transfer) and is killed like one that aborted: the calls in
+# flight fail, a new worker takes the sessions. 3 s is ~100x the slowest command seen here.
+NIXL_WORKER_PING_S = 0.5
+NIXL_WORKER_HANG_S = 3.0
+# A tenant whose metadata took the worker down, or whose host stopped reading mid-transfer, is
+# refused NIXL for this long (it uses NVMe/TCP): each worker replacement fails every tenant's
+# calls in flight, so one tenant cannot repeat it at will.
 NIXL_CRASH_PENALTY_S = 60.0
 # Restarts on its own per window: a worker that dies as it starts (a broken install, no memory)
 # is not started in a loop; the next NIXL call starts it again.
@@ -119,6 +128,7 @@ _Span = tuple[int, int, int, str]  # addr, nbytes, dev, mem
 
 @dataclass(slots=True, kw_only=True)
 class _Session:
+    sid: int
     tenant: str
     remote: str
     metadata: bytes  # the last metadata loaded: reloaded into a restarted worker
@@ -159,6 +169,7 @@ class _Link:
 
     def __init__(self, name: str, shm_fd: int, shm_bytes: int, on_exit: Callable[[], None]) -> None:
         self._on_exit, self._closed = on_exit, False
+        self.killed = False  # kill() asked for: the server replaced this worker
         mine, theirs = socket.socketpair()
         cmd = [sys.executable, "-m", "dpu_agent.nixl._worker", str(theirs.fileno()),
                str(shm_fd), str(shm_bytes), name]  # fmt: skip
@@ -182,6 +193,34 @@ class _Link:
             ) from None
         self._reader = threading.Thread(target=self._read, name="nixl-link", daemon=True)
         self._reader.start()
+        threading.Thread(target=self._watch, name="nixl-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Kill the worker when its loop stops answering while it has work."""
+        ping: cf.Future[Any] | None = None
+        sent = 0.0
+        while self.alive and not self._closed:
+            time.sleep(NIXL_WORKER_PING_S)
+            if ping is not None and not ping.done():
+                if time.monotonic() - sent < NIXL_WORKER_HANG_S:
+                    continue
+                log.warning("nixl_worker_stuck", pid=self.proc.pid, silent_s=NIXL_WORKER_HANG_S,
+                            calls_pending=len(self._pending))  # fmt: skip
+                try:
+                    os.kill(self.proc.pid, signal.SIGUSR1)  # its stack, into the agent's log
+                    time.sleep(0.2)
+                    self.proc.kill()
+                except ProcessLookupError:
+                    pass
+                return
+            ping = None
+            with self._lock:
+                busy = bool(self._pending)
+            if busy:
+                try:
+                    ping, sent = self.call("ping"), time.monotonic()
+                except WorkerLost:
+                    return
 
     def _read(self) -> None:
         while True:
@@ -229,14 +268,14 @@ class _Link:
             raise RemoteProtocolError(f"nixl: worker gave no answer in {NIXL_WORKER_CALL_S} s",
                                       "failed") from None  # fmt: skip
 
-    def drop(self, remote: str) -> None:
-        """Abandon transfers to `remote` (a host past its deadline); they end as ERR."""
-        with self._lock:
-            if self.alive:
-                try:
-                    self.conn.send(("drop", remote))
-                except OSError:
-                    pass  # the reader sees the worker go and fails what is pending
+    def kill(self) -> None:
+        """End a worker that can no longer be trusted to progress (the reader then fails what
+        is pending and the server starts the next one)."""
+        self.killed = True
+        try:
+            self.proc.kill()
+        except ProcessLookupError:
+            pass
 
     def close(self) -> None:
         self._closed = True
@@ -380,6 +419,23 @@ class NixlServer:
 
         threading.Thread(target=restart, name="nixl-restart", daemon=True).start()
 
+    def _stalled(self, session_id: int, tenant: str, link: _Link) -> None:
+        """A transfer of this session outlived its deadline. UCX over TCP has been seen to stall
+        other hosts' transfers in the same worker while one host does not read (its pending
+        sends hold the transport), so the worker is replaced: the calls in flight fail (the
+        shim serves them over NVMe/TCP), the new worker loads every other session, this one is
+        forgotten and its tenant is refused NIXL for NIXL_CRASH_PENALTY_S."""
+        if link.killed:  # another transfer of the same stall got here first
+            return
+        with self._lock:
+            s = self._sessions.pop(session_id, None)
+            if s is not None:
+                self._names.pop(s.remote, None)
+            self._penalty[tenant] = time.monotonic() + NIXL_CRASH_PENALTY_S
+        log.warning("nixl_worker_replaced", tenant=tenant, session=session_id,
+                    reason="transfer past its deadline")  # fmt: skip
+        link.kill()
+
     def _forget(self, session_id: int) -> None:
         with self._lock:
             s = self._sessions.pop(session_id, None)
@@ -449,7 +505,7 @@ class NixlServer:
         with self._lock:
             s = self._sessions.get(sid)
             if s is None:
-                s = _Session(tenant=tenant, remote=md.name, metadata=f["metadata"])
+                s = _Session(sid=sid, tenant=tenant, remote=md.name, metadata=f["metadata"])
                 self._sessions[sid] = s
             else:
                 s.metadata = f["metadata"]
@@ -561,6 +617,7 @@ class _Mover:
     """One batch of segments through a lane's staging slots; runs on that lane's thread."""
 
     def __init__(self, server: NixlServer, session: _Session, tenant: str) -> None:
+        self.server, self.sid = server, session.sid
         self.link = server._worker()
         assert server._shm is not None
         self.view = memoryview(server._shm[1])
@@ -603,7 +660,7 @@ class _Mover:
             return "PROC"
         log.warning("nixl_transfer_timeout", remote=self.remote, timeout_s=NIXL_XFER_TIMEOUT_S)
         x.fut.add_done_callback(self.returner(slot))
-        self.link.drop(self.remote)
+        self.server._stalled(self.sid, self.tenant, self.link)
         return "LATE"
 
     def returner(self, slot: int) -> Callable[[cf.Future[Any]], None]:

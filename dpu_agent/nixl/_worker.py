@@ -13,7 +13,8 @@ Commands (pickled tuples over a socketpair; the agent is the only peer):
     ("load", rid, metadata)                  -> the host agent's name (add_remote_agent)
     ("remove", rid, name)                    -> None (remove_remote_agent)
     ("xfer", rid, op, off, n, addr, dev, mem, remote) -> "DONE" or "ERR" once the transfer ended
-    ("drop", name)                           no reply: transfers to `name` are abandoned
+    ("ping", rid)                            -> None (the agent's watchdog; a worker stuck in
+                                             NIXL or UCX does not answer and is killed)
 Replies: ("ok", rid, value) or ("err", rid, message).
 
 Run: python -m dpu_agent.nixl._worker SOCK_FD SHM_FD SHM_BYTES NAME
@@ -21,8 +22,10 @@ Run: python -m dpu_agent.nixl._worker SOCK_FD SHM_FD SHM_BYTES NAME
 
 from __future__ import annotations
 
+import faulthandler
 import mmap
 import os
+import signal
 import socket
 import sys
 from multiprocessing.connection import Connection
@@ -74,22 +77,10 @@ def _command(
             else:
                 inflight[rid] = (h, remote)
             return
-        if kind == "drop":  # a host that stopped reading: end its transfers where NIXL can
-            try:
-                agent.remove_remote_agent(rid)
-            except Exception:  # not loaded any more: its transfers ended already
-                pass
-            for r, (h, remote) in list(inflight.items()):
-                if remote == rid:
-                    try:  # a transfer NIXL cannot release yet stays polled until it ends
-                        agent.release_xfer_handle(h)
-                    except Exception:
-                        continue
-                    del inflight[r]
-                    conn.send(("ok", r, "ERR"))
-            return
-        if kind == "md":
-            value: Any = bytes(agent.get_agent_metadata())
+        if kind == "ping":  # the agent's watchdog: this loop still turns
+            value: Any = None
+        elif kind == "md":
+            value = bytes(agent.get_agent_metadata())
         elif kind == "load":
             loaded = agent.add_remote_agent(msg[2])
             value = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
@@ -99,14 +90,14 @@ def _command(
         else:
             raise ValueError(f"unknown command {kind!r}")
     except Exception as e:  # NIXL refused it (a Python exception, not an abort): say so
-        if kind != "drop":
-            conn.send(("err", rid, f"{type(e).__name__}: {e}"))
+        conn.send(("err", rid, f"{type(e).__name__}: {e}"))
         return
     conn.send(("ok", rid, value))
 
 
 def main(argv: list[str]) -> int:
     sock_fd, shm_fd, shm_bytes, name = int(argv[0]), int(argv[1]), int(argv[2]), argv[3]
+    faulthandler.register(signal.SIGUSR1)  # the watchdog logs where a stuck worker is stuck
     from host_shim.transport import new_agent  # after argv: a usage error costs no NIXL start
 
     mem = mmap.mmap(shm_fd, shm_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
