@@ -78,6 +78,8 @@ __all__ = [
     "NIXL_METADATA_BYTES_MAX",
     "NIXL_OPS",
     "NIXL_REGIONS_MAX",
+    "NIXL_REGION_BYTES_MAX",
+    "NIXL_SPAN_BYTES_MAX",
     "OPS",
     "PROTOCOL_VERSION",
     "TENANTS_MAX",
@@ -116,6 +118,12 @@ ADMIN_TENANT: Final = "_admin"
 NIXL_METADATA_BYTES_MAX: Final = 64 << 10
 # Regions one session registers (host_shim.transport.NIXL_REGIONS_MAX): a KV pool's tensors.
 NIXL_REGIONS_MAX: Final = 4096
+# One region: the host keeps at most 64 GiB registered in all (host_shim.transport
+# NIXL_REGISTERED_BYTES_MAX, a GPU's whole HBM), so no single region is larger.
+NIXL_REGION_BYTES_MAX: Final = 64 << 30
+# One span of a get or put is one chunk: the engine's CHUNK_BYTES_MAX (1 GiB). Checked here, so a
+# claimed 2^63-byte span is refused before the agent plans a single segment of it.
+NIXL_SPAN_BYTES_MAX: Final = 1 << 30
 NIXL_MEM_TYPES: Final = ("DRAM", "VRAM")
 PEER_NONCE_BYTES: Final = 32  # peer_challenge nonces and proofs (kvproto.peer_auth)
 
@@ -246,19 +254,27 @@ def _u64(v: Any) -> bool:
 
 def _regions(v: Any) -> str | None:
     ok = isinstance(v, list) and len(v) <= NIXL_REGIONS_MAX and all(
-        isinstance(r, list) and len(r) == 4 and _u64(r[0]) and _u64(r[1]) and r[1] > 0
+        isinstance(r, list) and len(r) == 4 and _u64(r[0]) and _u64(r[1])
+        and 0 < r[1] <= NIXL_REGION_BYTES_MAX and r[0] + r[1] <= 1 << 64
         and _u64(r[2]) and r[3] in NIXL_MEM_TYPES
         for r in v
     )  # fmt: skip
-    return None if ok else f"a list of at most {NIXL_REGIONS_MAX} [addr, nbytes, dev, mem]"
+    return None if ok else (
+        f"a list of at most {NIXL_REGIONS_MAX} [addr, nbytes, dev, mem], nbytes 1 to "
+        f"{NIXL_REGION_BYTES_MAX}"
+    )  # fmt: skip
 
 
 def _spans(v: Any) -> str | None:
     ok = isinstance(v, list) and len(v) <= LOOKUP_KEYS_MAX and all(
-        isinstance(r, list) and len(r) == 2 and _u64(r[0]) and _u64(r[1]) and r[1] > 0
+        isinstance(r, list) and len(r) == 2 and _u64(r[0]) and _u64(r[1])
+        and 0 < r[1] <= NIXL_SPAN_BYTES_MAX and r[0] + r[1] <= 1 << 64
         for r in v
     )  # fmt: skip
-    return None if ok else f"a list of at most {LOOKUP_KEYS_MAX} [addr, nbytes] spans"
+    return None if ok else (
+        f"a list of at most {LOOKUP_KEYS_MAX} [addr, nbytes] spans, nbytes 1 to "
+        f"{NIXL_SPAN_BYTES_MAX}"
+    )  # fmt: skip
 
 
 def _parents(v: Any) -> str | None:

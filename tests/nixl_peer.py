@@ -158,6 +158,180 @@ def killed(url: str, token: str) -> dict[str, Any]:
     return result
 
 
+LEGIT_CHUNKS, LEGIT_CHUNK_BYTES = 4, 1 << 20
+LEGIT_RUN_MAX_S = 240  # a legit loop ends by itself even if its stop file never appears
+FROZEN_CHUNK_BYTES = 32 << 20
+KILLED_CHUNKS = 6  # 192 MiB: the get is still moving when the parent kills the worker
+
+
+def legit(url: str, token: str, tenant: str, stop_file: str) -> dict[str, Any]:
+    """Another tenant's client: put chunks, then get them again and again until `stop_file`
+    exists; every answer is timed and compared byte for byte."""
+    rng = np.random.default_rng(11)
+    keys = [bytes([0x40 + i]) * 16 for i in range(LEGIT_CHUNKS)]
+    srcs = [rng.integers(0, 256, LEGIT_CHUNK_BYTES, dtype=np.uint8) for _ in keys]
+    out: dict[str, Any] = {"rounds": 0, "bad": [], "max_s": 0.0, "transports": []}
+    with KVClient(url, tenant, token, LAYOUT, SALT, transport="nixl", timeout_s=60) as c:
+        out["stored"] = c.put_keys(keys, srcs, chunk_bytes=LEGIT_CHUNK_BYTES)
+        print("READY", flush=True)
+        dst = np.zeros((LEGIT_CHUNKS, LEGIT_CHUNK_BYTES), np.uint8)
+        end = time.monotonic() + LEGIT_RUN_MAX_S
+        while not os.path.exists(stop_file) and time.monotonic() < end:
+            dst.fill(0)
+            t0 = time.monotonic()
+            loaded = c.get_keys(keys, list(dst), chunk_bytes=LEGIT_CHUNK_BYTES)
+            dt = time.monotonic() - t0
+            exact = all(np.array_equal(a, b) for a, b in zip(srcs, dst, strict=True))
+            out["rounds"] += 1
+            out["max_s"] = max(out["max_s"], dt)
+            if c.transport not in out["transports"]:
+                out["transports"].append(c.transport)
+            if loaded != LEGIT_CHUNKS or not exact:
+                out["bad"].append([out["rounds"], loaded, exact, round(dt, 3)])
+            time.sleep(0.02)
+    return out
+
+
+def frozen(url: str, token: str) -> dict[str, Any]:
+    """Put one 32 MiB chunk, get it; once bytes arrive say TRANSFERRING (the parent stops this
+    process with SIGSTOP and continues it later)."""
+    key = [b"\xf0" * 16]
+    with KVClient(url, "default", token, LAYOUT, SALT, transport="nixl", timeout_s=120) as c:
+        src = np.full(FROZEN_CHUNK_BYTES, 0x5A, np.uint8)
+        out: dict[str, Any] = {"stored": c.put_keys(key, [src], chunk_bytes=FROZEN_CHUNK_BYTES)}
+        dst = np.zeros(FROZEN_CHUNK_BYTES, np.uint8)
+
+        def get() -> None:
+            out["loaded"] = c.get_keys(key, [dst], chunk_bytes=FROZEN_CHUNK_BYTES)
+
+        t = threading.Thread(target=get)
+        t.start()
+        deadline = time.monotonic() + 60
+        while not dst[:4096].any() and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        print("TRANSFERRING", flush=True)
+        t.join(180)
+        out["transport"] = c.transport
+    return out
+
+
+def register_other(url: str, token: str, calls: int) -> dict[str, Any]:
+    """nixl_register naming another host agent of the same tenant, `calls` times, each call
+    another name (the other agent's metadata renamed: NIXL would load each as a new peer)."""
+    import struct
+
+    mine, other = NixlHostPath("default"), NixlHostPath("default")
+    md = other.metadata()
+    (n,) = struct.unpack_from("<Q", md, 16)
+    rest = md[16 + 8 + n + 1 :]
+    codes: dict[str, int] = {}
+    with ControlChannel(url, "default", token) as ch:
+        ch.connect()
+        ch.call("nixl_connect", metadata=mine.metadata())
+        for i in range(calls):
+            name = f"dpukv.default.other-{i}".encode()
+            renamed = b"nixlSerDes|Agent" + struct.pack("<Q", len(name)) + name + b"|" + rest
+            code = _code(lambda md=renamed: ch.call("nixl_register", metadata=md, add=[],
+                                                    drop=[]))  # fmt: skip
+            codes[code] = codes.get(code, 0) + 1
+        print("DONE", flush=True)
+        sys.stdin.readline()  # the parent counts the agent's fds while this session lives
+    return {"codes": codes}
+
+
+def worker_killed(url: str, token: str) -> dict[str, Any]:
+    """A NIXL get in flight when the parent kills the agent's NIXL worker: the call gets an
+    error reply; the session's next get (its metadata reloaded into a new worker) is whole."""
+    keys = [bytes([0xA0 + i]) * 16 for i in range(KILLED_CHUNKS)]
+    src = [np.full(FROZEN_CHUNK_BYTES, 0x30 + i, np.uint8) for i in range(KILLED_CHUNKS)]
+    out: dict[str, Any] = {}
+    with KVClient(url, "default", token, LAYOUT, SALT, transport="nixl", timeout_s=60) as c:
+        out["stored"] = c.put_keys(keys, src, chunk_bytes=FROZEN_CHUNK_BYTES)
+    host = NixlHostPath("default")
+    pool = np.zeros((KILLED_CHUNKS, FROZEN_CHUNK_BYTES), np.uint8)
+    with ControlChannel(url, "default", token, timeout_s=120) as ch:
+        ch.connect()
+        ch.call("nixl_connect", metadata=host.metadata())
+        added, _ = host.prepare([buffer_desc(pool, pool.nbytes, writable=True)])
+        ch.call("nixl_register", metadata=host.metadata(), add=added, drop=[])
+        targets = [[int(pool[i].ctypes.data), FROZEN_CHUNK_BYTES] for i in range(KILLED_CHUNKS)]
+
+        def get() -> None:
+            try:
+                out["first"] = ["ok", ch.call("nixl_get", keys=keys, targets=targets)["loaded"]]
+            except ControlError as e:
+                out["first"] = [e.code, e.message]
+
+        t = threading.Thread(target=get)
+        t.start()
+        deadline = time.monotonic() + 60
+        while not pool[0, :4096].any() and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        print("TRANSFERRING", flush=True)  # the parent kills the worker now
+        t.join(120)
+        pool.fill(0)
+        time.sleep(3)  # the agent restarts its worker and reloads this session's metadata
+        try:
+            out["next"] = ch.call("nixl_get", keys=keys, targets=targets)["loaded"]
+        except ControlError as e:
+            out["next"] = f"{e.code}: {e.message}"
+        out["next_exact"] = all(bool((pool[i] == 0x30 + i).all()) for i in range(KILLED_CHUNKS))
+    return out
+
+
+def _unchecked(ch: ControlChannel, op: str, **fields: Any) -> str:
+    """A call sent without the client's own field checks, as a hostile client would."""
+    import host_shim.client as hc
+    from kvproto.control import encode_frame
+
+    real = hc.encode_request
+    hc.encode_request = lambda rid, op, **f: encode_frame({"id": rid, "op": op, **f})
+    try:
+        return _code(lambda: ch.call(op, **fields))
+    finally:
+        hc.encode_request = real
+
+
+def huge(url: str, token: str) -> dict[str, Any]:
+    """Sizes far past anything registered: a 2^63-byte region, a 2^46-byte span."""
+    host = NixlHostPath("default")
+    key = [b"h" * 16]
+    out: dict[str, Any] = {}
+    with ControlChannel(url, "default", token) as ch:
+        ch.connect()
+        ch.call("nixl_connect", metadata=host.metadata())
+        buf = np.zeros(1 << 20, np.uint8)
+        added, _ = host.prepare([buffer_desc(buf, buf.nbytes, writable=False)])
+        ch.call("nixl_register", metadata=host.metadata(), add=added, drop=[])
+        base = int(buf.ctypes.data)
+        t0 = time.monotonic()
+        out["region_2_63"] = _unchecked(
+            ch, "nixl_register", metadata=host.metadata(), add=[[base, 1 << 63, 0, "DRAM"]],
+            drop=[],
+        )  # fmt: skip
+        out["region_not_registered"] = _code(lambda: ch.call(
+            "nixl_register", metadata=host.metadata(), add=[[base, 1 << 30, 0, "DRAM"]], drop=[]
+        ))  # fmt: skip
+        out["put_2_46"] = _unchecked(
+            ch, "nixl_put", keys=key, sources=[[base, 1 << 46]], parents=[None]
+        )
+        out["put_past_region"] = _code(lambda: ch.call(
+            "nixl_put", keys=key, sources=[[base, 1 << 30]], parents=[None]
+        ))  # fmt: skip
+        out["refusals_s"] = time.monotonic() - t0
+    return out
+
+
+def metadata() -> dict[str, Any]:
+    """A real host agent's metadata (hex), for the agent-side fuzz."""
+    host = NixlHostPath("default")
+    buf = np.zeros(1 << 20, np.uint8)
+    host.prepare([buffer_desc(buf, buf.nbytes, writable=True)])
+    print(json.dumps({"metadata": host.metadata().hex()}), flush=True)
+    sys.stdin.readline()  # alive (its UCX address reachable) until the parent is done
+    return {}
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     scenario, url, token = sys.argv[1:4]
@@ -165,6 +339,18 @@ def main() -> None:
         out = roundtrip(url, token)
     elif scenario == "refused":
         out = refused(url, token, sys.argv[4])
+    elif scenario == "legit":
+        out = legit(url, token, sys.argv[4], sys.argv[5])
+    elif scenario == "frozen":
+        out = frozen(url, token)
+    elif scenario == "register_other":
+        out = register_other(url, token, int(sys.argv[4]))
+    elif scenario == "huge":
+        out = huge(url, token)
+    elif scenario == "worker_killed":
+        out = worker_killed(url, token)
+    elif scenario == "metadata":
+        out = metadata()
     else:
         out = killed(url, token)
     print(json.dumps(out), flush=True)

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import nixl_md
 import numpy as np
 import pytest
 
@@ -28,7 +29,7 @@ KEY = b"k" * 16
 
 
 def _md(name: bytes) -> bytes:
-    return b"nixlSerDes|Agent" + struct.pack("<Q", len(name)) + name + b"|Conns..."
+    return nixl_md.encode(name)
 
 
 @pytest.mark.parametrize(
@@ -42,6 +43,12 @@ def _md(name: bytes) -> bytes:
         ("nixl_get", {"keys": [KEY], "targets": [[1]]}),
         ("nixl_get", {"keys": [KEY], "targets": [[1, 2, 3]]}),
         ("nixl_get", {"keys": [KEY], "targets": [[True, 2]]}),
+        # sizes past what a host can register or a chunk can be, checked before any planning
+        ("nixl_register", {"metadata": b"m", "add": [[1, (64 << 30) + 1, 0, "DRAM"]], "drop": []}),
+        ("nixl_register", {"metadata": b"m", "add": [[(1 << 64) - 8, 16, 0, "DRAM"]], "drop": []}),
+        ("nixl_get", {"keys": [KEY], "targets": [[1, (1 << 30) + 1]]}),
+        ("nixl_put", {"keys": [KEY], "sources": [[1, 1 << 46]], "parents": [None]}),
+        ("nixl_put", {"keys": [KEY], "sources": [[(1 << 64) - 8, 16]], "parents": [None]}),
         ("nixl_put", {"keys": [KEY], "sources": [[1, 2]], "parents": [b"short"]}),
         ("nixl_put", {"keys": [KEY], "sources": [[1, 2]]}),
     ],
@@ -67,7 +74,7 @@ def test_metadata_agent_name_is_read_before_nixl_loads_it() -> None:
 
 
 def test_session_regions_contain_spans_exactly() -> None:
-    s = _Session(tenant="t", remote="dpukv.t.1")
+    s = _Session(sid=1, tenant="t", remote="dpukv.t.1", metadata=b"")
     s.add(1000, 100, 0, "DRAM")
     s.add(5000, 50, 1, "VRAM")
     assert s.find(1000, 100) == (0, "DRAM")

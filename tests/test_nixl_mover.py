@@ -4,8 +4,11 @@ UCX runs in test_nixl_path.py hit only by chance. The real NIXL runs in test_nix
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import ctypes
 import itertools
+import mmap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +19,7 @@ import pytest
 
 from dpu_agent.crypto import CryptoBlockDevice
 from dpu_agent.engine import Engine, EngineConfig
-from dpu_agent.nixl import NIXL_SEGMENT_BYTES, NIXL_STAGING_SLOTS, NixlServer
+from dpu_agent.nixl import NIXL_LANES, NIXL_SEGMENT_BYTES, NIXL_STAGING_SLOTS, NixlServer
 from dpu_agent.nixl._server import NIXL_FIRST_SEGMENT_BYTES, _Mover, _Session
 
 TENANT = "acme"
@@ -73,15 +76,60 @@ def engine(tmp_path: Path) -> Iterator[Engine]:
     e.close()
 
 
+class LoopbackLink:
+    """The worker process's side of a transfer (dpu_agent.nixl._worker) around a
+    LoopbackAgent, polled by a thread here: futures resolve as the worker's replies do."""
+
+    alive = True
+
+    def __init__(self, agent: LoopbackAgent, base: int) -> None:
+        self.agent, self.base = agent, base
+        self.lock = threading.Lock()
+        self.inflight: list[tuple[cf.Future[Any], _Xfer]] = []
+        self.stop = False
+        threading.Thread(target=self._poll, daemon=True).start()
+
+    def call(self, kind: str, op: str, off: int, n: int, addr: int, dev: int, mem: str,
+             remote: str) -> cf.Future[Any]:  # fmt: skip
+        fut: cf.Future[Any] = cf.Future()
+        h = self.agent.initialize_xfer(op, [(self.base + off, n, 0)], [(addr, n, dev)], remote)
+        self.agent.transfer(h)
+        with self.lock:
+            self.inflight.append((fut, h))
+        return fut
+
+    def drop(self, remote: str) -> None:
+        pass
+
+    def _poll(self) -> None:
+        while not self.stop:
+            with self.lock:
+                for fut, h in list(self.inflight):
+                    st = self.agent.check_xfer_state(h)
+                    if st != "PROC":
+                        self.inflight.remove((fut, h))
+                        fut.set_result(st)
+            time.sleep(0.0005)
+
+
 def _server(engine: Engine, agent: LoopbackAgent) -> NixlServer:
     server = NixlServer(lambda: engine, "test-agent")
-    server._agent = agent
-    server._staging = np.zeros(NIXL_STAGING_SLOTS * NIXL_SEGMENT_BYTES, np.uint8)
+    _use(server, agent)
     return server
 
 
+def _use(server: NixlServer, agent: LoopbackAgent) -> None:
+    if server._shm is None:
+        mem = mmap.mmap(-1, NIXL_LANES * NIXL_STAGING_SLOTS * NIXL_SEGMENT_BYTES)
+        server._shm = (-1, mem, np.frombuffer(mem, np.uint8))
+    old = server._link
+    if old is not None:
+        old.stop = True  # type: ignore[attr-defined]
+    server._link = LoopbackLink(agent, int(server._shm[2].ctypes.data))  # type: ignore[assignment]
+
+
 def _session(bufs: list[np.ndarray]) -> tuple[_Session, list[tuple[int, int, int, str]]]:
-    s = _Session(tenant=TENANT, remote="dpukv.acme.1")
+    s = _Session(sid=1, tenant=TENANT, remote="dpukv.acme.1", metadata=b"")
     spans = []
     for b in bufs:
         s.add(int(b.ctypes.data), b.nbytes, 0, "DRAM")
@@ -118,14 +166,14 @@ def test_nixl_failed_transfer_ends_the_prefix(engine: Engine) -> None:
     s, spans = _session(src)
     assert _Mover(server, s, TENANT).put(KEYS, [None] * COUNT, spans) == COUNT
     # the 4th WRITE posted: chunk 1's second segment (chunks 0 and 1 go side by side: 0, 1, 0, 1)
-    server._agent = LoopbackAgent(fail_at=4)
+    _use(server, LoopbackAgent(fail_at=4))
     dst = [np.zeros(CHUNK, np.uint8) for _ in KEYS]
     s2, targets = _session(dst)
     hits, lease_id, _ = engine.lookup_lists(TENANT, KEYS)
     loaded, corrupt = _Mover(server, s2, TENANT).get(hits, targets)
     engine.release(TENANT, lease_id)
     assert (loaded, corrupt) == (1, None)
-    server._agent = LoopbackAgent(fail_at=2)  # a put whose chunk 0 fails stores nothing
+    _use(server, LoopbackAgent(fail_at=2))  # a put whose chunk 0 fails stores nothing
     assert _Mover(server, s, TENANT).put([b"z" * 16], [None], spans[:1]) == 0
     assert engine.lookup(TENANT, [b"z" * 16], lease=False).hits == []
 

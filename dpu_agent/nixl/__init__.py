@@ -2,6 +2,7 @@
 
 from dpu_agent.nixl._server import (
     NIXL_IO_WORKERS,
+    NIXL_LANES,
     NIXL_SEGMENT_BYTES,
     NIXL_STAGING_SLOTS,
     NixlServer,
@@ -10,6 +11,7 @@ from dpu_agent.nixl._server import (
 
 __all__ = [
     "NIXL_IO_WORKERS",
+    "NIXL_LANES",
     "NIXL_SEGMENT_BYTES",
     "NIXL_STAGING_SLOTS",
     "NixlServer",

@@ -29,14 +29,22 @@ polled by that thread): sessions are served one transfer batch at a time.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import concurrent.futures as cf
 import itertools
-import struct
+import mmap
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
@@ -47,11 +55,13 @@ from dpu_agent.crypto.blockdev import CryptoBlockDevice
 from dpu_agent.crypto.xts import Xxh3
 from dpu_agent.engine import errors as engine_errors
 from dpu_agent.log import get_logger
-from host_shim.transport import NixlUnavailable, new_agent, nixl_status
+from dpu_agent.nixl._metadata import NixlMetadata, parse_metadata
+from host_shim.transport import NixlUnavailable, load_nixl, nixl_status
 from kvproto.control import NIXL_REGIONS_MAX, RemoteProtocolError
 
 __all__ = [
     "NIXL_IO_WORKERS",
+    "NIXL_LANES",
     "NIXL_SEGMENT_BYTES",
     "NIXL_STAGING_SLOTS",
     "NixlServer",
@@ -63,38 +73,54 @@ log = get_logger("dpu_agent.nixl")
 # One WRITE/READ moves a segment: 4 MiB is where UCX-TCP and one AES-XTS call run at full speed
 # here (docs/MEASURED.md), and it bounds staging per slot.
 NIXL_SEGMENT_BYTES = 4 << 20
-# Segments in flight: 8 x 4 MiB = 32 MiB registered once; enough to keep decryption and the
-# wire both busy (more only adds memory).
+# Segments in flight per lane: 8 x 4 MiB; enough to keep decryption and the wire both busy
+# (more only adds memory).
 NIXL_STAGING_SLOTS = 8
+# Calls served at once (threads, each with its own staging slots): a session whose host stopped
+# reading holds one lane until its deadline, the others keep serving. 4 x 32 MiB of staging.
+NIXL_LANES = 4
+# Lanes one tenant may hold at once: its frozen or slow sessions can take at most half of them,
+# so another tenant always finds a lane.
+NIXL_LANES_PER_TENANT = NIXL_LANES // 2
 # The first segment of each of a get's first chunks (one per I/O thread): the first WRITE leaves
 # after decrypting this much rather than a whole segment (0.7-2 ms of a 60 ms get here).
 NIXL_FIRST_SEGMENT_BYTES = 1 << 20
 NIXL_IO_WORKERS = 2  # decrypt/encrypt threads (AES-XTS releases the GIL); the DPU's spare cores
-NIXL_XFER_TIMEOUT_S = 30.0  # a transfer not done by then: the host is gone
+# One transfer (a 4 MiB segment, ~40 ms at 1 Gbit/s; 8 queued behind each other under 1 s here)
+# not done 3 s after it was posted: the host stopped reading. Counted per transfer from its own
+# post: nothing else can extend it. It bounds what a stalled worker costs other sessions.
+NIXL_XFER_TIMEOUT_S = 3.0
+# The worker process: a NIXL agent starts in 1-3 s here; 60 s is a broken install.
+NIXL_WORKER_START_S = 60.0
+# A command to the worker (load, remove) answers in milliseconds; 30 s is a hung worker.
+NIXL_WORKER_CALL_S = 30.0
+# The watchdog pings the worker this often while it has work; a worker whose loop has not
+# answered for NIXL_WORKER_HANG_S is stuck inside NIXL or UCX (seen: a peer address that passed
+# the codec, a host stopped mid-transfer) and is killed like one that aborted: the calls in
+# flight fail, a new worker takes the sessions. 3 s is ~100x the slowest command seen here.
+NIXL_WORKER_PING_S = 0.5
+NIXL_WORKER_HANG_S = 3.0
+# A tenant whose metadata took the worker down, or whose host stopped reading mid-transfer, is
+# refused NIXL for this long (it uses NVMe/TCP): each worker replacement fails every tenant's
+# calls in flight, so one tenant cannot repeat it at will.
+NIXL_CRASH_PENALTY_S = 60.0
+# Restarts on its own per window: a worker that dies as it starts (a broken install, no memory)
+# is not started in a loop; the next NIXL call starts it again.
+NIXL_RESTARTS_MAX, NIXL_RESTART_WINDOW_S = 5, 60.0
 SESSIONS_MAX = 4096  # NIXL sessions (bounded by the control server's connections_max anyway)
 # Regions one session may hold: the host keeps at most NIXL_REGIONS_MAX registered and drops
 # before it adds; twice that leaves room for one call's additions before its drops land.
 SESSION_REGIONS_MAX = 2 * NIXL_REGIONS_MAX
 
-_MD_PREFIX = b"nixlSerDes|Agent"
-_MD_LEN = struct.Struct("<Q")
-NAME_BYTES_MAX = 256
-
 
 def metadata_agent_name(metadata: bytes) -> str:
-    """The agent name inside NIXL metadata (nixlSerDes: tag, u64 LE length, name), read
-    before NIXL loads it, so a session cannot take over another session's name."""
-    n = len(_MD_PREFIX)
-    if not metadata.startswith(_MD_PREFIX) or len(metadata) < n + _MD_LEN.size:
-        raise RemoteProtocolError("nixl metadata: not NIXL agent metadata (nixlSerDes|Agent)")
-    (length,) = _MD_LEN.unpack_from(metadata, n)
-    if not 0 < length <= NAME_BYTES_MAX or len(metadata) < n + _MD_LEN.size + length:
-        raise RemoteProtocolError(f"nixl metadata: agent name of {length} bytes")
-    raw = metadata[n + _MD_LEN.size : n + _MD_LEN.size + length]
-    try:
-        return raw.decode("ascii")
-    except UnicodeDecodeError:
-        raise RemoteProtocolError("nixl metadata: agent name is not ASCII") from None
+    """The agent name inside NIXL metadata, checked (dpu_agent.nixl._metadata) before NIXL
+    loads it, so a session cannot take over another session's name."""
+    return parse_metadata(metadata).name
+
+
+class WorkerLost(Exception):
+    """The NIXL worker process ended while a call was using it."""
 
 
 _Span = tuple[int, int, int, str]  # addr, nbytes, dev, mem
@@ -102,8 +128,10 @@ _Span = tuple[int, int, int, str]  # addr, nbytes, dev, mem
 
 @dataclass(slots=True, kw_only=True)
 class _Session:
+    sid: int
     tenant: str
     remote: str
+    metadata: bytes  # the last metadata loaded: reloaded into a restarted worker
     # registered regions, sorted by address: starts (for bisect) and (end, dev, mem)
     starts: list[int] = field(default_factory=list)
     rest: list[tuple[int, int, str]] = field(default_factory=list)
@@ -130,18 +158,166 @@ class _Session:
         return (dev, mem) if addr + nbytes <= end else None
 
 
+def _covered(md: NixlMetadata, addr: int, nbytes: int, dev: int, mem: str) -> bool:
+    """Whether the host's own NIXL registered [addr, addr+nbytes) (its metadata says so)."""
+    return any(a <= addr and addr + nbytes <= a + n and d == dev and m == mem
+               for a, n, d, m in md.regions)  # fmt: skip
+
+
+class _Link:
+    """The agent's end of one worker process: commands out, replies resolved as futures."""
+
+    def __init__(self, name: str, shm_fd: int, shm_bytes: int, on_exit: Callable[[], None]) -> None:
+        self._on_exit, self._closed = on_exit, False
+        self.killed = False  # kill() asked for: the server replaced this worker
+        mine, theirs = socket.socketpair()
+        cmd = [sys.executable, "-m", "dpu_agent.nixl._worker", str(theirs.fileno()),
+               str(shm_fd), str(shm_bytes), name]  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, pass_fds=(theirs.fileno(), shm_fd), stdin=subprocess.DEVNULL
+        )
+        theirs.close()
+        self.conn = Connection(mine.detach())
+        self._lock = threading.Lock()
+        self._pending: dict[int, cf.Future[Any]] = {}
+        self._rids = itertools.count(1)
+        self.alive = True
+        try:
+            if not self.conn.poll(NIXL_WORKER_START_S):
+                raise WorkerLost(f"not ready in {NIXL_WORKER_START_S:.0f} s")
+            _, _, self.metadata = self.conn.recv()
+        except (EOFError, OSError, WorkerLost) as e:
+            self.close()
+            raise RemoteProtocolError(
+                f"this agent has no NIXL data path: its NIXL worker did not start ({e})", "failed"
+            ) from None
+        self._reader = threading.Thread(target=self._read, name="nixl-link", daemon=True)
+        self._reader.start()
+        threading.Thread(target=self._watch, name="nixl-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Kill the worker when its loop stops answering while it has work."""
+        ping: cf.Future[Any] | None = None
+        sent = 0.0
+        while self.alive and not self._closed:
+            time.sleep(NIXL_WORKER_PING_S)
+            if ping is not None and not ping.done():
+                if time.monotonic() - sent < NIXL_WORKER_HANG_S:
+                    continue
+                log.warning("nixl_worker_stuck", pid=self.proc.pid, silent_s=NIXL_WORKER_HANG_S,
+                            calls_pending=len(self._pending))  # fmt: skip
+                try:
+                    os.kill(self.proc.pid, signal.SIGUSR1)  # its stack, into the agent's log
+                    time.sleep(0.2)
+                    self.proc.kill()
+                except ProcessLookupError:
+                    pass
+                return
+            ping = None
+            with self._lock:
+                busy = bool(self._pending)
+            if busy:
+                try:
+                    ping, sent = self.call("ping"), time.monotonic()
+                except WorkerLost:
+                    return
+
+    def _read(self) -> None:
+        while True:
+            try:
+                kind, rid, value = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            with self._lock:
+                fut = self._pending.pop(rid, None)
+            if fut is None:
+                continue
+            if kind == "ok":
+                fut.set_result(value)
+            else:
+                fut.set_exception(RemoteProtocolError(f"nixl: {value}"))
+        with self._lock:
+            self.alive = False
+            pending, self._pending = self._pending, {}
+        status = self.proc.wait()
+        log.warning("nixl_worker_exited", status=status, calls_failed=len(pending))
+        for fut in pending.values():
+            fut.set_exception(WorkerLost(f"exit status {status}"))
+        if not self._closed:
+            self._on_exit()
+
+    def call(self, *cmd: Any) -> cf.Future[Any]:
+        fut: cf.Future[Any] = cf.Future()
+        with self._lock:
+            if not self.alive:
+                raise WorkerLost("the worker had stopped")
+            rid = next(self._rids)
+            self._pending[rid] = fut
+            try:
+                self.conn.send((cmd[0], rid, *cmd[1:]))
+            except OSError as e:
+                del self._pending[rid]
+                raise WorkerLost(str(e)) from None
+        return fut
+
+    def run(self, *cmd: Any) -> Any:
+        """A command's answer (load, remove, md)."""
+        try:
+            return self.call(*cmd).result(timeout=NIXL_WORKER_CALL_S)
+        except cf.TimeoutError:
+            raise RemoteProtocolError(f"nixl: worker gave no answer in {NIXL_WORKER_CALL_S} s",
+                                      "failed") from None  # fmt: skip
+
+    def kill(self) -> None:
+        """End a worker that can no longer be trusted to progress (the reader then fails what
+        is pending and the server starts the next one)."""
+        self.killed = True
+        try:
+            self.proc.kill()
+        except ProcessLookupError:
+            pass
+
+    def close(self) -> None:
+        self._closed = True
+        self.conn.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class _Lane:
+    """One thread's staging slots; a slot whose transfer outlived its deadline comes back only
+    when the worker says the transfer ended (a NIC may still read or write it until then)."""
+
+    def __init__(self, index: int) -> None:
+        first = index * NIXL_STAGING_SLOTS
+        self.free: deque[int] = deque(range(first, first + NIXL_STAGING_SLOTS))
+
+
 class NixlServer:
-    """The NIXL agent of one dpu_agent and the sessions of hosts using it."""
+    """The NIXL data path of one dpu_agent (its NIXL agent runs in a worker process) and the
+    sessions of hosts using it."""
 
     def __init__(self, engine: Callable[[], Any], name: str) -> None:
         self._engine = engine  # the agent's engine (it starts after this object)
         self.name = name
-        self._thread = cf.ThreadPoolExecutor(1, thread_name_prefix="nixl")
+        self._thread = cf.ThreadPoolExecutor(NIXL_LANES, thread_name_prefix="nixl")
         self._io = cf.ThreadPoolExecutor(NIXL_IO_WORKERS, thread_name_prefix="nixl-io")
-        self._agent: Any = None
-        self._staging: np.ndarray | None = None
+        self._lock = threading.Lock()  # sessions, names, the link
+        self._link: _Link | None = None
+        self._shm: tuple[int, mmap.mmap, np.ndarray] | None = None
         self._sessions: dict[int, _Session] = {}
         self._names: dict[str, int] = {}  # host NIXL agent name -> session id
+        self._lanes = threading.local()
+        self._lane_ids = itertools.count()
+        self._gates: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}
+        self._penalty: dict[str, float] = {}  # tenant -> monotonic time its penalty ends
+        self._closing = False
+        self._restarts: deque[float] = deque()  # when the worker was restarted by itself
 
     def status(self) -> dict[str, Any]:
         """What hello says: whether hosts may use NIXL with this agent, and why not."""
@@ -150,41 +326,128 @@ class NixlServer:
     async def handle(
         self, session_id: int, tenant: str, op: str, fields: Mapping[str, Any]
     ) -> dict[str, Any]:
-        import asyncio
-
-        loop = asyncio.get_running_loop()
-        call = getattr(self, "_" + op)
-        return await loop.run_in_executor(self._thread, call, session_id, tenant, fields)
+        gate, users = self._gates.setdefault(
+            tenant, (asyncio.Semaphore(NIXL_LANES_PER_TENANT), [0])
+        )
+        users[0] += 1
+        try:
+            async with gate:  # at most NIXL_LANES_PER_TENANT lanes per tenant
+                loop = asyncio.get_running_loop()
+                call = getattr(self, "_" + op)
+                return await loop.run_in_executor(self._thread, call, session_id, tenant, fields)
+        except WorkerLost as e:
+            raise RemoteProtocolError(
+                f"{op}: the NIXL worker process stopped during this call ({e}); it restarts: "
+                "retry, or use NVMe/TCP", "failed"
+            ) from None  # fmt: skip
+        finally:
+            users[0] -= 1
+            if users[0] == 0:
+                del self._gates[tenant]
 
     def session_closed(self, session_id: int) -> None:
         if session_id in self._sessions:
             self._thread.submit(self._forget, session_id)
 
     def close(self) -> None:
+        self._closing = True
         self._thread.shutdown(wait=True, cancel_futures=True)
         self._io.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            if self._link is not None:
+                self._link.close()
+                self._link = None
 
-    # --- on the NIXL thread -----------------------------------------------------------------
-    def _start(self) -> Any:
-        if self._agent is None:
-            try:  # no progress thread: this thread polls while it drives transfers
-                agent = new_agent(self.name, progress_thread=False)
+    # --- on a lane thread ----------------------------------------------------------------------
+    def _lane(self) -> _Lane:
+        lane = getattr(self._lanes, "lane", None)
+        if lane is None:
+            lane = self._lanes.lane = _Lane(next(self._lane_ids) % NIXL_LANES)
+        return lane
+
+    def _worker(self) -> _Link:
+        """The live worker, started (or restarted, the sessions' metadata loaded again)."""
+        with self._lock:
+            if self._link is not None and self._link.alive:
+                return self._link
+            if self._closing:
+                raise WorkerLost("the agent is stopping")
+            try:
+                load_nixl()
             except NixlUnavailable as e:
                 raise RemoteProtocolError(f"this agent has no NIXL data path: {e}") from None
-            staging = np.zeros(NIXL_STAGING_SLOTS * NIXL_SEGMENT_BYTES, np.uint8)
-            agent.register_memory([(staging.ctypes.data, staging.nbytes, 0, "")], "DRAM")
-            self._agent, self._staging = agent, staging
-            log.info("nixl_started", name=self.name, staging_bytes=staging.nbytes)
-        return self._agent
+            if self._shm is None:
+                nbytes = NIXL_LANES * NIXL_STAGING_SLOTS * NIXL_SEGMENT_BYTES
+                fd = os.memfd_create("dpukv-nixl-staging")
+                os.ftruncate(fd, nbytes)
+                mem = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                self._shm = (fd, mem, np.frombuffer(mem, np.uint8))
+            old, restart = self._link, self._link is not None
+            if old is not None:
+                old.close()
+            fd, _, staging = self._shm
+            self._link = link = _Link(self.name, fd, staging.nbytes, self._restart)
+            log.info("nixl_started", name=self.name, pid=link.proc.pid, restart=restart,
+                     staging_bytes=staging.nbytes)  # fmt: skip
+            for sid, s in list(self._sessions.items()):
+                try:
+                    link.run("load", s.metadata)
+                except (RemoteProtocolError, WorkerLost) as e:
+                    log.warning("nixl_session_not_reloaded", session=sid, error=str(e))
+                    self._sessions.pop(sid, None)
+                    self._names.pop(s.remote, None)
+            return link
+
+    def _restart(self) -> None:
+        """The worker ended by itself: start the next one now (not at the next call), so the
+        sessions' metadata is back in NIXL before their next transfer."""
+
+        now = time.monotonic()
+        while self._restarts and self._restarts[0] < now - NIXL_RESTART_WINDOW_S:
+            self._restarts.popleft()
+        if len(self._restarts) >= NIXL_RESTARTS_MAX:  # dying as it starts: the next call tries
+            log.warning("nixl_worker_not_restarted", restarts=len(self._restarts),
+                        window_s=NIXL_RESTART_WINDOW_S)  # fmt: skip
+            return
+        self._restarts.append(now)
+
+        def restart() -> None:
+            try:
+                self._worker()
+            except (RemoteProtocolError, WorkerLost) as e:  # the next call tries again
+                log.warning("nixl_worker_restart_failed", error=str(e))
+
+        threading.Thread(target=restart, name="nixl-restart", daemon=True).start()
+
+    def _stalled(self, session_id: int, tenant: str, link: _Link) -> None:
+        """A transfer of this session outlived its deadline. UCX over TCP has been seen to stall
+        other hosts' transfers in the same worker while one host does not read (its pending
+        sends hold the transport), so the worker is replaced: the calls in flight fail (the
+        shim serves them over NVMe/TCP), the new worker loads every other session, this one is
+        forgotten and its tenant is refused NIXL for NIXL_CRASH_PENALTY_S."""
+        if link.killed:  # another transfer of the same stall got here first
+            return
+        with self._lock:
+            s = self._sessions.pop(session_id, None)
+            if s is not None:
+                self._names.pop(s.remote, None)
+            self._penalty[tenant] = time.monotonic() + NIXL_CRASH_PENALTY_S
+        log.warning("nixl_worker_replaced", tenant=tenant, session=session_id,
+                    reason="transfer past its deadline")  # fmt: skip
+        link.kill()
 
     def _forget(self, session_id: int) -> None:
-        s = self._sessions.pop(session_id, None)
-        if s is None:
+        with self._lock:
+            s = self._sessions.pop(session_id, None)
+            if s is None:
+                return
+            self._names.pop(s.remote, None)
+            link = self._link
+        if link is None or not link.alive:
             return
-        self._names.pop(s.remote, None)
         try:
-            self._agent.remove_remote_agent(s.remote)
-        except Exception as e:  # already gone: nothing to undo
+            link.run("remove", s.remote)
+        except (RemoteProtocolError, WorkerLost) as e:  # already gone: nothing to undo
             log.info("nixl_remove_remote_failed", remote=s.remote, error=str(e))
 
     def _session(self, session_id: int) -> _Session:
@@ -193,47 +456,85 @@ class NixlServer:
             raise RemoteProtocolError("no NIXL session: send nixl_connect first")
         return s
 
-    def _load(self, session_id: int, tenant: str, metadata: bytes) -> str:
-        name = metadata_agent_name(metadata)
-        if not name.startswith(f"dpukv.{tenant}."):
+    def _check(self, session_id: int, tenant: str, metadata: bytes) -> NixlMetadata:
+        """The parsed metadata if this session may load it (name, owner), else refused; nothing
+        reaches NIXL here."""
+        md = parse_metadata(metadata)
+        if not md.name.startswith(f"dpukv.{tenant}."):
             raise RemoteProtocolError(
-                f"nixl metadata: host agent {name!r} must be named dpukv.{tenant}.<anything> "
+                f"nixl metadata: host agent {md.name!r} must be named dpukv.{tenant}.<anything> "
                 "(host_shim names it so)", "forbidden"
             )  # fmt: skip
-        owner = self._names.get(name)
+        owner = self._names.get(md.name)
         if owner is not None and owner != session_id:
             raise RemoteProtocolError(
-                f"nixl: host agent {name!r} belongs to another session", "forbidden"
+                f"nixl: host agent {md.name!r} belongs to another session", "forbidden"
             )
-        loaded = self._start().add_remote_agent(metadata)
-        loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
-        assert loaded == name, (loaded, name)
-        return name
+        until = self._penalty.get(tenant)
+        if until is not None:
+            if time.monotonic() < until:
+                raise RemoteProtocolError(
+                    f"nixl: metadata from tenant {tenant!r} stopped the NIXL worker; NIXL "
+                    f"refused for {NIXL_CRASH_PENALTY_S:.0f} s (use NVMe/TCP)", "unavailable"
+                )  # fmt: skip
+            del self._penalty[tenant]
+        return md
+
+    def _load(self, tenant: str, md: NixlMetadata, metadata: bytes) -> None:
+        link = self._worker()
+        try:
+            loaded = link.run("load", metadata)
+        except WorkerLost:
+            self._penalty[tenant] = time.monotonic() + NIXL_CRASH_PENALTY_S
+            log.warning("nixl_metadata_stopped_worker", tenant=tenant, host_agent=md.name)
+            raise RemoteProtocolError(
+                "nixl metadata: NIXL could not load it (its worker process stopped); refused",
+                "forbidden",
+            ) from None
+        if loaded != md.name:
+            raise RemoteProtocolError(f"nixl metadata: NIXL read agent {loaded!r}, not {md.name!r}")
 
     def _nixl_connect(self, sid: int, tenant: str, f: Mapping[str, Any]) -> dict[str, Any]:
         old = self._sessions.get(sid)
         if old is None and len(self._sessions) >= SESSIONS_MAX:
             raise engine_errors.LimitExceeded(f"{SESSIONS_MAX} NIXL sessions; retry later")
-        name = self._load(sid, tenant, f["metadata"])
-        if old is not None and old.remote != name:
+        md = self._check(sid, tenant, f["metadata"])
+        if old is not None and old.remote != md.name:
             self._forget(sid)
-        if sid not in self._sessions:
-            self._sessions[sid] = _Session(tenant=tenant, remote=name)
-        self._names[name] = sid
-        log.info("nixl_session", tenant=tenant, host_agent=name, session=sid)
-        return {"agent": self.name, "metadata": bytes(self._agent.get_agent_metadata())}
+        self._load(tenant, md, f["metadata"])
+        with self._lock:
+            s = self._sessions.get(sid)
+            if s is None:
+                s = _Session(sid=sid, tenant=tenant, remote=md.name, metadata=f["metadata"])
+                self._sessions[sid] = s
+            else:
+                s.metadata = f["metadata"]
+            self._names[md.name] = sid
+            link = self._link
+        assert link is not None
+        log.info("nixl_session", tenant=tenant, host_agent=md.name, session=sid)
+        return {"agent": self.name, "metadata": link.metadata}
 
     def _nixl_register(self, sid: int, tenant: str, f: Mapping[str, Any]) -> dict[str, Any]:
         s = self._session(sid)
-        if self._load(sid, tenant, f["metadata"]) != s.remote:
+        md = self._check(sid, tenant, f["metadata"])
+        if md.name != s.remote:  # before NIXL loads anything: a refusal holds nothing
             raise RemoteProtocolError("nixl_register: metadata of another host agent", "forbidden")
-        for addr, _nbytes, _dev, _mem in f["drop"]:
-            s.drop(addr)
-        if len(s.starts) + len(f["add"]) > SESSION_REGIONS_MAX:
+        for i, (addr, nbytes, dev, mem) in enumerate(f["add"]):
+            if not _covered(md, addr, nbytes, dev, mem):
+                raise RemoteProtocolError(
+                    f"add[{i}] = [{addr:#x}, {nbytes}, {dev}, {mem}] is not memory the host "
+                    "agent registered with NIXL (its metadata)", "forbidden"
+                )  # fmt: skip
+        if len(s.starts) - len(f["drop"]) + len(f["add"]) > SESSION_REGIONS_MAX:
             raise engine_errors.LimitExceeded(
                 f"session holds {len(s.starts)} NIXL regions (max {SESSION_REGIONS_MAX}); "
                 "drop some (nixl_register drop) before adding more"
             )
+        self._load(tenant, md, f["metadata"])
+        s.metadata = f["metadata"]
+        for addr, _nbytes, _dev, _mem in f["drop"]:
+            s.drop(addr)
         for addr, nbytes, dev, mem in f["add"]:
             s.add(addr, nbytes, dev, mem)
         return {"regions": len(s.starts)}
@@ -258,9 +559,10 @@ class NixlServer:
         if not keys:
             return {"loaded": 0, "hits": 0}
         engine = self._engine()
+        mover = _Mover(self, s, tenant)
         hits, lease_id, _ = engine.lookup_lists(tenant, keys, lease=True)
         try:
-            loaded, corrupt = _Mover(self, s, tenant).get(hits, targets)
+            loaded, corrupt = mover.get(hits, targets)
         finally:
             if lease_id:
                 engine.release(tenant, lease_id)
@@ -284,48 +586,106 @@ class NixlServer:
         return {"stored": _Mover(self, s, tenant).put(keys, parents, sources)}
 
 
+@dataclass(slots=True)
+class _Xfer:
+    fut: cf.Future[Any] | None  # None: the post itself failed
+    deadline: float
+
+
+class _Jobs:
+    """(chunk, offset, bytes) of every segment of a put, made as they are taken: the plan of a
+    call never costs more memory than one chunk's position."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths, self.ci, self.off = lengths, 0, 0
+
+    def peek(self) -> tuple[int, int, int] | None:
+        if self.ci >= len(self.lengths):
+            return None
+        return self.ci, self.off, min(NIXL_SEGMENT_BYTES, self.lengths[self.ci] - self.off)
+
+    def pop(self) -> tuple[int, int, int]:
+        job = self.peek()
+        assert job is not None
+        self.off += job[2]
+        if self.off >= self.lengths[self.ci]:
+            self.ci, self.off = self.ci + 1, 0
+        return job
+
+
 class _Mover:
-    """One batch of segments through the staging slots; every call runs on the NIXL thread."""
+    """One batch of segments through a lane's staging slots; runs on that lane's thread."""
 
     def __init__(self, server: NixlServer, session: _Session, tenant: str) -> None:
-        assert server._agent is not None and server._staging is not None
-        self.agent = server._agent
-        self.base = int(server._staging.ctypes.data)
-        self.view = memoryview(server._staging.data)
+        self.server, self.sid = server, session.sid
+        self.link = server._worker()
+        assert server._shm is not None
+        self.view = memoryview(server._shm[1])
         self.io = server._io
         self.remote = session.remote
         self.tenant = tenant
         self.engine = server._engine()
         self.devs = self.engine.namespaces(tenant)
-        self.free: deque[int] = deque(range(NIXL_STAGING_SLOTS))
-        self.deadline = time.monotonic() + NIXL_XFER_TIMEOUT_S
+        self.lane = server._lane()
+        self.free = self.lane.free
 
     def slot(self, i: int, nbytes: int) -> memoryview:
         return self.view[i * NIXL_SEGMENT_BYTES : i * NIXL_SEGMENT_BYTES + nbytes]
 
-    def post(self, op: str, slot: int, span: _Span, off: int, n: int) -> Any:
-        local = self.agent.get_xfer_descs([(self.base + slot * NIXL_SEGMENT_BYTES, n, 0)], "DRAM")
-        remote = self.agent.get_xfer_descs([(span[0] + off, n, span[2])], span[3])
-        h = self.agent.initialize_xfer(op, local, remote, self.remote)
-        if self.agent.transfer(h) == "ERR":
-            log.warning("nixl_post_failed", op=op, remote=self.remote, nbytes=n)
-            self.agent.release_xfer_handle(h)
-            return None
-        return h
+    def post(self, op: str, slot: int, span: _Span, off: int, n: int) -> _Xfer:
+        deadline = time.monotonic() + NIXL_XFER_TIMEOUT_S
+        try:
+            fut = self.link.call(
+                "xfer", op, slot * NIXL_SEGMENT_BYTES, n, span[0] + off, span[2], span[3],
+                self.remote,
+            )  # fmt: skip
+        except WorkerLost:
+            self.free.append(slot)  # nothing was posted: the slot is free
+            raise
+        return _Xfer(fut, deadline)
 
-    def state(self, h: Any) -> str:
-        """DONE, PROC or ERR (a transfer past the deadline is ERR: the host is gone)."""
-        if h is None:
+    def state(self, x: _Xfer, slot: int) -> str:
+        """DONE, PROC, ERR, or LATE: past its deadline (the host stopped reading). A LATE
+        transfer's slot returns to the lane when the worker says the transfer ended, not now."""
+        if x.fut is None:
             return "ERR"
-        st = str(self.agent.check_xfer_state(h))
-        if st == "PROC" and time.monotonic() > self.deadline:
-            st = "ERR"
-        if st == "ERR":
-            log.warning("nixl_transfer_failed", remote=self.remote)
-        if st != "PROC":
-            self.agent.release_xfer_handle(h)
-            self.deadline = time.monotonic() + NIXL_XFER_TIMEOUT_S  # progress: a new deadline
-        return st
+        if x.fut.done():
+            if x.fut.exception() is not None:
+                raise x.fut.exception()  # type: ignore[misc]  # WorkerLost: the call fails
+            st = str(x.fut.result())
+            if st == "ERR":
+                log.warning("nixl_transfer_failed", remote=self.remote)
+            return st
+        if time.monotonic() <= x.deadline:
+            return "PROC"
+        log.warning("nixl_transfer_timeout", remote=self.remote, timeout_s=NIXL_XFER_TIMEOUT_S)
+        x.fut.add_done_callback(self.returner(slot))
+        self.server._stalled(self.sid, self.tenant, self.link)
+        return "LATE"
+
+    def returner(self, slot: int) -> Callable[[cf.Future[Any]], None]:
+        """A callback giving `slot` back to the lane once what used it ended."""
+        free = self.free
+        return lambda _fut: free.append(slot)
+
+    def release(self, io: list[tuple[cf.Future[Any], int]], xfers: list[tuple[_Xfer, int]]) -> None:
+        """After a failed call, each slot back to the lane once what used it ended."""
+        for f, slot in io:
+            f.add_done_callback(self.returner(slot))
+        for x, slot in xfers:
+            if x.fut is None:
+                self.free.append(slot)
+            else:
+                x.fut.add_done_callback(self.returner(slot))
+
+    def wait(self, xs: list[_Xfer], futs: list[cf.Future[Any]]) -> None:
+        """Until one of these transfers or futures is done, or the first deadline passes."""
+        waits = [x.fut for x in xs if x.fut is not None] + futs
+        if not waits:
+            return
+        timeout = max(0.0, min((x.deadline for x in xs), default=time.monotonic() + 1)
+                      - time.monotonic()) + 0.001  # fmt: skip
+        cf.wait(waits, timeout=timeout, return_when=cf.FIRST_COMPLETED)
 
     @staticmethod
     def segments(length: int, start: int = 0) -> list[tuple[int, int]]:
@@ -343,7 +703,8 @@ class _Mover:
     def interleaved(lengths: list[int], lanes: int) -> deque[tuple[int, int, int]]:
         """(chunk, offset, bytes) of every segment, `lanes` chunks side by side (one segment of
         each in turn), each chunk's in order: the I/O threads then decrypt different chunks at
-        once, where segments of one chunk would wait for each other (its hash is fed in order)."""
+        once, where segments of one chunk would wait for each other (its hash is fed in order).
+        The lengths are those of chunks stored (a get's spans must match them)."""
         jobs: deque[tuple[int, int, int]] = deque()
         for first in range(0, len(lengths), lanes):
             rows = itertools.zip_longest(*(
@@ -385,57 +746,67 @@ class _Mover:
         hashers = [Xxh3(hits[ci][0]) for ci in range(usable)]
         last: list[cf.Future[None] | None] = [None] * usable  # each chunk's latest segment
         reads: deque[tuple[cf.Future[None], int, int, int, int]] = deque()
-        writes: deque[tuple[int, Any, int]] = deque()  # slot, handle, chunk
+        writes: deque[tuple[int, _Xfer, int]] = deque()  # slot, transfer, chunk
         failed = usable  # the first chunk that failed (transfer or checksum)
         corrupt = None
-        while True:
-            while self.free and jobs:
-                ci, off, n = jobs.popleft()
-                if ci >= failed:
-                    continue
-                slot, hit = self.free.popleft(), hits[ci]
-                last[ci] = fut = self.io.submit(
-                    self.read_tier, int(hit[1]), int(hit[2]) + off // BLOCK_SIZE, slot, n,
-                    hashers[ci], last[ci],
-                )  # fmt: skip
-                reads.append((fut, slot, ci, off, n))
-            failed = self.reap(writes, failed, block=False)
-            if reads:
-                fut, slot, ci, off, n = reads[0]
-                if not fut.done():  # keep UCX moving while the tier read decrypts
-                    if writes:
-                        failed = self.reap(writes, failed, block=False)
-                    else:
-                        cf.wait([fut])
-                    continue
-                reads.popleft()
-                if fut.exception() is not None:
-                    log.warning("nixl_tier_read_failed", error=repr(fut.exception()))
-                if fut.exception() is not None or ci >= failed:
-                    self.free.append(slot)
-                    failed = min(failed, ci)
-                    continue
-                if off + n == lengths[ci] and hashers[ci].digest() != hits[ci][5]:
-                    corrupt, failed = hits[ci][0], min(failed, ci)
-                    self.free.append(slot)
-                    continue
-                writes.append((slot, self.post("WRITE", slot, targets[ci], off, n), ci))
-            elif writes:
-                failed = self.reap(writes, failed, block=True)
-            elif not jobs:  # else slots just came free: go on
-                return failed, corrupt
+        stuck_since = None  # no free slot and nothing in flight: slots held by LATE transfers
+        try:
+            while True:
+                while self.free and jobs:
+                    ci, off, n = jobs.popleft()
+                    if ci >= failed:
+                        continue
+                    slot, hit = self.free.popleft(), hits[ci]
+                    last[ci] = fut = self.io.submit(
+                        self.read_tier, int(hit[1]), int(hit[2]) + off // BLOCK_SIZE, slot, n,
+                        hashers[ci], last[ci],
+                    )  # fmt: skip
+                    reads.append((fut, slot, ci, off, n))
+                failed = self.reap(writes, failed, block=False)
+                if reads:
+                    fut, slot, ci, off, n = reads[0]
+                    if not fut.done():  # keep the wire moving while the tier read decrypts
+                        self.wait([w[1] for w in writes][:1], [fut])
+                        continue
+                    reads.popleft()
+                    if fut.exception() is not None:
+                        log.warning("nixl_tier_read_failed", error=repr(fut.exception()))
+                    if fut.exception() is not None or ci >= failed:
+                        self.free.append(slot)
+                        failed = min(failed, ci)
+                        continue
+                    if off + n == lengths[ci] and hashers[ci].digest() != hits[ci][5]:
+                        corrupt, failed = hits[ci][0], min(failed, ci)
+                        self.free.append(slot)
+                        continue
+                    writes.append((slot, self.post("WRITE", slot, targets[ci], off, n), ci))
+                elif writes:
+                    failed = self.reap(writes, failed, block=True)
+                elif not any(j[0] < failed for j in jobs):
+                    return failed, corrupt
+                elif not self.free:  # every slot waits on a transfer to a host that stopped
+                    stuck_since = stuck_since or time.monotonic()
+                    if time.monotonic() - stuck_since > NIXL_XFER_TIMEOUT_S:
+                        log.warning("nixl_lane_no_slot", remote=self.remote)
+                        return failed if failed < usable else min(j[0] for j in jobs), corrupt
+                    time.sleep(0.01)
+        except BaseException:  # the worker stopped mid-call: give the slots back as they end
+            self.release([(f, slot) for f, slot, *_ in reads], [(x, slot) for slot, x, _ in writes])
+            raise
 
-    def reap(self, writes: deque[tuple[int, Any, int]], failed: int, *, block: bool) -> int:
+    def reap(self, writes: deque[tuple[int, _Xfer, int]], failed: int, *, block: bool) -> int:
         """Retire completed transfers (the oldest first); with `block`, at least one."""
         while writes:
-            slot, h, ci = writes[0]
-            st = self.state(h)
+            slot, x, ci = writes[0]
+            st = self.state(x, slot)
             if st == "PROC":
                 if block:
+                    self.wait([x], [])
                     continue
                 return failed
             writes.popleft()
-            self.free.append(slot)
+            if st != "LATE":
+                self.free.append(slot)
             if st != "DONE":
                 failed = min(failed, ci)
             block = False
@@ -443,46 +814,58 @@ class _Mover:
 
     def put(self, keys: list[bytes], parents: list[bytes | None], sources: list[_Span]) -> int:
         """Reserve, READ, hash, encrypt to the tier and commit each chunk; leading stored."""
-        jobs = deque((ci, off, n) for ci in range(len(keys))
-                     for off, n in self.segments(sources[ci][1]))  # fmt: skip
+        jobs = _Jobs([span[1] for span in sources])
         res: list[Any] = []  # reservations, in chunk order
         hashers = [xxhash.xxh3_128(k) for k in keys]
-        reads: deque[tuple[int, Any, int, int, int]] = deque()  # slot, handle, chunk, off, n
+        reads: deque[tuple[int, _Xfer, int, int, int]] = deque()  # slot, transfer, chunk, off, n
         writes: deque[tuple[cf.Future[None], int, int]] = deque()  # future, slot, chunk
         failed = len(keys)
-        while True:
-            while self.free and jobs and jobs[0][0] < failed:
-                ci, off, n = jobs.popleft()
-                if off == 0 and not self.reserve(res, keys[ci], sources[ci][1], parents[ci]):
-                    failed = ci
-                    break
-                slot = self.free.popleft()
-                reads.append((slot, self.post("READ", slot, sources[ci], off, n), ci, off, n))
-            while writes and writes[0][0].done():
-                fut, slot, ci = writes.popleft()
-                self.free.append(slot)
-                if fut.exception() is not None:
-                    log.warning("nixl_put_write_failed", error=str(fut.exception()))
-                    failed = min(failed, ci)
-            if reads:
-                slot, h, ci, off, n = reads[0]
-                st = self.state(h)
-                if st == "PROC":
-                    if writes and not self.free:
-                        cf.wait([writes[0][0]], timeout=0.0002)
-                    continue
-                reads.popleft()
-                if st != "DONE" or ci >= failed:
+        stuck_since = None
+        try:
+            while True:
+                while self.free and (job := jobs.peek()) is not None and job[0] < failed:
+                    ci, off, n = jobs.pop()
+                    if off == 0 and not self.reserve(res, keys[ci], sources[ci][1], parents[ci]):
+                        failed = ci
+                        break
+                    slot = self.free.popleft()
+                    reads.append((slot, self.post("READ", slot, sources[ci], off, n), ci, off, n))
+                while writes and writes[0][0].done():
+                    fut, slot, ci = writes.popleft()
                     self.free.append(slot)
-                    failed = min(failed, ci)
-                    continue
-                hashers[ci].update(self.slot(slot, n))
-                nsid, lba = int(res[ci].nsid), int(res[ci].lba) + off // BLOCK_SIZE
-                writes.append((self.io.submit(self.write_tier, nsid, lba, slot, n), slot, ci))
-            elif writes:
-                cf.wait([writes[0][0]])
-            elif not (jobs and jobs[0][0] < failed):  # else slots just came free: go on
-                return self.commit(res, hashers, min(failed, len(res)))
+                    if fut.exception() is not None:
+                        log.warning("nixl_put_write_failed", error=str(fut.exception()))
+                        failed = min(failed, ci)
+                if reads:
+                    slot, x, ci, off, n = reads[0]
+                    st = self.state(x, slot)
+                    if st == "PROC":
+                        self.wait([x], [w[0] for w in writes][:1])
+                        continue
+                    reads.popleft()
+                    if st != "DONE" or ci >= failed:
+                        if st != "LATE":
+                            self.free.append(slot)
+                        failed = min(failed, ci)
+                        continue
+                    hashers[ci].update(self.slot(slot, n))
+                    nsid, lba = int(res[ci].nsid), int(res[ci].lba) + off // BLOCK_SIZE
+                    writes.append((self.io.submit(self.write_tier, nsid, lba, slot, n), slot, ci))
+                elif writes:
+                    cf.wait([writes[0][0]])
+                elif (job := jobs.peek()) is None or job[0] >= failed:
+                    return self.commit(res, hashers, min(failed, len(res)))
+                elif not self.free:  # every slot waits on a transfer to a host that stopped
+                    stuck_since = stuck_since or time.monotonic()
+                    if time.monotonic() - stuck_since > NIXL_XFER_TIMEOUT_S:
+                        log.warning("nixl_lane_no_slot", remote=self.remote)
+                        failed = job[0]
+                    time.sleep(0.01)
+        except BaseException:  # the worker stopped mid-call: nothing of it is committed
+            cf.wait([fut for fut, _, _ in writes])  # tier writes end before their space is freed
+            self.release([(f, slot) for f, slot, _ in writes], [(x, slot) for slot, x, *_ in reads])
+            self.commit(res, hashers, 0)
+            raise
 
     def reserve(self, res: list[Any], key: bytes, length: int, parent: bytes | None) -> bool:
         try:

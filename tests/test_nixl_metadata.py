@@ -1,0 +1,107 @@
+"""The NIXL metadata codec (dpu_agent.nixl._metadata): the layout nixl-cu12 writes parses, every
+deviation is refused with a clear error, and no input raises anything else."""
+
+from __future__ import annotations
+
+import random
+import struct
+
+import nixl_md
+import pytest
+
+from dpu_agent.nixl._metadata import DESCS_MAX, UCX_ADDRESS_BYTES_MAX, parse_metadata
+from kvproto.control import NIXL_METADATA_BYTES_MAX, RemoteProtocolError
+
+RKEY = b"\x01" * 9
+DRAM, VRAM = 0, 1
+
+
+def test_nixl_metadata_in_nixls_layout_parses() -> None:
+    md = nixl_md.encode(b"dpukv.t.1", sections=[
+        (b"UCX", DRAM, [(0x7F0000001000, 1 << 20, 0, RKEY), (0x7F0000200000, 4096, 0, RKEY)]),
+        (b"UCX", VRAM, [(0x300000000, 1 << 30, 1, RKEY)]),
+    ])  # fmt: skip
+    got = parse_metadata(md)
+    assert got.name == "dpukv.t.1" and got.backends == ("UCX",)
+    assert got.regions == (
+        (0x7F0000001000, 1 << 20, 0, "DRAM"),
+        (0x7F0000200000, 4096, 0, "DRAM"),
+        (0x300000000, 1 << 30, 1, "VRAM"),
+    )
+    assert parse_metadata(nixl_md.encode(b"dpukv.t.2")).regions == ()
+
+
+@pytest.mark.parametrize(
+    ("md", "why"),
+    [
+        (b"", "1 to"),
+        (b"nixlSerDes|Agent", "truncated length"),
+        (nixl_md.encode(b""), "printable ASCII"),
+        (nixl_md.encode("é".encode()), "printable ASCII"),
+        (nixl_md.encode(b"a" * 257), "max 256"),
+        (nixl_md.encode(b"n", conns=[(b"GDS", nixl_md.UCX_ADDRESS)]), "backend 'GDS'"),
+        (nixl_md.encode(b"n", conns=[(b"UCX", b"\x2f" + bytes(20))]), "format version 15"),
+        (nixl_md.encode(b"n", conns=[(b"UCX", b"\x20" * 4)]), "UCX worker address of 4"),
+        (nixl_md.encode(b"n", conns=[(b"UCX", b"\x20" * (UCX_ADDRESS_BYTES_MAX + 1))]), "max"),
+        (nixl_md.encode(b"n", conns=[(b"UCX", nixl_md.UCX_ADDRESS)] * 2), "twice"),
+        (nixl_md.encode(b"n", sections=[(b"UCX", 2, [(1, 1, 0, RKEY)])]), "memory type"),
+        (nixl_md.encode(b"n", sections=[(b"UCX", DRAM, [])]), "empty descriptor list"),
+        (nixl_md.encode(b"n", sections=[(b"UCX", DRAM, [(1, 1, 0, b"")])]), "no remote key"),
+        (nixl_md.encode(b"n", sections=[(b"UCX", DRAM, [((1 << 64) - 1, 2, 0, RKEY)])]), "wraps"),
+        (
+            nixl_md.encode(b"n", conns=[], sections=[(b"UCX", DRAM, [(1, 1, 0, RKEY)])]),
+            "no connection info",
+        ),
+        (nixl_md.encode(b"n") + b"x", "after the last section"),
+        (nixl_md.encode(b"n")[:-1], "truncated"),
+        (nixl_md.encode(b"n").replace(b"|Conns", b"|Connz"), "connection count"),
+        (nixl_md.encode(b"n").replace(b"MemSection", b"MemSectioN"), "memory section"),
+    ],
+)
+def test_nixl_metadata_deviations_are_refused_with_a_reason(md: bytes, why: str) -> None:
+    with pytest.raises(RemoteProtocolError) as e:
+        parse_metadata(md)
+    assert why in str(e.value), str(e.value)
+
+
+def test_nixl_metadata_counts_past_their_maxima_are_refused_before_reading_on() -> None:
+    md = nixl_md.encode(b"n", sections=[(b"UCX", DRAM, [(1, 1, 0, RKEY)])])
+    i = md.index(b"|n\x08") + 2 + 8
+    huge = md[:i] + struct.pack("<Q", DESCS_MAX + 1) + md[i + 8 :]
+    with pytest.raises(RemoteProtocolError, match="descriptor count"):
+        parse_metadata(huge)
+    i = md.index(b"Conns") + 5 + 8
+    many = md[:i] + struct.pack("<Q", 1 << 40) + md[i + 8 :]
+    with pytest.raises(RemoteProtocolError, match="connection count"):
+        parse_metadata(many)
+
+
+def test_nixl_metadata_codec_fuzz_accepts_or_refuses_nothing_else() -> None:
+    """Seeded mutations of a valid blob: each parses or raises RemoteProtocolError; what parses
+    is within the stated limits."""
+    base = nixl_md.encode(b"dpukv.t.fuzz", sections=[
+        (b"UCX", DRAM, [(0x7F0000001000, 1 << 20, 0, RKEY)]),
+    ])  # fmt: skip
+    rng = random.Random(2027)
+    accepted = refused = 0
+    for _ in range(5000):
+        b = bytearray(base)
+        for _ in range(rng.randint(1, 6)):
+            op = rng.randrange(3)
+            if op == 0 and b:
+                b[rng.randrange(len(b))] = rng.randrange(256)
+            elif op == 1 and b:
+                del b[rng.randrange(len(b)) :]
+            else:
+                i = rng.randrange(len(b) + 1)
+                b[i:i] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 9)))
+        try:
+            md = parse_metadata(bytes(b[:NIXL_METADATA_BYTES_MAX]) or b"x")
+        except RemoteProtocolError as e:
+            assert str(e).startswith("nixl metadata:"), e
+            refused += 1
+            continue
+        accepted += 1
+        assert len(md.name) <= 256 and md.backends == ("UCX",)
+        assert all(0 < n and a + n <= 1 << 64 for a, n, _, _ in md.regions)
+    assert refused > accepted
