@@ -34,11 +34,9 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from dpu_agent.cli._storage_probe import probe_agent_storage
-from dpu_agent.cluster._ops import probe_serf
 from dpu_agent.config import DATA_DIR_ENV, AgentConfig, ConfigError, load_config, read_secret
 from dpu_agent.units import SizeError, format_duration, format_size, format_timestamp, parse_size
-from host_shim.client import AgentUnreachable, ControlChannel, ControlError
+from host_shim.control import AgentUnreachable, ControlChannel, ControlError
 from kvproto.control import ADMIN_TENANT, KEY_BYTES, LocalProtocolError, valid_tenant_name
 
 __all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_OK", "EXIT_UNREACHABLE", "agent_group", "register"]
@@ -487,6 +485,9 @@ def _probe_nixl() -> tuple[str, str]:
 
 
 def doctor_report() -> list[dict[str, str]]:
+    from dpu_agent.cli._storage_probe import probe_agent_storage  # doctor's imports, not status's
+    from dpu_agent.cluster._ops import probe_serf
+
     probes: list[tuple[str, Callable[[], tuple[str, str]]]] = [
         ("rdma", _probe_rdma),
         ("hugepages", _probe_hugepages),
