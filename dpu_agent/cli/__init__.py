@@ -113,6 +113,7 @@ class _BenchGroup(LazyGroup):
                 raise
             raise click.ClickException(
                 f"this benchmark needs {e.name}: pip install 'dpu-kvtier[{extra}]'"
+                + (" (make demo installs it)" if extra == "inference" else "")
             ) from None
 
 
