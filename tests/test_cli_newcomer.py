@@ -248,14 +248,44 @@ def test_bench_without_the_bench_extra_names_it(monkeypatch: pytest.MonkeyPatch)
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze "
                     "(apt-get install systemd)")  # fmt: skip
 def test_agent_unit_for_the_embedded_default_passes_systemd_verify(tmp_path: Path) -> None:
-    exe = tmp_path / "dpuctl"
-    exe.write_text("#!/bin/sh\n")
-    exe.chmod(0o755)
-    r = CliRunner().invoke(cli, ["agent", "unit", "--dpuctl", str(exe)])
+    # not under /tmp: the unit's PrivateTmp=yes would hide it (dpuctl refuses such a path)
+    bindir = REPO / "var" / f"unit-test-{os.getpid()}-{tmp_path.name}"
+    bindir.mkdir(parents=True)
+    try:
+        exe = bindir / "dpuctl"
+        exe.write_text("#!/bin/sh\n")
+        exe.chmod(0o755)
+        r = CliRunner().invoke(cli, ["agent", "unit", "--dpuctl", str(exe)])
+        assert r.exit_code == 0, r.output
+        unit = tmp_path / "dpukv-agent.service"
+        unit.write_text(r.stdout)
+        assert f"ExecStart={exe} agent run" in r.stdout and "Type=notify" in r.stdout
+        check = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
+                               text=True, timeout=60)  # fmt: skip
+        assert check.returncode == 0, check.stderr
+    finally:
+        shutil.rmtree(bindir)
+
+
+@pytest.mark.parametrize("exe", ["/tmp/venv/bin/dpuctl", "/home/ops/.venv/bin/dpuctl",
+                                 "/root/dpukv/.venv/bin/dpuctl"])  # fmt: skip
+def test_agent_unit_refuses_an_executable_the_units_sandbox_hides(exe: str) -> None:
+    r = CliRunner().invoke(cli, ["agent", "unit", "--dpuctl", exe])
+    assert r.exit_code == 2, r.output
+    assert "PrivateTmp=yes" in r.output and "/opt/dpukv/venv" in r.output
+    assert "ExecStart" not in r.stdout  # no unit printed
+
+
+def test_agent_unit_hint_does_not_install_the_loopback_example_as_the_production_config() -> None:
+    r = CliRunner().invoke(cli, ["agent", "unit", "--dpuctl", "/opt/dpukv/venv/bin/dpuctl"])
     assert r.exit_code == 0, r.output
-    unit = tmp_path / "dpukv-agent.service"
-    unit.write_text(r.stdout)
-    assert f"ExecStart={exe} agent run" in r.stdout and "Type=notify" in r.stdout
-    check = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
-                           text=True, timeout=60)  # fmt: skip
-    assert check.returncode == 0, check.stderr
+    assert "ExecStart=/opt/dpukv/venv/bin/dpuctl agent run" in r.stdout
+    assert "docs/examples/agent.toml" not in r.stderr
+    assert "dpu-production.toml" in r.stderr and "loopback" in r.stderr
+
+
+def test_error_lines_are_not_hard_wrapped_when_stderr_is_not_a_terminal(tmp_path: Path) -> None:
+    r = run("status", DPUKV_DATA_DIR=str(tmp_path / "none"))  # no agent: a long error line
+    assert r.returncode == 3
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and len(lines[0]) > 80, r.stderr

@@ -45,7 +45,8 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_CONFIG = 0, 1, 2, 3, 4
 ADMIN_TIMEOUT_S = 3600.0  # backups of a large NVMe tier take minutes; still bounded
 F = TypeVar("F", bound=Callable[..., Any])
 # Piped output (not a terminal) would be cut to rich's default 80 columns: tables are for people,
-# so give them room; scripts use --json
+# so give them room; scripts use --json. Error lines are printed unwrapped (soft_wrap): a log or a
+# script's grep gets one line per error, a terminal wraps them itself.
 PIPED_WIDTH_COLUMNS = 200
 _out = Console(width=None if sys.stdout.isatty() else PIPED_WIDTH_COLUMNS)
 _err = Console(stderr=True)
@@ -62,7 +63,7 @@ def _fail(code: int, message: str, as_json: bool) -> NoReturn:
     if as_json:
         click.echo(json.dumps({"ok": False, "error": message, "exit_code": code}))
     else:  # escape: a message naming "[storage] key" is text, not rich markup
-        _err.print(f"[red]error:[/red] {escape(message)}", highlight=False)
+        _err.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
     sys.exit(code)
 
 
@@ -550,6 +551,20 @@ def agent_run(config_path: str | None) -> None:
     sys.exit(run_agent(config_of(config_path)))
 
 
+# What the unit's sandbox hides from the service (PrivateTmp=yes: /tmp, /var/tmp; ProtectHome=yes:
+# /home, /root, /run/user): an agent installed there cannot see its own executable or package.
+HIDDEN_FROM_UNIT = ("/tmp", "/var/tmp", "/home", "/root", "/run/user")
+PRODUCTION_VENV = "/opt/dpukv/venv"
+
+
+def _hidden_from_unit(path: Path) -> str | None:
+    """The sandboxed directory `path` lies under, or None."""
+    for top in HIDDEN_FROM_UNIT:
+        if path == Path(top) or Path(top) in path.parents:
+            return top
+    return None
+
+
 @agent_group.command(
     "unit",
     help="Print a systemd unit running this dpuctl's agent as a service "
@@ -561,14 +576,32 @@ def agent_unit_cmd(dpuctl_path: str | None) -> None:
     from dpu_agent.provision import agent_unit  # the same unit a provisioned DPU gets
 
     exe = dpuctl_path or shutil.which("dpuctl") or str(Path(sys.executable).parent / "dpuctl")
-    click.echo(agent_unit(dpuctl=str(Path(exe).absolute())), nl=False)
+    exe = str(Path(exe).absolute())
+    where = [("ExecStart " + exe, _hidden_from_unit(Path(exe)))]
+    if dpuctl_path is None:  # this dpuctl's own package (an editable install from a clone)
+        package = Path(__file__).resolve().parents[1]
+        where.append((f"its package {package}", _hidden_from_unit(package)))
+    for what, top in where:
+        if top is not None:
+            _fail(
+                EXIT_USAGE,
+                f"{what} is under {top}, which the unit's sandbox (PrivateTmp=yes, "
+                "ProtectHome=yes) hides from the service: install the agent where systemd "
+                f"lets it see it: python3 -m venv {PRODUCTION_VENV} && {PRODUCTION_VENV}/bin/pip "
+                f"install 'dpu-kvtier[agent]', then {PRODUCTION_VENV}/bin/dpuctl agent unit",
+                False,
+            )
+    click.echo(agent_unit(dpuctl=exe), nl=False)
     _err.print(
         "install: dpuctl agent unit > /etc/systemd/system/dpukv-agent.service; "
-        "install -D -m 0644 docs/examples/agent.toml /etc/dpukv/agent.toml; "
+        "write /etc/dpukv/agent.toml (0600) for this DPU from docs/examples/dpu-production.toml "
+        "(real listeners, TLS, require_auth, tier sizes from dpuctl plan capacity; the embedded "
+        "default listens on loopback only, which no host can reach); "
         "useradd --system --home /var/lib/dpukv dpukv; "
         "systemctl daemon-reload && systemctl enable --now dpukv-agent "
         "(data in /var/lib/dpukv, which dpuctl finds by itself)",
         highlight=False,
+        soft_wrap=True,
     )
 
 

@@ -29,9 +29,9 @@ def _fail(code: int, message: str, as_json: bool, **extra: Any) -> NoReturn:
     if as_json:
         click.echo(json.dumps({"ok": False, "error": message, "exit_code": code, **extra}))
     else:
-        _err.print(f"[red]error:[/red] {message}", highlight=False)
+        _err.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
         for line in extra.get("tail", [])[-10:]:
-            _err.print(f"  | {line}", highlight=False, markup=False)
+            _err.print(f"  | {line}", highlight=False, markup=False, soft_wrap=True)
     sys.exit(code)
 
 
