@@ -489,13 +489,14 @@ class Agent:
                 return {"backup": plain(result)}
             if op == "restore":
                 dirs = [Path(d) for d in fields["dirs"]]
-                missing = [t for t in backup_tenants(dirs) if t not in self.cfg.tenants]
+                quotas = backup_tenants(dirs)
+                missing = [t for t in quotas if t not in self.cfg.tenants]
                 if self.engine.stats()["records"]:  # before adding tenants (the engine checks too)
                     raise ValueError(
                         "restore needs an agent that holds no chunks; start a fresh agent on an "
                         "empty data dir (with the old key file) and restore there"
                     )
-                added = [self._tenant_add(name, None) for name in missing]  # new tokens
+                added = [self._tenant_add(n, None, quotas[n]) for n in missing]  # new tokens
                 result = await asyncio.to_thread(self.engine.restore, dirs)
                 tokens = {a["tenant"]: a["token_file"] for a in added}
                 return {"restore": plain(result), "tenants_added": tokens}

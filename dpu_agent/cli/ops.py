@@ -820,7 +820,16 @@ def backup_restore(
             dirs=[os.path.abspath(d) for d in directories],
         ),
         as_json,
-        show_done("restore"),
+        _show_restore,
+    )
+
+
+def _show_restore(data: dict[str, Any]) -> None:
+    _kv_table("restore", _flatten("", data.get("restore", {}), {}))
+    added = data.get("tenants_added", {})
+    _kv_table(
+        "tenants_added (new tokens: give each to its hosts)",
+        {name: f"token in {path}" for name, path in added.items()} or {"tenants_added": "none"},
     )
 
 
