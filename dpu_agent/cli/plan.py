@@ -18,8 +18,8 @@ from dpu_agent.capacity import (
     ModelShape,
     plan_capacity,
 )
-from dpu_agent.cli.ops import SIZE
 from dpu_agent.capacity import shape_from_hf_config as hf_shape
+from dpu_agent.cli.ops import SIZE
 from kvproto.keys import DTYPE_ITEMSIZE
 
 __all__ = ["plan_group"]
