@@ -120,6 +120,7 @@ class Agent:
         self.target: Any = None
         self.control: ControlServer | None = None
         self._metrics_server: Any = None
+        self._started = False  # agent_stopped is logged only for an agent that started
         self._telemetry: telemetry.Installed | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._admin_lock = asyncio.Lock()
@@ -175,15 +176,20 @@ class Agent:
         await self.control.start()
         if cfg.metrics.enabled:
             self._telemetry = telemetry.install(cfg)  # CPU, RDMA, SPDK stats collectors
-            self._metrics_server, _ = start_http_server(
-                cfg.metrics.port, addr=cfg.metrics.host, registry=REGISTRY
-            )
+            try:
+                self._metrics_server, _ = start_http_server(
+                    cfg.metrics.port, addr=cfg.metrics.host, registry=REGISTRY
+                )
+            except OSError as e:  # name the port: three listeners can each be in use
+                raise OSError(e.errno, f"[metrics] {cfg.metrics.host}:{cfg.metrics.port}: "
+                              f"{e.strerror}") from None  # fmt: skip
         self._tick_task = asyncio.create_task(self._tick_loop(), name="engine-tick")
         if self.tenant_sync is not None:
             self.tenant_sync.start()
         if cfg.cluster.enabled:
             self.cluster = await asyncio.to_thread(start_membership, self)
         self._write_state()
+        self._started = True
         log.info("agent_started", **self.addresses())
 
     def _start_spdk(self) -> Engine:
@@ -226,7 +232,8 @@ class Agent:
             self._spdk_devices.close()
             self._spdk_devices = None
         self._remove_state()
-        log.info("agent_stopped")
+        if self._started:  # a refused start said why already; it did not stop a serving agent
+            log.info("agent_stopped")
 
     def _remove_state(self) -> None:
         """Remove the state file only if this process wrote it: an agent refused at start (the

@@ -289,3 +289,29 @@ def test_error_lines_are_not_hard_wrapped_when_stderr_is_not_a_terminal(tmp_path
     assert r.returncode == 3
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and len(lines[0]) > 80, r.stderr
+
+
+def test_metrics_port_conflict_names_the_port_and_a_failed_start_logs_no_stop(
+    tmp_path: Path,
+) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        r = run("agent", "run", DPUKV_AGENT_DATA_DIR=str(tmp_path), DPUKV_CONTROL_PORT="0",
+                DPUKV_NVMF_PORT="0", DPUKV_METRICS_PORT=str(port))  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    assert f"[metrics] 127.0.0.1:{port}" in r.stderr, r.stderr
+    after = r.stderr[r.stderr.index("cannot start the agent") :]
+    assert "agent_stopped" not in after, r.stderr
+
+
+def test_provision_with_a_missing_bfb_fails_before_any_progress_bar(tmp_path: Path) -> None:
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text("")
+    r = run("provision", "--config", str(cfg), "--bfb", str(tmp_path / "missing.bfb"),
+            "--rshim", "rshim0")  # fmt: skip
+    assert r.returncode == 2 and "missing.bfb" in r.stderr and "does not exist" in r.stderr
+    assert "bfb-install" not in r.stderr and "%" not in r.stderr, r.stderr

@@ -74,7 +74,8 @@ def _install(argv: list[str], as_json: bool) -> list[str]:
     type=click.Path(dir_okay=False, path_type=Path),
     help="The agent TOML for the DPU.",
 )
-@click.option("--bfb", type=click.Path(dir_okay=False, path_type=Path), help="The BFB image.")
+@click.option("--bfb", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The BFB image.")  # fmt: skip
 @click.option("--rshim", help="rshimN, or HOST[:PORT]:rshimN through the BMC.")
 @click.option(
     "--wheelhouse",
