@@ -315,3 +315,24 @@ def test_provision_with_a_missing_bfb_fails_before_any_progress_bar(tmp_path: Pa
             "--rshim", "rshim0")  # fmt: skip
     assert r.returncode == 2 and "missing.bfb" in r.stderr and "does not exist" in r.stderr
     assert "bfb-install" not in r.stderr and "%" not in r.stderr, r.stderr
+
+
+def test_chunks_ls_stopping_at_its_limit_prints_the_total_and_an_after_hint(
+    agent: AgentProcess,
+) -> None:
+    tokens = list(range(1000, 1000 + 3 * LAYOUT.chunk_tokens))
+    data = [np.full(LAYOUT.chunk_shape, i, np.float16) for i in range(3)]
+    with KVClient(agent.control_url, "default", agent.token, LAYOUT, salt=b"t" * 16) as c:
+        assert c.put(tokens, data) == 3
+    doc = json.loads(at(agent, "chunks", "ls", "--tenant", "default", "--json").stdout)
+    total = doc["total"]
+    assert total == len(doc["chunks"]) >= 3 and doc["next_after"] is None
+    r = at(agent, "chunks", "ls", "--tenant", "default", "--limit", "2")
+    assert r.returncode == 0, r.stderr
+    page = json.loads(at(agent, "chunks", "ls", "--tenant", "default", "--limit", "2",
+                         "--json").stdout)  # fmt: skip
+    assert page["next_after"] == page["chunks"][-1]["key"]
+    assert f"2 shown of {total}" in r.stdout
+    assert f"--after {page['next_after']}" in r.stdout
+    last = at(agent, "chunks", "ls", "--tenant", "default", "--limit", str(total))
+    assert "--after" not in last.stdout  # everything shown: no hint

@@ -746,13 +746,27 @@ def chunks_ls(
         if not page:
             break
         start = bytes.fromhex(page[-1]["key"])
-    emit({"tenant": tenant, "chunks": rows}, as_json, _show_chunks)
+    more = False
+    if rows and len(rows) >= limit:  # one more key after the last shown?
+        peek = admin_call(config_path, as_json, "chunks_list", tenant=tenant, limit=1, after=start)
+        more = bool(peek["chunks"])
+    listed = admin_call(config_path, as_json, "tenants_list")["tenants"]
+    total = next((int(t.get("records", 0)) for t in listed if t["name"] == tenant), None)
+    emit({"tenant": tenant, "chunks": rows, "total": total,
+          "next_after": rows[-1]["key"] if more else None}, as_json, _show_chunks)  # fmt: skip
 
 
 def _show_chunks(data: dict[str, Any]) -> None:
     cols = ("key", "tier", "length_bytes", "idle_s", "access_count", "pins", "leases")
-    _rows_table(f"chunks of {data['tenant']} ({len(data['chunks'])})",
+    total = "?" if data["total"] is None else f"{data['total']:,}"
+    _rows_table(f"chunks of {data['tenant']} ({len(data['chunks']):,} shown of {total})",
                 [{c: r[c] for c in cols} for r in data["chunks"]])  # fmt: skip
+    if data["next_after"]:
+        _out.print(
+            f"more: dpuctl chunks ls --tenant {data['tenant']} --after {data['next_after']}",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 @chunks.command("inspect", help="One chunk's record: tier, extent, checksum, times, uses.")
