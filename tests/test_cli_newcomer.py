@@ -143,7 +143,7 @@ def test_tables_show_sizes_and_durations_for_people(agent: AgentProcess) -> None
     r = at(agent, "status")
     assert r.returncode == 0, r.stderr
     assert "GiB" in r.stdout
-    assert re.search(r"uptime_s\s*\S\s*[\d.]+ s|uptime_s\s*\S\s*\d+m \d+s", r.stdout), r.stdout
+    assert re.search(r"uptime\s*\S\s*[\d.]+ s|uptime\s*\S\s*\d+m \d+s", r.stdout), r.stdout
     member = json.loads(at(agent, "status", "--json").stdout)["members"][0]
     assert str(member["capacity_bytes"]) not in r.stdout  # raw bytes only under --json
 

@@ -237,21 +237,59 @@ def _json_default(value: Any) -> Any:
 
 
 TIMESTAMP_KEYS = ("started_at", "created", "created_at", "timestamp", "time")
+# Keys whose numbers are bytes or seconds without saying so in a suffix: `evict` answers the
+# bytes it freed; a checkpoint the seconds it took
+BYTES_KEYS = ("bytes", "evicted")
+SECONDS_KEYS = ("seconds",)
+# Where 0 means "no limit" rather than zero bytes
+NONE_WHEN_ZERO = ("quota_bytes",)
+UNIT_SUFFIXES = ("_bytes_per_s", "_bytes", "_unix", "_s")
+
+
+def _kind(name: str, value: Any) -> str:
+    """What a value is, by its key: rate, bytes, seconds, time, or plain."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return "plain"
+    if name.endswith("_bytes_per_s"):
+        return "rate"
+    if name.endswith("_bytes") or name in BYTES_KEYS:
+        return "bytes"
+    if name.endswith("_s") or name in SECONDS_KEYS:
+        return "seconds"
+    if (name in TIMESTAMP_KEYS or name.endswith("_unix")) and value > 1e9:  # not a counter
+        return "time"
+    return "plain"
 
 
 def human(key: str, value: Any) -> str:
     """A value as a person reads it, by what its key says it is (--json keeps the raw one)."""
     name = key.rsplit(".", 1)[-1]
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    if number and (name.endswith("_bytes") or name == "bytes"):
+    kind = _kind(name, value)
+    if name in NONE_WHEN_ZERO and value == 0:
+        return "none"
+    if kind == "rate":
+        return f"{format_size(value) if abs(value) >= 1024 else f'{value} B'}/s"
+    if kind == "bytes":
         return format_size(value) if abs(value) >= 1024 else f"{value} B"
-    if number and name.endswith("_s"):
+    if kind == "seconds":
         return format_duration(float(value))
-    if number and name in TIMESTAMP_KEYS and value > 1e9:  # a unix time, not a counter
+    if kind == "time":
         return format_timestamp(float(value))
     if isinstance(value, dict | list):
         return json.dumps(value, default=_json_default)
     return str(value)
+
+
+def label(key: str, value: Any) -> str:
+    """The key as a row label: without the unit suffix its humanised value already shows
+    (`uptime_s` 2.5 s -> `uptime`)."""
+    head, _, name = key.rpartition(".")
+    if _kind(name, value) != "plain":
+        for suffix in UNIT_SUFFIXES:
+            if name.endswith(suffix) and len(name) > len(suffix):
+                name = name.removesuffix(suffix)
+                break
+    return f"{head}.{name}" if head else name
 
 
 def _kv_table(title: str, rows: dict[str, Any]) -> None:
@@ -259,7 +297,7 @@ def _kv_table(title: str, rows: dict[str, Any]) -> None:
     table.add_column(overflow="fold")
     table.add_column(overflow="fold")  # addresses and keys wrap, never cut with "..."
     for key, value in rows.items():
-        table.add_row(escape(str(key)), escape(human(str(key), value)))
+        table.add_row(escape(label(str(key), value)), escape(human(str(key), value)))
     _out.print(table)
 
 
@@ -279,7 +317,8 @@ def _rows_table(title: str, rows: list[dict[str, Any]]) -> None:
     table = Table(title=escape(title))
     columns = list(dict.fromkeys(k for row in rows for k in row))
     for col in columns:
-        table.add_column(escape(col), overflow="fold")
+        sample = next((row[col] for row in rows if col in row), None)
+        table.add_column(escape(label(col, sample)), overflow="fold")
     for row in rows:
         table.add_row(*(escape(human(c, row[c])) if c in row else "" for c in columns))
     _out.print(table)
@@ -292,7 +331,20 @@ def show_status(data: dict[str, Any]) -> None:
 
 
 def show_stats(data: dict[str, Any]) -> None:
-    _kv_table("stats", _flatten("", data.get("stats", data), {}))
+    """Grouped: the totals, then one row per tenant and tier, then the last recovery."""
+    stats = dict(data.get("stats", data))
+    tenants = stats.pop("tenants", {})
+    recovery = stats.pop("recovery", {})
+    _kv_table("stats (all tenants)", stats)
+    tiers: list[dict[str, Any]] = []
+    for name, t in tenants.items():
+        counters = {k: v for k, v in t.items() if k not in ("tiers", "tenant")}
+        _kv_table(f"tenant {name}", counters)
+        tiers += [{"tenant": name, "tier": tier, **row} for tier, row in t.get("tiers", {}).items()]
+    if tiers:
+        _rows_table("tiers", tiers)
+    if recovery:
+        _kv_table("last start's recovery", recovery)
 
 
 def show_tenants(data: dict[str, Any]) -> None:
