@@ -54,13 +54,14 @@ from dpu_agent.control import (
     TenantRegistry,
     plain,
 )
+from dpu_agent.control import _metrics as control_metrics
 from dpu_agent.control_tls import exposure_warning, server_context
 from dpu_agent.crypto import KeyStore
 from dpu_agent.engine import Engine, EngineConfig, EngineError, LimitExceeded, UnknownTenant
 from dpu_agent.engine.backup import backup_tenants
 from dpu_agent.engine.engine import CHUNKS_PAGE_MAX
 from dpu_agent.log import configure_logging, get_logger, nqn_tag
-from dpu_agent.metrics import REGISTRY
+from dpu_agent.metrics import REGISTRY, forget_tenant
 from dpu_agent.nixl import NixlServer
 from dpu_agent.nvmf import NvmeTcpTarget, Subsystem, TargetOptions, tenant_nqn
 from dpu_agent.nvmf._keys import HOST_KEYS_FILE, HostKeyIssuer, hello_keys
@@ -545,6 +546,7 @@ class Agent:
         self.target.add_subsystem(self._subsystem(t.name))
         self.cfg.tenants[t.name] = t
         self.registry.add(t.name, t.token)
+        control_metrics.INTEGRITY_REPORTS.labels(t.name)  # a 0 sample before any report
 
     def _tenant_rotate(self, name: str, token: str | None) -> dict[str, Any]:
         """A new token for a tenant of this node; its sessions end (they used the old one)."""
@@ -604,6 +606,7 @@ class Agent:
         if t.token_file:
             self.cfg.path(t.token_file).unlink(missing_ok=True)
         self._save_runtime_tenants(removed=None if cluster else name)
+        forget_tenant(name)  # its series go with it
         log.info("tenant_removed", tenant=name, sessions_ended=ended, **erased)
         return {"tenant": name, "sessions_ended": ended, **erased}
 
