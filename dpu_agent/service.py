@@ -60,13 +60,14 @@ from dpu_agent.control import (
     host_nqn_problem,
     plain,
 )
+from dpu_agent.control import _metrics as control_metrics
 from dpu_agent.control_tls import exposure_warning, server_context
 from dpu_agent.crypto import KeyStore
 from dpu_agent.engine import Engine, EngineConfig, EngineError, LimitExceeded, UnknownTenant
 from dpu_agent.engine.backup import backup_tenants, check_no_interrupted_restore
 from dpu_agent.engine.engine import CHUNKS_PAGE_MAX
 from dpu_agent.log import configure_logging, get_logger, nqn_tag
-from dpu_agent.metrics import REGISTRY
+from dpu_agent.metrics import REGISTRY, forget_tenant
 from dpu_agent.nixl import NixlServer
 from dpu_agent.nvmf import NvmeTcpTarget, Subsystem, TargetOptions, tenant_nqn
 from dpu_agent.nvmf._keys import HOST_KEYS_FILE, HostKeyIssuer, hello_keys
@@ -134,6 +135,7 @@ class Agent:
         self.target: Any = None
         self.control: ControlServer | None = None
         self._metrics_server: Any = None
+        self._started = False  # agent_stopped is logged only for an agent that started
         self._telemetry: telemetry.Installed | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._admin_lock = asyncio.Lock()
@@ -189,15 +191,20 @@ class Agent:
         await self.control.start()
         if cfg.metrics.enabled:
             self._telemetry = telemetry.install(cfg)  # CPU, RDMA, SPDK stats collectors
-            self._metrics_server, _ = start_http_server(
-                cfg.metrics.port, addr=cfg.metrics.host, registry=REGISTRY
-            )
+            try:
+                self._metrics_server, _ = start_http_server(
+                    cfg.metrics.port, addr=cfg.metrics.host, registry=REGISTRY
+                )
+            except OSError as e:  # name the port: three listeners can each be in use
+                raise OSError(e.errno, f"[metrics] {cfg.metrics.host}:{cfg.metrics.port}: "
+                              f"{e.strerror}") from None  # fmt: skip
         self._tick_task = asyncio.create_task(self._tick_loop(), name="engine-tick")
         if self.tenant_sync is not None:
             self.tenant_sync.start()
         if cfg.cluster.enabled:
             self.cluster = await asyncio.to_thread(start_membership, self)
         self._write_state()
+        self._started = True
         log.info("agent_started", **self.addresses())
 
     def _start_spdk(self) -> Engine:
@@ -241,7 +248,8 @@ class Agent:
             self._spdk_devices = None
         await asyncio.to_thread(self.host_keys.close)  # issued keys pending a batched write
         self._remove_state()
-        log.info("agent_stopped")
+        if self._started:  # a refused start said why already; it did not stop a serving agent
+            log.info("agent_stopped")
 
     def _remove_state(self) -> None:
         """Remove the state file only if this process wrote it: an agent refused at start (the
@@ -566,20 +574,20 @@ class Agent:
             if op == "restore":
                 dirs = [Path(d) for d in fields.get("dirs") or []]
                 check_no_interrupted_restore(self.cfg.data_dir)  # before "holds chunks"
-                named = backup_tenants(dirs)
-                bad = [t for t in named if not (isinstance(t, str) and valid_tenant_name(t))]
+                quotas = backup_tenants(dirs)
+                bad = [t for t in quotas if not (isinstance(t, str) and valid_tenant_name(t))]
                 if bad:  # a damaged or foreign manifest: nothing is added or restored
                     raise ValueError(
                         f"the backup names tenant {str(bad[0])[:80]!r}, not a tenant name "
                         "([a-z0-9][a-z0-9-]{0,62}); the backup is damaged or not a dpukv one"
                     )
-                missing = [t for t in named if t not in self.cfg.tenants]
+                missing = [t for t in quotas if t not in self.cfg.tenants]
                 if self.engine.stats()["records"]:  # before adding tenants (the engine checks too)
                     raise ValueError(
                         "restore needs an agent that holds no chunks; start a fresh agent on an "
                         "empty data dir (with the old key file) and restore there"
                     )
-                added = [self._tenant_add(name, None) for name in missing]  # new tokens
+                added = [self._tenant_add(n, None, quotas[n]) for n in missing]  # new tokens
                 result = await asyncio.to_thread(self.engine.restore, dirs)
                 tokens = {a["tenant"]: a["token_file"] for a in added}
                 return {"restore": plain(result), "tenants_added": tokens}
@@ -623,6 +631,7 @@ class Agent:
         self.target.add_subsystem(self._subsystem(t.name))
         self.cfg.tenants[t.name] = t
         self.registry.add(t.name, t.token)
+        control_metrics.INTEGRITY_REPORTS.labels(t.name)  # a 0 sample before any report
 
     def _tenant_rotate(self, name: str, token: str | None) -> dict[str, Any]:
         """A new token for a tenant of this node; its sessions end (they used the old one)."""
@@ -682,6 +691,7 @@ class Agent:
         if t.token_file:
             self.cfg.path(t.token_file).unlink(missing_ok=True)
         self._save_runtime_tenants(removed=None if cluster else name)
+        forget_tenant(name)  # its series go with it
         log.info("tenant_removed", tenant=name, sessions_ended=ended, **erased)
         return {"tenant": name, "sessions_ended": ended, **erased}
 

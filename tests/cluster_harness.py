@@ -54,6 +54,8 @@ def secrets_env(root: Path, node_dir: Path) -> dict[str, str]:
         "DPUKV_CLUSTER_KEYRING_FILE": str(node_dir / "serf-keyring.json"),
         "DPUKV_CLUSTER_PEER_KEY_FILE": str(root / "peer.key"),
     }
+
+
 def _port(host: str, netns: str | None) -> int:
     """A free port on `host`; in a namespace a test made (nothing else binds there), any
     port from the range Serf ports are picked from."""

@@ -83,3 +83,36 @@ def test_backup_of_dram_only_chunks_holds_them_and_restore_rules(tmp_path: Path)
         read_back(b, other, other_tokens, tenant="acme", token=token)
     finally:
         b.stop()
+
+
+def test_restore_keeps_the_quota_of_a_tenant_it_re_adds_and_names_its_token_file(
+    tmp_path: Path,
+) -> None:
+    data, tokens = chunks(3, 2)
+    a = spawn_agent(tmp_path / "a")
+    try:
+        added = json.loads(dpuctl(a.data_dir, "tenants", "add", "acme", "--quota", "1GiB").stdout)
+        with client(a, tenant="acme", token=added["token"]) as c:
+            assert c.put(tokens, data) == 2
+        assert dpuctl(a.data_dir, "backup", "create", str(tmp_path / "full")).returncode == 0
+    finally:
+        a.stop()
+    fresh = tmp_path / "b"
+    fresh.mkdir()
+    shutil.copy2(tmp_path / "a" / "keys.json", fresh / "keys.json")
+    b = spawn_agent(fresh)
+    try:
+        env = {**os.environ, "DPUKV_AGENT_DATA_DIR": str(b.data_dir)}
+        human = subprocess.run(
+            [sys.executable, "-c", "from dpu_agent.cli import main; main()",
+             "backup", "restore", "--yes", str(tmp_path / "full")],
+            env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120,
+        )  # fmt: skip
+        assert human.returncode == 0, human.stdout + human.stderr
+        token_file = str(b.data_dir / "tenant-acme.token")
+        assert "tenants_added" in human.stdout and "acme" in human.stdout
+        assert token_file in human.stdout, human.stdout  # piped: 200 columns, not folded
+        rows = json.loads(dpuctl(b.data_dir, "tenants", "list").stdout)["tenants"]
+        assert {r["name"]: r["quota_bytes"] for r in rows}["acme"] == 1 << 30, rows
+    finally:
+        b.stop()

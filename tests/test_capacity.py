@@ -104,3 +104,44 @@ def test_docs_worked_examples_match_the_calculator(monkeypatch: pytest.MonkeyPat
         assert r.exit_code == 0, (cmd, r.output)
         got = json.loads(r.output)
         assert {k: got[k] for k in expected} == expected, cmd
+
+
+# DeepSeek-V3's config.json, the fields that decide its KV shape (MLA: a 512-wide compressed
+# latent plus a 64-wide RoPE key per token and layer, no separate K and V per head)
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "hidden_size": 7168,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "torch_dtype": "bfloat16",
+}
+
+
+def test_mla_model_is_sized_by_its_latent_not_by_k_and_v_per_head(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(DEEPSEEK_V3))
+    r = CliRunner().invoke(cli, ["plan", "capacity", "--hf-config", str(path),
+                                 "--context-tokens", "131072", "--json"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    assert doc["kv_bytes_per_token"] == 61 * (512 + 64) * 2 == 70_272  # ~70 KB, not 1.7 MB
+    assert doc["model"]["attention"] == "mla"
+    assert doc["nvme_fits_dpu"] and not doc["warnings"]
+
+
+def test_plan_needing_more_nvme_than_one_dpu_holds_warns(tmp_path: Path) -> None:
+    args = ["plan", "capacity", "--layers", "80", "--kv-heads", "8", "--head-dim", "128",
+            "--context-tokens", "131072", "--sessions-per-gpu", "2048"]  # fmt: skip
+    r = CliRunner().invoke(cli, [*args, "--json"])
+    doc = json.loads(r.output)
+    assert not doc["nvme_fits_dpu"] and "more than one DPU holds" in doc["warnings"][0]
+    human = CliRunner().invoke(cli, args)
+    assert "warning: NVMe per DPU" in human.output and "DPUs per node" in human.output
+    fits = CliRunner().invoke(cli, [*args, "--nvme-per-dpu", "2PB", "--json"])
+    assert json.loads(fits.output)["nvme_fits_dpu"]

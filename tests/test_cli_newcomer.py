@@ -143,7 +143,7 @@ def test_tables_show_sizes_and_durations_for_people(agent: AgentProcess) -> None
     r = at(agent, "status")
     assert r.returncode == 0, r.stderr
     assert "GiB" in r.stdout
-    assert re.search(r"uptime_s\s*\S\s*[\d.]+ s|uptime_s\s*\S\s*\d+m \d+s", r.stdout), r.stdout
+    assert re.search(r"uptime\s*\S\s*[\d.]+ s|uptime\s*\S\s*\d+m \d+s", r.stdout), r.stdout
     member = json.loads(at(agent, "status", "--json").stdout)["members"][0]
     assert str(member["capacity_bytes"]) not in r.stdout  # raw bytes only under --json
 
@@ -248,14 +248,91 @@ def test_bench_without_the_bench_extra_names_it(monkeypatch: pytest.MonkeyPatch)
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze "
                     "(apt-get install systemd)")  # fmt: skip
 def test_agent_unit_for_the_embedded_default_passes_systemd_verify(tmp_path: Path) -> None:
-    exe = tmp_path / "dpuctl"
-    exe.write_text("#!/bin/sh\n")
-    exe.chmod(0o755)
-    r = CliRunner().invoke(cli, ["agent", "unit", "--dpuctl", str(exe)])
+    # not under /tmp: the unit's PrivateTmp=yes would hide it (dpuctl refuses such a path)
+    bindir = REPO / "var" / f"unit-test-{os.getpid()}-{tmp_path.name}"
+    bindir.mkdir(parents=True)
+    try:
+        exe = bindir / "dpuctl"
+        exe.write_text("#!/bin/sh\n")
+        exe.chmod(0o755)
+        r = CliRunner().invoke(cli, ["agent", "unit", "--dpuctl", str(exe)])
+        assert r.exit_code == 0, r.output
+        unit = tmp_path / "dpukv-agent.service"
+        unit.write_text(r.stdout)
+        assert f"ExecStart={exe} agent run" in r.stdout and "Type=notify" in r.stdout
+        check = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
+                               text=True, timeout=60)  # fmt: skip
+        assert check.returncode == 0, check.stderr
+    finally:
+        shutil.rmtree(bindir)
+
+
+@pytest.mark.parametrize("exe", ["/tmp/venv/bin/dpuctl", "/home/ops/.venv/bin/dpuctl",
+                                 "/root/dpukv/.venv/bin/dpuctl"])  # fmt: skip
+def test_agent_unit_refuses_an_executable_the_units_sandbox_hides(exe: str) -> None:
+    r = CliRunner().invoke(cli, ["agent", "unit", "--dpuctl", exe])
+    assert r.exit_code == 2, r.output
+    assert "PrivateTmp=yes" in r.output and "/opt/dpukv/venv" in r.output
+    assert "ExecStart" not in r.stdout  # no unit printed
+
+
+def test_agent_unit_hint_does_not_install_the_loopback_example_as_the_production_config() -> None:
+    r = CliRunner().invoke(cli, ["agent", "unit", "--dpuctl", "/opt/dpukv/venv/bin/dpuctl"])
     assert r.exit_code == 0, r.output
-    unit = tmp_path / "dpukv-agent.service"
-    unit.write_text(r.stdout)
-    assert f"ExecStart={exe} agent run" in r.stdout and "Type=notify" in r.stdout
-    check = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
-                           text=True, timeout=60)  # fmt: skip
-    assert check.returncode == 0, check.stderr
+    assert "ExecStart=/opt/dpukv/venv/bin/dpuctl agent run" in r.stdout
+    assert "docs/examples/agent.toml" not in r.stderr
+    assert "dpu-production.toml" in r.stderr and "loopback" in r.stderr
+
+
+def test_error_lines_are_not_hard_wrapped_when_stderr_is_not_a_terminal(tmp_path: Path) -> None:
+    r = run("status", DPUKV_DATA_DIR=str(tmp_path / "none"))  # no agent: a long error line
+    assert r.returncode == 3
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and len(lines[0]) > 80, r.stderr
+
+
+def test_metrics_port_conflict_names_the_port_and_a_failed_start_logs_no_stop(
+    tmp_path: Path,
+) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        r = run("agent", "run", DPUKV_AGENT_DATA_DIR=str(tmp_path), DPUKV_CONTROL_PORT="0",
+                DPUKV_NVMF_PORT="0", DPUKV_METRICS_PORT=str(port))  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    assert f"[metrics] 127.0.0.1:{port}" in r.stderr, r.stderr
+    after = r.stderr[r.stderr.index("cannot start the agent") :]
+    assert "agent_stopped" not in after, r.stderr
+
+
+def test_provision_with_a_missing_bfb_fails_before_any_progress_bar(tmp_path: Path) -> None:
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text("")
+    r = run("provision", "--config", str(cfg), "--bfb", str(tmp_path / "missing.bfb"),
+            "--rshim", "rshim0")  # fmt: skip
+    assert r.returncode == 2 and "missing.bfb" in r.stderr and "does not exist" in r.stderr
+    assert "bfb-install" not in r.stderr and "%" not in r.stderr, r.stderr
+
+
+def test_chunks_ls_stopping_at_its_limit_prints_the_total_and_an_after_hint(
+    agent: AgentProcess,
+) -> None:
+    tokens = list(range(1000, 1000 + 3 * LAYOUT.chunk_tokens))
+    data = [np.full(LAYOUT.chunk_shape, i, np.float16) for i in range(3)]
+    with KVClient(agent.control_url, "default", agent.token, LAYOUT, salt=b"t" * 16) as c:
+        assert c.put(tokens, data) == 3
+    doc = json.loads(at(agent, "chunks", "ls", "--tenant", "default", "--json").stdout)
+    total = doc["total"]
+    assert total == len(doc["chunks"]) >= 3 and doc["next_after"] is None
+    r = at(agent, "chunks", "ls", "--tenant", "default", "--limit", "2")
+    assert r.returncode == 0, r.stderr
+    page = json.loads(at(agent, "chunks", "ls", "--tenant", "default", "--limit", "2",
+                         "--json").stdout)  # fmt: skip
+    assert page["next_after"] == page["chunks"][-1]["key"]
+    assert f"2 shown of {total}" in r.stdout
+    assert f"--after {page['next_after']}" in r.stdout
+    last = at(agent, "chunks", "ls", "--tenant", "default", "--limit", str(total))
+    assert "--after" not in last.stdout  # everything shown: no hint

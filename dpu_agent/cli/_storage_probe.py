@@ -7,7 +7,7 @@ import json
 import os
 
 from dpu_agent.config import ConfigError, load_config
-from host_shim.client import AgentUnreachable, ControlChannel, ControlError
+from host_shim.control import AgentUnreachable, ControlChannel, ControlError
 from kvproto.control import ADMIN_TENANT
 
 __all__ = ["probe_agent_storage"]

@@ -62,7 +62,11 @@ def _render_plan(p: dict[str, Any]) -> str:
     lines = [
         f"{i:3}. {s['kind']} {s['target']} {json.dumps(s['params'])}  # {s['why']}"
         for i, s in enumerate(p["steps"], 1)
-    ] or ["in sync: nothing to do"]
+    ]
+    if p["in_sync"]:
+        lines.append("in sync: nothing to do")
+    elif not lines:
+        lines.append("not in sync: nothing can be done until the lines below are resolved")
     lines += [f"CONFLICT {c}" for c in p["conflicts"]]
     lines += [f"unmanaged {u}" for u in p["unmanaged"]]
     return "\n".join(lines + [f"note {n}" for n in p["notes"]])

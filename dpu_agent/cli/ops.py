@@ -34,11 +34,9 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from dpu_agent.cli._storage_probe import probe_agent_storage
-from dpu_agent.cluster._ops import probe_serf
 from dpu_agent.config import DATA_DIR_ENV, AgentConfig, ConfigError, load_config, read_secret
 from dpu_agent.units import SizeError, format_duration, format_size, format_timestamp, parse_size
-from host_shim.client import AgentUnreachable, ControlChannel, ControlError
+from host_shim.control import AgentUnreachable, ControlChannel, ControlError
 from kvproto.control import ADMIN_TENANT, KEY_BYTES, LocalProtocolError, valid_tenant_name
 
 __all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_OK", "EXIT_UNREACHABLE", "agent_group", "register"]
@@ -47,7 +45,8 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_CONFIG = 0, 1, 2, 3, 4
 ADMIN_TIMEOUT_S = 3600.0  # backups of a large NVMe tier take minutes; still bounded
 F = TypeVar("F", bound=Callable[..., Any])
 # Piped output (not a terminal) would be cut to rich's default 80 columns: tables are for people,
-# so give them room; scripts use --json
+# so give them room; scripts use --json. Error lines are printed unwrapped (soft_wrap): a log or a
+# script's grep gets one line per error, a terminal wraps them itself.
 PIPED_WIDTH_COLUMNS = 200
 _out = Console(width=None if sys.stdout.isatty() else PIPED_WIDTH_COLUMNS)
 _err = Console(stderr=True)
@@ -64,7 +63,7 @@ def _fail(code: int, message: str, as_json: bool) -> NoReturn:
     if as_json:
         click.echo(json.dumps({"ok": False, "error": message, "exit_code": code}))
     else:  # escape: a message naming "[storage] key" is text, not rich markup
-        _err.print(f"[red]error:[/red] {escape(message)}", highlight=False)
+        _err.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
     sys.exit(code)
 
 
@@ -238,21 +237,59 @@ def _json_default(value: Any) -> Any:
 
 
 TIMESTAMP_KEYS = ("started_at", "created", "created_at", "timestamp", "time")
+# Keys whose numbers are bytes or seconds without saying so in a suffix: `evict` answers the
+# bytes it freed; a checkpoint the seconds it took
+BYTES_KEYS = ("bytes", "evicted")
+SECONDS_KEYS = ("seconds",)
+# Where 0 means "no limit" rather than zero bytes
+NONE_WHEN_ZERO = ("quota_bytes",)
+UNIT_SUFFIXES = ("_bytes_per_s", "_bytes", "_unix", "_s")
+
+
+def _kind(name: str, value: Any) -> str:
+    """What a value is, by its key: rate, bytes, seconds, time, or plain."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return "plain"
+    if name.endswith("_bytes_per_s"):
+        return "rate"
+    if name.endswith("_bytes") or name in BYTES_KEYS:
+        return "bytes"
+    if name.endswith("_s") or name in SECONDS_KEYS:
+        return "seconds"
+    if (name in TIMESTAMP_KEYS or name.endswith("_unix")) and value > 1e9:  # not a counter
+        return "time"
+    return "plain"
 
 
 def human(key: str, value: Any) -> str:
     """A value as a person reads it, by what its key says it is (--json keeps the raw one)."""
     name = key.rsplit(".", 1)[-1]
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    if number and (name.endswith("_bytes") or name == "bytes"):
+    kind = _kind(name, value)
+    if name in NONE_WHEN_ZERO and value == 0:
+        return "none"
+    if kind == "rate":
+        return f"{format_size(value) if abs(value) >= 1024 else f'{value} B'}/s"
+    if kind == "bytes":
         return format_size(value) if abs(value) >= 1024 else f"{value} B"
-    if number and name.endswith("_s"):
+    if kind == "seconds":
         return format_duration(float(value))
-    if number and name in TIMESTAMP_KEYS and value > 1e9:  # a unix time, not a counter
+    if kind == "time":
         return format_timestamp(float(value))
     if isinstance(value, dict | list):
         return json.dumps(value, default=_json_default)
     return str(value)
+
+
+def label(key: str, value: Any) -> str:
+    """The key as a row label: without the unit suffix its humanised value already shows
+    (`uptime_s` 2.5 s -> `uptime`)."""
+    head, _, name = key.rpartition(".")
+    if _kind(name, value) != "plain":
+        for suffix in UNIT_SUFFIXES:
+            if name.endswith(suffix) and len(name) > len(suffix):
+                name = name.removesuffix(suffix)
+                break
+    return f"{head}.{name}" if head else name
 
 
 def _kv_table(title: str, rows: dict[str, Any]) -> None:
@@ -260,7 +297,7 @@ def _kv_table(title: str, rows: dict[str, Any]) -> None:
     table.add_column(overflow="fold")
     table.add_column(overflow="fold")  # addresses and keys wrap, never cut with "..."
     for key, value in rows.items():
-        table.add_row(escape(str(key)), escape(human(str(key), value)))
+        table.add_row(escape(label(str(key), value)), escape(human(str(key), value)))
     _out.print(table)
 
 
@@ -280,7 +317,8 @@ def _rows_table(title: str, rows: list[dict[str, Any]]) -> None:
     table = Table(title=escape(title))
     columns = list(dict.fromkeys(k for row in rows for k in row))
     for col in columns:
-        table.add_column(escape(col), overflow="fold")
+        sample = next((row[col] for row in rows if col in row), None)
+        table.add_column(escape(label(col, sample)), overflow="fold")
     for row in rows:
         table.add_row(*(escape(human(c, row[c])) if c in row else "" for c in columns))
     _out.print(table)
@@ -293,7 +331,20 @@ def show_status(data: dict[str, Any]) -> None:
 
 
 def show_stats(data: dict[str, Any]) -> None:
-    _kv_table("stats", _flatten("", data.get("stats", data), {}))
+    """Grouped: the totals, then one row per tenant and tier, then the last recovery."""
+    stats = dict(data.get("stats", data))
+    tenants = stats.pop("tenants", {})
+    recovery = stats.pop("recovery", {})
+    _kv_table("stats (all tenants)", stats)
+    tiers: list[dict[str, Any]] = []
+    for name, t in tenants.items():
+        counters = {k: v for k, v in t.items() if k not in ("tiers", "tenant")}
+        _kv_table(f"tenant {name}", counters)
+        tiers += [{"tenant": name, "tier": tier, **row} for tier, row in t.get("tiers", {}).items()]
+    if tiers:
+        _rows_table("tiers", tiers)
+    if recovery:
+        _kv_table("last start's recovery", recovery)
 
 
 def show_tenants(data: dict[str, Any]) -> None:
@@ -487,6 +538,9 @@ def _probe_nixl() -> tuple[str, str]:
 
 
 def doctor_report() -> list[dict[str, str]]:
+    from dpu_agent.cli._storage_probe import probe_agent_storage  # doctor's imports, not status's
+    from dpu_agent.cluster._ops import probe_serf
+
     probes: list[tuple[str, Callable[[], tuple[str, str]]]] = [
         ("rdma", _probe_rdma),
         ("hugepages", _probe_hugepages),
@@ -549,6 +603,20 @@ def agent_run(config_path: str | None) -> None:
     sys.exit(run_agent(config_of(config_path)))
 
 
+# What the unit's sandbox hides from the service (PrivateTmp=yes: /tmp, /var/tmp; ProtectHome=yes:
+# /home, /root, /run/user): an agent installed there cannot see its own executable or package.
+HIDDEN_FROM_UNIT = ("/tmp", "/var/tmp", "/home", "/root", "/run/user")
+PRODUCTION_VENV = "/opt/dpukv/venv"
+
+
+def _hidden_from_unit(path: Path) -> str | None:
+    """The sandboxed directory `path` lies under, or None."""
+    for top in HIDDEN_FROM_UNIT:
+        if path == Path(top) or Path(top) in path.parents:
+            return top
+    return None
+
+
 @agent_group.command(
     "unit",
     help="Print a systemd unit running this dpuctl's agent as a service "
@@ -561,18 +629,36 @@ def agent_unit_cmd(dpuctl_path: str | None) -> None:
     from dpu_agent.provision._units import UnitValueError
 
     exe = dpuctl_path or shutil.which("dpuctl") or str(Path(sys.executable).parent / "dpuctl")
+    exe = str(Path(exe).absolute())
+    where = [("ExecStart " + exe, _hidden_from_unit(Path(exe)))]
+    if dpuctl_path is None:  # this dpuctl's own package (an editable install from a clone)
+        package = Path(__file__).resolve().parents[1]
+        where.append((f"its package {package}", _hidden_from_unit(package)))
+    for what, top in where:
+        if top is not None:
+            _fail(
+                EXIT_USAGE,
+                f"{what} is under {top}, which the unit's sandbox (PrivateTmp=yes, "
+                "ProtectHome=yes) hides from the service: install the agent where systemd "
+                f"lets it see it: python3 -m venv {PRODUCTION_VENV} && {PRODUCTION_VENV}/bin/pip "
+                f"install 'dpu-kvtier[agent]', then {PRODUCTION_VENV}/bin/dpuctl agent unit",
+                False,
+            )
     try:
-        unit = agent_unit(dpuctl=str(Path(exe).absolute()))
+        unit = agent_unit(dpuctl=exe)
     except UnitValueError as e:
         _fail(EXIT_USAGE, f"--dpuctl: {e}", False)
     click.echo(unit, nl=False)
     _err.print(
         "install: dpuctl agent unit > /etc/systemd/system/dpukv-agent.service; "
-        "install -D -m 0644 docs/examples/agent.toml /etc/dpukv/agent.toml; "
+        "write /etc/dpukv/agent.toml (0600) for this DPU from docs/examples/dpu-production.toml "
+        "(real listeners, TLS, require_auth, tier sizes from dpuctl plan capacity; the embedded "
+        "default listens on loopback only, which no host can reach); "
         "useradd --system --home /var/lib/dpukv dpukv; "
         "systemctl daemon-reload && systemctl enable --now dpukv-agent "
         "(data in /var/lib/dpukv, which dpuctl finds by itself)",
         highlight=False,
+        soft_wrap=True,
     )
 
 
@@ -717,13 +803,27 @@ def chunks_ls(
         if not page:
             break
         start = bytes.fromhex(page[-1]["key"])
-    emit({"tenant": tenant, "chunks": rows}, as_json, _show_chunks)
+    more = False
+    if rows and len(rows) >= limit:  # one more key after the last shown?
+        peek = admin_call(config_path, as_json, "chunks_list", tenant=tenant, limit=1, after=start)
+        more = bool(peek["chunks"])
+    listed = admin_call(config_path, as_json, "tenants_list")["tenants"]
+    total = next((int(t.get("records", 0)) for t in listed if t["name"] == tenant), None)
+    emit({"tenant": tenant, "chunks": rows, "total": total,
+          "next_after": rows[-1]["key"] if more else None}, as_json, _show_chunks)  # fmt: skip
 
 
 def _show_chunks(data: dict[str, Any]) -> None:
     cols = ("key", "tier", "length_bytes", "idle_s", "access_count", "pins", "leases")
-    _rows_table(f"chunks of {data['tenant']} ({len(data['chunks'])})",
+    total = "?" if data["total"] is None else f"{data['total']:,}"
+    _rows_table(f"chunks of {data['tenant']} ({len(data['chunks']):,} shown of {total})",
                 [{c: r[c] for c in cols} for r in data["chunks"]])  # fmt: skip
+    if data["next_after"]:
+        _out.print(
+            f"more: dpuctl chunks ls --tenant {data['tenant']} --after {data['next_after']}",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 @chunks.command("inspect", help="One chunk's record: tier, extent, checksum, times, uses.")
@@ -809,7 +909,16 @@ def backup_restore(
     emit(
         admin_call(config_path, as_json, "restore", progress="restore", **fields),
         as_json,
-        show_done("restore" if mode == "start" else f"restore {mode}"),
+        _show_restore,
+    )
+
+
+def _show_restore(data: dict[str, Any]) -> None:
+    _kv_table("restore", _flatten("", data.get("restore", {}), {}))
+    added = data.get("tenants_added", {})
+    _kv_table(
+        "tenants_added (new tokens: give each to its hosts)",
+        {name: f"token in {path}" for name, path in added.items()} or {"tenants_added": "none"},
     )
 
 

@@ -11,8 +11,15 @@ from typing import Any
 
 import click
 
-from dpu_agent.capacity import CapacityError, Deployment, ModelShape, plan_capacity
+from dpu_agent.capacity import (
+    DPU_NVME_BYTES_DEFAULT,
+    CapacityError,
+    Deployment,
+    ModelShape,
+    plan_capacity,
+)
 from dpu_agent.capacity import shape_from_hf_config as hf_shape
+from dpu_agent.cli.ops import SIZE
 from kvproto.keys import DTYPE_ITEMSIZE
 
 __all__ = ["plan_group"]
@@ -37,19 +44,23 @@ def _shape(hf_config: str | None, dtype: str | None, **dims: int | None) -> Mode
 def _human(r: dict[str, Any]) -> str:
     gib = 1 << 30
     lines = [
-        f"KV bytes per token   {r['kv_bytes_per_token']:,}",
+        f"KV bytes per token   {r['kv_bytes_per_token']:,}"
+        + (" (MLA latent)" if r["model"]["attention"] == "mla" else ""),
         f"chunk                {r['chunk_bytes'] / (1 << 20):,.1f} MiB "
         f"({r['deployment']['chunk_tokens']} tokens)",
         f"one session          {r['session_bytes'] / gib:,.1f} GiB "
         f"({r['deployment']['context_tokens']:,} tokens)",
         f"per GPU              {r['tb_per_gpu']:,.2f} TB ({r['vs_architecture']} the "
         f"architecture's {r['architecture_tb_per_gpu'][0]}-{r['architecture_tb_per_gpu'][1]} TB)",
-        f"NVMe per DPU         {r['nvme_tb_per_dpu']:,.2f} TB",
+        f"NVMe per DPU         {r['nvme_tb_per_dpu']:,.2f} TB "
+        f"({'fits' if r['nvme_fits_dpu'] else 'over'} "
+        f"{r['deployment']['nvme_bytes_per_dpu'] / 10**12:,.2f} TB)",
         f"DRAM per DPU         {r['dram_bytes_per_dpu'] / gib:,.1f} GiB "
         f"({'fits' if r['dram_fits_bf3'] else 'over'} a BF3's 32 GB)",
         f"index per node       {r['index_bytes_per_node'] / (1 << 20):,.1f} MiB "
         f"({r['records_per_dpu']:,} records per DPU x {r['index_bytes_per_record']} B)",
     ]
+    lines.extend(f"warning: {w}" for w in r["warnings"])
     if r["network"]:
         n = r["network"]
         lines.append(f"network per GPU      {n['gbps_per_gpu']:,.1f} Gb/s; per DPU "
@@ -80,12 +91,14 @@ def _human(r: dict[str, Any]) -> str:
               show_default=True, help="Share of contexts the tier retains.")  # fmt: skip
 @click.option("--ttft-target-ms", type=click.FloatRange(0, min_open=True), default=None,
               help="Time to load a cached context (network section).")  # fmt: skip
+@click.option("--nvme-per-dpu", type=SIZE, default=DPU_NVME_BYTES_DEFAULT,
+              help="NVMe one DPU holds (default 245.76 TB: 8 x 30.72 TB drives).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def capacity_cmd(
     layers: int | None, kv_heads: int | None, head_dim: int | None, dtype: str | None,
     hf_config: str | None, context_tokens: int, sessions_per_gpu: int, gpus_per_node: int,
     dpus_per_node: int, chunk_tokens: int, hot_sessions_per_gpu: int, hit_rate: float,
-    ttft_target_ms: float | None,
+    ttft_target_ms: float | None, nvme_per_dpu: int,
     as_json: bool,
 ) -> None:  # fmt: skip
     try:
@@ -94,8 +107,12 @@ def capacity_cmd(
                        gpus_per_node=gpus_per_node, dpus_per_node=dpus_per_node,
                        chunk_tokens=chunk_tokens, hot_sessions_per_gpu=hot_sessions_per_gpu,
                        hit_rate=hit_rate,
-                       ttft_target_ms=ttft_target_ms)  # fmt: skip
+                       ttft_target_ms=ttft_target_ms,
+                       nvme_bytes_per_dpu=nvme_per_dpu)  # fmt: skip
         result = plan_capacity(shape, d)
     except CapacityError as e:
         raise click.UsageError(str(e)) from None
-    click.echo(json.dumps(result, indent=2) if as_json else _human(result))
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    click.echo(_human(result))

@@ -29,9 +29,9 @@ def _fail(code: int, message: str, as_json: bool, **extra: Any) -> NoReturn:
     if as_json:
         click.echo(json.dumps({"ok": False, "error": message, "exit_code": code, **extra}))
     else:
-        _err.print(f"[red]error:[/red] {message}", highlight=False)
+        _err.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
         for line in extra.get("tail", [])[-10:]:
-            _err.print(f"  | {line}", highlight=False, markup=False)
+            _err.print(f"  | {line}", highlight=False, markup=False, soft_wrap=True)
     sys.exit(code)
 
 
@@ -74,7 +74,8 @@ def _install(argv: list[str], as_json: bool) -> list[str]:
     type=click.Path(dir_okay=False, path_type=Path),
     help="The agent TOML for the DPU.",
 )
-@click.option("--bfb", type=click.Path(dir_okay=False, path_type=Path), help="The BFB image.")
+@click.option("--bfb", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The BFB image.")  # fmt: skip
 @click.option("--rshim", help="rshimN, or HOST[:PORT]:rshimN through the BMC.")
 @click.option(
     "--wheelhouse",

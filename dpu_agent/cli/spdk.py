@@ -26,7 +26,8 @@ __all__ = ["spdk_group"]
 
 EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE, EXIT_CONFIG = 0, 1, 3, 4
 F = TypeVar("F", bound=Callable[..., Any])
-_CONFIG = click.Path(dir_okay=False)  # the agent's TOML with [spdk]; or $DPUKV_CONFIG
+# the agent's TOML with [spdk]; or $DPUKV_CONFIG. A missing file is a usage error, said by click
+_CONFIG = click.Path(exists=True, dir_okay=False)
 
 
 def _errors(fn: F) -> F:
@@ -37,7 +38,9 @@ def _errors(fn: F) -> F:
         as_json = bool(kwargs.get("as_json"))
         try:
             return fn(*args, **kwargs)
-        except (DesiredStateError, KeyStoreError, OSError, ValueError) as e:
+        except OSError as e:  # "[Errno 2] ..." says less than the file and the reason
+            _fail(EXIT_CONFIG, f"{e.filename}: {e.strerror}" if e.filename else str(e), as_json)
+        except (DesiredStateError, KeyStoreError, ValueError) as e:
             _fail(EXIT_CONFIG, str(e), as_json)
         except PlanConflict as e:
             _fail(EXIT_FAILED, f"plan has conflicts: {e}", as_json, conflicts=list(e.conflicts))

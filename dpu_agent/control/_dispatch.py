@@ -26,6 +26,7 @@ from dpu_agent.control import _metrics as m
 from dpu_agent.control._auth import TenantRegistry
 from dpu_agent.engine import errors as engine_errors
 from dpu_agent.log import RateLimitedLog, get_logger
+from dpu_agent.metrics import on_forget_tenant
 from kvproto.control import (
     ADMIN_TENANT,
     NIXL_OPS,
@@ -636,6 +637,12 @@ def _leased_bytes(tenant: str) -> Any:
 
 
 _lookup_totals: dict[str, list[int]] = {}  # tenant -> [hits, asked]
+
+
+@on_forget_tenant
+def _forget(tenant: str) -> None:
+    _leased.pop(tenant, None)
+    _lookup_totals.pop(tenant, None)
 
 
 def _count_lookup(tenant: str, hit_count: int, key_count: int) -> None:

@@ -131,6 +131,7 @@ def backup(engine: Engine, dest: Path, *, incremental: bool) -> dict[str, Any]:
         sel, live_keys, deleted, seq = _select(engine, prev, prev_seq, incremental)
         columns, leases = _columns_and_lease(engine, sel)
         names = {str(tid): name for tid, name in engine._tenants.names_by_id().items()}
+        quotas = {name: engine._tenants[name].quota_bytes for name in names.values()}
     try:
         data_bytes = _copy_out(engine, columns, dest / "data.bin")
     finally:
@@ -148,6 +149,7 @@ def backup(engine: Engine, dest: Path, *, incremental: bool) -> dict[str, Any]:
         "prev_seq": prev_seq,
         "created_unix": time.time(),
         "tenants": names,
+        "quotas": quotas,  # bytes per tenant name, 0 = none: a restore re-adds them with these
         "records": len(columns["k0"]),
         "deleted": len(deleted["k0"]),
         "data_bytes": data_bytes,
@@ -248,9 +250,15 @@ def read_manifests(dirs: list[Path]) -> list[dict[str, Any]]:
     return manifests
 
 
-def backup_tenants(dirs: list[Path]) -> list[str]:
-    """The tenants the backups hold chunks of (what a restore needs to exist)."""
-    return sorted({name for m in read_manifests(dirs) for name in m["tenants"].values()})
+def backup_tenants(dirs: list[Path]) -> dict[str, int]:
+    """The tenants the backups hold chunks of (what a restore needs to exist), each with its
+    quota at the latest backup (0, none, for backups written before quotas were recorded)."""
+    out: dict[str, int] = {}
+    for m in read_manifests(dirs):
+        quotas = m.get("quotas", {})
+        for name in m["tenants"].values():
+            out[name] = int(quotas.get(name, out.get(name, 0)))
+    return dict(sorted(out.items()))
 
 
 def check_no_interrupted_restore(data_dir: Path) -> None:
@@ -344,7 +352,8 @@ def _restore(engine: Engine, dirs: list[Path], *, resuming: bool = False) -> dic
     restored = deleted = 0
     for d, m in zip(dirs, manifests, strict=True):
         for name in m["tenants"].values():
-            engine.add_tenant(name, quota_bytes=engine.config.tenants.get(name, 0))
+            if name not in engine.tenants():  # one served already keeps the quota it has
+                engine.add_tenant(name, quota_bytes=engine.config.tenants.get(name, 0))
         with engine._lock:
             deleted += _apply_deletes(engine, d, m)
             restored += _apply_records(engine, d, m)

@@ -48,7 +48,7 @@ from dpu_agent.engine._leases import COUNT_MAX, Leases
 from dpu_agent.engine._movement import PROMOTE_REREAD_S, Mover
 from dpu_agent.engine._placement import Placement
 from dpu_agent.engine._reads import Reads, check_key, joined_keys
-from dpu_agent.engine._records import Records
+from dpu_agent.engine._records import _INTEGRITY, Records
 from dpu_agent.engine._tenants import Tenants
 from dpu_agent.engine._views import (
     CHUNKS_PAGE_MAX,
@@ -183,6 +183,7 @@ class Engine:
             self._commit.save_tenant_ids({**self._tenants.names_by_id(), tid: tenant}, soft=False)
             self._commit.append(jr.pack_tenant(tid, self._commit.next_seq(), tenant))
             self._tenants.build(tenant, tid, quota_bytes)
+            self._update_gauges()  # its series exist (at 0) from now, not from a first event
             log.info("engine.tenant_added", tenant=tenant, quota_bytes=quota_bytes)
 
     def tenants(self) -> list[str]:
@@ -508,6 +509,7 @@ class Engine:
             for tier in ts.tiers:
                 _USED.labels(ts.name, tier.spec.name).set(tier.alloc.used_blocks * BLOCK_SIZE)
                 _RECORDS.labels(ts.name, tier.spec.name).set(tier.records)
+                _INTEGRITY.labels(ts.name, tier.spec.name)  # a 0 sample before any failure
 
     # --- housekeeping and durability -------------------------------------------------------
 

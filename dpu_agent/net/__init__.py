@@ -35,7 +35,14 @@ from dpu_agent.net._desired import (
 )
 
 if TYPE_CHECKING:  # the real imports, for type checkers
-    from dpu_agent.net._live import LinkState, NetLive, ecn_knobs, open_ipr, read_live
+    from dpu_agent.net._live import (
+        LinkState,
+        NetLive,
+        ecn_knobs,
+        open_ipr,
+        qdisc_unavailable,
+        read_live,
+    )
     from dpu_agent.net._ops import NetnsMissing, net_session, run_apply, run_plan, run_status
     from dpu_agent.net._reconcile import (
         NetApplyError,
@@ -51,7 +58,7 @@ if TYPE_CHECKING:  # the real imports, for type checkers
 # the config loader (which parses [net]) start fast.
 _LAZY = {
     "LinkState": "_live", "NetLive": "_live", "ecn_knobs": "_live",
-    "open_ipr": "_live", "read_live": "_live",
+    "open_ipr": "_live", "read_live": "_live", "qdisc_unavailable": "_live",
     "NetnsMissing": "_ops", "net_session": "_ops", "run_apply": "_ops", "run_plan": "_ops",
     "run_status": "_ops",
     "NetApplyError": "_reconcile", "NetApplyResult": "_reconcile", "NetConflict": "_reconcile",
@@ -100,6 +107,7 @@ __all__ = [
     "parse_pfc",
     "pfc_argv",
     "plan",
+    "qdisc_unavailable",
     "read_dcb",
     "read_live",
     "run_apply",

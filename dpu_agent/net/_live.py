@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import os
+import platform
+import shutil
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +20,8 @@ from pyroute2 import IPRoute
 from dpu_agent.net._dcb import DcbState, read_dcb
 from dpu_agent.net._desired import PRIOS, SYSFS_NET, NetDesired, check_netns
 
-__all__ = ["SYSFS_NET", "LinkState", "NetLive", "ecn_knobs", "open_ipr", "read_live"]
+__all__ = ["SYSFS_NET", "LinkState", "NetLive", "ecn_knobs", "open_ipr", "qdisc_unavailable",
+           "read_live"]  # fmt: skip
 
 MAIN_TABLE = 254
 ROOT_PARENT = 0xFFFFFFFF  # TC_H_ROOT
@@ -41,6 +46,8 @@ class NetLive:
     links: dict[str, LinkState]
     dcb: dict[str, DcbState] = field(default_factory=dict)
     sysfs: dict[str, dict[str, str]] = field(default_factory=dict)  # ifname -> knob -> value
+    # qdisc kind -> why this kernel cannot give it (only the kinds [net] asks for)
+    qdiscs_missing: dict[str, str] = field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -124,6 +131,60 @@ def _read_sysfs(ifname: str, sysfs_root: Path) -> dict[str, str]:
     return out
 
 
+# In every kernel with networking (sch_generic, sch_mq, sch_api are not modules)
+ALWAYS_THERE_QDISCS = frozenset({"pfifo_fast", "mq", "noqueue", "blackhole"})
+PROBE_TIMEOUT_S = 10.0
+
+
+def qdisc_unavailable(
+    kind: str,
+    *,
+    sys_module: Path = Path("/sys/module"),
+    proc_modules: Path = Path("/proc/modules"),
+    modules_dir: Path | None = None,
+) -> str:
+    """Why this kernel cannot give root qdisc `kind`, or "" when it can or nothing can tell.
+
+    Loaded or built in with parameters: /sys/module/sch_KIND; loaded: /proc/modules; built in
+    or loadable (tc loads it on demand): modules.builtin and modules.dep. A kernel without
+    module files (a monolithic or VM kernel) is asked directly, as root, in a scratch network
+    namespace that disappears with the probe."""
+    if kind in ALWAYS_THERE_QDISCS:
+        return ""
+    mod = f"sch_{kind}"
+    if (sys_module / mod).exists():
+        return ""
+    with contextlib.suppress(OSError):
+        if any(line.split(" ", 1)[0] == mod for line in proc_modules.read_text().splitlines()):
+            return ""
+    where = modules_dir or Path("/lib/modules") / platform.release()
+    try:
+        listed = (where / "modules.builtin").read_text() + (where / "modules.dep").read_text()
+    except OSError:
+        return _try_in_scratch_netns(kind)
+    if f"/{mod}.ko" in listed:
+        return ""
+    return f"this kernel has no {mod} (not loaded, not built in, no module in {where})"
+
+
+def _try_in_scratch_netns(kind: str) -> str:
+    tools = shutil.which("unshare") and shutil.which("tc")
+    if os.geteuid() != 0 or not tools:
+        return ""  # cannot tell: apply will say
+    argv = ["unshare", "--net", "tc", "qdisc", "replace", "dev", "lo", "root", kind]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    if out.returncode == 0:
+        return ""
+    first = (out.stderr.strip().splitlines() or ["refused"])[0]
+    return (
+        f"this kernel has no sch_{kind} (tc qdisc replace ... root {kind} in a scratch "
+        f"namespace: {first})"
+    )
+
+
 def read_live(desired: NetDesired, ipr: IPRoute, sysfs_root: Path = SYSFS_NET) -> NetLive:
     links = read_links(ipr)
     dcb = {
@@ -135,4 +196,7 @@ def read_live(desired: NetDesired, ipr: IPRoute, sysfs_root: Path = SYSFS_NET) -
     # (a same-named host interface would be), so they need an explicit --sysfs-root
     foreign = bool(desired.netns) and sysfs_root == SYSFS_NET
     sysfs = {s.name: {} if foreign else _read_sysfs(s.name, sysfs_root) for s in desired.interfaces}
-    return NetLive(links=links, dcb=dcb, sysfs=sysfs)
+    wanted = {s.qdisc for s in desired.interfaces
+              if s.qdisc and s.name in links and links[s.name].qdisc != s.qdisc}  # fmt: skip
+    missing = {k: why for k in sorted(wanted) if (why := qdisc_unavailable(k))}
+    return NetLive(links=links, dcb=dcb, sysfs=sysfs, qdiscs_missing=missing)

@@ -51,7 +51,8 @@ class NetPlan:
 
     @property
     def in_sync(self) -> bool:
-        return not self.steps and not self.conflicts
+        """Nothing to do, nothing in the way, and nothing [net] asks for skipped."""
+        return not self.steps and not self.conflicts and not self.notes
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -115,8 +116,12 @@ class _Planner:
             self.link(s.l3_name, s.mtu, "vlan_link", l3)
         self.l3(s, l3 if s.vlan else parent)
         if s.qdisc and parent.qdisc != s.qdisc:
-            why = f"root qdisc {parent.qdisc or 'none'} -> {s.qdisc}"
-            self.step("qdisc", "qdisc_replace", s.name, why, qdisc=s.qdisc)
+            if s.qdisc in self.live.qdiscs_missing:
+                self.conflicts.append(f"{s.name}: qdisc = {s.qdisc!r}: "
+                                      f"{self.live.qdiscs_missing[s.qdisc]}")  # fmt: skip
+            else:
+                why = f"root qdisc {parent.qdisc or 'none'} -> {s.qdisc}"
+                self.step("qdisc", "qdisc_replace", s.name, why, qdisc=s.qdisc)
         if s.wants_dcb:
             self.dcb(s)
         self.sysfs(s)
