@@ -8,12 +8,21 @@ The agent keeps them (0600) in its data directory.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import secrets
+
 import click
 
-from dpu_agent.cli.ops import admin_call, common, emit, show_done
+from dpu_agent.cli.ops import EXIT_USAGE, _fail, admin_call, common, emit, find_agent, show_done
+from dpu_agent.config import AgentConfig
+from host_shim.integrations.credentials import CREDENTIALS_VERSION, parse_salt
 from kvproto.nvme import NQN_BYTES_MAX
 
 __all__ = ["hosts"]
+
+SALT_BYTES = 32  # BLAKE2b keys up to 64 bytes; 32 is its full strength at 256 bits
 
 
 def _nqn(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -38,4 +47,81 @@ def hosts_add(tenant: str, nqn: str, config_path: str | None, as_json: bool) -> 
         admin_call(config_path, as_json, "host_add", tenant=tenant, nqn=nqn),
         as_json,
         show_done(f"host added to {tenant}"),
+    )
+
+
+def _tcp_control_urls(cfg: AgentConfig) -> list[str]:
+    """The running agent's TCP control URL (its state file), else the configured listener."""
+    scheme = "tls" if cfg.control.tls_cert else "tcp"
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        tcp = json.loads(cfg.state_path.read_text())["control"]["tcp"]
+        if tcp:
+            return [f"{scheme}://{str(tcp).split('://', 1)[-1]}"]
+    return [f"{scheme}://{cfg.control.host}:{cfg.control.port}"]
+
+
+def tenant_salt(cfg: AgentConfig, tenant: str) -> str:
+    """The tenant's salt (hex), shared by every host of the tenant so that they share chunks:
+    var/tenant-<name>.salt, made on the first enrolment (0600)."""
+    path = cfg.path(f"tenant-{tenant}.salt")
+    with contextlib.suppress(FileNotFoundError):
+        return parse_salt(path.read_text()).hex()
+    salt = secrets.token_hex(SALT_BYTES)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(salt + "\n")
+    return salt
+
+
+@hosts.command(
+    "enrol", help="Write the credentials file a GPU server of TENANT needs (0600), to --out."
+)
+@click.option("--tenant", required=True)
+@click.option(
+    "--nqn", callback=lambda c, p, v: _nqn(c, p, v) if v else "", default="",
+    help="The host's NQN: also allow it on the subsystem and add its issued keys.",
+)  # fmt: skip
+@click.option(
+    "--control-url", "control_urls", multiple=True,
+    help="URL the host reaches the agent at (repeat for a cluster's nodes); default: "
+    "the agent's own TCP listener.",
+)  # fmt: skip
+@click.option(
+    "--out", "out", required=True, type=click.Path(dir_okay=False),
+    help="The credentials file to write (copy it to the GPU server, e.g. /etc/dpukv/T.json).",
+)  # fmt: skip
+@common
+def hosts_enrol(
+    tenant: str,
+    nqn: str,
+    control_urls: tuple[str, ...],
+    out: str,
+    config_path: str | None,
+    as_json: bool,
+) -> None:
+    cfg = find_agent(config_path, as_json)
+    t = cfg.tenants.get(tenant)
+    if t is None or not t.token:
+        _fail(EXIT_USAGE, f"no tenant {tenant!r} in {cfg.source}; see dpuctl tenants list", as_json)
+    creds: dict[str, object] = {
+        "version": CREDENTIALS_VERSION,
+        "control": list(control_urls) or _tcp_control_urls(cfg),
+        "tenant": tenant,
+        "token": t.token,
+        "salt": tenant_salt(cfg, tenant),
+    }
+    if cfg.control.tls_cert:
+        creds["control_ca"] = cfg.path(cfg.control.tls_cert).read_text()
+    if nqn:
+        reply = admin_call(config_path, as_json, "host_add", tenant=tenant, nqn=nqn)
+        creds.update({k: v for k, v in reply.items() if k != "tenant"})
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+    with os.fdopen(fd, "w") as f:
+        json.dump(creds, f, indent=2)
+        f.write("\n")
+    emit(
+        {"tenant": tenant, "file": out, "control": creds["control"], "hostnqn": nqn or None},
+        as_json,
+        show_done(f"credentials of a {tenant} host written to {out} (0600)"),
     )
