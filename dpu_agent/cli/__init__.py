@@ -24,6 +24,7 @@ from dpu_agent.bench.replay import replay_command
 from dpu_agent.bench.ttft import ttft_cmd
 from dpu_agent.cli import ops
 from dpu_agent.cli.cluster import cluster_group
+from dpu_agent.cli.config_check import config_check
 from dpu_agent.cli.firmware import firmware_group
 from dpu_agent.cli.hosts import hosts
 from dpu_agent.cli.net import net_group
@@ -69,6 +70,7 @@ bench.add_command(ttft_cmd)
 cli.add_command(spdk_group)
 bench.add_command(crypto_cmd)
 ops.register(cli)
+ops.config_group.add_command(config_check)
 cli.add_command(hosts)
 bench.add_command(datapath)
 bench.add_command(replay_command)
