@@ -10,7 +10,8 @@ set -u
 # serf: cluster membership (HashiCorp Serf).  iproute2: network namespaces and dcb in tests.
 # mstflint: mstconfig (firmware tests). systemd: systemd-analyze verify of the agent unit.
 # python3-pyverbs: rdma-core's pyverbs (host_shim.rdma, doctor), loaded into the venv by itself.
-PKGS=(gcc libssl-dev libxxhash-dev redis-server serf iproute2 mstflint systemd python3-pyverbs)
+# nvme-cli: its own key checks and config loader test `dpuctl hosts connect-config`.
+PKGS=(gcc libssl-dev libxxhash-dev redis-server serf iproute2 mstflint systemd python3-pyverbs nvme-cli)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -12,12 +12,19 @@ import contextlib
 import json
 import os
 import secrets
+import shlex
+from typing import Any
 
 import click
 
 from dpu_agent.cli.ops import EXIT_USAGE, _fail, admin_call, common, emit, find_agent, show_done
 from dpu_agent.config import AgentConfig
-from host_shim.integrations.credentials import CREDENTIALS_VERSION, parse_salt
+from host_shim.integrations.credentials import (
+    CREDENTIALS_VERSION,
+    Credentials,
+    load_credentials,
+    parse_salt,
+)
 from kvproto.nvme import NQN_BYTES_MAX
 
 __all__ = ["hosts"]
@@ -110,6 +117,8 @@ def hosts_enrol(
         "token": t.token,
         "salt": tenant_salt(cfg, tenant),
     }
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        creds["nvmf"] = str(json.loads(cfg.state_path.read_text())["nvmf"] or "")
     if cfg.control.tls_cert:
         creds["control_ca"] = cfg.path(cfg.control.tls_cert).read_text()
     if nqn:
@@ -125,3 +134,62 @@ def hosts_enrol(
         as_json,
         show_done(f"credentials of a {tenant} host written to {out} (0600)"),
     )
+
+
+def _connect_args(c: Credentials) -> list[str]:
+    """nvme-cli's `connect` arguments for the enrolled host (nvme-cli >= 2.0 spellings)."""
+    addr, _, port = c.nvmf.rpartition(":")
+    args = ["--transport=tcp", f"--traddr={addr}", f"--trsvcid={port}", f"--nqn={c.subnqn}"]
+    args.append(f"--hostnqn={c.hostnqn}")
+    if c.dhchap_key:
+        args.append(f"--dhchap-secret={c.dhchap_key}")
+    if c.psk:  # nvme-cli >= 2.5 with a TLS-capable kernel; older ones lack --tls
+        args += ["--tls", f"--tls_key={c.psk}"]
+    return args
+
+
+def nvme_config_json(c: Credentials) -> list[dict[str, Any]]:
+    """libnvme's JSON configuration (/etc/nvme/config.json) for the enrolled host."""
+    addr, _, port = c.nvmf.rpartition(":")
+    port_entry: dict[str, Any] = {"transport": "tcp", "traddr": addr, "trsvcid": port}
+    if c.psk:
+        port_entry |= {"tls": True, "tls_key": c.psk}
+    host: dict[str, Any] = {"hostnqn": c.hostnqn}
+    if c.dhchap_key:
+        host["dhchap_key"] = c.dhchap_key
+    host["subsystems"] = [{"nqn": c.subnqn, "ports": [port_entry]}]
+    return [host]
+
+
+@hosts.command(
+    "connect-config",
+    help="For a kernel initiator: print the `nvme connect` line of an enrolled host's "
+    "credentials file, and write /etc/nvme/config.json and discovery.conf entries.",
+)
+@click.option("--credentials", "creds_file", required=True, type=click.Path(dir_okay=False))
+@click.option("--config-out", type=click.Path(dir_okay=False), help="Write config.json here.")
+@click.option("--discovery-out", type=click.Path(dir_okay=False), help="Write discovery.conf.")
+def hosts_connect_config(
+    creds_file: str, config_out: str | None, discovery_out: str | None
+) -> None:
+    try:
+        c = load_credentials(creds_file)
+    except ValueError as e:
+        _fail(EXIT_USAGE, str(e), False)
+    if not (c.hostnqn and c.subnqn and c.nvmf):
+        _fail(
+            EXIT_USAGE,
+            f"{creds_file}: no host NQN or NVMe/TCP address; enrol the host with --nqn",
+            False,
+        )
+    args = _connect_args(c)
+    for path, text in (
+        (config_out, json.dumps(nvme_config_json(c), indent=2) + "\n"),
+        (discovery_out, " ".join(a for a in args if not a.startswith("--nqn=")) + "\n"),
+    ):
+        if path:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.fchmod(fd, 0o600)  # it holds the host's secrets
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+    click.echo(shlex.join(["nvme", "connect", *args]))

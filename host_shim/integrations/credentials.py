@@ -6,7 +6,7 @@ control/tenant/token/salt settings (docs/DEPLOY.md):
 
     {"version": 1, "control": ["tcp://192.0.2.10:7400"], "tenant": "acme",
      "token": "...", "salt": "<32-128 hex digits>",
-     "control_ca": "<PEM, when the control listener has TLS>",
+     "control_ca": "<PEM, when the control listener has TLS>", "nvmf": "192.0.2.10:4420",
      "hostnqn": "...", "subnqn": "...", "dhchap_key": "DHHC-1:...", "psk": "NVMeTLSkey-1:..."}
 
 The last four are there when the host was enrolled with its NQN (a kernel initiator's keys).
@@ -25,6 +25,7 @@ __all__ = ["CREDENTIALS_VERSION", "SALT_HEX_RE", "Credentials", "load_credential
 CREDENTIALS_VERSION = 1
 # 16 to 64 bytes: BLAKE2b's key limit is 64; under 16 the per-tenant key space is guessable.
 SALT_HEX_RE = re.compile(r"[0-9a-fA-F]{32,128}")
+_KERNEL_KEYS = ("hostnqn", "subnqn", "dhchap_key", "psk")
 CREDENTIALS_BYTES_MAX = 64 << 10  # a token, a salt, a CA certificate and keys: a few KiB
 
 
@@ -43,6 +44,7 @@ class Credentials:
     token: str
     salt: bytes
     control_ca: str = ""
+    nvmf: str = ""  # HOST:PORT of the tenant's NVMe/TCP listener (a kernel initiator's)
     hostnqn: str = ""
     subnqn: str = ""
     dhchap_key: str = ""
@@ -71,7 +73,7 @@ def load_credentials(path: str | Path) -> Credentials:
     if not isinstance(control, list) or not control or not all(isinstance(c, str) for c in control):
         raise ValueError(f'credentials file {p}: "control" must be a list of control URLs')
     out: dict[str, str] = {}
-    for key in ("tenant", "token", "salt", "control_ca", "hostnqn", "subnqn", "dhchap_key", "psk"):
+    for key in ("tenant", "token", "salt", "control_ca", "nvmf", *_KERNEL_KEYS):
         value = data.get(key, "")
         if not isinstance(value, str):
             raise ValueError(f"credentials file {p}: {key!r} must be a string")
