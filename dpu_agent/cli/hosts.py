@@ -193,3 +193,33 @@ def hosts_connect_config(
             with os.fdopen(fd, "w") as f:
                 f.write(text)
     click.echo(shlex.join(["nvme", "connect", *args]))
+
+
+@hosts.command("list", help="TENANT's hosts: issued keys, allowed, control sessions.")
+@click.option("--tenant", required=True)
+@common
+def hosts_list(tenant: str, config_path: str | None, as_json: bool) -> None:
+    data = admin_call(config_path, as_json, "host_list", tenant=tenant)
+
+    def show(d: dict[str, Any]) -> None:
+        for h in d["hosts"]:
+            keys = ",".join(h["keys"]) or "-"
+            click.echo(
+                f"{h['hostnqn']}  keys={keys}  allowed={h['allowed']}  sessions={h['sessions']}"
+            )
+        if not d["hosts"]:
+            click.echo(f"no hosts on {tenant}")
+
+    emit(data, as_json, show)
+
+
+@hosts.command("remove", help="Remove host NQN from TENANT: revoke its keys, end its sessions.")
+@click.option("--tenant", required=True)
+@click.option("--nqn", required=True, callback=_nqn, help="The host's NQN.")
+@common
+def hosts_remove(tenant: str, nqn: str, config_path: str | None, as_json: bool) -> None:
+    emit(
+        admin_call(config_path, as_json, "host_remove", tenant=tenant, nqn=nqn),
+        as_json,
+        show_done(f"host removed from {tenant}"),
+    )

@@ -475,7 +475,7 @@ _KNOWN_OPS = frozenset(
     | {"stats"}
     | {"members", "tenants_list", "tenant_add", "tenant_remove", "evict", "checkpoint"}
     | {"backup", "restore"}
-    | {"host_add"}
+    | {"host_add", "host_list", "host_remove"}
     | NIXL_OPS
 )
 

@@ -16,6 +16,7 @@ import json
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 from dpu_agent.nvmf._auth import HostKeys, host_keys_from_dict, host_keys_to_dict
 from dpu_agent.nvmf._subsystem import Subsystem
@@ -93,6 +94,27 @@ class HostKeyIssuer:
                 self._save()
             sub.host_keys[hostnqn] = keys
             return keys
+
+    def hosts(self, tenant: str) -> dict[str, dict[str, Any]]:
+        """The tenant's hosts with keys: which keys each holds, and whether an operator added
+        it (no secrets)."""
+        with self._lock:
+            return {
+                h: {
+                    "keys": sorted(host_keys_to_dict(k)),
+                    "operator_added": h in self._any_address.get(tenant, ()),
+                }
+                for h, k in self._keys.get(tenant, {}).items()
+            }
+
+    def forget_host(self, tenant: str, hostnqn: str) -> bool:
+        """Revoke the host's keys; True when it had some."""
+        with self._lock:
+            self._any_address.get(tenant, set()).discard(hostnqn)
+            if self._keys.get(tenant, {}).pop(hostnqn, None) is None:
+                return False
+            self._save()
+            return True
 
     def forget_tenant(self, tenant: str) -> None:
         with self._lock:
