@@ -97,3 +97,10 @@ $(ENGINE_MODEL)/config.json: | install
 test-engines: engines
 	DPUKV_VLLM_PYTHON=$(VLLM_VENV)/bin/python DPUKV_LMCACHE_PYTHON=$(LMCACHE_VENV)/bin/python \
 	  DPUKV_ENGINE_MODEL=$(ENGINE_MODEL) $(VENV)/bin/pytest $(ENGINE_TESTS)
+
+# The GPU server's wheel (dpu-kvtier-host: host_shim + kvproto, no agent dependencies, no
+# dpuctl) into $(DIST_DIR); docs/DEPLOY.md "The GPU server".
+DIST_DIR ?= dist
+.PHONY: host-dist
+host-dist:
+	DIST_DIR=$(DIST_DIR) PY=$(if $(wildcard $(PY)),$(PY),python3) scripts/build-host-dist.sh

@@ -549,6 +549,12 @@ class Agent:
                 host = self._host_add(fields["tenant"], fields["nqn"])
                 await asyncio.to_thread(self.host_keys.flush)  # the operator copies them now
                 return host
+            if op == "host_list":
+                return self._host_list(fields["tenant"])
+            if op == "host_remove":
+                removed = self._host_remove(fields["tenant"], fields["nqn"])
+                await asyncio.to_thread(self.host_keys.flush)  # revoked on disk before the reply
+                return removed
             if op == "evict":
                 self._known(fields["tenant"])
                 return {"evicted": plain(self.engine.evict(fields["tenant"], fields["bytes"]))}
@@ -670,6 +676,47 @@ class Agent:
             )
         log.info("host_added", tenant=tenant, keys=sorted(keys))
         return {"tenant": tenant, "hostnqn": nqn, "subnqn": tenant_nqn(tenant), **keys}
+
+    def _host_list(self, tenant: str) -> dict[str, Any]:
+        """`dpuctl hosts list`: hosts with issued keys, allowed or bound to a session."""
+        self._known(tenant)
+        if self.target is None:
+            raise ValueError("SPDK mode: hosts and their keys are [spdk]'s (keyring files)")
+        keyed = self.host_keys.hosts(tenant)
+        sub = self._subsystems[tenant]
+        bound = self._bindings.get(tenant, {})
+        names = set(keyed) | set(sub.allowed_hosts) | set(bound)
+        rows = [
+            {
+                "hostnqn": h,
+                "keys": keyed.get(h, {}).get("keys", []),
+                "operator_added": keyed.get(h, {}).get("operator_added", False),
+                "allowed": h in sub.allowed_hosts,
+                "sessions": len(bound.get(h, {})),
+            }
+            for h in sorted(names)
+        ]
+        return {"tenant": tenant, "hosts": rows}
+
+    def _host_remove(self, tenant: str, nqn: str) -> dict[str, Any]:
+        """`dpuctl hosts remove`: revoke the host's keys, end its control sessions and its
+        NVMe/TCP connections, and take it off the subsystem."""
+        self._known(tenant)
+        if self.target is None:
+            raise ValueError("SPDK mode: hosts and their keys are [spdk]'s (keyring files)")
+        sub = self._subsystems[tenant]
+        known = nqn in sub.allowed_hosts or nqn in self._bindings.get(tenant, {})
+        revoked = self.host_keys.forget_host(tenant, nqn)
+        if not (known or revoked):
+            raise LookupError(f"no host {nqn[:64]!r} on tenant {tenant!r}; see dpuctl hosts list")
+        ended = self.control.end_host_sessions(tenant, nqn) if self.control is not None else 0
+        self._bindings.get(tenant, {}).pop(nqn, None)
+        sub.allowed_hosts.discard(nqn)
+        sub.host_peers.pop(nqn, None)
+        sub.host_keys.pop(nqn, None)
+        self.target.disconnect_host(sub.nqn, nqn)
+        log.info("host_removed", tenant=tenant, host=nqn_tag(nqn), sessions_ended=ended)
+        return {"tenant": tenant, "hostnqn": nqn, "keys_revoked": revoked, "sessions_ended": ended}
 
     def _tenant_remove(self, name: str, *, cluster: bool = False) -> dict[str, Any]:
         """Crypto-erase: revoke the token, end its sessions, remove its subsystem (its hosts

@@ -33,6 +33,7 @@ from spdk_plugins import (
     keystore_provider,
     plan,
 )
+from spdk_plugins.versions import SpdkVersionError, check_target_version
 
 __all__ = [
     "NVME_CONNECT_TIMEOUT_S",
@@ -68,6 +69,8 @@ def check_spdk(
     provider = keystore_provider(desired, keystore)
     try:
         with SpdkClient(desired.socket, timeout_s=desired.rpc_timeout_s) as client:
+            release = check_target_version(client)  # before any plan: names differ by release
+            log.info("spdk_release", socket=desired.socket, release=release)
             if apply_on_start:
                 result = apply(desired, client, provider)
                 todo = result.after
@@ -76,6 +79,8 @@ def check_spdk(
                 todo = plan(desired, client, provider)
                 applied = 0
     except (PlanConflict, ApplyError) as e:
+        raise SpdkModeError(f"SPDK at {desired.socket}: {e}") from None
+    except SpdkVersionError as e:
         raise SpdkModeError(f"SPDK at {desired.socket}: {e}") from None
     except SpdkConnectionError as e:
         raise SpdkModeError(f"{e} (or fix [spdk] socket in {source})") from None

@@ -333,6 +333,8 @@ OPS: Final[dict[str, _Schema]] = {
     "tenant_remove": {"tenant": (_tenant, True)},
     "tenant_rotate": {"tenant": (_tenant, True), "token": (_optional(_str), False)},
     "host_add": {"tenant": (_tenant, True), "nqn": (_str, True)},
+    "host_list": {"tenant": (_tenant, True)},
+    "host_remove": {"tenant": (_tenant, True), "nqn": (_str, True)},
     "evict": {"tenant": (_tenant, True), "bytes": (_int, True)},
     "checkpoint": {},
     "backup": {"dir": (_str, True), "incremental": (_bool, True)},
@@ -368,7 +370,7 @@ OPS: Final[dict[str, _Schema]] = {
 _NAMES: Final = {op: frozenset(schema) | {"id", "op"} for op, schema in OPS.items()}
 ADMIN_OPS: Final = frozenset(
     {"tenants_list", "tenant_add", "tenant_remove", "evict", "checkpoint", "backup", "restore"}
-    | {"chunks_list", "chunk_inspect", "host_add", "tenant_rotate"}
+    | {"chunks_list", "chunk_inspect", "host_add", "host_list", "host_remove", "tenant_rotate"}
 )
 # The NIXL data-path ops: tenant ops the agent runs off its event loop, in order per session.
 NIXL_OPS: Final = frozenset({"nixl_connect", "nixl_register", "nixl_get", "nixl_put"})

@@ -11,7 +11,8 @@ set -u
 #   truth; the tests start a real one).  iproute2: network namespaces and dcb in tests.
 # mstflint: mstconfig (firmware tests). systemd: systemd-analyze verify of the agent unit.
 # python3-pyverbs: rdma-core's pyverbs (host_shim.rdma, doctor), loaded into the venv by itself.
-PKGS=(gcc libssl-dev libxxhash-dev redis-server serf etcd-server iproute2 mstflint systemd python3-pyverbs)
+# nvme-cli: its own key checks and config loader test `dpuctl hosts connect-config`.
+PKGS=(gcc libssl-dev libxxhash-dev redis-server serf etcd-server iproute2 mstflint systemd python3-pyverbs nvme-cli)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -8,12 +8,28 @@ The agent keeps them (0600) in its data directory.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import secrets
+import shlex
+from typing import Any
+
 import click
 
-from dpu_agent.cli.ops import admin_call, common, emit, show_done
+from dpu_agent.cli.ops import EXIT_USAGE, _fail, admin_call, common, emit, find_agent, show_done
+from dpu_agent.config import AgentConfig
+from host_shim.integrations.credentials import (
+    CREDENTIALS_VERSION,
+    Credentials,
+    load_credentials,
+    parse_salt,
+)
 from kvproto.nvme import NQN_BYTES_MAX
 
 __all__ = ["hosts"]
+
+SALT_BYTES = 32  # BLAKE2b keys up to 64 bytes; 32 is its full strength at 256 bits
 
 
 def _nqn(ctx: click.Context, param: click.Parameter, value: str) -> str:
@@ -38,4 +54,172 @@ def hosts_add(tenant: str, nqn: str, config_path: str | None, as_json: bool) -> 
         admin_call(config_path, as_json, "host_add", tenant=tenant, nqn=nqn),
         as_json,
         show_done(f"host added to {tenant}"),
+    )
+
+
+def _tcp_control_urls(cfg: AgentConfig) -> list[str]:
+    """The running agent's TCP control URL (its state file), else the configured listener."""
+    scheme = "tls" if cfg.control.tls_cert else "tcp"
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        tcp = json.loads(cfg.state_path.read_text())["control"]["tcp"]
+        if tcp:
+            return [f"{scheme}://{str(tcp).split('://', 1)[-1]}"]
+    return [f"{scheme}://{cfg.control.host}:{cfg.control.port}"]
+
+
+def tenant_salt(cfg: AgentConfig, tenant: str) -> str:
+    """The tenant's salt (hex), shared by every host of the tenant so that they share chunks:
+    var/tenant-<name>.salt, made on the first enrolment (0600)."""
+    path = cfg.path(f"tenant-{tenant}.salt")
+    with contextlib.suppress(FileNotFoundError):
+        return parse_salt(path.read_text()).hex()
+    salt = secrets.token_hex(SALT_BYTES)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(salt + "\n")
+    return salt
+
+
+@hosts.command(
+    "enrol", help="Write the credentials file a GPU server of TENANT needs (0600), to --out."
+)
+@click.option("--tenant", required=True)
+@click.option(
+    "--nqn", callback=lambda c, p, v: _nqn(c, p, v) if v else "", default="",
+    help="The host's NQN: also allow it on the subsystem and add its issued keys.",
+)  # fmt: skip
+@click.option(
+    "--control-url", "control_urls", multiple=True,
+    help="URL the host reaches the agent at (repeat for a cluster's nodes); default: "
+    "the agent's own TCP listener.",
+)  # fmt: skip
+@click.option(
+    "--out", "out", required=True, type=click.Path(dir_okay=False),
+    help="The credentials file to write (copy it to the GPU server, e.g. /etc/dpukv/T.json).",
+)  # fmt: skip
+@common
+def hosts_enrol(
+    tenant: str,
+    nqn: str,
+    control_urls: tuple[str, ...],
+    out: str,
+    config_path: str | None,
+    as_json: bool,
+) -> None:
+    cfg = find_agent(config_path, as_json)
+    t = cfg.tenants.get(tenant)
+    if t is None or not t.token:
+        _fail(EXIT_USAGE, f"no tenant {tenant!r} in {cfg.source}; see dpuctl tenants list", as_json)
+    creds: dict[str, object] = {
+        "version": CREDENTIALS_VERSION,
+        "control": list(control_urls) or _tcp_control_urls(cfg),
+        "tenant": tenant,
+        "token": t.token,
+        "salt": tenant_salt(cfg, tenant),
+    }
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        creds["nvmf"] = str(json.loads(cfg.state_path.read_text())["nvmf"] or "")
+    if cfg.control.tls_cert:
+        creds["control_ca"] = cfg.path(cfg.control.tls_cert).read_text()
+    if nqn:
+        reply = admin_call(config_path, as_json, "host_add", tenant=tenant, nqn=nqn)
+        creds.update({k: v for k, v in reply.items() if k != "tenant"})
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+    with os.fdopen(fd, "w") as f:
+        json.dump(creds, f, indent=2)
+        f.write("\n")
+    emit(
+        {"tenant": tenant, "file": out, "control": creds["control"], "hostnqn": nqn or None},
+        as_json,
+        show_done(f"credentials of a {tenant} host written to {out} (0600)"),
+    )
+
+
+def _connect_args(c: Credentials) -> list[str]:
+    """nvme-cli's `connect` arguments for the enrolled host (nvme-cli >= 2.0 spellings)."""
+    addr, _, port = c.nvmf.rpartition(":")
+    args = ["--transport=tcp", f"--traddr={addr}", f"--trsvcid={port}", f"--nqn={c.subnqn}"]
+    args.append(f"--hostnqn={c.hostnqn}")
+    if c.dhchap_key:
+        args.append(f"--dhchap-secret={c.dhchap_key}")
+    if c.psk:  # nvme-cli >= 2.5 with a TLS-capable kernel; older ones lack --tls
+        args += ["--tls", f"--tls_key={c.psk}"]
+    return args
+
+
+def nvme_config_json(c: Credentials) -> list[dict[str, Any]]:
+    """libnvme's JSON configuration (/etc/nvme/config.json) for the enrolled host."""
+    addr, _, port = c.nvmf.rpartition(":")
+    port_entry: dict[str, Any] = {"transport": "tcp", "traddr": addr, "trsvcid": port}
+    if c.psk:
+        port_entry |= {"tls": True, "tls_key": c.psk}
+    host: dict[str, Any] = {"hostnqn": c.hostnqn}
+    if c.dhchap_key:
+        host["dhchap_key"] = c.dhchap_key
+    host["subsystems"] = [{"nqn": c.subnqn, "ports": [port_entry]}]
+    return [host]
+
+
+@hosts.command(
+    "connect-config",
+    help="For a kernel initiator: print the `nvme connect` line of an enrolled host's "
+    "credentials file, and write /etc/nvme/config.json and discovery.conf entries.",
+)
+@click.option("--credentials", "creds_file", required=True, type=click.Path(dir_okay=False))
+@click.option("--config-out", type=click.Path(dir_okay=False), help="Write config.json here.")
+@click.option("--discovery-out", type=click.Path(dir_okay=False), help="Write discovery.conf.")
+def hosts_connect_config(
+    creds_file: str, config_out: str | None, discovery_out: str | None
+) -> None:
+    try:
+        c = load_credentials(creds_file)
+    except ValueError as e:
+        _fail(EXIT_USAGE, str(e), False)
+    if not (c.hostnqn and c.subnqn and c.nvmf):
+        _fail(
+            EXIT_USAGE,
+            f"{creds_file}: no host NQN or NVMe/TCP address; enrol the host with --nqn",
+            False,
+        )
+    args = _connect_args(c)
+    for path, text in (
+        (config_out, json.dumps(nvme_config_json(c), indent=2) + "\n"),
+        (discovery_out, " ".join(a for a in args if not a.startswith("--nqn=")) + "\n"),
+    ):
+        if path:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.fchmod(fd, 0o600)  # it holds the host's secrets
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+    click.echo(shlex.join(["nvme", "connect", *args]))
+
+
+@hosts.command("list", help="TENANT's hosts: issued keys, allowed, control sessions.")
+@click.option("--tenant", required=True)
+@common
+def hosts_list(tenant: str, config_path: str | None, as_json: bool) -> None:
+    data = admin_call(config_path, as_json, "host_list", tenant=tenant)
+
+    def show(d: dict[str, Any]) -> None:
+        for h in d["hosts"]:
+            keys = ",".join(h["keys"]) or "-"
+            click.echo(
+                f"{h['hostnqn']}  keys={keys}  allowed={h['allowed']}  sessions={h['sessions']}"
+            )
+        if not d["hosts"]:
+            click.echo(f"no hosts on {tenant}")
+
+    emit(data, as_json, show)
+
+
+@hosts.command("remove", help="Remove host NQN from TENANT: revoke its keys, end its sessions.")
+@click.option("--tenant", required=True)
+@click.option("--nqn", required=True, callback=_nqn, help="The host's NQN.")
+@common
+def hosts_remove(tenant: str, nqn: str, config_path: str | None, as_json: bool) -> None:
+    emit(
+        admin_call(config_path, as_json, "host_remove", tenant=tenant, nqn=nqn),
+        as_json,
+        show_done(f"host removed from {tenant}"),
     )

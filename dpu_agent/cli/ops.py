@@ -34,6 +34,7 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from dpu_agent.cli import LazyGroup
 from dpu_agent.config import DATA_DIR_ENV, AgentConfig, ConfigError, load_config, read_secret
 from dpu_agent.units import SizeError, format_duration, format_size, format_timestamp, parse_size
 from host_shim.control import AgentUnreachable, ControlChannel, ControlError
@@ -922,7 +923,13 @@ def _show_restore(data: dict[str, Any]) -> None:
     )
 
 
-@click.group("config", help="The agent's configuration.")
+@click.group(
+    "config",
+    help="The agent's configuration.",
+    cls=LazyGroup,
+    lazy={"check": ("dpu_agent.cli.config_check", "config_check",
+                    "Validate the config; --production flags what no host can use.")},
+)  # fmt: skip
 def config_group() -> None:
     pass
 

@@ -607,7 +607,7 @@ _KNOWN_OPS = frozenset(
     | {"members", "tenants_list", "tenant_add", "tenant_remove", "evict", "checkpoint"}
     | {"cluster_grant", "cluster_digest", "cluster_hot"}
     | {"backup", "restore"}
-    | {"host_add", "tenant_rotate"}
+    | {"host_add", "host_list", "host_remove", "tenant_rotate"}
     | NIXL_OPS
 )
 

@@ -183,6 +183,16 @@ class ControlServer:
                 ended += 1
         return ended
 
+    def end_host_sessions(self, tenant: str, hostnqn: str) -> int:
+        """Close every connection of `tenant` bound to host `hostnqn` (it was removed)."""
+        ended = 0
+        for conn in list(self.connections):
+            s = conn.session
+            if s is not None and s.tenant == tenant and not s.admin and s.hostnqn == hostnqn:
+                conn.abort()
+                ended += 1
+        return ended
+
     async def stop(self) -> None:
         if self._trim is not None:
             self._trim.cancel()

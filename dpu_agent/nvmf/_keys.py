@@ -134,6 +134,27 @@ class HostKeyIssuer:
             "operator; close some clients first"
         )
 
+    def hosts(self, tenant: str) -> dict[str, dict[str, Any]]:
+        """The tenant's hosts with keys: which keys each holds, and whether an operator added
+        it (no secrets)."""
+        with self._lock:
+            return {
+                h: {
+                    "keys": sorted(host_keys_to_dict(k)),
+                    "operator_added": bool(self._docs.get(tenant, {}).get(h, {}).get(_ANY_ADDRESS)),
+                }
+                for h, k in self._keys.get(tenant, {}).items()
+            }
+
+    def forget_host(self, tenant: str, hostnqn: str) -> bool:
+        """Revoke the host's keys; True when it had some."""
+        with self._lock:
+            self._docs.get(tenant, {}).pop(hostnqn, None)
+            if self._keys.get(tenant, {}).pop(hostnqn, None) is None:
+                return False
+            self._changed()
+            return True
+
     def forget_tenant(self, tenant: str) -> None:
         with self._lock:
             self._docs.pop(tenant, None)

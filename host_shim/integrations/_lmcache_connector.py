@@ -13,7 +13,6 @@ default executor so LMCache's event loop keeps running.
 from __future__ import annotations
 
 import asyncio
-import binascii
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorCont
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from host_shim.client import KVClient
+from host_shim.integrations.credentials import load_credentials, parse_salt
 from host_shim.integrations.lmcache import (
     PLUGIN,
     SCHEME,
@@ -60,8 +60,16 @@ class DpuKVRemoteConnector(RemoteConnector):
                 "stores single-group KV only"
             )
         extra = dict(context.config.extra_config or {})
+        if extra.get("dpukv.credentials_file"):  # `dpuctl hosts enrol`'s file
+            creds = load_credentials(str(extra["dpukv.credentials_file"]))
+            extra.update({
+                "dpukv.control": creds.control[0],
+                "dpukv.tenant": creds.tenant,
+                "dpukv.token": creds.token,
+                "dpukv.salt": creds.salt.hex(),
+            })  # fmt: skip
         control, tenant = agent_address(url, extra)
-        self._salt = binascii.unhexlify(_secret(extra, "salt"))
+        self._salt = parse_salt(_secret(extra, "salt"))
         # The layout only binds token keys, which this connector does not use; it names the
         # objects' owner for the agent's accounting.
         layout = ChunkLayout(

