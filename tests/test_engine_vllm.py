@@ -172,6 +172,9 @@ def test_vllm_through_a_three_node_cluster_url_same_output(
             "salt": os.urandom(32).hex(),
             "chunk_tokens": CHUNK_TOKENS,
             "fault_file": str(tmp_path / "no-fault"),
+            # vLLM's CPU workers and three agents share two cores here: an agent can go
+            # silent for longer than the LAN default (0.25 s) while it is only starved
+            "node_deadline_s": 2.0,
         }
         base = run_vllm(_spec(prompt, None, {"name": "base"}), PYTHON)[-1]
         cold = run_vllm(_spec(prompt, connector, {"name": "cold"}), PYTHON)[-1]
