@@ -385,3 +385,42 @@ def test_lmcache_objects_through_the_agent_in_batches(agent: Any) -> None:
         # a buffer of the wrong size for its object: that object and the rest are misses
         short = [bytearray(40_960), bytearray(40_960), bytearray(4096), bytearray(12_288)]
         assert objects.read_into(keys, short) == 2
+
+
+def test_vllm_store_does_not_wait_for_a_stalled_agent(agent: Any) -> None:
+    """The connector's stores leave the forward at once: with the agent stopped (SIGSTOP),
+    AsyncSaver.save copies the chunks and returns before any put is acknowledged; a store
+    over the queue's byte cap is dropped, not waited for; once the agent runs again the
+    queued chunks reach it."""
+    import signal
+
+    from host_shim.client import KVClient
+    from host_shim.integrations.vllm import AsyncSaver
+
+    paged = PagedLayout(kind="cpu", block_size=16)
+    layers = [_random(paged.shape(12, LAYOUT.num_kv_heads, LAYOUT.head_dim)) for _ in range(3)]
+    tokens = tuple(range(20_000, 20_000 + 3 * LAYOUT.chunk_tokens + 1))
+    other = tuple(range(30_000, 30_000 + LAYOUT.chunk_tokens + 1))
+    salt = os.urandom(32)
+    # a long timeout: the put waiting on the stopped agent must not count it as lost
+    client = KVClient(agent.control_url, "default", agent.token, LAYOUT, salt, timeout_s=120.0)
+    assert client.lookup(list(tokens)) == 0  # connected before the agent stops
+    saver = AsyncSaver(client, LAYOUT, queue_bytes_max=3 * LAYOUT.chunk_bytes)
+    try:
+        agent.proc.send_signal(signal.SIGSTOP)
+        try:
+            store = ReqStore(req_id="a", token_ids=tokens, block_ids=tuple(range(6)), chunk_count=3)
+            assert saver.save(layers, paged, store)
+            assert saver.stored == 0  # returned with nothing acknowledged: it did not wait
+            full = ReqStore(req_id="b", token_ids=other, block_ids=(6, 7), chunk_count=1)
+            assert not saver.save(layers, paged, full)  # over the cap: dropped
+            assert saver.dropped == 1
+        finally:
+            agent.proc.send_signal(signal.SIGCONT)
+        assert saver.flush(120.0)
+        assert saver.stored == 3
+    finally:
+        saver.close()
+    with KVClient(agent.control_url, "default", agent.token, LAYOUT, salt) as kv:
+        assert kv.lookup(list(tokens)) == 3
+        assert kv.lookup(list(other)) == 0

@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from host_shim.client import KVClient
 from host_shim.integrations.layout import PagedLayout, check_chunk_tokens
 from host_shim.integrations.vllm import (
+    AsyncSaver,
     ConnectorSettings,
     ReqLoad,
     ReqStore,
@@ -32,7 +33,6 @@ from host_shim.integrations.vllm import (
     load_request,
     matched_tokens,
     paged_kind_for,
-    save_request,
     storable_chunks,
 )
 from kvproto.keys import ChunkLayout
@@ -111,6 +111,11 @@ class DpuKVConnector(KVConnectorBase_V1):
         self._paged: PagedLayout | None = None
         self._failed_blocks: set[int] = set()
         self._failed_reqs: set[str] = set()
+        self._saver: AsyncSaver | None = None
+        if role == KVConnectorRole.WORKER:
+            store_client = KVClient(s.control, s.tenant, s.token, self._layout, s.salt,
+                                    transport=s.transport)  # fmt: skip
+            self._saver = AsyncSaver(store_client, self._layout)
 
     # --- scheduler side -----------------------------------------------------------------------
     def get_num_new_matched_tokens(
@@ -268,15 +273,20 @@ class DpuKVConnector(KVConnectorBase_V1):
         return  # saved whole in wait_for_save, once every layer of the step is written
 
     def wait_for_save(self) -> None:
+        """Copies this step's computed chunks out of the blocks and queues their puts: the
+        blocks are free to reuse when this returns, and the request waits for the copy only,
+        never for the agent (AsyncSaver)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, DpuKVConnectorMetadata)
         assert self._paged is not None or not meta.stores, "wait_for_save before register"
         for store in meta.stores:
             if store.req_id in self._failed_reqs:
                 continue  # computed over blocks that were not loaded: recomputed, not stored
-            assert self._paged is not None
-            save_request(self._client, self._layers, self._paged, self._layout, store)
+            assert self._paged is not None and self._saver is not None
+            self._saver.save(self._layers, self._paged, store)
         self._failed_reqs.clear()
 
     def shutdown(self) -> None:
+        if self._saver is not None:
+            self._saver.close()
         self._client.close()

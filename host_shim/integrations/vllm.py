@@ -38,6 +38,10 @@ Chunk boundaries must fall on block boundaries: `chunk_tokens` a multiple of vLL
 from __future__ import annotations
 
 import binascii
+import logging
+import threading
+import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +62,8 @@ from host_shim.integrations.layout import (
 from kvproto.keys import ChunkLayout
 
 __all__ = [
+    "STORE_QUEUE_BYTES_MAX",
+    "AsyncSaver",
     "ConnectorSettings",
     "ReqLoad",
     "ReqStore",
@@ -68,6 +74,16 @@ __all__ = [
     "save_request",
     "storable_chunks",
 ]
+
+log = logging.getLogger("host_shim.integrations.vllm")
+
+# Bytes of gathered chunks waiting for the agent. A store over this is dropped (the tier misses
+# that prefix later; nothing is wrong) instead of making the forward wait: 512 MiB is ~40 chunks
+# of 256 tokens of a 135M-parameter float32 model, and bounds the host memory the queue can take
+# whatever the agent's speed.
+STORE_QUEUE_BYTES_MAX = 512 << 20
+# How long shutdown waits for queued stores before dropping them.
+STORE_DRAIN_S_MAX = 10.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -220,6 +236,102 @@ def save_request(
     parents = [keys[first - 1] if first else None, *keys[first : count - 1]]
     held = int(client.put_keys(keys[first:count], list(chunks.to(device).unbind(0)), parents))
     return first + held
+
+
+@dataclass(slots=True)
+class _Queued:
+    keys: list[bytes]
+    parents: list[bytes | None]
+    chunks: torch.Tensor
+    nbytes: int
+
+
+class AsyncSaver:
+    """Puts gathered chunks to the tier on its own thread and client, so that a store never
+    holds up the forward that produced it: `save` copies the chunks out of the paged blocks
+    (the only work on the request's path, a memory copy), queues them and returns; the blocks
+    can be reused at once. Back-pressure: at most `queue_bytes_max` bytes wait; a store that
+    would exceed it is dropped and counted (`dropped`), never waited for. Stores run in order,
+    so a chunk's parent is put before it. The saver owns `client` (close() closes it): give it
+    one of its own, so that a put in flight never holds the lock a load waits on."""
+
+    def __init__(
+        self, client: Any, layout: ChunkLayout, queue_bytes_max: int = STORE_QUEUE_BYTES_MAX
+    ):
+        self._client, self._layout, self._max = client, layout, queue_bytes_max
+        self._queue: deque[_Queued] = deque()
+        self._cond = threading.Condition()
+        self._queued_bytes = 0
+        self._busy = False
+        self._stop = False
+        self.stored = 0  # chunks the agent acknowledged
+        self.dropped = 0  # chunks dropped by back-pressure or a lost agent
+        self._thread = threading.Thread(target=self._run, name="dpukv-save", daemon=True)
+        self._thread.start()
+
+    def save(self, kv_layers: Sequence[torch.Tensor], paged: PagedLayout, req: ReqStore) -> bool:
+        """Queue chunks ``[first_chunk, chunk_count)`` of `req`; False when dropped."""
+        first, count = req.first_chunk, req.chunk_count
+        if count <= first:
+            return True
+        nbytes = (count - first) * self._layout.chunk_bytes
+        with self._cond:
+            if self._stop or self._queued_bytes + nbytes > self._max:
+                self.dropped += count - first
+                return False
+            self._queued_bytes += nbytes  # reserved before the copy: the cap holds while copying
+        n = self._layout.chunk_tokens
+        keys = self._client.keys(list(req.token_ids[: count * n]))
+        chunks = gather_chunks(kv_layers, paged, req.block_ids, first, count - first, self._layout)
+        parents = [keys[first - 1] if first else None, *keys[first : count - 1]]
+        with self._cond:
+            self._queue.append(_Queued(keys[first:count], parents, chunks, nbytes))
+            self._cond.notify_all()
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stop:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                item = self._queue.popleft()
+                self._busy = True
+            try:
+                device = staging_device(self._client, item.chunks.device)
+                chunks = list(item.chunks.to(device).unbind(0))
+                held = int(self._client.put_keys(item.keys, chunks, item.parents))
+            except Exception:  # a store is an optimisation: log, never take the engine down
+                log.exception("dpukv: store of %d chunks failed", len(item.keys))
+                held = 0
+            with self._cond:
+                self.stored += held
+                self.dropped += len(item.keys) - held
+                self._queued_bytes -= item.nbytes
+                self._busy = False
+                self._cond.notify_all()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every queued store is done (True) or `timeout_s` passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, drain_s: float = STORE_DRAIN_S_MAX) -> None:
+        self.flush(drain_s)
+        with self._cond:
+            self.dropped += sum(len(q.keys) for q in self._queue)
+            self._queue.clear()
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=drain_s)
+        self._client.close()
 
 
 def __getattr__(name: str) -> Any:
