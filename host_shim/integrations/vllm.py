@@ -67,6 +67,7 @@ __all__ = [
     "ConnectorSettings",
     "ReqLoad",
     "ReqStore",
+    "TierCostModel",
     "failed_block_ids",
     "load_request",
     "matched_tokens",
@@ -238,6 +239,72 @@ def save_request(
     return first + held
 
 
+# Weight of the newest observation in the cost model's moving averages: about the last ten
+# transfers or steps count, so a throttled tier is noticed within a few requests.
+COST_EWMA_WEIGHT = 0.2
+# Smallest prefill step (tokens) that measures the engine's prefill rate: decode steps of a few
+# tokens measure per-step overhead, not prefill.
+PREFILL_TOKENS_MIN = 64
+# Gaps between steps longer than this are idle time, not compute.
+STEP_GAP_S_MAX = 30.0
+
+
+class TierCostModel:
+    """Whether loading a matched prefix beats recomputing it, from what was measured: the tier's
+    per-transfer latency and bandwidth (each load and store the connector makes) and the
+    engine's prefill rate (tokens per second of its prefill steps). Estimate to load `b` bytes:
+    ``latency + b / bandwidth``; to recompute `t` tokens: ``t / prefill_rate``. Until both are
+    measured the answer is yes (the loads are what measures the tier). Thread-safe: the worker
+    observes transfers while the scheduler asks."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.latency_s: float | None = None
+        self.bytes_per_s: float | None = None
+        self.prefill_tokens_per_s: float | None = None
+
+    @staticmethod
+    def _ewma(old: float | None, new: float) -> float:
+        return new if old is None else (1 - COST_EWMA_WEIGHT) * old + COST_EWMA_WEIGHT * new
+
+    def observe_latency(self, seconds: float) -> None:
+        """A control round trip with no data (the scheduler's lease)."""
+        if seconds > 0:
+            with self._lock:
+                self.latency_s = self._ewma(self.latency_s, seconds)
+
+    def observe_transfer(self, nbytes: int, seconds: float) -> None:
+        """A load or store of `nbytes` that took `seconds` (its latency included)."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            lat = min(self.latency_s or 0.0, seconds / 2)
+            self.bytes_per_s = self._ewma(self.bytes_per_s, nbytes / (seconds - lat))
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens < PREFILL_TOKENS_MIN or not 0 < seconds <= STEP_GAP_S_MAX:
+            return
+        with self._lock:
+            self.prefill_tokens_per_s = self._ewma(self.prefill_tokens_per_s, tokens / seconds)
+
+    def load_s(self, nbytes: int) -> float | None:
+        with self._lock:
+            if self.bytes_per_s is None:
+                return None
+            return (self.latency_s or 0.0) + nbytes / self.bytes_per_s
+
+    def recompute_s(self, tokens: int) -> float | None:
+        with self._lock:
+            rate = self.prefill_tokens_per_s
+        return None if rate is None else tokens / rate
+
+    def worth_loading(self, tokens: int, nbytes: int) -> bool:
+        load, recompute = self.load_s(nbytes), self.recompute_s(tokens)
+        if load is None or recompute is None:
+            return True
+        return load < recompute
+
+
 @dataclass(slots=True)
 class _Queued:
     keys: list[bytes]
@@ -256,9 +323,13 @@ class AsyncSaver:
     one of its own, so that a put in flight never holds the lock a load waits on."""
 
     def __init__(
-        self, client: Any, layout: ChunkLayout, queue_bytes_max: int = STORE_QUEUE_BYTES_MAX
+        self,
+        client: Any,
+        layout: ChunkLayout,
+        queue_bytes_max: int = STORE_QUEUE_BYTES_MAX,
+        cost: TierCostModel | None = None,
     ):
-        self._client, self._layout, self._max = client, layout, queue_bytes_max
+        self._client, self._layout, self._max, self._cost = client, layout, queue_bytes_max, cost
         self._queue: deque[_Queued] = deque()
         self._cond = threading.Condition()
         self._queued_bytes = 0
@@ -301,7 +372,10 @@ class AsyncSaver:
             try:
                 device = staging_device(self._client, item.chunks.device)
                 chunks = list(item.chunks.to(device).unbind(0))
+                t0 = time.perf_counter()
                 held = int(self._client.put_keys(item.keys, chunks, item.parents))
+                if self._cost is not None and held:
+                    self._cost.observe_transfer(item.nbytes, time.perf_counter() - t0)
             except Exception:  # a store is an optimisation: log, never take the engine down
                 log.exception("dpukv: store of %d chunks failed", len(item.keys))
                 held = 0
