@@ -8,10 +8,10 @@ Runs inside the vLLM virtual environment (`make test-engines` builds `.venv-vllm
 and prints one JSON line when the engine is ready and one per run. The spec: ``model`` (a
 folder), ``prompt_token_ids``, ``max_tokens``, ``connector`` (null for plain vLLM, else the
 connector's ``kv_connector_extra_config``), ``prefix_caching`` (vLLM's own; default off),
-optional ``connector_module`` / ``connector_class``
-(a subclass, e.g. the tests' fault injector), ``warmup_token_ids`` (a prompt run once first,
-untimed), and ``runs``: a list of ``{"name", "max_tokens"?}``, each one ``generate()`` of the
-prompt. Only vLLM, torch and host_shim are imported here (the vLLM venv has no agent).
+optional ``connector_module`` / ``connector_class`` (a subclass, e.g. the tests' fault
+injector), ``warmup_token_ids`` (a prompt run once first, untimed), and ``runs``: a list of
+``{"name", "max_tokens"?, "sleep_s"?}``, each one ``generate()`` of the prompt (after
+``sleep_s`` idle). Only vLLM, torch and host_shim are imported here (the vLLM venv has no agent).
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ def main(spec_path: str) -> None:
     ready = {"event": "ready", "init_s": round(time.perf_counter() - t0, 2)}
     print(json.dumps(ready), flush=True)
     for run in spec["runs"]:
+        time.sleep(float(run.get("sleep_s", 0)))  # idle first: lets background work finish
         out, total_s = _generate(llm, spec["prompt_token_ids"], run.get("max_tokens", 16))
         comp = out.outputs[0]
         row = {
