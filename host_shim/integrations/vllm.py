@@ -41,6 +41,7 @@ Chunk boundaries must fall on block boundaries: `chunk_tokens` a multiple of vLL
 
 from __future__ import annotations
 
+import atexit
 import binascii
 import logging
 import threading
@@ -343,6 +344,8 @@ class AsyncSaver:
         self.dropped = 0  # chunks dropped by back-pressure or a lost agent
         self._thread = threading.Thread(target=self._run, name="dpukv-save", daemon=True)
         self._thread.start()
+        # an engine that exits without calling the connector's shutdown still drains its queue
+        atexit.register(self.flush, STORE_DRAIN_S_MAX)
 
     def save(self, kv_layers: Sequence[torch.Tensor], paged: PagedLayout, req: ReqStore) -> bool:
         """Queue chunks ``[first_chunk, chunk_count)`` of `req`; False when dropped."""
