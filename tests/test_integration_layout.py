@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -385,3 +386,95 @@ def test_lmcache_objects_through_the_agent_in_batches(agent: Any) -> None:
         # a buffer of the wrong size for its object: that object and the rest are misses
         short = [bytearray(40_960), bytearray(40_960), bytearray(4096), bytearray(12_288)]
         assert objects.read_into(keys, short) == 2
+
+
+def test_vllm_store_does_not_wait_for_a_stalled_agent(agent: Any) -> None:
+    """The connector's stores leave the forward at once: with the agent stopped (SIGSTOP),
+    AsyncSaver.save copies the chunks and returns before any put is acknowledged; a store
+    over the queue's byte cap is dropped, not waited for; once the agent runs again the
+    queued chunks reach it."""
+    import signal
+
+    from host_shim.client import KVClient
+    from host_shim.integrations.vllm import AsyncSaver
+
+    paged = PagedLayout(kind="cpu", block_size=16)
+    layers = [_random(paged.shape(12, LAYOUT.num_kv_heads, LAYOUT.head_dim)) for _ in range(3)]
+    tokens = tuple(range(20_000, 20_000 + 3 * LAYOUT.chunk_tokens + 1))
+    other = tuple(range(30_000, 30_000 + LAYOUT.chunk_tokens + 1))
+    salt = os.urandom(32)
+    # a long timeout: the put waiting on the stopped agent must not count it as lost
+    client = KVClient(agent.control_url, "default", agent.token, LAYOUT, salt, timeout_s=120.0)
+    assert client.lookup(list(tokens)) == 0  # connected before the agent stops
+    saver = AsyncSaver(client, LAYOUT, queue_bytes_max=3 * LAYOUT.chunk_bytes)
+    try:
+        agent.proc.send_signal(signal.SIGSTOP)
+        try:
+            store = ReqStore(req_id="a", token_ids=tokens, block_ids=tuple(range(6)), chunk_count=3)
+            assert saver.save(layers, paged, store)
+            assert saver.stored == 0  # returned with nothing acknowledged: it did not wait
+            full = ReqStore(req_id="b", token_ids=other, block_ids=(6, 7), chunk_count=1)
+            assert not saver.save(layers, paged, full)  # over the cap: dropped
+            assert saver.dropped == 1
+        finally:
+            agent.proc.send_signal(signal.SIGCONT)
+        assert saver.flush(120.0)
+        assert saver.stored == 3
+    finally:
+        saver.close()
+    with KVClient(agent.control_url, "default", agent.token, LAYOUT, salt) as kv:
+        assert kv.lookup(list(tokens)) == 3
+        assert kv.lookup(list(other)) == 0
+
+
+def test_vllm_throttled_tier_is_recomputed_not_loaded(agent: Any) -> None:
+    """Load or recompute from measured figures: real loads through the agent make loading a
+    matched prefix worth it against a slow prefill; the same agent throttled (stopped for part
+    of each transfer) measures slower than recomputing, and the connector's decision flips, so
+    a throttled tier never makes the first token later than no tier."""
+    import signal
+    import threading
+
+    from host_shim.client import KVClient
+    from host_shim.integrations.vllm import TierCostModel
+
+    paged = PagedLayout(kind="cpu", block_size=16)
+    layers = [_random(paged.shape(12, LAYOUT.num_kv_heads, LAYOUT.head_dim)) for _ in range(3)]
+    tokens = tuple(range(40_000, 40_000 + 3 * LAYOUT.chunk_tokens + 1))
+    cost = TierCostModel()
+    nbytes = 3 * LAYOUT.chunk_bytes
+    with KVClient(agent.control_url, "default", agent.token, LAYOUT, os.urandom(32)) as kv:
+        store = ReqStore(req_id="a", token_ids=tokens, block_ids=tuple(range(6)), chunk_count=3)
+        assert save_request(kv, layers, paged, LAYOUT, store) == 3
+
+        def timed_load() -> float:
+            fresh = [torch.zeros_like(x) for x in layers]
+            load = ReqLoad(req_id="b", token_ids=tokens, block_ids=tuple(range(6)),
+                           first_chunk=0, chunk_count=3)  # fmt: skip
+            t0 = time.perf_counter()
+            assert load_request(kv, fresh, paged, LAYOUT, load) == 3
+            return time.perf_counter() - t0
+
+        fast = timed_load()
+        cost.observe_transfer(nbytes, fast)
+        # a prefill rate at which the 96 tokens take 20x the measured load: loading wins
+        cost.observe_prefill(96, 20 * fast)
+        assert cost.worth_loading(96, nbytes)
+
+        stall_s = max(2.0, 50 * fast)  # throttled: the agent stopped for part of every transfer
+        for _ in range(20):  # the moving average follows a tier that stays throttled
+            agent.proc.send_signal(signal.SIGSTOP)
+            timer = threading.Timer(stall_s, agent.proc.send_signal, (signal.SIGCONT,))
+            timer.start()
+            try:
+                slow = timed_load()
+            finally:
+                timer.join()
+                agent.proc.send_signal(signal.SIGCONT)
+            assert slow >= stall_s
+            cost.observe_transfer(nbytes, slow)
+            if not cost.worth_loading(96, nbytes):
+                break
+        assert not cost.worth_loading(96, nbytes)
+        load_s, recompute_s = cost.load_s(nbytes), cost.recompute_s(96)
+        assert load_s is not None and recompute_s is not None and load_s > recompute_s

