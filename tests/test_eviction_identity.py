@@ -96,3 +96,23 @@ def test_two_keys_with_one_policy_hash_are_both_tracked_and_evicted(tmp_path: Pa
         assert eng.get_chunk("acme", key_b) == b"b" * 100
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "prefix-run", "adaptive"])
+def test_item_to_row_map_holds_only_live_chunks(tmp_path: Path, policy: str) -> None:
+    """The item -> row map each tier keeps for the policy grows with the chunks the tier holds,
+    not with the chunks it ever held: after many turnovers, deletes and returns it has exactly
+    the policy's items."""
+    eng = _engine(tmp_path, policy)
+    try:
+        _put(eng, 10_000)
+        for i in range(8 * TIER_CHUNKS):
+            _put(eng, i % (3 * TIER_CHUNKS))  # returns as well as new chunks
+            if i % 5 == 0:
+                _present(eng, i // 2)
+            if i % 7 == 1 and _present(eng, i - 1):
+                eng.delete("acme", _key(i - 1))
+        for tier in eng._tenants["acme"].tiers:
+            assert len(tier.rows) == len(tier.policy) <= tier.records
+    finally:
+        eng.close()
