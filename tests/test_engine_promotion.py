@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from dpu_agent.engine import DRAM, NVME, Engine, EngineConfig
+from dpu_agent.eviction import DEFAULT_POLICY
 
 BS = 4096
 
@@ -20,9 +21,10 @@ class FakeClock:
         return self.t
 
 
-def make(tmp_path: Path, clock: FakeClock) -> Engine:
+def make(tmp_path: Path, clock: FakeClock, policy: str = DEFAULT_POLICY) -> Engine:
     cfg = EngineConfig(
         data_dir=tmp_path,
+        eviction_policy=policy,
         dram_bytes=32 * BS,
         nvme_bytes=128 * BS,
         tenants={"acme": 0},
@@ -133,7 +135,9 @@ def test_promotion_keeps_a_readers_lease_on_the_nvme_extent(tmp_path: Path) -> N
 
 def test_promoted_chunk_is_demoted_again_when_it_cools_and_reads_back(tmp_path: Path) -> None:
     clock = FakeClock()
-    eng = make(tmp_path, clock)
+    # LRU: cooling is recency alone. A frequency-aware policy rightly keeps a chunk that came
+    # back to DRAM (its history survives the demotion) ahead of one-time writes.
+    eng = make(tmp_path, clock, "lru")
     try:
         chunks = fill_and_demote(eng, clock)
         key, data = chunks[0]

@@ -221,7 +221,8 @@ class Mover:
             n, src = int(cols["block_count"][row]), int(cols["lba"][row])
             dst = self._placement.make_room(ts, NVME, n, now, evict=not persist)
             if dst is None and persist:  # this tenant's NVMe is full: its DRAM chunks stay
-                if self._records.item(row) not in dram.policy:  # a recovered one off the cold list
+                # a recovered one off the cold list
+                if self._records.item(dram, row) not in dram.policy:
                     self._records.policy_insert(dram, row, now)  # stays evictable
                 continue
             if dst is None:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from dpu_agent.engine._leases import SCALAR_HITS_MAX, Leases
-from dpu_agent.engine._records import ITEM_ROW_BITS, Records
+from dpu_agent.engine._records import Records
 from dpu_agent.engine.types import ChunkLocation, TenantState
 from dpu_agent.metrics import REGISTRY, Counter
 
@@ -23,8 +23,8 @@ __all__ = ["Reads", "joined_keys"]
 ACCESS_COUNT_MASK = 0xFFFF_FFFF  # access_count is a uint32 column: it wraps (a hint, not a total)
 _CHECKSUM = struct.Struct("<QQ")  # c0, c1 columns -> the 16 checksum bytes
 _KEY_TYPES = frozenset({bytes, bytearray})
-# tier, lba, block count, length, seq, checksum of one of a lookup's hit rows
-_HitColumns = tuple[int, int, int, int, int, bytes]
+# tier, lba, block count, length, checksum of one of a lookup's hit rows
+_HitColumns = tuple[int, int, int, int, bytes]
 
 _LOOKUPS = Counter(
     "kvtier_engine_lookup_chunks",
@@ -114,9 +114,9 @@ class Reads:
         columns = self._read_hits(rows, t, lease=lease)
         # keys run on past the hit prefix: zip stops with the rows
         for row, key, cols in zip(rows, keys, columns, strict=False):
-            t_index, lba, count, length, seq, checksum = cols
+            t_index, lba, count, length, checksum = cols
             tier = tiers[t_index]
-            item = (seq << ITEM_ROW_BITS) | row
+            item = self._records.item(tier, row)
             if item in tier.policy:
                 tier.policy.access(item, t)
             else:  # recovered and not used since the restart: it joins the policy now
@@ -135,7 +135,7 @@ class Reads:
         return hits, extents
 
     def _read_hits(self, rows: list[int], t: float, *, lease: bool) -> list[_HitColumns]:
-        """(tier, lba, block count, length, seq, checksum) of each row; access counts and times
+        """(tier, lba, block count, length, checksum) of each row; access counts and times
         (engine-clock `t`) moved on, lease counts raised when `lease` (each distinct row once).
         A few rows go through memoryviews, many through numpy columns: same values either way."""
         index = self._records.index
@@ -154,14 +154,13 @@ class Reads:
                     cols["lba"][hit].tolist(),
                     cols["block_count"][hit].tolist(),
                     cols["length"][hit].tolist(),
-                    cols["seq"][hit].tolist(),
                     [sums[16 * i : 16 * i + 16] for i in range(len(rows))],
                     strict=True,
                 )
             )
         v = index.col_views
-        tier_v, lba_v, count_v, length_v, seq_v = (v["tier"], v["lba"], v["block_count"],
-                                                   v["length"], v["seq"])  # fmt: skip
+        tier_v, lba_v, count_v, length_v = (v["tier"], v["lba"], v["block_count"],
+                                            v["length"])  # fmt: skip
         c0_v, c1_v, pack = v["c0"], v["c1"], _CHECKSUM.pack
         access_v, prev_v, last_v, lease_v = (v["access_count"], v["prev_access"],
                                              v["last_access"], v["lease"])  # fmt: skip
@@ -171,5 +170,5 @@ class Reads:
             last_v[row] = t
             if lease:
                 lease_v[row] += 1
-        return [(tier_v[r], lba_v[r], count_v[r], length_v[r], seq_v[r], pack(c0_v[r], c1_v[r]))
+        return [(tier_v[r], lba_v[r], count_v[r], length_v[r], pack(c0_v[r], c1_v[r]))
                 for r in rows]  # fmt: skip

@@ -16,12 +16,27 @@ from dpu_agent.engine.types import ChunkLocation, PendingReservation, TenantStat
 from dpu_agent.log import get_logger
 from dpu_agent.metrics import REGISTRY, Counter
 
-__all__ = ["ITEM_ROW_BITS", "ROW_MASK", "Records"]
+__all__ = ["ITEM_ROW_BITS", "ROW_MASK", "Records", "item_of"]
 
 log = get_logger(__name__)
 
-ITEM_ROW_BITS = 32  # policy item = seq << 32 | row: unique forever, so never confused
+# A recovered row waiting in a tier's cold list is `seq << 32 | row`: the seq tells a row reused
+# since the restart from the record it was.
+ITEM_ROW_BITS = 32
 ROW_MASK = (1 << ITEM_ROW_BITS) - 1
+# A policy item is a 64-bit hash of the chunk's 128-bit key, so a chunk that is evicted and put
+# again is the same item: LRU-2's history and the ghost lists of ARC and S3-FIFO see it return.
+# Two live keys of one tier sharing a hash (odds ~n^2 / 2^65) is handled, not assumed away: the
+# later one gets COLLIDED | row, outside the hash range, for as long as it stays.
+_MIX = 0x9E3779B97F4A7C15  # odd (golden ratio): multiplying spreads k1 over all 64 bits
+_MASK64 = (1 << 64) - 1
+COLLIDED = 1 << 64
+
+
+def item_of(k0: int, k1: int) -> int:
+    """The policy item of the key whose little-endian words are (k0, k1)."""
+    return (k0 ^ (k1 * _MIX)) & _MASK64
+
 
 _INTEGRITY = Counter(
     "kvtier_engine_integrity_failures",
@@ -83,30 +98,36 @@ class Records:
         the policy's choice. Returns a row."""
         cols = self.index.cols
         while tier.cold_pos < len(tier.cold):
-            item = int(tier.cold[tier.cold_pos])
+            entry = int(tier.cold[tier.cold_pos])
             tier.cold_pos += 1
-            row = item & ROW_MASK
+            row = entry & ROW_MASK
             stale = (
-                cols["state"][row] != STATE_LIVE or int(cols["seq"][row]) != item >> ITEM_ROW_BITS
+                cols["state"][row] != STATE_LIVE or int(cols["seq"][row]) != entry >> ITEM_ROW_BITS
             )
-            if stale or item in tier.policy:
+            if stale or self.item(tier, row) in tier.policy:
                 continue
-            if self.evictable(item):
+            if self.evictable(row):
                 return row
             self.policy_insert(tier, row, now)  # pinned or leased: let the policy track it
         if len(tier.cold):
             tier.cold, tier.cold_pos = tier.cold[:0], 0
-        chosen = tier.policy.victim(self.evictable)
-        return None if chosen is None else chosen & ROW_MASK
+        rows = tier.rows
+        chosen = tier.policy.victim(lambda item: self.evictable(rows[item]))
+        return None if chosen is None else rows[chosen]
 
-    def evictable(self, item: int) -> bool:
-        """Neither pinned nor leased (an item or a row: the row is its low bits)."""
-        row = item & ROW_MASK
+    def evictable(self, row: int) -> bool:
+        """Neither pinned nor leased."""
         cols = self.index.cols
         return bool(cols["pin"][row] == 0 and cols["lease"][row] == 0)
 
-    def item(self, row: int) -> int:
-        return (int(self.index.cols["seq"][row]) << ITEM_ROW_BITS) | row
+    def item(self, tier: Tier, row: int) -> int:
+        """The policy item of `row` in `tier` (tracked there or not)."""
+        v = self.index.col_views
+        item = item_of(v["k0"][row], v["k1"][row])
+        held = tier.rows.get(item)
+        if held is None or held == row:
+            return item
+        return COLLIDED | row  # another live key of this tier has the same hash
 
     def track(self, ts: TenantState, t: int, row: int, now: float) -> None:
         tier = ts.tiers[t]
@@ -119,16 +140,19 @@ class Records:
         parent = int(cols["parent"][row])
         parent_item = None
         if parent >= 0 and cols["state"][parent] == STATE_LIVE:
-            item = self.item(parent)
+            item = self.item(tier, parent)
             if cols["tenant"][parent] == cols["tenant"][row] and item in tier.policy:
                 parent_item = item
-        tier.policy.insert(self.item(row), parent_item, now - self._epoch)
+        item = self.item(tier, row)
+        tier.rows[item] = row
+        tier.policy.insert(item, parent_item, now - self._epoch)
 
     def untrack(self, ts: TenantState, t: int, row: int) -> None:
         tier = ts.tiers[t]
-        item = self.item(row)
+        item = self.item(tier, row)
         if item in tier.policy:  # else: a recovered chunk still in the cold list (skipped there)
             tier.policy.remove(item)
+            del tier.rows[item]
         tier.records -= 1
         tier.used_blocks_records -= int(self.index.cols["block_count"][row])
 

@@ -131,7 +131,9 @@ class Tier:
     alloc: ExtentAllocator
     policy: EvictionPolicy
     quarantined: dict[int, int] = field(default_factory=dict)  # lba -> block_count
-    # recovered chunks not used since the restart, in eviction order (items: seq << 32 | row);
+    # policy item -> row of each chunk the policy tracks (items are key hashes, see _records)
+    rows: dict[int, int] = field(default_factory=dict)
+    # recovered chunks not used since the restart, in eviction order (seq << 32 | row each);
     # filling the policy with a million records one by one takes seconds, so they wait here
     cold: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     cold_pos: int = 0

@@ -10,7 +10,7 @@ the family's seeds of each candidate's hit rate minus `prefix-run`'s: where the 
 zero and the spread is half a point, the best fixed policy of a cell is its seed's draw. The
 figures are in docs/EVICTION.md ("Eighth session").
 
-    python scripts/eviction_offline_elections.py [--jobs 2]
+    python research/eviction_offline_elections.py [--jobs 2]
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ set's own), `sample` (the repository's first 500 requests of the Mooncake synthe
 Usage, from the repository root (`{"hedge_z": null}` is the election alone, the fifth
 version):
 
-    python scripts/eviction_fresh_experiment.py fresh '{"hedge_z": 1.5}' [1,2,5,10]
+    python research/eviction_fresh_experiment.py fresh '{"hedge_z": 1.5}' [1,2,5,10]
 """
 
 from __future__ import annotations
