@@ -291,3 +291,20 @@ def test_cli_plan_apply_status_exit_codes(netns: str, tmp_path: Path) -> None:
     cfg.write_text('[net]\n[[net.interfaces]]\nname = "va"\nmtu = 5\n')
     r = run(cli, ["net", "plan", "--config", str(cfg), "--json"])
     assert r.exit_code == 4 and "mtu = 5" in json.loads(r.output)["error"]
+
+
+@can_netns
+def test_net_apply_exits_nonzero_when_it_skipped_a_knob(netns: str, tmp_path: Path) -> None:
+    """ECN asked for on a driver without the knobs (a veth, an empty sysfs root): apply runs what
+    it can, names the skipped knobs in notes, and does not say converged (exit 1)."""
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text(f'[net]\nnetns = "{netns}"\n[[net.interfaces]]\nname = "va"\nmtu = 9000\n'
+                   '[net.interfaces.ecn]\nnp_priorities = [3]\nrp_priorities = [3]\n')  # fmt: skip
+    root = tmp_path / "sys"
+    root.mkdir()
+    r = CliRunner().invoke(cli, ["net", "apply", "--config", str(cfg), "--sysfs-root", str(root),
+                                 "--json"])  # fmt: skip
+    doc = json.loads(r.output)
+    assert doc["after"]["in_sync"] and doc["applied"]  # the MTU step ran
+    assert any("no sysfs knob" in n for n in doc["after"]["notes"])
+    assert r.exit_code == 1

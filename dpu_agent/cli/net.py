@@ -1,8 +1,10 @@
 """`dpuctl net plan|apply|status`: the RoCE network from the `[net]` section of the config.
 
 Exit codes: 0 done / in sync; 1 conflicts (e.g. a driver without DCB), a step failed (the
-JSON says which and what was applied before it), or status found drift; 2 usage; 3 the
-network namespace does not exist; 4 the config is invalid (the message names the key).
+JSON says which and what was applied before it), apply skipped a desired knob the driver
+does not have (the notes name it: the network is not what [net] asks), or status found
+drift; 2 usage; 3 the network namespace does not exist; 4 the config is invalid (the
+message names the key).
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ def plan_cmd(config: str, netns: str | None, sysfs_root: Path, as_json: bool) ->
 def apply_cmd(config: str, netns: str | None, sysfs_root: Path, as_json: bool) -> None:
     r = net.run_apply(config, netns, sysfs_root)
     _show(r, as_json, lambda d: f"applied {len(d['applied'])} step(s)\n" + _render_plan(d["after"]))
-    sys.exit(EXIT_OK if r["after"]["in_sync"] else EXIT_FAILED)
+    # a skipped knob (notes) leaves the network short of [net]: not converged
+    sys.exit(EXIT_OK if r["after"]["in_sync"] and not r["after"]["notes"] else EXIT_FAILED)
 
 
 @net_group.command("status", help="Drift report: exit 0 in sync, 1 differs.")
