@@ -82,3 +82,24 @@ def test_refuses_an_address_with_no_roce_v2_gid(tmp_path: Path) -> None:
         select_rdma("203.0.113.1", sysfs=_tree(tmp_path))
     with pytest.raises(RdmaRefused, match="no RDMA devices"):
         select_rdma("192.0.2.10", sysfs=tmp_path / "empty")
+
+
+def test_nixl_start_hands_the_selection_to_ucx_or_refuses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent's and the shim's NIXL start (new_agent) goes through select_ucx_rdma."""
+    from host_shim.transport._lib import NixlUnavailable, select_ucx_rdma
+
+    root = _tree(tmp_path)
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    monkeypatch.delenv("UCX_IB_GID_INDEX", raising=False)
+    monkeypatch.delenv("DPUKV_RDMA_ADDRESS", raising=False)
+    assert select_ucx_rdma(root) == {}  # unset: UCX picks
+    monkeypatch.setenv("DPUKV_RDMA_ADDRESS", BF3["addresses"]["p0"])
+    assert select_ucx_rdma(root) == {"UCX_NET_DEVICES": "mlx5_0:1", "UCX_IB_GID_INDEX": "3"}
+    import os
+
+    assert os.environ["UCX_IB_GID_INDEX"] == "3"
+    monkeypatch.setenv("DPUKV_RDMA_ADDRESS", BF3["addresses"]["p1"])
+    with pytest.raises(NixlUnavailable, match="DOWN"):
+        select_ucx_rdma(root)
