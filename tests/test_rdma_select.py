@@ -103,3 +103,18 @@ def test_nixl_start_hands_the_selection_to_ucx_or_refuses(
     monkeypatch.setenv("DPUKV_RDMA_ADDRESS", BF3["addresses"]["p1"])
     with pytest.raises(NixlUnavailable, match="DOWN"):
         select_ucx_rdma(root)
+
+
+def test_doctor_shows_the_selection_or_the_refusal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dpu_agent.cli.ops import probe_rdma_select
+
+    root = _tree(tmp_path)
+    monkeypatch.setenv("DPUKV_RDMA_ADDRESS", BF3["addresses"]["p0"])
+    status, detail = probe_rdma_select(root)
+    assert (
+        status == "ok" and "UCX_IB_GID_INDEX=3" in detail and "UCX_NET_DEVICES=mlx5_0:1" in detail
+    )
+    monkeypatch.setenv("DPUKV_RDMA_ADDRESS", BF3["addresses"]["p1"])
+    assert probe_rdma_select(root)[0] == "missing"
