@@ -538,12 +538,36 @@ def _probe_nixl() -> tuple[str, str]:
     return "ok", f"NIXL ({st['module']}, UCX): KVClient(transport='nixl'|'auto')"
 
 
+def probe_rdma_select(sysfs: Path = Path("/sys")) -> tuple[str, str]:
+    """What NIXL's UCX gets for DPUKV_RDMA_ADDRESS (device, port, GID index, PFC), or why
+    the RDMA transport is refused; PFC from mlx5's sysfs qos/, else from `dcb`."""
+    from host_shim.rdma import RdmaRefused, select_rdma
+    from host_shim.transport._lib import RDMA_ADDRESS_ENV
+
+    address = os.environ.get(RDMA_ADDRESS_ENV, "").strip()
+    if not address:
+        return "fallback", f"{RDMA_ADDRESS_ENV} unset: UCX picks devices and GID index itself"
+
+    def pfc_of(netdev: str) -> tuple[int, ...] | None:
+        from dpu_agent.net import read_dcb
+
+        return read_dcb(netdev).pfc
+
+    try:
+        sel = select_rdma(address, sysfs=sysfs, pfc_of=pfc_of)
+    except RdmaRefused as e:
+        return "missing", f"RDMA transport refused: {e}"
+    env = " ".join(f"{k}={v}" for k, v in sel.ucx_env().items())
+    return "ok", f"{address}: {sel.netdev} {sel.state} {sel.link_layer}, PFC {list(sel.pfc)}; {env}"
+
+
 def doctor_report() -> list[dict[str, str]]:
     from dpu_agent.cli._storage_probe import probe_agent_storage  # doctor's imports, not status's
     from dpu_agent.cluster._ops import probe_serf
 
     probes: list[tuple[str, Callable[[], tuple[str, str]]]] = [
         ("rdma", _probe_rdma),
+        ("rdma-select", probe_rdma_select),
         ("hugepages", _probe_hugepages),
         ("spdk", _probe_spdk),
         ("aes", _probe_aesni),

@@ -1,6 +1,7 @@
 """RDMA facts NIXL does not give: devices, ports, GID tables, lossless-RoCE state, and GPU
 memory registration by dma-buf, through the real pyverbs (rdma-core) and sysfs."""
 
+from host_shim.rdma._select import RdmaRefused, RdmaSelection, select_rdma
 from host_shim.rdma._sysfs import (
     GID_ENTRIES_MAX,
     GidEntry,
@@ -29,6 +30,8 @@ __all__ = [
     "PortInfo",
     "QosState",
     "RdmaDevice",
+    "RdmaRefused",
+    "RdmaSelection",
     "RdmaUnavailable",
     "gid_for_address",
     "list_devices",
@@ -39,4 +42,5 @@ __all__ = [
     "read_qos",
     "register_dmabuf",
     "roce_gid",
+    "select_rdma",
 ]

@@ -14,8 +14,11 @@ import logging
 import os
 import sys
 import threading
+from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from host_shim.rdma._select import ROCE_PRIORITY_DEFAULT, RdmaRefused, select_rdma
 
 __all__ = [
     "NIXL_MODULES",
@@ -38,6 +41,10 @@ PROGRESS_DELAY_US = 10
 # only) links the system libnl-route-3 beside the wheel's own copy; with rdma-core installed
 # both register the same handlers and the process segfaults in libnl's destructor at exit.
 UCX_MODULES_DEFAULT = "^efa"
+# The address whose RDMA port UCX must use (the RoCE netdev's address) and its PFC priority:
+# set, NIXL starts only on a port fit for RDMA, with UCX_NET_DEVICES and UCX_IB_GID_INDEX
+# chosen for it (host_shim.rdma.select_rdma); unset, UCX picks devices itself (TCP here).
+RDMA_ADDRESS_ENV, ROCE_PRIORITY_ENV = "DPUKV_RDMA_ADDRESS", "DPUKV_ROCE_PRIORITY"
 
 _lock = threading.Lock()
 _loaded: ModuleType | None = None
@@ -96,6 +103,28 @@ def _route_nixl_logs() -> None:
         logger.setLevel(logging.NOTSET)
 
 
+def select_ucx_rdma(sysfs: Path = Path("/sys")) -> dict[str, str]:
+    """With DPUKV_RDMA_ADDRESS set: the device, port and RoCE v2 GID index for it, put into
+    UCX's environment (read when UCX starts; an operator's own UCX_NET_DEVICES or
+    UCX_IB_GID_INDEX wins); NixlUnavailable when the port is down, not Ethernet or without PFC
+    on the RoCE priority, so callers fall back instead of running RDMA on a lossy port."""
+    address = os.environ.get(RDMA_ADDRESS_ENV, "").strip()
+    if not address:
+        return {}
+    try:
+        prio = int(os.environ.get(ROCE_PRIORITY_ENV, str(ROCE_PRIORITY_DEFAULT)))
+        sel = select_rdma(address, roce_priority=prio, sysfs=sysfs)
+    except (ValueError, RdmaRefused) as e:
+        raise NixlUnavailable(f"RDMA transport refused for {address}: {e}") from None
+    env = sel.ucx_env()
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+    logging.getLogger("host_shim.transport").info(
+        "nixl: UCX on %s:%d GID index %d (%s)", sel.device, sel.port, sel.gid_index, address
+    )
+    return env
+
+
 def new_agent(name: str, *, progress_thread: bool) -> Any:
     """A NIXL agent on UCX; with `progress_thread`, the thread polls every PROGRESS_DELAY_US.
 
@@ -104,6 +133,7 @@ def new_agent(name: str, *, progress_thread: bool) -> Any:
     """
     nixl = load_nixl()
     os.environ.setdefault("UCX_MODULES", UCX_MODULES_DEFAULT)  # read when UCX starts
+    select_ucx_rdma()
     config = nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
     api = sys.modules[nixl.nixl_agent.__module__]
     bind = getattr(api, "nixlBind", None)
