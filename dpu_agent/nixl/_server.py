@@ -228,6 +228,13 @@ class _Link:
                 kind, rid, value = self.conn.recv()
             except (EOFError, OSError):
                 break
+            if kind == "done":  # the transfers that ended in one round of the worker's loop
+                with self._lock:
+                    futs = [(self._pending.pop(r, None), st) for r, st in value]
+                for f, st in futs:
+                    if f is not None:
+                        f.set_result(st)
+                continue
             with self._lock:
                 fut = self._pending.pop(rid, None)
             if fut is None:
