@@ -32,7 +32,7 @@ KILL_CHUNKS = 24  # 192 MiB: long enough over UCX-TCP to be killed mid-way
 def _no_host_bytes_work() -> None:
     """Make every shim function that copies, reads or hashes chunk bytes fail: the NIXL path
     must not call any of them (the agent moves and verifies the bytes)."""
-    import host_shim.client as hc
+    import host_shim.control as hc
 
     def forbidden(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("the NIXL path touched chunk bytes in the shim")
@@ -281,7 +281,7 @@ def worker_killed(url: str, token: str) -> dict[str, Any]:
 
 def _unchecked(ch: ControlChannel, op: str, **fields: Any) -> str:
     """A call sent without the client's own field checks, as a hostile client would."""
-    import host_shim.client as hc
+    import host_shim.control as hc
     from kvproto.control import encode_frame
 
     real = hc.encode_request
