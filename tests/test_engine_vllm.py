@@ -161,8 +161,11 @@ def test_vllm_through_a_three_node_cluster_url_same_output(
     assert PYTHON is not None
     c = Cluster(tmp_path / "cluster", replicas=2)
     try:
+        # a chunk is ~12 MB here: once n1 is gone the other two hold every chunk twice over
+        # between them (R=2 on two nodes), past the harness's small tiers
+        tiers = {"DPUKV_STORAGE_NVME_BYTES": str(512 << 20)}
         for name in ("n1", "n2", "n3"):
-            c.start(name)
+            c.start(name, extra_env=tiers)
         c.wait_serving(["n1", "n2", "n3"], on=["n1", "n2", "n3"])
         hosts = ",".join(n.agent.control_url.removeprefix("tcp://") for n in c.nodes.values())
         connector = {
