@@ -34,7 +34,7 @@ from dpu_agent.blockdev import BLOCK_SIZE
 from dpu_agent.engine.alloc import AllocError
 from dpu_agent.engine.errors import ChecksumMismatch, EngineError
 from dpu_agent.engine.index import NO_ROW, STATE_LIVE
-from dpu_agent.engine.journal import CHECKPOINT_COLUMNS
+from dpu_agent.engine.journal import CHECKPOINT_COLUMNS, fsync_dir, replace_file
 from dpu_agent.engine.tiers import NVME
 from dpu_agent.engine.types import Lease, PendingReservation, TenantState
 from dpu_agent.log import get_logger
@@ -75,21 +75,7 @@ def _private(path: str, flags: int) -> int:
 
 
 def _write_json(path: Path, doc: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w", opener=_private) as f:
-        json.dump(doc, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    replace_file(path, json.dumps(doc, indent=1).encode())
 
 
 def interrupted_restore(data_dir: Path) -> dict[str, Any] | None:
@@ -318,7 +304,7 @@ def _drop_everything(engine: Engine) -> int:
 def _remove_marker(engine: Engine) -> None:
     path = engine.config.data_dir / RESTORE_MARKER
     path.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _restore(engine: Engine, dirs: list[Path], *, resuming: bool = False) -> dict[str, Any]:

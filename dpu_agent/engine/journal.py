@@ -276,7 +276,7 @@ class Journal:
             self.segment = segment
             self.segment_bytes = size
         try:
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
         except OSError as e:
             raise JournalError(f"fsync of {self.dir}: {e.strerror}", e.errno) from e
 
@@ -412,7 +412,7 @@ class Journal:
             if final.exists():
                 os.replace(final, self.dir / CHECKPOINT_PREV_NAME)
             os.replace(tmp, final)
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
         except OSError as e:
             with contextlib.suppress(OSError):
                 tmp.unlink()
@@ -431,18 +431,9 @@ class Journal:
         """Replace tenant-ids.json (temp file 0600, fsync, rename, directory fsync)."""
         body = {str(tid): name for tid, name in sorted(names.items())}
         text = json.dumps({"tenants": body, "check": _ids_check(body)}, indent=1) + "\n"
-        tmp = self.dir / (TENANT_IDS_NAME + ".tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.dir / TENANT_IDS_NAME)
-            _fsync_dir(self.dir)
+            replace_file(self.dir / TENANT_IDS_NAME, text.encode())
         except OSError as e:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
             raise JournalError(f"{self.dir / TENANT_IDS_NAME} not written: {e.strerror}",
                                e.errno) from e  # fmt: skip
 
@@ -643,7 +634,26 @@ def _lock_dir(directory: Path) -> int:
     return fd
 
 
-def _fsync_dir(path: Path) -> None:
+def replace_file(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` durably: a 0600 temporary beside it, fsync, rename, directory
+    fsync; on failure the temporary is removed and the old file stays."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        os.fchmod(fd, 0o600)  # even if a temporary was left by a crash with other bits
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
