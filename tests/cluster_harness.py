@@ -6,6 +6,7 @@ peer key."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import random
@@ -14,8 +15,11 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 from dpu_agent.cluster import free_port
 from dpu_agent.cluster._serf_process import PICK_PORT_RANGE
@@ -62,6 +66,38 @@ def _port(host: str, netns: str | None) -> int:
     if netns is None:
         return free_port(host)
     return random.randrange(*PICK_PORT_RANGE)
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+
+@contextlib.contextmanager
+def veth_netns(prefix: str, octet: int) -> Iterator[tuple[str, str, str, str]]:
+    """A namespace joined to this one by a veth pair on 10.`octet`.X.0/24, named
+    `prefix`p/a/b + a random tag: (namespace, ns-side veth, host address, namespace address);
+    deleted afterwards. Skips (naming what is missing) where namespaces cannot be made."""
+    if shutil.which("serf") is None or os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs serf, root and iproute2 to make a network namespace")
+    tag = secrets.token_hex(3)
+    ns, host_if, ns_if = f"{prefix}p{tag}", f"{prefix}a{tag}", f"{prefix}b{tag}"
+    net = f"10.{octet}.{int(tag[:2], 16)}"
+    try:
+        ip("netns", "add", ns)
+    except subprocess.CalledProcessError as e:
+        pytest.skip(f"cannot make a network namespace here: {e.stderr!r}")
+    try:
+        ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+        ip("link", "set", ns_if, "netns", ns)
+        ip("addr", "add", f"{net}.1/24", "dev", host_if)
+        ip("link", "set", host_if, "up")
+        ip("-n", ns, "addr", "add", f"{net}.2/24", "dev", ns_if)
+        ip("-n", ns, "link", "set", ns_if, "up")
+        ip("-n", ns, "link", "set", "lo", "up")
+        yield ns, ns_if, f"{net}.1", f"{net}.2"
+    finally:
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True, timeout=10)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
 
 
 SMALL_TIERS = {"DPUKV_STORAGE_DRAM_BYTES": str(16 << 20), "DPUKV_STORAGE_NVME_BYTES": str(64 << 20)}

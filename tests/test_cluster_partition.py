@@ -4,9 +4,6 @@ The agent of that node uses the operator-run Serf path ([cluster] serf_start = f
 
 from __future__ import annotations
 
-import os
-import secrets
-import shutil
 import subprocess
 import sys
 import threading
@@ -16,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cluster_harness import Cluster, secrets_env
+from cluster_harness import Cluster, ip, secrets_env, veth_netns
 
 from dpu_agent.cluster import SerfProcess, free_port
 from host_shim import KVClient
@@ -30,34 +27,10 @@ SALT = b"cluster-part-salt-01234"
 ROUND_TRIP_SLACK_S = 0.5
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
-
-
 @pytest.fixture()
 def netns() -> Iterator[tuple[str, str, str, str]]:
-    """(namespace, ns-side veth, host address, namespace address); deleted afterwards."""
-    if shutil.which("serf") is None or os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs serf, root and iproute2 to make a network namespace")
-    tag = secrets.token_hex(3)
-    ns, host_if, ns_if = f"i13p{tag}", f"i13a{tag}", f"i13b{tag}"
-    net = f"10.213.{int(tag[:2], 16)}"
-    try:
-        _ip("netns", "add", ns)
-    except subprocess.CalledProcessError as e:
-        pytest.skip(f"cannot make a network namespace here: {e.stderr!r}")
-    try:
-        _ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
-        _ip("link", "set", ns_if, "netns", ns)
-        _ip("addr", "add", f"{net}.1/24", "dev", host_if)
-        _ip("link", "set", host_if, "up")
-        _ip("-n", ns, "addr", "add", f"{net}.2/24", "dev", ns_if)
-        _ip("-n", ns, "link", "set", ns_if, "up")
-        _ip("-n", ns, "link", "set", "lo", "up")
-        yield ns, ns_if, f"{net}.1", f"{net}.2"
-    finally:
-        subprocess.run(["ip", "link", "del", host_if], capture_output=True, timeout=10)
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+    with veth_netns("i13", 213) as n:
+        yield n
 
 
 def _status_on(c: Cluster, observer: str, node: str) -> str:
@@ -88,7 +61,7 @@ def test_partitioned_node_is_marked_failed_and_comes_back(
                 extra_env={"DPUKV_CLUSTER_RPC_AUTH_FILE": str(auth)})  # fmt: skip
         names = ["p1", "p2", "p3"]
         c.wait_serving(names, on=names)
-        _ip("-n", ns, "link", "set", ns_if, "down")  # the partition
+        ip("-n", ns, "link", "set", ns_if, "down")  # the partition
         t0 = time.monotonic()
         c.wait_serving(["p1", "p2"], on=["p1", "p2"], timeout_s=60)
         failed_s = time.monotonic() - t0
@@ -100,7 +73,7 @@ def test_partitioned_node_is_marked_failed_and_comes_back(
             assert r is not None
             assert r.refresh() and {n.name for n in r.placement.serving} == {"p1", "p2"}
             assert kv.put(prompt, [chunk]) == 1 and kv.lookup(prompt) == 1
-        _ip("-n", ns, "link", "set", ns_if, "up")  # healed
+        ip("-n", ns, "link", "set", ns_if, "up")  # healed
         t1 = time.monotonic()
         c.wait_serving(names, on=names, timeout_s=90)
         back_s = time.monotonic() - t1
@@ -174,7 +147,7 @@ def _cut(ns: str, ns_if: str, host_if: str, mode: str, on: bool) -> None:
     if mode == "silent":
         _silent(ns, ns_if, host_if, on)
     else:  # the node's own link
-        _ip("-n", ns, "link", "set", ns_if, "down" if on else "up")
+        ip("-n", ns, "link", "set", ns_if, "down" if on else "up")
 
 
 @pytest.mark.timeout(300)

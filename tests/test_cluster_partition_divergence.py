@@ -6,17 +6,13 @@ counts what it resolved."""
 
 from __future__ import annotations
 
-import os
-import secrets
-import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from cluster_harness import Cluster, secrets_env
+from cluster_harness import Cluster, ip, secrets_env, veth_netns
 
 from dpu_agent.cluster import SerfProcess, free_port
 from host_shim import KVClient
@@ -29,34 +25,10 @@ SALT = b"cluster-diverge-salt-01"
 KEYS = 30
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
-
-
 @pytest.fixture()
 def netns() -> Iterator[tuple[str, str, str, str]]:
-    """(namespace, ns-side veth, host address, namespace address); deleted afterwards."""
-    if shutil.which("serf") is None or os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("needs serf, root and iproute2 to make a network namespace")
-    tag = secrets.token_hex(3)
-    ns, host_if, ns_if = f"dvgp{tag}", f"dvga{tag}", f"dvgb{tag}"
-    net = f"10.214.{int(tag[:2], 16)}"
-    try:
-        _ip("netns", "add", ns)
-    except subprocess.CalledProcessError as e:
-        pytest.skip(f"cannot make a network namespace here: {e.stderr!r}")
-    try:
-        _ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
-        _ip("link", "set", ns_if, "netns", ns)
-        _ip("addr", "add", f"{net}.1/24", "dev", host_if)
-        _ip("link", "set", host_if, "up")
-        _ip("-n", ns, "addr", "add", f"{net}.2/24", "dev", ns_if)
-        _ip("-n", ns, "link", "set", ns_if, "up")
-        _ip("-n", ns, "link", "set", "lo", "up")
-        yield ns, ns_if, f"{net}.1", f"{net}.2"
-    finally:
-        subprocess.run(["ip", "link", "del", host_if], capture_output=True, timeout=10)
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+    with veth_netns("dvg", 214) as n:
+        yield n
 
 
 def prompt(i: int) -> np.ndarray:
@@ -96,7 +68,7 @@ def test_partition_both_sides_write_replicas_converge_to_r_identical_copies(
                 extra_env={**env, "DPUKV_CLUSTER_RPC_AUTH_FILE": str(auth)})  # fmt: skip
         names = ["q1", "q2", "q3"]
         c.wait_serving(names, on=names)
-        _ip("-n", ns, "link", "set", ns_if, "down")  # the partition: q3 apart from q1+q2
+        ip("-n", ns, "link", "set", ns_if, "down")  # the partition: q3 apart from q1+q2
         c.wait_serving(["q1", "q2"], on=["q1", "q2"], timeout_s=60)
         urls = {n: c.nodes[n].agent.control_url for n in names}
         # Each side writes its own version of every key: q1+q2 through a cluster client (R=2
@@ -106,7 +78,7 @@ def test_partition_both_sides_write_replicas_converge_to_r_identical_copies(
             with KVClient(url, "default", c.token, LAYOUT, SALT, io_queues=1) as kv:
                 for i in range(KEYS):
                     assert kv.put(prompt(i), [chunk(i, side)]) == 1
-        _ip("-n", ns, "link", "set", ns_if, "up")  # healed
+        ip("-n", ns, "link", "set", ns_if, "up")  # healed
         c.wait_serving(names, on=names, timeout_s=90)
         for n in names:
             clients[n] = KVClient(urls[n], "default", c.token, LAYOUT, SALT, io_queues=1)
