@@ -18,34 +18,13 @@ import os
 from pathlib import Path
 
 import pytest
+from journal_damage import cfg, chunk, present
 
-from dpu_agent.engine import Engine, EngineConfig
+from dpu_agent.engine import Engine
 from dpu_agent.engine.errors import JournalUnavailable
 from dpu_agent.engine.journal import FRAME_BYTES, OP_TENANT
 
-BS = 4096
 CHUNKS = 100
-
-
-def cfg(tmp_path: Path) -> EngineConfig:
-    return EngineConfig(
-        data_dir=tmp_path, dram_bytes=16 * BS, nvme_bytes=1024 * BS, tenants={"acme": 0}
-    )
-
-
-def chunk(i: int) -> tuple[bytes, bytes]:
-    return i.to_bytes(16, "big"), bytes([i % 251 + 1]) * (3 * BS)  # 3 blocks: straight to NVMe
-
-
-def present(eng: Engine, ids: range) -> list[int]:
-    """Ids whose chunk reads back; a chunk that reads back wrong fails the test."""
-    found = []
-    for i in ids:
-        got = eng.get_chunk("acme", chunk(i)[0])
-        assert got is None or got == chunk(i)[1], i
-        if got is not None:
-            found.append(i)
-    return found
 
 
 def kill9(eng: Engine) -> None:
