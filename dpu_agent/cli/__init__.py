@@ -62,6 +62,18 @@ EXTRA_OF_MODULE = {
 }
 
 
+def _missing_extra(e: ModuleNotFoundError, what: str, demo_hint: str) -> Exception:
+    """A click error naming the extra that brings the missing module; `e` itself when no
+    extra does (a real import bug stays a traceback)."""
+    extra = EXTRA_OF_MODULE.get((e.name or "").split(".")[0])
+    if extra is None:
+        return e
+    return click.ClickException(
+        f"{what} needs {e.name}: pip install 'dpu-kvtier[{extra}]'"
+        + (demo_hint if extra == "inference" else "")
+    )
+
+
 class LazyGroup(click.Group):
     """A group whose subcommands are imported when they run (or when their own --help is
     asked for); the group's --help lists them from the table without importing anything."""
@@ -80,13 +92,7 @@ class LazyGroup(click.Group):
         try:
             command = getattr(importlib.import_module(module), attr)
         except ModuleNotFoundError as e:
-            extra = EXTRA_OF_MODULE.get((e.name or "").split(".")[0])
-            if extra is None:
-                raise
-            raise click.ClickException(
-                f"{self.name} {cmd_name} needs {e.name}: pip install 'dpu-kvtier[{extra}]'"
-                + (" (or make demo)" if extra == "inference" else "")
-            ) from None
+            raise _missing_extra(e, f"{self.name} {cmd_name}", " (or make demo)") from None
         assert isinstance(command, click.Command), (module, attr)
         self.commands[cmd_name] = command
         return command
@@ -108,13 +114,7 @@ class _BenchGroup(LazyGroup):
         try:
             return super().invoke(ctx)
         except ModuleNotFoundError as e:
-            extra = EXTRA_OF_MODULE.get((e.name or "").split(".")[0])
-            if extra is None:
-                raise
-            raise click.ClickException(
-                f"this benchmark needs {e.name}: pip install 'dpu-kvtier[{extra}]'"
-                + (" (make demo installs it)" if extra == "inference" else "")
-            ) from None
+            raise _missing_extra(e, "this benchmark", " (make demo installs it)") from None
 
 
 @click.group(
