@@ -53,6 +53,9 @@ PORT_MAX = 65535
 # Refusals remembered so each is logged and counted once (per member, reason and tags): past
 # this many the set starts over (a flood of fake members is logged again, rate-limited).
 REFUSALS_REMEMBERED_MAX = 4096
+# Members whose tags were checked (the HMAC verified once per name and tag set, not again at
+# every `members` answer): a cluster's members plus churn; past this the cache starts over.
+CHECKED_MEMBERS_MAX = 4096
 
 SERVING = Gauge("kvtier_cluster_serving_members", "Members that own keys in this agent's view.",
                 registry=REGISTRY)  # fmt: skip
@@ -159,6 +162,7 @@ class Membership:
         self.tags[AUTH_TAG] = member_tag(opts.peer_keys[0], node, self.tags)
         self.tags["state"] = "joining"
         self._refused: set[tuple[str, str, int]] = set()  # logged once: REFUSALS_REMEMBERED_MAX
+        self._checked: dict[tuple[str, tuple[tuple[str, str], ...]], Node | str] = {}
         self.serf: SerfProcess | None = None
         self._client: SerfClient | None = None
         self._lock = threading.Lock()
@@ -268,11 +272,21 @@ class Membership:
         """`m`'s node when it owns keys; refusals of kv members are logged and counted once."""
         if m.tags.get("kv") != KV_TAG_VERSION:
             return None  # another Serf user's node: not ours, not refused
-        node = check_member(m, self.opts.peer_keys)
+        node = self._check(m)
         if isinstance(node, str):
             self._refusal(m, node)
             return None
         return node if m.status == "alive" else None
+
+    def _check(self, m: Member) -> Node | str:
+        """check_member, once per member name and tag set (tags change rarely, views often)."""
+        key = (m.name, tuple(sorted(m.tags.items())))
+        got = self._checked.get(key)
+        if got is None:
+            if len(self._checked) >= CHECKED_MEMBERS_MAX:
+                self._checked.clear()
+            got = self._checked[key] = check_member(m, self.opts.peer_keys)
+        return got
 
     def _refusal(self, m: Member, why: str) -> None:
         seen = (m.name, why, hash(tuple(sorted(m.tags.items()))))
@@ -309,7 +323,7 @@ class Membership:
         for m in sorted(self.members, key=lambda m: m.name):
             if m.tags.get("kv") != KV_TAG_VERSION:
                 continue
-            node = check_member(m, self.opts.peer_keys)
+            node = self._check(m)
             if isinstance(node, str):
                 rows.append({"name": m.name[:NAME_CHARS_MAX], "status": "refused",
                              "reason": node, "serf": f"{m.addr}:{m.port}"})  # fmt: skip
