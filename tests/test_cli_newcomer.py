@@ -248,8 +248,18 @@ def test_bench_without_the_bench_extra_names_it(monkeypatch: pytest.MonkeyPatch)
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze "
                     "(apt-get install systemd)")  # fmt: skip
 def test_agent_unit_for_the_embedded_default_passes_systemd_verify(tmp_path: Path) -> None:
-    # not under /tmp: the unit's PrivateTmp=yes would hide it (dpuctl refuses such a path)
-    bindir = REPO / "var" / f"unit-test-{os.getpid()}-{tmp_path.name}"
+    # not under /tmp or a home: the unit's PrivateTmp=yes and ProtectHome=yes would hide it
+    # (dpuctl refuses such a path); a clone may itself lie under /tmp, so fall back to /run
+    from dpu_agent.cli.ops import HIDDEN_FROM_UNIT
+
+    def hidden(p: Path) -> bool:
+        return any(p == Path(t) or Path(t) in p.parents for t in HIDDEN_FROM_UNIT)
+
+    base = next((b for b in (REPO / "var", Path("/run"), Path("/srv"))
+                 if not hidden(b.resolve()) and os.access(b.parent, os.W_OK)), None)  # fmt: skip
+    if base is None:
+        pytest.skip("no writable directory the unit's sandbox leaves visible (needs root)")
+    bindir = base / f"dpukv-unit-test-{os.getpid()}-{tmp_path.name}"
     bindir.mkdir(parents=True)
     try:
         exe = bindir / "dpuctl"
