@@ -22,8 +22,9 @@ from spdk_plugins.apply import apply, status
 from spdk_plugins.bootconfig import boot_config
 from spdk_plugins.desired import KeyProvider, SpdkDesired, load_desired
 from spdk_plugins.keys import keystore_provider
-from spdk_plugins.plan import plan
+from spdk_plugins.plan import plan, plan_saved
 from spdk_plugins.rpc import SpdkClient
+from spdk_plugins.saved import load_saved
 from spdk_plugins.tiers import agent_tiers
 
 __all__ = [
@@ -50,9 +51,20 @@ def session(
         yield desired, client, keys
 
 
-def run_plan(config: str | Path, socket: str | None = None, key_file: str | None = None) -> Any:
-    with session(config, socket, key_file) as (desired, client, keys):
-        return plan(desired, client, keys).to_json()
+def run_plan(
+    config: str | Path,
+    socket: str | None = None,
+    key_file: str | None = None,
+    saved: str | Path | None = None,
+) -> Any:
+    """The plan against the live target, or offline against a saved configuration."""
+    if saved is None:
+        with session(config, socket, key_file) as (desired, client, keys):
+            return plan(desired, client, keys).to_json()
+    desired = load_desired(config)
+    doc = load_saved(saved)
+    result, notes = plan_saved(desired, doc, key_provider_for(desired, key_file))
+    return {**result.to_json(), "offline": str(saved), "assumed": list(notes)}
 
 
 def run_apply(config: str | Path, socket: str | None = None, key_file: str | None = None) -> Any:

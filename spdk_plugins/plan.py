@@ -45,9 +45,19 @@ from spdk_plugins.desired import (
     check_key_material,
 )
 from spdk_plugins.rpc import REDACTED, SpdkClient, redact_params
+from spdk_plugins.saved import saved_state
 from spdk_plugins.state import LiveState, read_live
 
-__all__ = ["PHASES", "Plan", "Step", "desired_depths", "live_depths", "plan", "plan_from_live"]
+__all__ = [
+    "PHASES",
+    "Plan",
+    "Step",
+    "desired_depths",
+    "live_depths",
+    "plan",
+    "plan_from_live",
+    "plan_saved",
+]
 
 PHASES = (
     "accel",
@@ -211,14 +221,37 @@ def plan(
     live = read_live(client)
     mismatched: set[str] = set()
     if key_provider is not None and live.keys:
-        fingerprints = client.accel_crypto_keys_fingerprint()
-        for k in desired.keys:
-            if k.name in fingerprints and _norm(fingerprints[k.name]) != _norm(
-                key_provider(k.name)
-            ):
-                mismatched.add(k.name)
-        del fingerprints
+        mismatched = _mismatched(desired, client.accel_crypto_keys_fingerprint(), key_provider)
     return plan_from_live(desired, live, mismatched_keys=mismatched, prune=prune)
+
+
+def plan_saved(
+    desired: SpdkDesired,
+    doc: dict[str, Any],
+    key_provider: KeyProvider | None = None,
+    *,
+    prune: bool | None = None,
+) -> tuple[Plan, tuple[str, ...]]:
+    """plan() against a saved configuration (spdk_plugins.saved), with its assumptions."""
+    if key_provider is not None:
+        check_key_material(desired, key_provider)
+    saved = saved_state(doc, desired)
+    mismatched: set[str] = set()
+    if key_provider is not None:
+        mismatched = _mismatched(desired, saved.fingerprints, key_provider)
+    result = plan_from_live(desired, saved.live, mismatched_keys=mismatched, prune=prune)
+    return result, saved.notes
+
+
+def _mismatched(
+    desired: SpdkDesired, fingerprints: dict[str, tuple[str, str]], key_provider: KeyProvider
+) -> set[str]:
+    """Keys whose material on the target differs from the key store (compared, never kept)."""
+    return {
+        k.name
+        for k in desired.keys
+        if k.name in fingerprints and _norm(fingerprints[k.name]) != _norm(key_provider(k.name))
+    }
 
 
 def _norm(pair: tuple[str, str]) -> tuple[str, str]:

@@ -21,6 +21,7 @@ from dpu_agent.crypto import KeyStoreError
 from spdk_plugins.apply import ApplyError, PlanConflict
 from spdk_plugins.desired import DesiredStateError
 from spdk_plugins.rpc import SpdkConnectionError, SpdkError, SpdkTimeout
+from spdk_plugins.saved import SavedConfigError
 
 __all__ = ["spdk_group"]
 
@@ -40,7 +41,7 @@ def _errors(fn: F) -> F:
             return fn(*args, **kwargs)
         except OSError as e:  # "[Errno 2] ..." says less than the file and the reason
             _fail(EXIT_CONFIG, f"{e.filename}: {e.strerror}" if e.filename else str(e), as_json)
-        except (DesiredStateError, KeyStoreError, ValueError) as e:
+        except (DesiredStateError, SavedConfigError, KeyStoreError, ValueError) as e:
             _fail(EXIT_CONFIG, str(e), as_json)
         except PlanConflict as e:
             _fail(EXIT_FAILED, f"plan has conflicts: {e}", as_json, conflicts=list(e.conflicts))
@@ -76,7 +77,9 @@ def _render_steps(steps: list[dict[str, Any]]) -> list[str]:
 
 
 def _render_plan(p: dict[str, Any]) -> str:
-    lines = _render_steps(p["steps"]) or ([] if p["conflicts"] else ["in sync: nothing to do"])
+    lines = [f"offline, against {p['offline']}"] if "offline" in p else []
+    lines += [f"assumed {a}" for a in p.get("assumed", ())]
+    lines += _render_steps(p["steps"]) or ([] if p["conflicts"] else ["in sync: nothing to do"])
     lines += [f"CONFLICT {c}" for c in p["conflicts"]]
     lines += [f"unmanaged {u}" for u in p["unmanaged"]]
     return "\n".join(lines)
@@ -108,10 +111,18 @@ def spdk_group() -> None:
 
 
 @spdk_group.command("plan", help="Print the RPCs that would reconcile SPDK (keys redacted).")
+@click.option(
+    "--saved",
+    default=None,
+    type=_CONFIG,
+    help="Plan offline against this saved config (save_config / spdk_tgt --json), no target.",
+)
 @_options
 @_errors
-def plan_cmd(config: str, socket: str | None, key_file: str | None, as_json: bool) -> None:
-    p = ops.run_plan(config, socket, key_file)
+def plan_cmd(
+    config: str, socket: str | None, key_file: str | None, as_json: bool, saved: str | None
+) -> None:
+    p = ops.run_plan(config, socket, key_file, saved)
     _show(p, as_json, _render_plan)
     sys.exit(EXIT_FAILED if p["conflicts"] else EXIT_OK)  # a plan apply would refuse
 
