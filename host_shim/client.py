@@ -81,6 +81,8 @@ log = logging.getLogger("host_shim.client")
 SEGMENT_BYTES = 4 << 20
 IO_QUEUES_MAX = 32  # one connection (and one agent thread) each; beyond this the DPU saturates
 CHUNKS_PER_CALL_MAX = LOOKUP_KEYS_MAX  # one lookup request takes this many keys
+# a put's check of what the agent already holds: no lease, and not counted as a read's misses
+_STORED_CHECK = {"lease": False, "count": False}
 # After a failed connect, calls return misses at once for this long instead of each waiting
 # for a connect timeout: the inference loop never stalls on a dead agent.
 RECONNECT_BACKOFF_S = 0.5
@@ -487,7 +489,7 @@ class NodeClient(KVStore):
         with self._lock:
             try:
                 self._ensure()
-                cached = len(self._channel.call("lookup", keys=keys, lease=False)["hits"])
+                cached = len(self._channel.call("lookup", **_STORED_CHECK, keys=keys)["hits"])
                 return cached + self._write(keys, parents[: len(keys)], views, cached)
             except _LOST as e:
                 return self._lost(e)
@@ -558,7 +560,7 @@ class NodeClient(KVStore):
                     return None
                 if op == "get":
                     return path.get(self._channel, keys, bufs, nbytes)
-                cached = len(self._channel.call("lookup", keys=keys, lease=False)["hits"])
+                cached = len(self._channel.call("lookup", **_STORED_CHECK, keys=keys)["hits"])
                 rest = slice(cached, len(keys))
                 return cached + path.put(self._channel, keys[rest], parents[rest], bufs[rest],
                                          nbytes)  # fmt: skip

@@ -309,6 +309,8 @@ OPS: Final[dict[str, _Schema]] = {
         "keys": (_keys, True),
         "lease": (_optional(_bool), False),
         "epoch": (_optional(_int), False),  # cluster: the client's membership epoch
+        # false: a writer's check of what is already stored, not a read (no hit/miss counted)
+        "count": (_optional(_bool), False),
     },
     "release": {"lease_id": (_int, True)},
     "reserve": {

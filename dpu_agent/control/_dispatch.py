@@ -479,14 +479,18 @@ class Dispatcher:
         _prune(s.leases, SESSION_LEASES_MAX, "leases")
         probe = f.get("lease") is False  # a probe takes no lease: nothing to release after
         # hits as [key, nsid, lba, block_count, length, checksum], the reply's shape
-        hits, held, expires_s = self.backend.engine.lookup_lists(s.tenant, keys, lease=not probe)
+        count = f.get("count") is not False  # a put's own check is not a read: not a miss
+        hits, held, expires_s = self.backend.engine.lookup_lists(
+            s.tenant, keys, lease=not probe, count=count
+        )
         lease_id = int(held or 0)
         if lease_id:
             s.leases[lease_id] = time.monotonic() + self.backend.lease_ttl_s
             _leased_bytes(s.tenant).inc(sum(h[4] for h in hits))
         elif hits:  # a probe's reply says what a read's lease would last, as it always has
             expires_s = self.backend.lease_ttl_s
-        _count_lookup(s.tenant, len(hits), len(keys))
+        if count:
+            _count_lookup(s.tenant, len(hits), len(keys))
         if stale and not hits:  # held here anyway (a move in progress): served, not moved
             self._check_epoch(f["epoch"])
         reply = {"hits": hits, "lease_id": lease_id, "lease_expires_s": expires_s}

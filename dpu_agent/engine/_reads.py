@@ -63,7 +63,7 @@ class Reads:
 
     def lookup(
         self, ts: TenantState, keys: Sequence[bytes], blob: bytes, now: float, *, lease: bool,
-        as_lists: bool,
+        as_lists: bool, count: bool = True,
     ) -> tuple[list[Any], int | None, float]:  # fmt: skip
         """(hits, lease id, lease seconds) of the longest cached prefix of `keys` (`blob`:
         the same keys joined); the hits leased when `lease`."""
@@ -71,7 +71,8 @@ class Reads:
             return [], None, 0.0
         rows = self._records.index.find_prefix(ts.tenant_id, blob)
         n = len(rows)
-        self._count_lookup(ts, n, len(keys) - n)
+        if count:
+            self._count_lookup(ts, n, len(keys) - n)
         if n == 0:
             return [], None, 0.0
         if lease:

@@ -230,23 +230,29 @@ class Engine:
 
     # --- reads: lookup and leases ----------------------------------------------------------
 
-    def lookup(self, tenant: str, keys: Sequence[bytes], *, lease: bool = True) -> LookupResult:
+    def lookup(
+        self, tenant: str, keys: Sequence[bytes], *, lease: bool = True, count: bool = True
+    ) -> LookupResult:
         """The longest cached prefix of `keys`, its extents leased until release() or TTL.
         `lease=False` is a probe: counters and access history move as for a read, but nothing
-        is leased (lease_id None), so there is nothing to release and nothing to read under."""
-        hits, lease_id, expires_s = self._lookup(tenant, keys, lease=lease, as_lists=False)
+        is leased (lease_id None), so there is nothing to release and nothing to read under.
+        `count=False`: a writer checking what is already stored; no hit or miss is counted
+        (the keys it is about to write are not misses of any read)."""
+        hits, lease_id, expires_s = self._lookup(
+            tenant, keys, lease=lease, as_lists=False, count=count
+        )
         return LookupResult(hits=hits, lease_id=lease_id, lease_expires_s=expires_s)
 
     def lookup_lists(
-        self, tenant: str, keys: Sequence[bytes], *, lease: bool = True
+        self, tenant: str, keys: Sequence[bytes], *, lease: bool = True, count: bool = True
     ) -> tuple[list[list[Any]], int | None, float]:
         """lookup() as (hits, lease_id, lease_expires_s), each hit a list [key, nsid, lba,
         block_count, length, checksum]: the control plane's reply shape, with no ChunkLocation
         built per hit on its hot path (about 1.5 us each)."""
-        return self._lookup(tenant, keys, lease=lease, as_lists=True)
+        return self._lookup(tenant, keys, lease=lease, as_lists=True, count=count)
 
     def _lookup(
-        self, tenant: str, keys: Sequence[bytes], *, lease: bool, as_lists: bool
+        self, tenant: str, keys: Sequence[bytes], *, lease: bool, as_lists: bool, count: bool
     ) -> tuple[list[Any], int | None, float]:
         if len(keys) > LOOKUP_KEYS_MAX:
             raise LimitExceeded(f"lookup of {len(keys)} keys; split it into <= {LOOKUP_KEYS_MAX}")
@@ -254,7 +260,9 @@ class Engine:
         with self._lock:
             ts = self._tenant(tenant)
             now = self._clock()
-            return self._reads.lookup(ts, keys, blob, now, lease=lease, as_lists=as_lists)
+            return self._reads.lookup(
+                ts, keys, blob, now, lease=lease, as_lists=as_lists, count=count
+            )
 
     def release(self, tenant: str, lease_id: int) -> None:
         """End a lease. Raises LeaseExpired when it was already reclaimed after its TTL."""
