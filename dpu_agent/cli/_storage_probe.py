@@ -59,4 +59,9 @@ def probe_agent_storage() -> tuple[str, str]:
         detail = ", ".join(f"{k}={v}" for k, v in dropped.items())
         return "fallback", (f"started after damage ({detail}; checkpoint used: "
                             f"{r.get('checkpoint_used')}); see the agent log")  # fmt: skip
-    return "ok", f"journal writable; last start clean ({stats.get('records', 0)} records)"
+    records = stats.get("records", 0)
+    if r.get("previous_stop") == "unclean":
+        return "ok", (f"journal writable; the last start followed an unclean stop (killed or "
+                      f"power lost): the journal was replayed, nothing damaged ({records} "
+                      "records)")  # fmt: skip
+    return "ok", f"journal writable; last start clean ({records} records)"

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -82,6 +83,9 @@ from kvproto.control import LOOKUP_KEYS_MAX, TENANTS_MAX, valid_tenant_name
 __all__ = ["CHUNKS_PAGE_MAX", "PROMOTE_REREAD_S", "Engine"]
 
 log = get_logger(__name__)
+# in the journal directory: written when close() finished, removed at start, so its absence at
+# start means the previous run was killed (doctor and status say so)
+CLEAN_STOP = "clean-stop"
 
 CHUNK_BYTES_MAX = 1 << 30  # one chunk; a 1 GiB KV chunk is far above any real layout
 
@@ -136,9 +140,16 @@ class Engine:
                             commit=self._commit, clock=clock, epoch=self._epoch,
                             check_open=self._check_open)  # fmt: skip
         try:
-            self.recovery_report = recovery.recover(
-                self._commit, self._tenants, self._index, config.tenants
-            )
+            clean_stop = self._commit.journal.dir / CLEAN_STOP
+            stopped_cleanly = clean_stop.exists()
+            report = recovery.recover(self._commit, self._tenants, self._index, config.tenants)
+            empty = report.records == 0 and report.wal_records == 0
+            previous = "clean" if stopped_cleanly else "first" if empty else "unclean"
+            self.recovery_report = dataclasses.replace(report, previous_stop=previous)
+            clean_stop.unlink(missing_ok=True)  # from here a kill -9 is an unclean stop
+            if previous == "unclean":
+                log.warning("engine.previous_stop_unclean", records=report.records,
+                            wal_records=report.wal_records)  # fmt: skip
             for name, quota in config.tenants.items():
                 self.add_tenant(name, quota_bytes=quota)
         except BaseException:
@@ -660,6 +671,9 @@ class Engine:
         with self._lock:
             try:
                 self._commit.journal.close()
+                _mark_clean_stop(self._commit.journal.dir / CLEAN_STOP)
+            except OSError as e:  # no marker: the next start reports an unclean stop, no harm
+                log.warning("engine.clean_stop_marker_failed", error=str(e))
             except JournalError as e:  # the last fsync failed: a power loss may cost the tail
                 log.error("engine.close_journal_sync_failed", error=str(e))
             for ts in self._tenants.values():
@@ -686,3 +700,18 @@ class Engine:
             return backup_mod.restore(self, [Path(d) for d in backup_dirs], mode)
         finally:
             self.restore_interrupted = backup_mod.interrupted_restore(self.config.data_dir)
+
+
+def _mark_clean_stop(path: Path) -> None:
+    """The marker, durable: written, fsynced, and its directory entry fsynced."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, b"clean\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)

@@ -64,6 +64,9 @@ class RecoveryReport:
     index_s: float  # rebuilding the index and allocators
     policy_s: float  # ordering the recovered records for eviction (cold lists)
     total_s: float
+    # how the previous run ended: "clean" (close() finished: marker CLEAN_STOP found),
+    # "unclean" (killed, crashed, power lost: the journal was replayed), "first" (no journal)
+    previous_stop: str = "first"
 
 
 def recover(
