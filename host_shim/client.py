@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import sys
 import threading
 import time
@@ -329,12 +330,14 @@ class NodeClient(KVStore):
         transport: str = "nvme-tcp",
         on_lost: Callable[[Exception], None] | None = None,
         on_hot: Callable[[list[bytes]], None] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         assert 1 <= io_queues <= IO_QUEUES_MAX, io_queues
         # "nixl": the agent moves chunks into/out of registered buffers (host_shim.transport);
         # "auto": NIXL when both sides have it, NVMe/TCP otherwise; the log says which
         self._xport = TransportSelector(transport, tenant)
-        self._channel = ControlChannel(control, tenant, token, hostnqn=hostnqn, timeout_s=timeout_s)
+        self._channel = ControlChannel(control, tenant, token, hostnqn=hostnqn,
+                                       timeout_s=timeout_s, ssl_context=ssl_context)  # fmt: skip
         self._io_queues = io_queues
         self._timeout_s = timeout_s
         self._on_lost = on_lost
@@ -732,6 +735,7 @@ class KVClient(KVStore):
         hostnqn: str | None = None,
         transport: str = "nvme-tcp",
         node_deadline_s: float | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         seeds = parse_client_url(control)
         if (
@@ -752,11 +756,13 @@ class KVClient(KVStore):
             impl = self.router = ClusterRouter(
                 seeds, tenant, token, layout, salt, io_queues=io_queues, timeout_s=timeout_s,
                 hostnqn=hostnqn, transport=transport, node_deadline_s=node_deadline_s,
+                ssl_context=ssl_context,
             )  # fmt: skip
         else:
             impl = NodeClient(
                 control, tenant, token, layout, salt, io_queues=io_queues,
                 timeout_s=timeout_s, hostnqn=hostnqn, transport=transport,
+                ssl_context=ssl_context,
             )  # fmt: skip
         self._impl = impl
         self.url = control

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 import random
+import ssl
 import threading
 import time
 from collections import OrderedDict, deque
@@ -172,6 +173,7 @@ class ClusterRouter(KVStore):
         hostnqn: str | None = None,
         transport: str = "nvme-tcp",
         node_deadline_s: float | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         assert seeds, "parse_client_url gives at least one seed"
         self._init_keys(layout, salt)
@@ -183,8 +185,9 @@ class ClusterRouter(KVStore):
         self._seed_budget_s = max(timeout_s, self.deadline_s)
         self._node_opts: dict[str, Any] = {
             "io_queues": io_queues, "timeout_s": self.deadline_s, "hostnqn": hostnqn,
-            "transport": transport,
+            "transport": transport, "ssl_context": ssl_context,
         }  # fmt: skip
+        self._ssl = ssl_context
         self._wanted_transport = transport
         self._clients: dict[str, NodeClient] = {}
         self._rows: dict[str, dict[str, Any]] = {}  # member name -> its row in `members`
@@ -290,7 +293,7 @@ class ClusterRouter(KVStore):
 
     def _ask_members(self, url: str, since: int | None, timeout_s: float) -> dict[str, Any]:
         with ControlChannel(url, self._tenant, self._token, timeout_s=timeout_s,
-                            client="kvcluster") as ch:  # fmt: skip
+                            client="kvcluster", ssl_context=self._ssl) as ch:  # fmt: skip
             ch.connect()
             if since is None:
                 return ch.call("members")
@@ -357,7 +360,8 @@ class ClusterRouter(KVStore):
                            on_hot=self._mark_hot, **self._node_opts)  # fmt: skip
             ch = c._channel
             c._channel = EpochChannel(ch.url, ch.tenant, self._token, hostnqn=ch.hostnqn,
-                                      timeout_s=ch.timeout_s)  # fmt: skip
+                                      timeout_s=ch.timeout_s,
+                                      ssl_context=ch.ssl_context)  # fmt: skip
             c._channel.epoch = self._epoch
             self._clients[node.name] = c
         if old is not None:

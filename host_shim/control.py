@@ -75,10 +75,14 @@ def parse_control_url(url: str) -> tuple[str, str | tuple[str, int]]:
     raise ValueError(f"control URL {url!r}: scheme must be tcp://, tls:// or unix://")
 
 
-def client_tls_context() -> ssl.SSLContext:
-    """TLS for tls:// control URLs from the environment: DPUKV_CONTROL_TLS_CA (verify the
-    agent against it; the system's CAs when unset), DPUKV_CONTROL_TLS_CERT/_KEY (ours)."""
-    ctx = ssl.create_default_context(cafile=os.environ.get("DPUKV_CONTROL_TLS_CA") or None)
+def client_tls_context(cadata: str = "") -> ssl.SSLContext:
+    """TLS for tls:// control URLs: `cadata` (a PEM CA, e.g. a credentials file's
+    control_ca) or DPUKV_CONTROL_TLS_CA (verify the agent against it; the system's CAs when
+    neither is set), DPUKV_CONTROL_TLS_CERT/_KEY (ours)."""
+    if cadata:
+        ctx = ssl.create_default_context(cadata=cadata)
+    else:
+        ctx = ssl.create_default_context(cafile=os.environ.get("DPUKV_CONTROL_TLS_CA") or None)
     cert = os.environ.get("DPUKV_CONTROL_TLS_CERT")
     if cert:
         ctx.load_cert_chain(cert, os.environ.get("DPUKV_CONTROL_TLS_KEY") or None)
@@ -109,6 +113,7 @@ class ControlChannel:
         certificate, for agents that require one)."""
         self.kind, self.address = parse_control_url(url)
         self._ssl = ssl_context
+        self.ssl_context = ssl_context  # what clients of the same agent or cluster reuse
         self.url, self.tenant = url, tenant
         self._token = token
         self.hostnqn = hostnqn or new_hostnqn()

@@ -13,6 +13,7 @@ import json
 import os
 import secrets
 import shlex
+from pathlib import Path
 from typing import Any
 
 import click
@@ -62,8 +63,8 @@ def _tcp_control_urls(cfg: AgentConfig) -> list[str]:
     scheme = "tls" if cfg.control.tls_cert else "tcp"
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         tcp = json.loads(cfg.state_path.read_text())["control"]["tcp"]
-        if tcp:
-            return [f"{scheme}://{str(tcp).split('://', 1)[-1]}"]
+        if tcp:  # the running agent's own URL says tls:// when its listener has TLS
+            return [str(tcp) if "://" in str(tcp) else f"{scheme}://{tcp}"]
     return [f"{scheme}://{cfg.control.host}:{cfg.control.port}"]
 
 
@@ -94,6 +95,11 @@ def tenant_salt(cfg: AgentConfig, tenant: str) -> str:
     "the agent's own TCP listener.",
 )  # fmt: skip
 @click.option(
+    "--control-ca", "control_ca", default=None, type=click.Path(exists=True, dir_okay=False),
+    help="PEM the host verifies the agents' TLS certificates against (the CA that signed "
+    "them); default: [control] tls_cert itself (a self-signed certificate or a full chain).",
+)  # fmt: skip
+@click.option(
     "--out", "out", required=True, type=click.Path(dir_okay=False),
     help="The credentials file to write (copy it to the GPU server, e.g. /etc/dpukv/T.json).",
 )  # fmt: skip
@@ -102,6 +108,7 @@ def hosts_enrol(
     tenant: str,
     nqn: str,
     control_urls: tuple[str, ...],
+    control_ca: str | None,
     out: str,
     config_path: str | None,
     as_json: bool,
@@ -119,7 +126,9 @@ def hosts_enrol(
     }
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         creds["nvmf"] = str(json.loads(cfg.state_path.read_text())["nvmf"] or "")
-    if cfg.control.tls_cert:
+    if control_ca is not None:
+        creds["control_ca"] = Path(control_ca).read_text()
+    elif cfg.control.tls_cert:
         creds["control_ca"] = cfg.path(cfg.control.tls_cert).read_text()
     if nqn:
         reply = admin_call(config_path, as_json, "host_add", tenant=tenant, nqn=nqn)

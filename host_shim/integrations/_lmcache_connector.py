@@ -13,6 +13,7 @@ default executor so LMCache's event loop keeps running.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +61,12 @@ class DpuKVRemoteConnector(RemoteConnector):
                 "stores single-group KV only"
             )
         extra = dict(context.config.extra_config or {})
+        tls: ssl.SSLContext | None = None
         if extra.get("dpukv.credentials_file"):  # `dpuctl hosts enrol`'s file
             creds = load_credentials(str(extra["dpukv.credentials_file"]))
+            tls = creds.tls_context()
             extra.update({
-                "dpukv.control": creds.control[0],
+                "dpukv.control": creds.client_url,  # every URL: a cluster's seeds
                 "dpukv.tenant": creds.tenant,
                 "dpukv.token": creds.token,
                 "dpukv.salt": creds.salt.hex(),
@@ -81,7 +84,7 @@ class DpuKVRemoteConnector(RemoteConnector):
         self._client = KVClient(
             control, tenant, _secret(extra, "token"), layout, self._salt,
             io_queues=queues, timeout_s=timeout_s,
-            node_deadline_s=float(deadline) if deadline else None,
+            node_deadline_s=float(deadline) if deadline else None, ssl_context=tls,
         )  # fmt: skip
         self._objects = KeyedChunks(self._client)
         self.loop = context.loop

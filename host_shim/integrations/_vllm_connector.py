@@ -114,8 +114,8 @@ class DpuKVConnector(KVConnectorBase_V1):
             tp_rank = get_tensor_model_parallel_rank()
         self._layout = _layout(vllm_config, s.chunk_tokens, tp_rank)
         self._client = KVClient(s.control, s.tenant, s.token, self._layout, s.salt,
-                                transport=s.transport,
-                                node_deadline_s=s.node_deadline_s)  # fmt: skip
+                                transport=s.transport, node_deadline_s=s.node_deadline_s,
+                                ssl_context=s.tls_context())  # fmt: skip
         self._cost = _cost_model(s.control, s.tenant)
         # scheduler side
         self._step_at: float | None = None  # when the previous step was scheduled
@@ -136,8 +136,8 @@ class DpuKVConnector(KVConnectorBase_V1):
         self._saver: AsyncSaver | None = None
         if role == KVConnectorRole.WORKER:
             store_client = KVClient(s.control, s.tenant, s.token, self._layout, s.salt,
-                                    transport=s.transport,
-                                    node_deadline_s=s.node_deadline_s)  # fmt: skip
+                                    transport=s.transport, node_deadline_s=s.node_deadline_s,
+                                    ssl_context=s.tls_context())  # fmt: skip
             self._saver = AsyncSaver(store_client, self._layout, cost=self._cost)
 
     # --- scheduler side -----------------------------------------------------------------------

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import json
 import re
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from host_shim.control import client_tls_context
 
 __all__ = ["CREDENTIALS_VERSION", "SALT_HEX_RE", "Credentials", "load_credentials", "parse_salt"]
 
@@ -49,6 +52,15 @@ class Credentials:
     subnqn: str = ""
     dhchap_key: str = ""
     psk: str = ""
+
+    @property
+    def client_url(self) -> str:
+        """KVClient's URL: the one agent, or (several URLs) the seeds of a cluster."""
+        return self.control[0] if len(self.control) == 1 else ",".join(self.control)
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """The context that verifies the agents against `control_ca` (None without one)."""
+        return client_tls_context(self.control_ca) if self.control_ca else None
 
 
 def load_credentials(path: str | Path) -> Credentials:

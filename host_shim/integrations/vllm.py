@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import ssl
 import threading
 import time
 from collections import deque
@@ -55,6 +56,7 @@ from typing import Any
 
 import torch
 
+from host_shim.control import client_tls_context
 from host_shim.gpu import staging_device
 from host_shim.integrations.credentials import load_credentials, parse_salt
 from host_shim.integrations.layout import (
@@ -106,6 +108,12 @@ class ConnectorSettings:
     paged_kind: str = "auto"
     transport: str = "nvme-tcp"  # or "nixl" / "auto": KVClient's data path (host_shim.transport)
     node_deadline_s: float | None = None  # a cluster URL's per-node deadline (None: default)
+    control_ca: str = ""  # PEM: verify tls:// agents against it (the credentials file's)
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """For tls:// control URLs: the credentials' CA; None lets the client use
+        DPUKV_CONTROL_TLS_CA or the system's CAs."""
+        return client_tls_context(self.control_ca) if self.control_ca else None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
@@ -121,7 +129,8 @@ class ConnectorSettings:
             creds = load_credentials(str(extra["credentials_file"]))
             extra = {
                 **extra,
-                "control": creds.control[0],
+                "control": creds.client_url,  # every URL: a cluster's seeds
+                "control_ca": creds.control_ca,
                 "tenant": creds.tenant,
                 "token": creds.token,
                 "salt": creds.salt.hex(),
@@ -147,6 +156,7 @@ class ConnectorSettings:
             node_deadline_s=(
                 float(extra["node_deadline_s"]) if extra.get("node_deadline_s") else None
             ),
+            control_ca=str(extra.get("control_ca") or ""),
         )
 
 
