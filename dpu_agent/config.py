@@ -47,7 +47,6 @@ from dpu_agent.net import NetConfigError, NetDesired, parse_net
 from dpu_agent.units import SizeError, parse_size
 from kvproto.control import TENANTS_MAX, valid_tenant_name
 from kvproto.peer_auth import parse_peer_keys
-from kvproto.placement import REPLICAS_MAX
 from spdk_plugins.desired import DesiredStateError, SpdkDesired, parse_desired
 from spdk_plugins.tiers import TierTarget, agent_tiers
 
@@ -580,6 +579,18 @@ def _check_values(cfg: AgentConfig) -> None:
 def _check_cluster(cfg: AgentConfig) -> None:
     """[cluster] replicas (and each tenant's) within 1..REPLICAS_MAX; profile one of Serf's."""
     c = cfg.cluster
+    if c.replicas != 1 or any(t.replicas for t in cfg.tenants.values()):
+        _check_replicas(cfg)  # the defaults need no bound (and dpuctl status no numpy)
+    if c.serf_profile not in ("lan", "wan", "local"):
+        raise ConfigError(
+            f"{cfg.source}: [cluster] serf_profile={c.serf_profile!r}: lan, wan or local"
+        )
+
+
+def _check_replicas(cfg: AgentConfig) -> None:
+    from kvproto.placement import REPLICAS_MAX  # placement's numpy: only when replicas are set
+
+    c = cfg.cluster
     if not 1 <= c.replicas <= REPLICAS_MAX:
         raise ConfigError(
             f"{cfg.source}: [cluster] replicas={c.replicas} must be 1..{REPLICAS_MAX}"
@@ -589,10 +600,6 @@ def _check_cluster(cfg: AgentConfig) -> None:
             raise ConfigError(
                 f"{cfg.source}: [tenants.{t.name}] replicas={t.replicas} must be 0..{REPLICAS_MAX}"
             )
-    if c.serf_profile not in ("lan", "wan", "local"):
-        raise ConfigError(
-            f"{cfg.source}: [cluster] serf_profile={c.serf_profile!r}: lan, wan or local"
-        )
 
 
 def _check_etcd(cfg: AgentConfig) -> None:

@@ -14,9 +14,11 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
-import numpy.typing as npt
+if TYPE_CHECKING:  # numpy is imported where tokens are hashed: the key sizes need none of it
+    import numpy as np
+    import numpy.typing as npt
 
 __all__ = [
     "CHUNK_KEYS_TOKENS_MAX",
@@ -153,6 +155,8 @@ class ChunkLayout:
 
 def _tokens_u32(tokens: Sequence[int] | npt.NDArray[np.integer]) -> npt.NDArray[np.uint32]:
     """Tokens as a contiguous little-endian uint32 array; ValueError on anything else."""
+    import numpy as np
+
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")
@@ -190,7 +194,7 @@ def chunk_keys(
     if not isinstance(chunk_tokens, int) or not 1 <= chunk_tokens <= _CHUNK_TOKENS_MAX:
         raise ValueError(f"chunk_tokens={chunk_tokens!r} is outside [1, {_CHUNK_TOKENS_MAX}]")
     arr = _tokens_u32(tokens)
-    data = arr.view(np.uint8).data
+    data = arr.view("u1").data
     step = chunk_tokens * 4
     keys: list[bytes] = []
     prev = _ZERO_KEY
