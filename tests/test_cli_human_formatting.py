@@ -75,6 +75,8 @@ def test_status_labels_drop_unit_suffixes_and_stats_are_grouped(agent: AgentProc
     rows = _rows(r.stdout)
     assert "uptime" in rows and rows["uptime"].endswith("s")
     assert "uptime_s" not in rows and "capacity_bytes" not in rows and "capacity" in rows
+    assert "restore" not in rows  # no restore was interrupted: no empty row
+    assert all(v.strip() for v in rows.values()), rows
     r = dpuctl(agent, "stats")
     assert r.returncode == 0, r.stderr
     for title in ("stats (all tenants)", "tenant default", "tiers", "recovery"):

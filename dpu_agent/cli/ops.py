@@ -328,7 +328,9 @@ def _rows_table(title: str, rows: list[dict[str, Any]]) -> None:
 def show_status(data: dict[str, Any]) -> None:
     # one small table per member: ten columns of addresses do not fit a terminal side by side
     for member in data.get("members", []):
-        _kv_table(f"dpukv agent {member.get('name', '?')}", member)
+        # "restore" says something only when one was interrupted: no empty row otherwise
+        shown = {k: v for k, v in member.items() if not (k == "restore" and not v)}
+        _kv_table(f"dpukv agent {member.get('name', '?')}", shown)
 
 
 def show_stats(data: dict[str, Any]) -> None:
