@@ -1,26 +1,21 @@
-"""Destination KV buffers in GPU memory: GPUDirect RDMA where the host has it, host memory else.
+"""Destination KV buffers in GPU memory, and which GPUDirect path a host offers.
 
-Which path a host gets (`gpu_path()`, `describe()`):
+Which path a host has (`gpu_path()`, `describe()`, `dpuctl doctor`):
 
-- ``gpudirect-dmabuf``: CUDA, an RDMA device, libibverbs, and a driver that exports dma-bufs.
-  The buffers' allocation is exported with ``cuMemGetHandleForAddressRange(...,
-  CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD)`` and registered with ``ibv_reg_dmabuf_mr`` (iova = the
-  offset, so peers address the region from zero). pyverbs' ``DmaBufMR`` only takes a dma-buf it
-  allocated itself from a DRM render node, so the CUDA one is registered through libibverbs
-  directly (ctypes), with the same call DmaBufMR makes.
+- ``gpudirect-dmabuf``: CUDA, an RDMA device, libibverbs, and a driver that exports dma-bufs
+  (``cuMemGetHandleForAddressRange(..., CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD)``).
 - ``gpudirect-peermem``: as above without dma-buf export, but with the nvidia-peermem module
   loaded, which lets plain ``ibv_reg_mr`` take a CUDA pointer.
 - ``host``: no CUDA, no RDMA device, or no libibverbs. Chunks land in host memory (pinned when
   CUDA exists, then copied to the device). The reason is logged once per process.
 
-The registered regions are what an RDMA data path (the DPU's NVMe-oF RDMA target, read by the
-kernel initiator with GPUDirect Storage) writes into. The shim's NVMe/TCP data path cannot place
-bytes in GPU memory, so there `DeviceChunkBuffers.load` stages through pinned host memory. With
-a KVClient on the NIXL path (``transport="nixl"``/``"auto"``) the CUDA tensors themselves are
-handed to the shim: NIXL registers them as VRAM (UCX: GPUDirect RDMA on hardware) and the DPU
-agent writes into them, no staging (`staging_device` says which device buffers go on).
-pyverbs' ``DmaBufMR`` also takes a dma-buf fd (rdma-core 44: ``dmabuf=fd``); host_shim.rdma's
-`register_dmabuf` is that path, kept beside the ctypes one here.
+GPU buffers are registered once, by the transport that moves bytes into them: with a KVClient
+on the NIXL path (``transport="nixl"``/``"auto"``) the CUDA tensors themselves are handed to the
+shim, whose NIXL agent registers them as VRAM (`host_shim.transport.buffer_desc`; UCX then uses
+dma-buf or peermem itself, per the path above) and the DPU agent writes into them, no staging
+(`staging_device` says which device buffers go on). The shim's NVMe/TCP data path cannot place
+bytes in GPU memory, so there `DeviceChunkBuffers.load` stages through pinned host memory and
+nothing is registered with the NIC.
 """
 
 from __future__ import annotations
@@ -28,7 +23,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,12 +46,7 @@ __all__ = [
 log = logging.getLogger("host_shim.gpu")
 
 PathKind = Literal["gpudirect-dmabuf", "gpudirect-peermem", "host"]
-CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 1
 CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 124
-IBV_ACCESS_LOCAL_WRITE = 1
-IBV_ACCESS_REMOTE_WRITE = 2
-IBV_ACCESS_REMOTE_READ = 4
-_ACCESS = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ
 _host_path_logged = False
 
 
@@ -140,8 +129,8 @@ def describe(path: GpuPath | None = None) -> str:
     path = path or gpu_path()
     if path.gpudirect:
         return (
-            f"{path.kind}: {path.reason}; GPU buffers registered for RDMA, but the shim's "
-            "NVMe/TCP data path stages chunks through pinned host memory"
+            f"{path.kind}: {path.reason}; the NIXL data path registers GPU buffers as VRAM "
+            "(GPUDirect RDMA), NVMe/TCP stages chunks through pinned host memory"
         )
     return f"host memory: {path.reason}"
 
@@ -162,7 +151,7 @@ def _log_host_path_once(path: GpuPath) -> None:
         _host_path_logged = True
 
 
-# --- registration (libcuda, libibverbs through ctypes) --------------------------------------
+# --- libcuda (the dma-buf export probe) ----------------------------------------------------
 
 
 def _libcuda() -> Any:
@@ -172,101 +161,16 @@ def _libcuda() -> Any:
         return None
 
 
-class _IbvMr(ctypes.Structure):
-    _fields_ = [  # ctypes wants a list
-        ("context", ctypes.c_void_p),
-        ("pd", ctypes.c_void_p),
-        ("addr", ctypes.c_void_p),
-        ("length", ctypes.c_size_t),
-        ("handle", ctypes.c_uint32),
-        ("lkey", ctypes.c_uint32),
-        ("rkey", ctypes.c_uint32),
-    ]
-
-
-class _Verbs:
-    """A protection domain on the first RDMA device, for registering KV buffers."""
-
-    def __init__(self, device: str) -> None:
-        name = ctypes.util.find_library("ibverbs")
-        assert name is not None, "choose_path() checked libibverbs"
-        lib = self.lib = ctypes.CDLL(name, use_errno=True)
-        lib.ibv_get_device_list.restype = ctypes.POINTER(ctypes.c_void_p)
-        lib.ibv_get_device_name.restype = ctypes.c_char_p
-        lib.ibv_get_device_name.argtypes = [ctypes.c_void_p]
-        lib.ibv_open_device.restype = ctypes.c_void_p
-        lib.ibv_open_device.argtypes = [ctypes.c_void_p]
-        lib.ibv_alloc_pd.restype = ctypes.c_void_p
-        lib.ibv_alloc_pd.argtypes = [ctypes.c_void_p]
-        lib.ibv_reg_mr.restype = ctypes.POINTER(_IbvMr)
-        lib.ibv_reg_mr.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        lib.ibv_reg_dmabuf_mr.restype = ctypes.POINTER(_IbvMr)
-        lib.ibv_reg_dmabuf_mr.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_uint64,
-            ctypes.c_size_t,
-            ctypes.c_uint64,
-            ctypes.c_int,
-            ctypes.c_int,
-        ]
-        lib.ibv_dereg_mr.argtypes = [ctypes.c_void_p]
-        count = ctypes.c_int(0)
-        devs = lib.ibv_get_device_list(ctypes.byref(count))
-        chosen = next(
-            (
-                devs[i]
-                for i in range(count.value)
-                if lib.ibv_get_device_name(devs[i]) == device.encode()
-            ),
-            None,
-        )
-        if chosen is None:
-            raise OSError(f"RDMA device {device} not found by libibverbs")
-        self.ctx = lib.ibv_open_device(chosen)
-        self.pd = lib.ibv_alloc_pd(self.ctx) if self.ctx else None
-        if not self.pd:
-            raise OSError(ctypes.get_errno(), f"ibv_open_device/ibv_alloc_pd({device}) failed")
-
-    def reg_dmabuf(self, tensor: torch.Tensor) -> Any:
-        cuda = _libcuda()
-        base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
-        ptr = ctypes.c_uint64(tensor.data_ptr())
-        if cuda.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr):
-            raise OSError("cuMemGetAddressRange failed")
-        fd = ctypes.c_int(-1)
-        if cuda.cuMemGetHandleForAddressRange(
-            ctypes.byref(fd), base, size, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, ctypes.c_ulonglong(0)
-        ):
-            raise OSError("cuMemGetHandleForAddressRange(DMA_BUF_FD) failed")
-        offset = tensor.data_ptr() - base.value
-        nbytes = tensor.numel() * tensor.element_size()
-        try:
-            mr = self.lib.ibv_reg_dmabuf_mr(self.pd, offset, nbytes, offset, fd.value, _ACCESS)
-        finally:
-            os.close(fd.value)  # the MR holds its own reference to the dma-buf
-        if not mr:
-            raise OSError(ctypes.get_errno(), "ibv_reg_dmabuf_mr failed")
-        return mr
-
-    def reg_peermem(self, tensor: torch.Tensor) -> Any:
-        nbytes = tensor.numel() * tensor.element_size()
-        mr = self.lib.ibv_reg_mr(self.pd, tensor.data_ptr(), nbytes, _ACCESS)
-        if not mr:
-            raise OSError(ctypes.get_errno(), "ibv_reg_mr on CUDA memory failed (nvidia-peermem?)")
-        return mr
-
-    def dereg(self, mr: Any) -> None:
-        self.lib.ibv_dereg_mr(mr)
-
-
 # --- the buffers ----------------------------------------------------------------------------
 
 
 class DeviceChunkBuffers:
-    """`count` chunk buffers of `layout.chunk_shape` on `device`, registered where possible.
+    """`count` chunk buffers of `layout.chunk_shape` on `device`.
 
     `load(client, tokens)` fills them from the tier (a KVClient's `get`) and returns how many
     leading chunks arrived; `chunks` is the ``(count, *chunk_shape)`` tensor on the device.
+    Nothing is registered here: on the NIXL path the client's NIXL agent registers `chunks` as
+    VRAM the first time they are used; on NVMe/TCP the bytes go through the pinned staging copy.
     """
 
     def __init__(
@@ -283,13 +187,8 @@ class DeviceChunkBuffers:
         self.device = torch.device(device)
         self.path = path or gpu_path()
         self.chunks = torch.empty((count, *layout.chunk_shape), dtype=dtype, device=self.device)
-        self.rkey: int | None = None
-        self._verbs: _Verbs | None = None
-        self._mr: Any = None
         on_gpu = self.device.type == "cuda"
-        if self.path.gpudirect and on_gpu:
-            self._register()
-        else:
+        if not (self.path.gpudirect and on_gpu):
             _log_host_path_once(self.path)
         pin = on_gpu and torch.cuda.is_available()
         # Staging: NVMe/TCP lands bytes in host memory; pinned, the copy to the device is a DMA.
@@ -297,18 +196,10 @@ class DeviceChunkBuffers:
             torch.empty_like(self.chunks, device="cpu").pin_memory() if on_gpu and pin else None
         )
 
-    def _register(self) -> None:
-        self._verbs = _Verbs(self.path.probe.rdma_devices[0])
-        if self.path.kind == "gpudirect-dmabuf":
-            self._mr = self._verbs.reg_dmabuf(self.chunks)
-        else:
-            self._mr = self._verbs.reg_peermem(self.chunks)
-        self.rkey = int(self._mr.contents.rkey)
-        log.info("KV buffers registered for GPUDirect: %s", describe(self.path))
-
     def load(self, client: Any, tokens: Sequence[int]) -> int:
         """Read the cached prefix of `tokens` into the buffers; leading chunks loaded. On the
-        NIXL path straight into the device buffers, else through the pinned staging copy."""
+        NIXL path straight into the device buffers (NIXL registers them), else through the
+        pinned staging copy."""
         if staging_device(client, self.device) == self.device:
             return int(client.get(tokens, list(self.chunks.unbind(0))))
         target = self._staging if self._staging is not None else self.chunks
@@ -319,6 +210,5 @@ class DeviceChunkBuffers:
         return loaded
 
     def close(self) -> None:
-        if self._mr is not None and self._verbs is not None:
-            self._verbs.dereg(self._mr)
-            self._mr = None
+        """Let the staging copy go (the device buffers stay the caller's)."""
+        self._staging = None

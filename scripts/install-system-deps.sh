@@ -10,7 +10,7 @@ set -u
 # serf: cluster membership (HashiCorp Serf).  etcd-server: cluster-wide tenants (their source of
 #   truth; the tests start a real one).  iproute2: network namespaces and dcb in tests.
 # mstflint: mstconfig (firmware tests). systemd: systemd-analyze verify of the agent unit.
-# python3-pyverbs: rdma-core's pyverbs (host_shim.rdma, doctor), loaded into the venv by itself.
+# python3-pyverbs: rdma-core's pyverbs (dpuctl doctor's RDMA device listing).
 # nvme-cli: its own key checks and config loader test `dpuctl hosts connect-config`.
 PKGS=(gcc libssl-dev libxxhash-dev redis-server serf etcd-server iproute2 mstflint systemd python3-pyverbs nvme-cli)
 missing=()

@@ -397,12 +397,15 @@ def _parse_accel(parent: _Table) -> AccelConfig:
     for i, d in enumerate(devs):
         if not isinstance(d, str) or not _NAME_RE.match(d):
             raise DesiredStateError(f"spdk.accel.allowed_devs[{i}]", f"{d!r} is not a device name")
+    split = t.get("crypto_split_blocks", int)
+    if split is not None and not 0 <= split <= 0xFFFF:  # SPDK decodes it as uint16; 0 = no limit
+        raise DesiredStateError("spdk.accel.crypto_split_blocks", f"{split} not in [0, 65535]")
     acc = AccelConfig(
         module=module,
         qp_size=t.positive("qp_size", maximum=0xFFFF),
         num_requests=t.positive("num_requests", maximum=0xFFFFFFFF),
         allowed_devs=tuple(devs),
-        crypto_split_blocks=t.get("crypto_split_blocks", int),
+        crypto_split_blocks=split,
         enable_driver=t.get("enable_driver", bool),
     )
     t.done()

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cluster_harness import Cluster
+from waits import wait_until
 
 from dpu_agent.cluster import SerfClient
 from host_shim import KVClient
@@ -32,6 +33,7 @@ pytestmark = [
 LAYOUT = ChunkLayout("cluster-moves", "float16", 1, 1, 64, chunk_tokens=16)  # 2 KiB chunks
 SALT = b"cluster-moves-salt-0123"
 CHUNK = LAYOUT.chunk_bytes
+CLUSTER_POLL_S = 0.2  # each look opens control sessions to the agents: not 50 times a second
 
 
 def prompt(i: int) -> np.ndarray:
@@ -91,15 +93,6 @@ def committed_bytes(metrics_url: str) -> float:
                or line.startswith('kvtier_bytes_in{tenant="default"}'))  # fmt: skip
 
 
-def wait_for(cond, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
 @pytest.fixture()
 def stack() -> Iterator[ExitStack]:
     with ExitStack() as s:
@@ -148,13 +141,14 @@ def test_leave_at_r1_misses_nothing_the_leaving_node_answers_until_gone(
             rpc_key = (c.root / "b" / "serf-rpc.key").read_text().strip()
             with SerfClient(c.nodes["b"].serf_rpc, auth_key=rpc_key) as serf:  # `cluster leave`
                 serf.tags({"state": "leaving"})
-            wait_for(
+            wait_until(
                 lambda: (
                     rebalanced(c, ["a", "b", "c"])
                     and any(r["state"] == "leaving" for r in c.members("b")["members"])
                 ),
-                60,
                 "the drain",
+                60,
+                CLUSTER_POLL_S,
             )
             # drained: the new owners hold every chunk, and b still answers all of its own
             assert all(nc.holds("a", i) or nc.holds("c", i) for i in range(n_prompts))
@@ -166,7 +160,8 @@ def test_leave_at_r1_misses_nothing_the_leaving_node_answers_until_gone(
             assert r.returncode == 0, r.stdout + r.stderr
             c.wait_serving(["a", "c"], on=["a", "c"])
             reads_after = reads[0]
-            wait_for(lambda: reads[0] > reads_after + n_prompts, 30, "reads after the leave")
+            wait_until(lambda: reads[0] > reads_after + n_prompts, "reads after the leave", 30,
+                       CLUSTER_POLL_S)  # fmt: skip
         finally:
             stop.set()
             t.join(timeout=30)
@@ -279,7 +274,7 @@ def test_divergent_replicas_are_resolved_to_the_lower_checksum_and_surplus_dropp
                     return False
             return True
 
-        wait_for(settled, 60, "anti-entropy to resolve and drop")
+        wait_until(settled, "anti-entropy to resolve and drop", 60, CLUSTER_POLL_S)
         views = [c.members(n)["rebalance"] for n in names]
         assert sum(v["divergent"] for v in views) == len(divergent)
         assert sum(v["dropped_chunks"] for v in views) >= len(surplus)
@@ -318,7 +313,9 @@ def test_hot_prefix_counts_reads_from_all_clients_at_the_owner(
         for t in threads:
             t.start()
         try:
-            wait_for(lambda: all(nc.holds(n, 0) for n in others), 15, "hot copies")
+            wait_until(
+                lambda: all(nc.holds(n, 0) for n in others), "hot copies", 15, CLUSTER_POLL_S
+            )
             hits = nc[owner].channel.call("lookup", keys=[nc.key(0)])
             nc[owner].channel.call("release", lease_id=hits["lease_id"])
             assert hits.get("hot") == [0]  # the owner tells clients to spread the reads

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cluster_harness import Cluster, gossip_key, write_secret
+from waits import wait_until
 
 from dpu_agent.cluster import SerfClient, SerfProcess, free_port
 from host_shim import KVClient
@@ -30,6 +31,7 @@ LAYOUT = ChunkLayout("cluster-sec", "float16", 1, 1, 64, chunk_tokens=16)
 SALT = b"cluster-sec-salt-0123456"
 CHUNKS = 40
 NAMES = ["s1", "s2", "s3"]
+CLUSTER_POLL_S = 0.3  # each look opens a control session to an agent (hello, members)
 
 pytestmark = pytest.mark.skipif(shutil.which("serf") is None, reason="needs serf (apt)")
 
@@ -106,15 +108,6 @@ def _view(c: Cluster, name: str) -> dict[str, dict]:
     return {m["name"]: m for m in c.members(name)["members"]}
 
 
-def _wait(cond: object, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():  # type: ignore[operator]
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
 def _fake(c: Cluster, name: str, tags: dict[str, str], keyring: Path | None) -> SerfProcess:
     p = SerfProcess(
         name, bind=f"127.0.0.1:{free_port()}", rpc_addr=f"127.0.0.1:{free_port()}", tags=tags,
@@ -161,8 +154,8 @@ def test_member_without_the_cluster_key_gets_no_token_no_chunk_no_traffic(
         with evil.wait_ready() as rpc:
             assert rpc.join([c.nodes["s1"].serf_bind]) == 1  # gossip lets it in ...
         for n in NAMES:  # ... every agent sees it and refuses it
-            _wait(lambda n=n: _view(c, n).get("evil-keyed", {}).get("status") == "refused",
-                  30, f"{n} to refuse evil-keyed")  # fmt: skip
+            wait_until(lambda n=n: _view(c, n).get("evil-keyed", {}).get("status") == "refused",
+                       f"{n} to refuse evil-keyed", 30, CLUSTER_POLL_S)  # fmt: skip
         assert "member_tag" in _view(c, "s1")["evil-keyed"]["reason"]
         status = c.dpuctl("s2", "cluster", "status", "--json")
         assert json.loads(status.stdout)["refused"] == ["evil-keyed"], status.stdout
@@ -207,7 +200,8 @@ def test_malformed_tags_never_break_the_view_even_after_the_member_left(
         with bad.wait_ready() as rpc:
             assert rpc.join([c.nodes["s2"].serf_bind]) == 1
         for n in NAMES:
-            _wait(lambda n=n: "bad-cap" in _view(c, n), 30, f"{n} to list bad-cap")
+            wait_until(lambda n=n: "bad-cap" in _view(c, n), f"{n} to list bad-cap", 30,
+                       CLUSTER_POLL_S)  # fmt: skip
             assert c.members(n)["serving"] == 3
         assert "cap='abc'" in _view(c, "s1")["bad-cap"]["reason"]
         bad.stop()  # a graceful leave: Serf keeps it as `left` for a while

@@ -42,6 +42,7 @@ def test_path_decision_table(changes: dict[str, object], kind: str, reason: str)
     assert reason in text
     if path.gpudirect:
         assert "stages chunks through pinned host memory" in text  # said, not hidden
+        assert "NIXL data path registers GPU buffers as VRAM" in text  # the one registration
 
 
 def test_probe_reads_sysfs(tmp_path: Path) -> None:
@@ -91,7 +92,6 @@ def test_host_fallback_loads_and_logs_once(caplog: pytest.LogCaptureFixture) -> 
     assert len(said) == 1 and "no CUDA device" in said[0].getMessage()
     assert a.load(_Store(chunks), list(range(24))) == 2
     assert a.chunks[0].equal(chunks[0]) and a.chunks[1].equal(chunks[1])
-    assert a.rkey is None  # nothing registered
     a.close()
     b.close()
 
@@ -105,12 +105,35 @@ def test_gpu_buffers_load_into_device_memory() -> None:  # pragma: no cover - ne
     bufs.close()
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or not gpu.gpu_path().gpudirect,
-    reason="GPUDirect needs CUDA, an RDMA device and libibverbs; this machine has: "
-    + gpu.gpu_path().reason,
-)
-def test_gpudirect_registration() -> None:  # pragma: no cover - needs a GPU and an RDMA NIC
-    bufs = gpu.DeviceChunkBuffers(LAYOUT, 2, device="cuda", dtype=torch.float32)
-    assert bufs.rkey is not None
+class _NixlStandIn(_Store):
+    """A client on the NIXL path: records the buffers `get` was handed (the agent path with a
+    real NIXL agent is tests/test_gpu_nixl.py)."""
+
+    transport = "nixl"
+
+    def __init__(self, chunks: list[torch.Tensor]) -> None:
+        super().__init__(chunks)
+        self.handed: list[int] = []
+
+    def get(self, tokens: list[int], into: list[torch.Tensor]) -> int:
+        self.handed = [t.data_ptr() for t in into]
+        return super().get(tokens, into)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+def test_gpudirect_buffers_get_no_verbs_mr_of_their_own(
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # pragma: no cover - needs a GPU
+    """On a GPUDirect host the device buffers used to get a verbs MR (and a "registered for
+    GPUDirect" log) that no transfer used; the only registration is the NIXL agent's, of the
+    very tensors `load` hands the client."""
+    path = gpu.choose_path(FULL)  # claims GPUDirect whether or not this host has a NIC
+    chunks = [torch.randn(LAYOUT.chunk_shape, device="cuda") for _ in range(2)]
+    with caplog.at_level(logging.INFO, logger="host_shim.gpu"):
+        bufs = gpu.DeviceChunkBuffers(LAYOUT, 2, device="cuda", dtype=torch.float32, path=path)
+    assert not [r for r in caplog.records if "registered" in r.getMessage()]
+    client = _NixlStandIn(chunks)
+    assert bufs.load(client, list(range(16))) == 2
+    assert client.handed == [t.data_ptr() for t in bufs.chunks.unbind(0)]  # no staging copy
+    assert bufs.chunks[1].equal(chunks[1])
     bufs.close()

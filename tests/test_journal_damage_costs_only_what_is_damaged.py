@@ -13,6 +13,7 @@ import os
 import stat
 from pathlib import Path
 
+import pytest
 from journal_damage import BS, cfg, chunk, present
 
 from dpu_agent.engine import Engine
@@ -130,16 +131,18 @@ def test_failed_demotion_write_gives_the_nvme_extent_back(tmp_path: Path) -> Non
         nvme = ts.tiers[NVME]
         free_before = nvme.alloc.free_blocks
 
+        tried: list[int] = []
+
         def broken_write(lba: int, data: object) -> None:
+            tried.append(lba)
             raise BlockDeviceError("injected write failure")
 
         nvme.devices.device.write = broken_write  # type: ignore[method-assign]
         with eng._lock:
             row = eng._index.find(ts.tenant_id, key)
-            try:
+            with pytest.raises(BlockDeviceError, match="injected write failure"):
                 eng._mover.demote(ts, row, eng._clock(), evict=False)
-            except BlockDeviceError:
-                pass
+        assert tried, "the demotion never reached the NVMe write: nothing was tested"
         assert nvme.alloc.free_blocks == free_before  # nothing leaked
         del nvme.devices.device.write
         assert eng.get_chunk("acme", key) == b"x" * (2 * BS)  # still served from DRAM

@@ -7,15 +7,17 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from disk_dirs import disk_backed_dir
 
 from dpu_agent.blockdev import FileBlockDevice
 from dpu_agent.crypto import CryptoBlockDevice, XtsCipher
@@ -25,6 +27,19 @@ from dpu_agent.nvmf import _target as target_module
 KEY = bytes(range(64))
 BS = 4096
 REPO = Path(__file__).resolve().parent.parent
+LANE_BACK_S = 10.0  # deadline for the lane to take work again after its back-off (loaded box)
+
+
+@pytest.fixture
+def disk_path() -> Iterator[Path]:
+    """A directory on a real disk: the page-cache tests need pages that DONTNEED can drop."""
+    where = disk_backed_dir("mapped-reads-")
+    if where is None:
+        pytest.skip("no disk-backed directory (the repo's .pytest-disk/ and /var/tmp are tmpfs)")
+    try:
+        yield where
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
 
 
 def test_reads_decrypt_out_of_the_mapping_without_preadv(tmp_path: Path) -> None:
@@ -132,21 +147,22 @@ def test_sigbus_outside_a_guarded_read_still_ends_the_process(tmp_path: Path) ->
 
 
 def test_a_lane_read_that_waited_for_the_disk_sends_the_lane_to_the_pool_for_a_while(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    disk_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A mapped read whose pages are not cached waits on the disk (a major page fault); in the
     one-thread lane it would hold up every read behind it. After one, the lane's work goes to
     the pool (LANE_BACKOFF_S), then back to the lane. A call that is merely slow (waiting for
     the GIL or the CPU, as on a loaded box) keeps the lane."""
-    monkeypatch.setattr(target_module, "LANE_BACKOFF_S", 0.3)
-    cold = tmp_path / "cold.img"
+    backoff_s = 1.0  # long enough that the first call after the disk read lands inside it
+    monkeypatch.setattr(target_module, "LANE_BACKOFF_S", backoff_s)
+    cold = disk_path / "cold.img"
     with open(cold, "wb") as f:
         f.write(os.urandom(4 << 20))
         f.flush()
         os.fsync(f.fileno())
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # out of the page cache
 
-    async def main() -> tuple[list[str], int]:
+    async def main() -> tuple[list[str], int, list[tuple[float, str]]]:
         target = NvmeTcpTarget((), "127.0.0.1", 0)
         await target.start()
         ran_in: list[str] = []
@@ -176,22 +192,32 @@ def test_a_lane_read_that_waited_for_the_disk_sends_the_lane_to_the_pool_for_a_w
                 m[1 << 20]  # a page that is not cached
             faults.append(target_module._major_faults() - before)
 
+        # (seconds from the start of the disk read to the end of a call, where it ran): a call
+        # that ended within the back-off of that start was placed inside the back-off
+        later: list[tuple[float, str]] = []
         try:
             await one(slow)
             await one(fast)  # slow is no reason to leave
+            disk_start = time.monotonic()
             await one(from_disk)
-            await one(fast)  # within the back-off: the pool
-            await asyncio.sleep(0.4)
-            await one(fast)  # after it: the lane again
+            while time.monotonic() < disk_start + LANE_BACK_S:  # until the lane takes it again
+                await one(fast)
+                later.append((time.monotonic() - disk_start, ran_in.pop()))
+                if later[-1][1].startswith("nvmf-mem"):
+                    break
+                await asyncio.sleep(0.02)
         finally:
             await target.stop()
-        return ran_in, faults[0]
+        return ran_in, faults[0], later
 
-    ran_in, faults = asyncio.run(main())
-    if faults == 0:
-        pytest.skip(f"{tmp_path} keeps dropped pages in memory (tmpfs?): no major fault to see")
+    ran_in, faults, later = asyncio.run(main())
+    assert faults > 0, f"{disk_path} kept the dropped pages: no major fault, nothing to test"
     kinds = [name.split("_")[0] for name in ran_in]
-    assert kinds == ["nvmf-mem", "nvmf-mem", "nvmf-mem", "nvmf-io", "nvmf-mem"], ran_in
+    assert kinds == ["nvmf-mem", "nvmf-mem", "nvmf-mem"], ran_in
+    assert later and later[-1][1].startswith("nvmf-mem"), f"never back in the lane: {later}"
+    assert later[-1][0] >= backoff_s, later  # not before the back-off was over
+    early = [where for after, where in later if after < backoff_s]  # inside the back-off
+    assert early and all(w.startswith("nvmf-io") for w in early), later
 
 
 def _thread_major_faults() -> int:
@@ -200,7 +226,7 @@ def _thread_major_faults() -> int:
     return resource.getrusage(resource.RUSAGE_THREAD).ru_majflt
 
 
-def test_drop_cache_sends_mapped_reads_back_to_the_disk(tmp_path: Path) -> None:
+def test_drop_cache_sends_mapped_reads_back_to_the_disk(disk_path: Path) -> None:
     """The failure: the two-tier replay measured the NVMe tier's bandwidth 'from the disk' by
     posix_fadvise(DONTNEED) before each round, but since reads come out of the tier file's
     mapping the pages an earlier round read stay mapped, fadvise cannot drop them, and the
@@ -208,7 +234,7 @@ def test_drop_cache_sends_mapped_reads_back_to_the_disk(tmp_path: Path) -> None:
     replay's bandwidth rounds use it, so every round reads from the disk."""
     from dpu_agent.bench.replay_tiers import _read_gbps
 
-    path = tmp_path / "nvme.img"
+    path = disk_path / "nvme.img"
     blocks = (64 << 20) // BS  # what _read_gbps reads
     dev = FileBlockDevice(str(path), blocks)
     crypto = CryptoBlockDevice(dev, XtsCipher(KEY))
@@ -220,8 +246,7 @@ def test_drop_cache_sends_mapped_reads_back_to_the_disk(tmp_path: Path) -> None:
         dev.drop_cache()
         before = _thread_major_faults()
         _read_gbps(crypto, None)  # cold: from the disk
-        if _thread_major_faults() == before:
-            pytest.skip(f"{tmp_path} keeps dropped pages in memory (tmpfs?): no fault to see")
+        assert _thread_major_faults() > before, f"{disk_path} kept the dropped pages in memory"
         before = _thread_major_faults()
         _read_gbps(crypto, None)  # the pages are mapped and cached now: no disk
         assert _thread_major_faults() == before

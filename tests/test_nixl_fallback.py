@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgpack
 import nixl_md
 import numpy as np
 import pytest
@@ -20,7 +21,15 @@ from dpu_agent.nixl._server import _Session
 from dpu_agent.service import AgentProcess, spawn_agent
 from host_shim import KVClient
 from host_shim.transport import _lib, buffer_desc, choose_transport
-from kvproto.control import LocalProtocolError, RemoteProtocolError, encode_request
+from kvproto.control import (
+    NIXL_METADATA_BYTES_MAX,
+    NIXL_REGION_BYTES_MAX,
+    NIXL_SPAN_BYTES_MAX,
+    LocalProtocolError,
+    RemoteProtocolError,
+    encode_request,
+    parse_request,
+)
 from kvproto.keys import ChunkLayout
 
 LAYOUT = ChunkLayout("nixl-fallback", "float16", 2, 2, 64, chunk_tokens=16)
@@ -33,36 +42,60 @@ def _md(name: bytes) -> bytes:
 
 
 @pytest.mark.parametrize(
-    ("op", "fields"),
+    ("op", "fields", "refused"),
     [
-        ("nixl_connect", {"metadata": b""}),
-        ("nixl_connect", {"metadata": b"x" * (64 << 10 + 1)}),
-        ("nixl_register", {"metadata": b"m", "add": [[1, 0, 0, "DRAM"]], "drop": []}),
-        ("nixl_register", {"metadata": b"m", "add": [[1, 8, 0, "HBM"]], "drop": []}),
-        ("nixl_register", {"metadata": b"m", "add": [[-1, 8, 0, "DRAM"]], "drop": []}),
-        ("nixl_get", {"keys": [KEY], "targets": [[1]]}),
-        ("nixl_get", {"keys": [KEY], "targets": [[1, 2, 3]]}),
-        ("nixl_get", {"keys": [KEY], "targets": [[True, 2]]}),
+        ("nixl_connect", {"metadata": b""}, "field 'metadata'"),
+        ("nixl_connect", {"metadata": b"x" * (NIXL_METADATA_BYTES_MAX + 1)}, "field 'metadata'"),
+        ("nixl_register", {"metadata": b"m", "add": [[1, 0, 0, "DRAM"]], "drop": []},
+         "field 'add'"),
+        ("nixl_register", {"metadata": b"m", "add": [[1, 8, 0, "HBM"]], "drop": []},
+         "field 'add'"),
+        ("nixl_register", {"metadata": b"m", "add": [[-1, 8, 0, "DRAM"]], "drop": []},
+         "field 'add'"),
+        ("nixl_register", {"metadata": b"m", "add": [], "drop": [[1, 8, 0, "DRAM", 5]]},
+         "field 'drop'"),
+        ("nixl_get", {"keys": [KEY], "targets": [[1]]}, "field 'targets'"),
+        ("nixl_get", {"keys": [KEY], "targets": [[1, 2, 3]]}, "field 'targets'"),
+        ("nixl_get", {"keys": [KEY], "targets": [[True, 2]]}, "field 'targets'"),
         # sizes past what a host can register or a chunk can be, checked before any planning
-        ("nixl_register", {"metadata": b"m", "add": [[1, (64 << 30) + 1, 0, "DRAM"]], "drop": []}),
-        ("nixl_register", {"metadata": b"m", "add": [[(1 << 64) - 8, 16, 0, "DRAM"]], "drop": []}),
-        ("nixl_get", {"keys": [KEY], "targets": [[1, (1 << 30) + 1]]}),
-        ("nixl_put", {"keys": [KEY], "sources": [[1, 1 << 46]], "parents": [None]}),
-        ("nixl_put", {"keys": [KEY], "sources": [[(1 << 64) - 8, 16]], "parents": [None]}),
-        ("nixl_put", {"keys": [KEY], "sources": [[1, 2]], "parents": [b"short"]}),
-        ("nixl_put", {"keys": [KEY], "sources": [[1, 2]]}),
+        ("nixl_register", {"metadata": b"m", "add": [[1, NIXL_REGION_BYTES_MAX + 1, 0, "DRAM"]],
+                           "drop": []}, "field 'add'"),
+        ("nixl_register", {"metadata": b"m", "add": [[(1 << 64) - 8, 16, 0, "DRAM"]], "drop": []},
+         "field 'add'"),
+        ("nixl_get", {"keys": [KEY], "targets": [[1, NIXL_SPAN_BYTES_MAX + 1]]},
+         "field 'targets'"),
+        ("nixl_put", {"keys": [KEY], "sources": [[1, 1 << 46]], "parents": [None]},
+         "field 'sources'"),
+        ("nixl_put", {"keys": [KEY], "sources": [[(1 << 64) - 8, 16]], "parents": [None]},
+         "field 'sources'"),
+        ("nixl_put", {"keys": [KEY], "sources": [[1, 2]], "parents": [b"short"]},
+         "field 'parents'"),
+        ("nixl_put", {"keys": [KEY], "sources": [[1, 2]]}, "missing field 'parents'"),
     ],
-)
-def test_nixl_ops_refuse_malformed_fields(op: str, fields: dict[str, object]) -> None:
-    with pytest.raises(LocalProtocolError):
+)  # fmt: skip
+def test_nixl_ops_refuse_malformed_fields(op: str, fields: dict[str, object], refused: str) -> None:
+    """Each request is refused for the field it breaks (not for another one by accident)."""
+    with pytest.raises(LocalProtocolError, match=f"^{op}: .*{refused}"):
         encode_request(1, op, **fields)
 
 
-def test_nixl_ops_encode_valid_fields() -> None:
-    encode_request(1, "nixl_connect", metadata=_md(b"dpukv.default.1"))
-    encode_request(2, "nixl_register", metadata=b"m", add=[[1 << 40, 8, 0, "VRAM"]], drop=[])
-    encode_request(3, "nixl_get", keys=[KEY], targets=[[1 << 40, 4096]])
-    encode_request(4, "nixl_put", keys=[KEY, KEY], sources=[[1, 2], [3, 4]], parents=[None, KEY])
+@pytest.mark.parametrize(
+    ("op", "fields"),
+    [
+        ("nixl_connect", {"metadata": _md(b"dpukv.default.1")}),
+        ("nixl_connect", {"metadata": b"x" * NIXL_METADATA_BYTES_MAX}),  # the limit itself
+        ("nixl_register", {"metadata": b"m", "add": [[1 << 40, 8, 0, "VRAM"]], "drop": []}),
+        ("nixl_register", {"metadata": b"m", "add": [[1, NIXL_REGION_BYTES_MAX, 0, "DRAM"]],
+                           "drop": [[1 << 40, 8, 0, "VRAM"]]}),
+        ("nixl_get", {"keys": [KEY], "targets": [[1 << 40, NIXL_SPAN_BYTES_MAX]]}),
+        ("nixl_put", {"keys": [KEY, KEY], "sources": [[1, 2], [3, 4]], "parents": [None, KEY]}),
+    ],
+)  # fmt: skip
+def test_nixl_ops_encode_valid_fields(op: str, fields: dict[str, object]) -> None:
+    """Valid requests (limits included) go out, and the server reads back what was sent."""
+    frame = encode_request(7, op, **fields)
+    req = parse_request(msgpack.unpackb(frame[4:], raw=False))
+    assert (req.id, req.op, req.fields) == (7, op, fields)
 
 
 def test_metadata_agent_name_is_read_before_nixl_loads_it() -> None:

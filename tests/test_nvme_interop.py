@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from spdk_peer import SKIP_REASON, SPDK_BIN, SpdkApp, free_port, protocol_errors, spdk_tgt
+from waits import wait_until
 
 from dpu_agent.nvmf import TargetProcess
 from host_shim.nvme import NvmeStatusError, NvmeTcpController, discover
@@ -234,5 +235,11 @@ def test_close_is_a_clean_shutdown_for_spdk(spdk_app: tuple[int, SpdkApp]) -> No
         t0 = time.monotonic()
         c.close()
         assert time.monotonic() - t0 < SHUTDOWN_WAIT_S_MAX
-    time.sleep(0.5)  # let SPDK finish tearing the controllers down
+    # SPDK lists a controller until its teardown is done: once none is left, every close
+    # above has been processed, and none of them may have left a disconnect in progress
+    wait_until(lambda: _controllers(app) == [], "SPDK tears the closed controllers down")
     assert app.log().count("disconnect in progress") == before
+
+
+def _controllers(app: SpdkApp) -> list[object]:
+    return list(app.rpc("nvmf_subsystem_get_controllers", nqn=NQN))

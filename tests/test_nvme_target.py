@@ -8,13 +8,17 @@ event-loop thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
+from waits import wait_until
 
 from dpu_agent.blockdev import MemoryBlockDevice
 from dpu_agent.nvmf import NvmeTcpTarget, Subsystem, TargetOptions, TargetProcess
@@ -154,17 +158,38 @@ def test_discovery_controller_has_no_io_queues(target: TargetProcess) -> None:
         assert c.io_queue_count == 0
 
 
-def test_keep_alive_timeout_closes_idle_controller(target: TargetProcess) -> None:
-    c = _connect(target, kato_ms=200, keep_alive=False)  # granularity 100 ms: KATO 200 ms
-    try:
-        time.sleep(1.0)
-        with pytest.raises(NvmeTransportError):
-            c.read(1, 0, bytearray(4096))
-    finally:
-        c.close()
-    with _connect(target, kato_ms=200) as alive:  # keep-alive thread: stays up
-        time.sleep(0.8)
-        alive.read(1, 0, bytearray(4096))
+def test_keep_alive_timeout_closes_idle_controller(tmp_path: Path) -> None:
+    """An idle controller (no keep-alive) is destroyed after its KATO; one whose host sends
+    keep-alives, connected before it, outlives it: the target's own log says when the idle
+    one went, so the live one has been through the same windows when it is checked."""
+    log = tmp_path / "target.log"
+    with TargetProcess(NQN, allow_hosts=[HOST], blocks=BLOCKS, keep_alive_granularity_ms=100,
+                       log_level="INFO", log_path=log) as t:  # fmt: skip
+        alive = _connect(t, kato_ms=200)  # keep-alive thread every 100 ms
+        idle = _connect(t, kato_ms=200, keep_alive=False)  # granularity 100 ms: KATO 200 ms
+        try:
+            gone = wait_until(
+                lambda: _destroyed(log), "the target destroys the idle controller", 20.0
+            )
+            assert gone == {idle.cntlid: "keep-alive timeout 200 ms"}
+            with pytest.raises(NvmeTransportError):
+                idle.read(1, 0, bytearray(4096))
+            alive.read(1, 0, bytearray(4096))
+            assert alive.cntlid not in _destroyed(log)
+        finally:
+            idle.close()
+            alive.close()
+
+
+def _destroyed(log: Path) -> dict[int, str]:
+    """cntlid -> reason of every controller the target's JSON log says it destroyed."""
+    out = {}
+    for line in log.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            rec = json.loads(line)
+            if rec.get("event") == "nvmf_controller_destroyed":
+                out[int(rec["cntlid"])] = str(rec["reason"])
+    return out
 
 
 def test_concurrent_threads_on_shared_controller(target: TargetProcess) -> None:

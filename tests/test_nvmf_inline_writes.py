@@ -24,6 +24,7 @@ from kvproto.nvme import _commands as cmds
 NQN = "nqn.2026-11.io.dpu-kvtier:tenant:inline"
 HOST = "nqn.2026-11.io.dpu-kvtier:host:gpu0"
 KEY = bytes(range(64))
+INLINE_AGAIN_S = 10.0  # deadline for writes to go inline again after the back-off (loaded box)
 
 
 def test_file_tier_writes_run_inline_and_its_reads_do_not(tmp_path: Path) -> None:
@@ -74,7 +75,7 @@ class ThrottledDevice:
 
 @pytest.fixture
 def served() -> Iterator[tuple[ThrottledDevice, int, str]]:
-    dev = ThrottledDevice(256, slow=1, delay_s=0.05)
+    dev = ThrottledDevice(1024, slow=1, delay_s=0.05)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="target-loop", daemon=True)
     thread.start()
@@ -96,21 +97,32 @@ def test_slow_inline_write_sends_the_queue_to_the_pool_then_back(
 ) -> None:
     """Without the guard every write of a throttled page cache stalls the loop, and every
     queue of every host with it."""
-    monkeypatch.setattr(nvmf_connection, "INLINE_BACKOFF_S", 0.5)
+    backoff_s = 0.5
+    monkeypatch.setattr(nvmf_connection, "INLINE_BACKOFF_S", backoff_s)
     dev, port, loop_name = served
     data = bytes(range(256)) * 16 * 4  # 16 KiB
     with NvmeTcpController.connect("127.0.0.1", port, NQN, HOST, io_queues=1) as c:
+        slow_start = time.monotonic()  # the back-off starts after this (when the write ends)
         c.write(1, 0, data)  # inline, and slow: 50 ms > INLINE_WRITE_SLOW_S
-        c.write(1, 4, data)  # the pool now
-        c.write(1, 8, data)
-        assert dev.threads[0] == loop_name
-        assert all(t.startswith("nvmf-io") for t in dev.threads[1:3]), dev.threads
-        time.sleep(0.6)  # the back-off is over: inline again
-        c.write(1, 12, data)
-        assert dev.threads[3] == loop_name, dev.threads
+        assert dev.threads == [loop_name]
+        # (seconds from the slow write's start to the end of a write, the thread it ran on):
+        # a write that ended within the back-off of that start was placed inside the back-off
+        later: list[tuple[float, str]] = []
+        lba = 4
+        while time.monotonic() < slow_start + INLINE_AGAIN_S:  # until writes go inline again
+            c.write(1, lba, data)
+            later.append((time.monotonic() - slow_start, dev.threads[-1]))
+            lba += 4
+            if later[-1][1] == loop_name or lba + 4 > dev.block_count:
+                break
+            time.sleep(0.02)
+        assert later and later[-1][1] == loop_name, f"never inline again: {later}"
+        assert later[-1][0] >= backoff_s, later  # not before the back-off was over
+        early = [thread for after, thread in later if after < backoff_s]
+        assert early and all(t.startswith("nvmf-io") for t in early), later
         got = bytearray(len(data))
-        for lba in (0, 4, 8, 12):
-            c.read(1, lba, got)
+        for at in range(0, lba, 4):  # every write above, back
+            c.read(1, at, got)
             assert got == data
 
 

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from waits import wait_until
 
 from dpu_agent.cluster import SerfClient, SerfProcess, free_port
 from kvproto.serf import MemberEvent, QueryEvent, SerfError, UserEvent
@@ -19,16 +20,6 @@ def start(node: str, join: list[str] | None = None, auth_key: str = "") -> SerfP
         node, bind=f"127.0.0.1:{free_port()}", rpc_addr=f"127.0.0.1:{free_port()}",
         tags={"role": "kv"}, join=join or [], auth_key=auth_key,
     )  # fmt: skip
-
-
-def wait_for(fn, timeout_s: float = 20.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = fn()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"condition not met in {timeout_s} s")
 
 
 @pytest.fixture()
@@ -45,7 +36,8 @@ def pair() -> Iterator[tuple[SerfProcess, SerfProcess]]:
 def test_members_join_tags_event_query_stop_leave(pair: tuple[SerfProcess, SerfProcess]) -> None:
     a, b = pair
     with a.wait_ready() as ca, b.wait_ready() as cb:
-        wait_for(lambda: len([m for m in ca.members() if m.status == "alive"]) == 2)
+        wait_until(lambda: len([m for m in ca.members() if m.status == "alive"]) == 2,
+                   "both members alive", interval_s=0.1)  # fmt: skip
         names = {m.name: m for m in ca.members()}
         assert names["b1"].tags == {"role": "kv"} and names["b1"].addr == "127.0.0.1"
         assert [m.name for m in ca.members_filtered(status="alive", name="b.*")] == ["b1"]
@@ -82,7 +74,8 @@ def test_members_join_tags_event_query_stop_leave(pair: tuple[SerfProcess, SerfP
         with pytest.raises(SerfError, match="join"):
             ca.join(["127.0.0.1:1"])
         cb.leave()
-        wait_for(lambda: {m.name: m.status for m in ca.members()}["b1"] in ("left", "failed"))
+        wait_until(lambda: {m.name: m.status for m in ca.members()}["b1"] in ("left", "failed"),
+                   "b1 left", interval_s=0.1)  # fmt: skip
 
 
 def test_auth_key_required_and_checked() -> None:
@@ -136,7 +129,7 @@ def test_serf_dies_with_a_killed_parent() -> None:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
 
     try:
-        wait_for(gone, timeout_s=10.0)
+        wait_until(gone, "the member gone", 10.0, 0.1)
     finally:
         if not gone():
             os.kill(serf_pid, signal.SIGKILL)

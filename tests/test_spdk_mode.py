@@ -174,13 +174,6 @@ def rig(tmp_path: Path) -> Iterator[Rig]:
             r.target.stop()
 
 
-def _wait(cond: Any, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def test_spdk_mode_end_to_end(rig: Rig) -> None:
     # Plan-only start against an empty SPDK: refused, naming the socket and the fix.
     with pytest.raises(RuntimeError, match="does not match \\[spdk\\]") as e:

@@ -524,8 +524,8 @@ def _probe_gpudirect() -> tuple[str, str]:
         return "ok", "nvidia-peermem loaded: GPU memory registers with the NIC (GPUDirect RDMA)"
     if glob.glob("/dev/nvidia[0-9]*"):
         return "fallback", (
-            "GPU present, nvidia-peermem not loaded: GPU memory registers by dma-buf "
-            "(pyverbs DmaBufMR) where the RDMA driver supports it"
+            "GPU present, nvidia-peermem not loaded: NIXL (UCX) registers GPU memory by dma-buf "
+            "where the RDMA driver supports it"
         )
     return "fallback", "no GPU: no GPUDirect RDMA; chunks land in host memory"
 

@@ -2,7 +2,9 @@
 
 The recordings of a real SPDK v26.05 (copied from the development workspace's shared/spdk into
 tests/data/spdk) hold more than the simulator needs; this script extracts the recorded facts it
-uses. Run from the repo root:
+uses. The mlx5 methods no target here could answer come from SPDK's source instead
+(mlx5_crypto_rpcs_v26_05.json; "recorded": false, "checked_against_source": where). Run from
+the repo root:
 `.venv/bin/python tests/spdk_sim/make_sim_data.py`. test_spdk_sim.py checks the copy is current.
 """
 
@@ -16,19 +18,13 @@ ROOT = Path(__file__).resolve().parents[2]
 SHARED = ROOT / "tests" / "data" / "spdk"
 OUT = ROOT / "tests" / "spdk_sim" / "sim_data_v26_05.json"
 
-# Methods the driver uses that the v26.05 schema dump in rpc_params_used.json does not list.
-# Names and types from SPDK's C decoders / the PyPI client's CLI; marked "recorded": false.
+# Methods of the mlx5 crypto path that rpc_params_used.json does not list: their decoders as
+# extracted from SPDK's source (tests/spdk_sim/extract_spdk_decoders.py), so not recorded from
+# a live target (no mlx5 device here) but checked against the source, which is named.
+FROM_SOURCE = SHARED / "mlx5_crypto_rpcs_v26_05.json"
+# Other methods the driver uses that the schema dump does not list. Names and types from
+# SPDK's C decoders / the PyPI client's CLI; marked "recorded": false.
 SUPPLEMENT: dict[str, list[dict[str, Any]]] = {
-    "accel_get_module_info": [],
-    "accel_get_opc_assignments": [],
-    "framework_start_init": [],
-    "mlx5_scan_accel_module": [
-        {"name": "qp_size", "schema_type": "uint16", "required": False},
-        {"name": "num_requests", "schema_type": "uint32", "required": False},
-        {"name": "allowed_devs", "schema_type": "string", "required": False},
-        {"name": "crypto_split_blocks", "schema_type": "uint16", "required": False},
-        {"name": "enable_driver", "schema_type": "boolean", "required": False},
-    ],
     "bdev_uring_create": [
         {"name": "name", "schema_type": "string", "required": True},
         {"name": "filename", "schema_type": "string", "required": True},
@@ -84,6 +80,18 @@ def main() -> None:
                 for p in spec["params"]
             ],
         }
+    source = json.loads(FROM_SOURCE.read_text())
+    where = f"spdk {source['spdk']['tag']} ({source['spdk']['commit'][:12]})"
+    for method, spec in source["methods"].items():
+        if method in params:
+            continue
+        plist = [
+            {"name": p["name"], "schema_type": p["type"], "required": p["required"]}
+            | ({"enum_values": source["enums"][p["name"]]} if p["type"] == "enum" else {})
+            for p in spec["params"]
+        ]
+        params[method] = {"recorded": False, "checked_against_source": f"{where} {spec['file']}",
+                          "params": plist}  # fmt: skip
     for method, plist in SUPPLEMENT.items():
         assert method not in params, method
         params[method] = {"recorded": False, "params": plist}
