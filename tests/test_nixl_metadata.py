@@ -3,6 +3,7 @@ deviation is refused with a clear error, and no input raises anything else."""
 
 from __future__ import annotations
 
+import ipaddress
 import random
 import struct
 
@@ -105,3 +106,43 @@ def test_nixl_metadata_codec_fuzz_accepts_or_refuses_nothing_else() -> None:
         assert len(md.name) <= 256 and md.backends == ("UCX",)
         assert all(0 < n and a + n <= 1 << 64 for a, n, _, _ in md.regions)
     assert refused > accepted
+
+
+@pytest.mark.parametrize(
+    ("address", "ports"),
+    [
+        (nixl_md.UCX_ADDRESS, (49093, 40493)),
+        (nixl_md.UCX_ADDRESS_V2, (33725, 41773)),
+        (nixl_md.UCX_ADDRESS_SM, (39033, 34309)),
+    ],
+)
+def test_ucx_worker_address_tcp_endpoints_are_read_from_ucxs_own_layout(
+    address: bytes, ports: tuple[int, int]
+) -> None:
+    """Addresses UCX 1.23 packed (format v1, v2 with debug info, tcp beside sm and self): the
+    tcp endpoints the agent's UCX would connect to, found by walking the whole address."""
+    eth, lo = parse_metadata(nixl_md.encode(b"n", conns=[(b"UCX", address)])).tcp
+    assert (eth.ip, eth.port) == (ipaddress.ip_address("192.0.2.2"), ports[0])
+    assert (eth.ip, lo.ip, lo.port) == (eth.ip, None, ports[1])
+    assert len(lo.local_id) == 12  # the system id and namespace UCX compares to its own
+
+
+def test_ucx_worker_address_cut_or_padded_anywhere_is_refused() -> None:
+    """Every truncation of a real address, and a byte after it, is refused (UCX itself reads
+    with no length: a cut address reads past its end there)."""
+    for address in (nixl_md.UCX_ADDRESS, nixl_md.UCX_ADDRESS_V2, nixl_md.UCX_ADDRESS_SM):
+        for cut in range(9, len(address)):
+            with pytest.raises(RemoteProtocolError, match="UCX"):
+                parse_metadata(nixl_md.encode(b"n", conns=[(b"UCX", address[:cut])]))
+        with pytest.raises(RemoteProtocolError, match="after the last device"):
+            parse_metadata(nixl_md.encode(b"n", conns=[(b"UCX", address + b"\0")]))
+
+
+def test_ucx_tcp_device_address_of_an_unknown_shape_is_refused() -> None:
+    """A tcp entry whose device address is not an IPv4/IPv6 address or a loopback id: the
+    agent cannot tell where UCX would connect, so it is refused."""
+    a = nixl_md.UCX_ADDRESS
+    i = a.index(bytes.fromhex("0002c0000202"))
+    bad_family = a[:i] + bytes.fromhex("0007c0000202") + a[i + 6 :]
+    with pytest.raises(RemoteProtocolError, match="family 7"):
+        parse_metadata(nixl_md.encode(b"n", conns=[(b"UCX", bad_family)]))
