@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import ipaddress
 import random
+import socket
 import struct
 
 import nixl_md
 import pytest
 
 from dpu_agent.nixl._metadata import DESCS_MAX, UCX_ADDRESS_BYTES_MAX, parse_metadata
+from dpu_agent.nixl._server import NixlServer
 from kvproto.control import NIXL_METADATA_BYTES_MAX, RemoteProtocolError
 
 RKEY = b"\x01" * 9
@@ -146,3 +148,41 @@ def test_ucx_tcp_device_address_of_an_unknown_shape_is_refused() -> None:
     bad_family = a[:i] + bytes.fromhex("0007c0000202") + a[i + 6 :]
     with pytest.raises(RemoteProtocolError, match="family 7"):
         parse_metadata(nixl_md.encode(b"n", conns=[(b"UCX", bad_family)]))
+
+
+def _aimed(ip: str) -> bytes:
+    """nixl_md.UCX_ADDRESS with its tcp entry's IPv4 address (192.0.2.2) replaced."""
+    a = nixl_md.UCX_ADDRESS
+    old = bytes.fromhex("0002c0000202")
+    assert a.count(old) == 1
+    return nixl_md.encode(
+        b"dpukv.t.1", conns=[(b"UCX", a.replace(old, b"\0\2" + socket.inet_aton(ip)))]
+    )
+
+
+@pytest.mark.parametrize(
+    ("peer", "ip", "own_ids", "refused"),
+    [
+        ("198.51.100.7", "198.51.100.7", set(), False),  # the session's own host
+        ("::ffff:198.51.100.7", "198.51.100.7", set(), False),  # a dual-stack socket's peer
+        ("198.51.100.7", "198.51.100.8", set(), True),  # a third party
+        ("198.51.100.7", "127.0.0.1", set(), True),  # the agent's own loopback, as an IP
+        # the loopback entry: another machine's (UCX skips it) or this agent's (it connects)
+        ("198.51.100.7", "198.51.100.7", {bytes.fromhex("25176a884ccca1b3")}, True),
+        ("127.0.0.1", "127.0.0.1", {bytes.fromhex("25176a884ccca1b3")}, False),  # all local
+        ("", "127.0.0.1", set(), False),  # the Unix socket is local too
+        ("127.0.0.1", "198.51.100.8", set(), True),  # loopback sessions name this machine only
+    ],
+)
+def test_ucx_endpoints_must_be_the_sessions_peer(
+    peer: str, ip: str, own_ids: set[bytes], refused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = NixlServer(lambda: None, "dpukv-agent.test")
+    monkeypatch.setattr(server, "_own_system_ids", lambda: frozenset(own_ids))
+    md = parse_metadata(_aimed(ip))
+    if not refused:
+        server._check_endpoints(md, peer)
+        return
+    with pytest.raises(RemoteProtocolError, match="UCX address points at") as e:
+        server._check_endpoints(md, peer)
+    assert e.value.code == "forbidden"

@@ -168,7 +168,7 @@ def _unmapped(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> Any:
 
 def _is_local_session(peer: str) -> bool:
     """A control session from this machine: the Unix socket ("") or a loopback address."""
-    return not peer or ipaddress.ip_address(peer).is_loopback
+    return not peer or ipaddress.ip_address(peer.split("%", 1)[0]).is_loopback
 
 
 def _is_this_machine(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
@@ -529,7 +529,8 @@ class NixlServer:
         entries (it connects to 127.0.0.1 when their system id is its own) count as this
         machine: from a remote session, one that UCX would find reachable is refused."""
         local = _is_local_session(peer)
-        peer_ip = None if local else _unmapped(ipaddress.ip_address(peer))
+        # a link-local peer carries its zone ("fe80::1%eth0"); UCX packs the bare address
+        peer_ip = None if local else _unmapped(ipaddress.ip_address(peer.split("%", 1)[0]))
         own: frozenset[bytes] | None = None
         for ep in md.tcp:
             if ep.ip is None:
