@@ -57,4 +57,4 @@ def test_nixl_ab_alternates_raw_and_agent_and_reports_the_spread() -> None:
     assert min(ratios) <= r["nixl_get_vs_raw"] <= max(ratios)
     assert all(row["raw_gbps"] > 0 and row["get_gbps"] > 0 for row in r["per_round"])
     assert r["get_agent_cpu_s_per_gib"] > 0 and r["get_worker_cpu_s_per_gib"] > 0
-    assert r["raw_cpu_s_per_gib"] > 0
+    assert r["raw_cpu_s_per_gib"] > 0 and r["decrypt_hash_cpu_s_per_gib"] > 0

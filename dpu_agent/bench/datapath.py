@@ -479,6 +479,27 @@ def _agent_pids(agent: Any) -> list[int]:
     return pids
 
 
+def _decrypt_hash_cpu_s_per_gib(nbytes: int) -> float:
+    """CPU seconds per GiB of what the agent adds to a NIXL get, alone: AES-XTS decryption of
+    the DRAM tier's ciphertext into a 4 MiB segment with the xxh3 inside the same pass
+    (CryptoBlockDevice.read_hashed_into, as the agent's I/O threads), one thread."""
+    from dpu_agent.blockdev import BLOCK_SIZE, MemoryBlockDevice
+    from dpu_agent.crypto.blockdev import CryptoBlockDevice
+    from dpu_agent.crypto.xts import XtsCipher, Xxh3
+
+    seg = 4 << 20
+    nbytes = max(seg, nbytes // seg * seg)
+    dev = CryptoBlockDevice(MemoryBlockDevice(nbytes // BLOCK_SIZE), XtsCipher(os.urandom(64)))
+    plain = np.random.default_rng(1).integers(0, 255, seg, dtype=np.uint8).data
+    for off in range(0, nbytes, seg):
+        dev.write(off // BLOCK_SIZE, plain)
+    buf, hasher = memoryview(bytearray(seg)), Xxh3(b"key")
+    cpu0 = _cpu_s()
+    for off in range(0, nbytes, seg):
+        dev.read_hashed_into(off // BLOCK_SIZE, buf, hasher, seg)
+    return round((_cpu_s() - cpu0) / (nbytes / (1 << 30)), 3)
+
+
 def run_nixl_ab(*, chunks: int = 8, rounds: int = 7) -> dict[str, Any]:
     """NIXL get through the agent against raw NIXL, alternating in every round (module doc)."""
     assert 1 <= chunks <= CHUNKS_MAX and 1 <= rounds <= ROUNDS_MAX, (chunks, rounds)
@@ -540,6 +561,7 @@ def run_nixl_ab(*, chunks: int = 8, rounds: int = 7) -> dict[str, Any]:
             "get_host_cpu_s_per_gib": med("get_host_cpu_s_per_gib"),
             "get_agent_cpu_s_per_gib": med("get_agent_cpu_s_per_gib"),
             "get_worker_cpu_s_per_gib": med("get_worker_cpu_s_per_gib"),
+            "decrypt_hash_cpu_s_per_gib": _decrypt_hash_cpu_s_per_gib(nbytes),
             "loadavg_1m": os.getloadavg()[0], "cpus": os.cpu_count()}  # fmt: skip
 
 
