@@ -466,10 +466,11 @@ class Agent:
         return agent_cluster_reads(self, tenant, keys)
 
     async def nixl(
-        self, session_id: int, tenant: str, op: str, fields: Mapping[str, Any]
+        self, session_id: int, tenant: str, op: str, fields: Mapping[str, Any], peer_host: str
     ) -> dict[str, Any]:
-        """A NIXL data-path op of one session (dpu_agent.nixl), off the event loop."""
-        return await self.nixl_server.handle(session_id, tenant, op, fields)
+        """A NIXL data-path op of one session (dpu_agent.nixl), off the event loop; `peer_host`
+        is the session's peer address (where the host's UCX address must point)."""
+        return await self.nixl_server.handle(session_id, tenant, op, fields, peer_host)
 
     def nixl_session_closed(self, session_id: int) -> None:
         self.nixl_server.session_closed(session_id)

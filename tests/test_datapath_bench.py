@@ -8,7 +8,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from dpu_agent.bench.datapath import run_datapath
+from dpu_agent.bench.datapath import run_datapath, run_nixl_ab
 from dpu_agent.cli import cli
 from host_shim.transport import nixl_status
 
@@ -43,3 +43,18 @@ def test_datapath_nixl_missing_is_a_json_error(monkeypatch: pytest.MonkeyPatch) 
     result = CliRunner().invoke(cli, ["bench", "datapath", "--transport", "nixl", "--json"])
     assert result.exit_code == 1, result.output
     assert json.loads(result.output) == {"error": "--transport nixl: not here"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not nixl_status()["available"], reason="NIXL not installed")
+def test_nixl_ab_alternates_raw_and_agent_and_reports_the_spread() -> None:
+    """`--nixl-ab`: raw NIXL and the agent's get in every round, the same bytes (checked
+    byte-exact), a ratio per round, its median within min..max, and CPU per GiB both sides."""
+    r = run_nixl_ab(chunks=1, rounds=2)
+    assert len(r["per_round"]) == 2 and r["streams"] == 1
+    ratios = [row["ratio"] for row in r["per_round"]]
+    assert r["nixl_get_vs_raw_min"] == min(ratios) and r["nixl_get_vs_raw_max"] == max(ratios)
+    assert min(ratios) <= r["nixl_get_vs_raw"] <= max(ratios)
+    assert all(row["raw_gbps"] > 0 and row["get_gbps"] > 0 for row in r["per_round"])
+    assert r["get_agent_cpu_s_per_gib"] > 0 and r["get_worker_cpu_s_per_gib"] > 0
+    assert r["raw_cpu_s_per_gib"] > 0 and r["decrypt_hash_cpu_s_per_gib"] > 0

@@ -10,6 +10,7 @@ attacks wait on are shortened in the child (PRELUDE sets module constants before
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import socket
@@ -585,3 +586,113 @@ def test_key_budget_makes_room_only_from_keys_nobody_uses(
     assert fresh.allowed_hosts == {hosts[0]}  # the operator's, from any address, after restart
     assert again.issue("u", Subsystem(nqn=other.nqn), hosts[5]) == kept
     again.close()
+
+
+# --- control-plane TLS handshake crypto off the event loop ------------------------------------
+TLS_FLOOD_S = 4.0  # how long the flood runs
+TLS_FLOOD_CONNECTIONS_MAX = 4000  # and at most this many ClientHellos
+# The worst legit lookup during the flood: the old code stalled it 0.8 s (a burst of RSA-4096
+# signatures on the loop), the new 0.17-0.27 s at load 10 here (the flood's accepts and
+# refusals, the TLS threads' share of two cores).
+TLS_FLOOD_LOOKUP_S_MAX = 0.5
+
+
+# Sends one ClientHello per connection from 127.0.0.2 for argv[3] s (at most argv[4] of them),
+# closing each at once; prints how many.
+_TLS_FLOOD = """
+import socket, sys, time
+port, hello = int(sys.argv[1]), bytes.fromhex(sys.argv[2])
+seconds, most = float(sys.argv[3]), int(sys.argv[4])
+sent, deadline = 0, time.monotonic() + seconds
+while sent < most and time.monotonic() < deadline:
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.2", 0))
+            s.connect(("127.0.0.1", port))
+            s.sendall(hello)
+    except OSError:
+        pass
+    sent += 1
+print(sent)
+"""
+
+
+def _rsa_server_cert(d: Path) -> tuple[Path, Path]:
+    """A CA-signed RSA-4096 server certificate: the heaviest signature a TLS server does (several
+    ms each here), as an operator's PKI may well issue."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from cryptography.x509.oid import NameOID
+
+    ca_cert, ca_key = _cert(d, "rsa-ca", None, ca=True)
+    key = rsa.generate_private_key(public_exponent=65537, key_size=4096)
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "rsa-server")]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    (d / "rsa-server.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (d / "rsa-server.key").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))  # fmt: skip
+    (d / "rsa-server.key").chmod(0o600)
+    return d / "rsa-server.pem", d / "rsa-server.key"
+
+
+def test_tls_handshake_flood_does_not_stall_other_tenants_control_calls(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ClientHellos sent as fast as one address can (each costs the agent an RSA-4096
+    signature): the handshake crypto ran on the event loop, so every other client's control
+    call waited behind it. Now it runs on TLS threads and one address starts at most
+    TLS_HANDSHAKES_PER_ADDRESS_PER_S handshakes: a client connected before the flood keeps its
+    lookups fast, and a newcomer from another address still gets in."""
+    cert, key = _rsa_server_cert(tmp_path)
+    env = {"DPUKV_CONTROL_TLS_CERT": str(cert), "DPUKV_CONTROL_TLS_KEY": str(key)}
+    ctx = ssl.create_default_context(cafile=str(tmp_path / "rsa-ca.pem"))
+    with agent(tmp_path, env=env) as a:
+        monkeypatch.setenv("DPUKV_CONTROL_TLS_CA", str(tmp_path / "rsa-ca.pem"))
+        legit = Legit(a)
+        hello = client_hello(ctx)
+        with ControlChannel(a.control_url, "default", a.token, ssl_context=ctx) as ch:
+            ch.connect()  # before the flood
+            # the flood in its own process: the legit client's timings are the agent's, not
+            # this process's GIL shared with a flooding thread
+            flood = subprocess.Popen([sys.executable, "-c", _TLS_FLOOD, str(a.port), hello.hex(),
+                                      str(TLS_FLOOD_S), str(TLS_FLOOD_CONNECTIONS_MAX)],
+                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
+            try:
+                time.sleep(0.3)  # the flood is under way
+                while flood.poll() is None:
+                    legit.lookup(ch)
+                    time.sleep(0.01)
+                out, _ = flood.communicate(timeout=TLS_FLOOD_S + 10)
+            finally:
+                if flood.poll() is None:
+                    flood.kill()
+                    flood.wait(10)
+        sent = [int(out.split()[-1])]
+        assert sent[0] > 100, sent
+        print(f"flood: {sent[0]} ClientHellos; legit lookups {len(legit.latencies)}, median "
+              f"{statistics.median(legit.latencies) * 1e3:.1f} ms, worst "
+              f"{max(legit.latencies) * 1e3:.0f} ms")  # fmt: skip
+        legit.assert_fast()
+        assert max(legit.latencies) < TLS_FLOOD_LOOKUP_S_MAX, max(legit.latencies)
+        with ControlChannel(a.control_url, "default", a.token, ssl_context=ctx) as ch:
+            ch.connect()  # a newcomer from another address (127.0.0.1) is not held by it
+            legit.lookup(ch)
+        legit.check()
+        assert a.alive()

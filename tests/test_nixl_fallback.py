@@ -107,7 +107,7 @@ def test_metadata_agent_name_is_read_before_nixl_loads_it() -> None:
 
 
 def test_session_regions_contain_spans_exactly() -> None:
-    s = _Session(sid=1, tenant="t", remote="dpukv.t.1", metadata=b"")
+    s = _Session(sid=1, tenant="t", remote="dpukv.t.1", peer="", metadata=b"")
     s.add(1000, 100, 0, "DRAM")
     s.add(5000, 50, 1, "VRAM")
     assert s.find(1000, 100) == (0, "DRAM")

@@ -6,10 +6,14 @@ worker child), the hosts are tests/nixl_peer.py processes. Skips where NIXL is n
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import random
+import select
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -20,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from dpu_agent.nixl._metadata import parse_metadata
 from dpu_agent.service import AgentProcess, spawn_agent
 from host_shim.client import ControlChannel, ControlError
 from host_shim.transport import nixl_status
@@ -49,8 +54,8 @@ def agent(tmp_path: Path) -> Iterator[AgentProcess]:
     a.stop()
 
 
-def _peer(*args: str) -> subprocess.Popen[str]:
-    env = {**os.environ, **UCX_ENV, "PYTHONPATH": str(ROOT)}
+def _peer(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    env = {**os.environ, **UCX_ENV, "PYTHONPATH": str(ROOT), **(env_extra or {})}
     return subprocess.Popen([sys.executable, str(ROOT / "tests" / "nixl_peer.py"), *args],
                             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -139,16 +144,35 @@ def _bounded(agent: AgentProcess) -> None:
         assert _rss(w) < WORKER_RSS_MAX, _rss(w)
 
 
-@pytest.fixture()
-def host_md() -> Iterator[bytes]:
-    """A live host agent's metadata: its UCX address answers while the test runs."""
-    p = _peer("metadata", "-", "-")
+@contextlib.contextmanager
+def _host_md(env_extra: dict[str, str] | None = None) -> Iterator[bytes]:
+    """A live host agent's metadata: its UCX address answers while the block runs."""
+    p = _peer("metadata", "-", "-", env_extra=env_extra)
     assert p.stdout is not None
     line = p.stdout.readline()
     while line and not line.startswith("{"):
         line = p.stdout.readline()
     yield bytes.fromhex(json.loads(line)["metadata"])
     p.communicate("\n", timeout=60)
+
+
+@pytest.fixture()
+def host_md() -> Iterator[bytes]:
+    with _host_md() as md:
+        yield md
+
+
+def _interface_of(ip: str) -> str | None:
+    """The name of the interface holding IPv4 `ip` (SIOCGIFADDR on each), else None."""
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            try:
+                got = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+        if socket.inet_ntoa(got[20:24]) == ip:
+            return name
+    return None
 
 
 def _set_ucx_version(md: bytes, version: int) -> bytes:
@@ -174,6 +198,59 @@ def test_nixl_connect_with_malformed_ucx_address_does_not_abort_the_agent(
         ch.call("nixl_connect", metadata=md)  # the same metadata, whole, is served
     legit.result()
     _bounded(agent)
+
+
+def _replaced(md: bytes, old: bytes, new: bytes) -> bytes:
+    assert md.count(old) == 1, (old.hex(), md.hex())
+    return md.replace(old, new)
+
+
+def test_nixl_metadata_pointing_ucx_at_a_third_party_is_refused(
+    tmp_path: Path, host_md: bytes
+) -> None:
+    """The UCX address inside a host's metadata names where the agent's UCX connects; it was
+    loaded unchecked, so a tenant could point the agent at any address and port. A session from
+    a non-loopback address (this box's own interface, so that every byte stays on the box) sends
+    its host's real metadata, then the same with the tcp entry's IP turned into 127.0.0.1, and
+    with UCX's loopback entry (UCX connects to 127.0.0.1 when its system id is the agent's, as
+    on this box) aimed at a listener of the test: both are refused before NIXL sees them, the
+    listener sees no connection, and a host's own metadata is served (a host on this box limits
+    its UCX to the interface facing the agent: its loopback entry is this agent's loopback)."""
+    eth = [ep for ep in parse_metadata(host_md).tcp if ep.ip is not None and not ep.ip.is_loopback]
+    lo = [ep for ep in parse_metadata(host_md).tcp if ep.ip is None]
+    if not eth or not lo or eth[0].ip is None or eth[0].ip.version != 4:
+        pytest.skip("needs a non-loopback IPv4 interface beside lo (UCX lists both)")
+    host_ip = eth[0].ip
+    third = socket.create_server(("127.0.0.1", 0))  # the third party
+    port = struct.pack(">H", third.getsockname()[1])
+    aimed_ip = _replaced(host_md, b"\x00\x02" + host_ip.packed, b"\x00\x02" + bytes([127, 0, 0, 1]))
+    aimed_ip = _replaced(aimed_ip, b"\x82" + struct.pack(">H", eth[0].port), b"\x82" + port)
+    aimed_lo = _replaced(host_md, b"\x82" + struct.pack(">H", lo[0].port), b"\x82" + port)
+    assert str(parse_metadata(aimed_ip).tcp[0].ip) == "127.0.0.1"
+    assert port in {struct.pack(">H", ep.port) for ep in parse_metadata(aimed_lo).tcp}
+    agent = spawn_agent(tmp_path / "var", env={**UCX_ENV, "DPUKV_METRICS_ENABLED": "false",
+                                               "DPUKV_STORAGE_DRAM_BYTES": str(64 << 20),
+                                               "DPUKV_CONTROL_HOST": str(host_ip)})  # fmt: skip
+    try:
+        assert str(host_ip) in agent.control_url
+        with ControlChannel(agent.control_url, "default", agent.token, timeout_s=60) as ch:
+            ch.connect()
+            for hostile in (aimed_ip, aimed_lo):
+                with pytest.raises(ControlError) as e:
+                    ch.call("nixl_connect", metadata=hostile)
+                assert e.value.code == "forbidden", e.value
+                assert "UCX address points at" in str(e.value), e.value
+            iface = _interface_of(str(host_ip))
+            assert iface is not None
+            with _host_md({"UCX_NET_DEVICES": iface}) as own:
+                assert [ep.ip for ep in parse_metadata(own).tcp] == [host_ip]
+                ch.call("nixl_connect", metadata=own)  # the host's own metadata is served
+        ready, _, _ = select.select([third], [], [], 1.0)
+        assert not ready, "the agent's UCX connected to the third party"
+        _bounded(agent)
+    finally:
+        third.close()
+        agent.stop()
 
 
 def _renamed(md: bytes, name: str) -> bytes:

@@ -3,13 +3,16 @@ deviation is refused with a clear error, and no input raises anything else."""
 
 from __future__ import annotations
 
+import ipaddress
 import random
+import socket
 import struct
 
 import nixl_md
 import pytest
 
 from dpu_agent.nixl._metadata import DESCS_MAX, UCX_ADDRESS_BYTES_MAX, parse_metadata
+from dpu_agent.nixl._server import NixlServer
 from kvproto.control import NIXL_METADATA_BYTES_MAX, RemoteProtocolError
 
 RKEY = b"\x01" * 9
@@ -105,3 +108,81 @@ def test_nixl_metadata_codec_fuzz_accepts_or_refuses_nothing_else() -> None:
         assert len(md.name) <= 256 and md.backends == ("UCX",)
         assert all(0 < n and a + n <= 1 << 64 for a, n, _, _ in md.regions)
     assert refused > accepted
+
+
+@pytest.mark.parametrize(
+    ("address", "ports"),
+    [
+        (nixl_md.UCX_ADDRESS, (49093, 40493)),
+        (nixl_md.UCX_ADDRESS_V2, (33725, 41773)),
+        (nixl_md.UCX_ADDRESS_SM, (39033, 34309)),
+    ],
+)
+def test_ucx_worker_address_tcp_endpoints_are_read_from_ucxs_own_layout(
+    address: bytes, ports: tuple[int, int]
+) -> None:
+    """Addresses UCX 1.23 packed (format v1, v2 with debug info, tcp beside sm and self): the
+    tcp endpoints the agent's UCX would connect to, found by walking the whole address."""
+    eth, lo = parse_metadata(nixl_md.encode(b"n", conns=[(b"UCX", address)])).tcp
+    assert (eth.ip, eth.port) == (ipaddress.ip_address("192.0.2.2"), ports[0])
+    assert (eth.ip, lo.ip, lo.port) == (eth.ip, None, ports[1])
+    assert len(lo.local_id) == 12  # the system id and namespace UCX compares to its own
+
+
+def test_ucx_worker_address_cut_or_padded_anywhere_is_refused() -> None:
+    """Every truncation of a real address, and a byte after it, is refused (UCX itself reads
+    with no length: a cut address reads past its end there)."""
+    for address in (nixl_md.UCX_ADDRESS, nixl_md.UCX_ADDRESS_V2, nixl_md.UCX_ADDRESS_SM):
+        for cut in range(9, len(address)):
+            with pytest.raises(RemoteProtocolError, match="UCX"):
+                parse_metadata(nixl_md.encode(b"n", conns=[(b"UCX", address[:cut])]))
+        with pytest.raises(RemoteProtocolError, match="after the last device"):
+            parse_metadata(nixl_md.encode(b"n", conns=[(b"UCX", address + b"\0")]))
+
+
+def test_ucx_tcp_device_address_of_an_unknown_shape_is_refused() -> None:
+    """A tcp entry whose device address is not an IPv4/IPv6 address or a loopback id: the
+    agent cannot tell where UCX would connect, so it is refused."""
+    a = nixl_md.UCX_ADDRESS
+    i = a.index(bytes.fromhex("0002c0000202"))
+    bad_family = a[:i] + bytes.fromhex("0007c0000202") + a[i + 6 :]
+    with pytest.raises(RemoteProtocolError, match="family 7"):
+        parse_metadata(nixl_md.encode(b"n", conns=[(b"UCX", bad_family)]))
+
+
+def _aimed(ip: str) -> bytes:
+    """nixl_md.UCX_ADDRESS with its tcp entry's IPv4 address (192.0.2.2) replaced."""
+    a = nixl_md.UCX_ADDRESS
+    old = bytes.fromhex("0002c0000202")
+    assert a.count(old) == 1
+    return nixl_md.encode(
+        b"dpukv.t.1", conns=[(b"UCX", a.replace(old, b"\0\2" + socket.inet_aton(ip)))]
+    )
+
+
+@pytest.mark.parametrize(
+    ("peer", "ip", "own_ids", "refused"),
+    [
+        ("198.51.100.7", "198.51.100.7", set(), False),  # the session's own host
+        ("::ffff:198.51.100.7", "198.51.100.7", set(), False),  # a dual-stack socket's peer
+        ("198.51.100.7", "198.51.100.8", set(), True),  # a third party
+        ("198.51.100.7", "127.0.0.1", set(), True),  # the agent's own loopback, as an IP
+        # the loopback entry: another machine's (UCX skips it) or this agent's (it connects)
+        ("198.51.100.7", "198.51.100.7", {bytes.fromhex("25176a884ccca1b3")}, True),
+        ("127.0.0.1", "127.0.0.1", {bytes.fromhex("25176a884ccca1b3")}, False),  # all local
+        ("", "127.0.0.1", set(), False),  # the Unix socket is local too
+        ("127.0.0.1", "198.51.100.8", set(), True),  # loopback sessions name this machine only
+    ],
+)
+def test_ucx_endpoints_must_be_the_sessions_peer(
+    peer: str, ip: str, own_ids: set[bytes], refused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = NixlServer(lambda: None, "dpukv-agent.test")
+    monkeypatch.setattr(server, "_own_system_ids", lambda: frozenset(own_ids))
+    md = parse_metadata(_aimed(ip))
+    if not refused:
+        server._check_endpoints(md, peer)
+        return
+    with pytest.raises(RemoteProtocolError, match="UCX address points at") as e:
+        server._check_endpoints(md, peer)
+    assert e.value.code == "forbidden"

@@ -129,7 +129,7 @@ def _use(server: NixlServer, agent: LoopbackAgent) -> None:
 
 
 def _session(bufs: list[np.ndarray]) -> tuple[_Session, list[tuple[int, int, int, str]]]:
-    s = _Session(sid=1, tenant=TENANT, remote="dpukv.acme.1", metadata=b"")
+    s = _Session(sid=1, tenant=TENANT, remote="dpukv.acme.1", peer="", metadata=b"")
     spans = []
     for b in bufs:
         s.add(int(b.ctypes.data), b.nbytes, 0, "DRAM")

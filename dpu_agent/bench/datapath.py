@@ -29,6 +29,12 @@ In one run on one machine (figures move 2-3x between runs, docs/MEASURED.md):
 Every path takes its turn within each round (so the machine's load hits all three
 alike); one unmeasured warm-up round; GB/s is the median of the measured rounds.
 
+`--nixl-ab` measures only NIXL get through the agent against raw NIXL: the same chunks, sizes
+and one stream each, raw then agent in every round (put before the agent's turn, untimed), the
+ratio per round and its median, min and max, with the CPU seconds per GiB both sides spent
+(this process, the raw initiator child; the agent and its NIXL worker) to say where time goes
+on a box whose cores are the bottleneck.
+
 `--lookup-only` measures only the lookup latencies and the echo floor (no put/get rounds, no
 Redis): `dpuctl bench datapath --lookup-only --json`, a few seconds, for control-plane work.
 
@@ -67,6 +73,7 @@ __all__ = [
     "redis_server",
     "run_datapath",
     "run_lookup",
+    "run_nixl_ab",
     "socket_ceiling",
     "socket_xproc",
 ]
@@ -453,6 +460,111 @@ def run_datapath(
     return report | _ratios(report)
 
 
+def _proc_cpu_s(pids: list[int]) -> float:
+    """User+system CPU seconds of these processes, all threads (/proc/PID/stat)."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def _agent_pids(agent: Any) -> list[int]:
+    """The agent and its NIXL worker child."""
+    pids = [agent.proc.pid]
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{agent.proc.pid}/task").iterdir():
+            pids += [int(c) for c in (task / "children").read_text().split()]
+    return pids
+
+
+def _decrypt_hash_cpu_s_per_gib(nbytes: int) -> float:
+    """CPU seconds per GiB of what the agent adds to a NIXL get, alone: AES-XTS decryption of
+    the DRAM tier's ciphertext into a 4 MiB segment with the xxh3 inside the same pass
+    (CryptoBlockDevice.read_hashed_into, as the agent's I/O threads), one thread."""
+    from dpu_agent.blockdev import BLOCK_SIZE, MemoryBlockDevice
+    from dpu_agent.crypto.blockdev import CryptoBlockDevice
+    from dpu_agent.crypto.xts import XtsCipher, Xxh3
+
+    seg = 4 << 20
+    nbytes = max(seg, nbytes // seg * seg)
+    dev = CryptoBlockDevice(MemoryBlockDevice(nbytes // BLOCK_SIZE), XtsCipher(os.urandom(64)))
+    plain = np.random.default_rng(1).integers(0, 255, seg, dtype=np.uint8).data
+    for off in range(0, nbytes, seg):
+        dev.write(off // BLOCK_SIZE, plain)
+    buf, hasher = memoryview(bytearray(seg)), Xxh3(b"key")
+    cpu0 = _cpu_s()
+    for off in range(0, nbytes, seg):
+        dev.read_hashed_into(off // BLOCK_SIZE, buf, hasher, seg)
+    return round((_cpu_s() - cpu0) / (nbytes / (1 << 30)), 3)
+
+
+def run_nixl_ab(*, chunks: int = 8, rounds: int = 7) -> dict[str, Any]:
+    """NIXL get through the agent against raw NIXL, alternating in every round (module doc)."""
+    assert 1 <= chunks <= CHUNKS_MAX and 1 <= rounds <= ROUNDS_MAX, (chunks, rounds)
+    _transports("nixl")  # a clear error where NIXL is not installed
+    rng = np.random.default_rng(7)
+    data = [rng.integers(0, 1 << 16, LAYOUT.chunk_shape, dtype=np.uint16).view(np.float16)
+            for _ in range(chunks)]  # fmt: skip
+    out = [np.empty_like(c) for c in data]
+    nbytes = sum(c.nbytes for c in data)
+    gib = nbytes / (1 << 30)
+    rows: list[dict[str, float]] = []
+    with contextlib.ExitStack() as st:
+        agent, clients = st.enter_context(_agent_client(4, ("nixl",)))
+        client = clients["nixl"]
+        pool = np.zeros((chunks, LAYOUT.chunk_bytes), np.uint8)
+        raw = _peers.NixlRawPeer(pool, LAYOUT.chunk_bytes, chunks, {**os.environ, **_ucx_env()})
+        st.callback(raw.close)
+        for rnd in range(-1, rounds):  # round -1 warms up both and is dropped
+            here, child = _cpu_s(), _proc_cpu_s([raw.child.proc.pid])
+            raw_s = raw.round_s()
+            raw_cpu = _cpu_s() - here + _proc_cpu_s([raw.child.proc.pid]) - child
+            tokens = np.arange(chunks * LAYOUT.chunk_tokens, dtype=np.uint32) + (rnd + 1) * 7919
+            assert client.put(tokens, data) == chunks
+            for o in out:
+                o.fill(0)
+            pids = _agent_pids(agent)  # the agent, then its NIXL worker
+            here, main, worker = _cpu_s(), _proc_cpu_s(pids[:1]), _proc_cpu_s(pids[1:])
+            t0 = time.perf_counter()
+            loaded = client.get(tokens, out)
+            get_s = time.perf_counter() - t0
+            host_cpu = _cpu_s() - here
+            agent_cpu = _proc_cpu_s(pids[:1]) - main
+            worker_cpu = _proc_cpu_s(pids[1:]) - worker
+            get_cpu = host_cpu + agent_cpu + worker_cpu
+            assert loaded == chunks, f"get loaded {loaded} of {chunks}"
+            for a, b in zip(data, out, strict=True):
+                assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), "get not byte-exact"
+            client.delete(tokens)
+            if rnd >= 0:
+                rows.append({"raw_gbps": _gbps(nbytes, raw_s), "get_gbps": _gbps(nbytes, get_s),
+                             "ratio": round(raw_s / get_s, 3),
+                             "raw_cpu_s_per_gib": round(raw_cpu / gib, 3),
+                             "get_cpu_s_per_gib": round(get_cpu / gib, 3),
+                             "get_host_cpu_s_per_gib": round(host_cpu / gib, 3),
+                             "get_agent_cpu_s_per_gib": round(agent_cpu / gib, 3),
+                             "get_worker_cpu_s_per_gib": round(worker_cpu / gib, 3)})  # fmt: skip
+    ratios = [r["ratio"] for r in rows]
+
+    def med(k: str) -> float:
+        return round(statistics.median(r[k] for r in rows), 3)
+
+    return {"chunk_bytes": LAYOUT.chunk_bytes, "chunks": chunks, "rounds": rounds,
+            "streams": 1, "ucx_tls": _ucx_env()["UCX_TLS"], "per_round": rows,
+            "nixl_raw_gbps": med("raw_gbps"), "nixl_get_gbps": med("get_gbps"),
+            "nixl_get_vs_raw": round(statistics.median(ratios), 3),
+            "nixl_get_vs_raw_min": min(ratios), "nixl_get_vs_raw_max": max(ratios),
+            "raw_cpu_s_per_gib": med("raw_cpu_s_per_gib"),
+            "get_cpu_s_per_gib": med("get_cpu_s_per_gib"),
+            "get_host_cpu_s_per_gib": med("get_host_cpu_s_per_gib"),
+            "get_agent_cpu_s_per_gib": med("get_agent_cpu_s_per_gib"),
+            "get_worker_cpu_s_per_gib": med("get_worker_cpu_s_per_gib"),
+            "decrypt_hash_cpu_s_per_gib": _decrypt_hash_cpu_s_per_gib(nbytes),
+            "loadavg_1m": os.getloadavg()[0], "cpus": os.cpu_count()}  # fmt: skip
+
+
 def run_lookup(*, lookups: int = 2000) -> dict[str, Any]:
     """Only the lookup figures of run_datapath (same agent, keys and hits) and the echo floor."""
     assert 1 <= lookups <= LOOKUPS_MAX, lookups
@@ -494,6 +606,24 @@ def _print_lookup(r: dict[str, Any]) -> None:
               f"(Unix socket p50 {r['lookup_unix_p50_us']} us)")  # fmt: skip
     Console().print(f"lookup of {r['lookup_keys']} keys: {lookup}; bare echo round trip "
                     f"{r['rtt_floor_p50_us']} us")  # fmt: skip
+
+
+def _print_ab(r: dict[str, Any]) -> None:
+    from rich.console import Console
+
+    c = Console()
+    for i, row in enumerate(r["per_round"]):
+        c.print(f"round {i}: raw NIXL {row['raw_gbps']} GB/s, agent get {row['get_gbps']} GB/s, "
+                f"ratio {row['ratio']} (CPU s/GiB raw {row['raw_cpu_s_per_gib']}, agent get "
+                f"{row['get_cpu_s_per_gib']})")  # fmt: skip
+    c.print(f"NIXL get vs raw NIXL: median {r['nixl_get_vs_raw']}x (min "
+            f"{r['nixl_get_vs_raw_min']}, max {r['nixl_get_vs_raw_max']}) over {r['rounds']} "
+            f"rounds of {r['chunks']} x {r['chunk_bytes'] >> 20} MiB")  # fmt: skip
+    c.print(
+        f"CPU s/GiB of the agent's get: host {r['get_host_cpu_s_per_gib']}, agent "
+        f"{r['get_agent_cpu_s_per_gib']} (decrypt + hash, lanes), NIXL worker "
+        f"{r['get_worker_cpu_s_per_gib']}; raw NIXL both sides {r['raw_cpu_s_per_gib']}"
+    )
 
 
 def _pair(r: dict[str, Any], a: str, b: str) -> tuple[str, str]:
@@ -551,6 +681,11 @@ def _print_table(r: dict[str, Any]) -> None:
               help="64-key lookups timed (each way).")  # fmt: skip
 @click.option("--lookup-only", is_flag=True,
               help="Only lookup latencies and the echo floor: no put/get, no Redis.")  # fmt: skip
+@click.option(
+    "--nixl-ab",
+    is_flag=True,
+    help="Only NIXL get through the agent against raw NIXL, alternating each round.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report.")
 def datapath(
     chunks: int,
@@ -559,8 +694,13 @@ def datapath(
     transport: str,
     lookups: int,
     lookup_only: bool,
+    nixl_ab: bool,
     as_json: bool,
 ) -> None:
+    if nixl_ab:
+        r = run_nixl_ab(chunks=chunks, rounds=rounds)
+        click.echo(json.dumps(r, indent=1)) if as_json else _print_ab(r)
+        return
     if lookup_only:
         r = run_lookup(lookups=lookups)
         click.echo(json.dumps(r, indent=1)) if as_json else _print_lookup(r)

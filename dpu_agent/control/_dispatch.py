@@ -348,7 +348,7 @@ class Dispatcher:
             nixl = getattr(self.backend, "nixl", None)
             if nixl is None:
                 raise RemoteProtocolError(f"{req.op}: this agent has no NIXL data path")
-            result = await nixl(s.session_id, s.tenant, req.op, req.fields)
+            result = await nixl(s.session_id, s.tenant, req.op, req.fields, s.peer_host)
             s.state = nxt if not s.closing else s.state
             reply = Reply(id=req.id, ok=True, result=result)
         except RemoteProtocolError as e:

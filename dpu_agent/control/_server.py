@@ -17,17 +17,23 @@ oldest stranger goes to make room, never the newcomer; after hello it holds a sl
 TLS (`ssl_context`) is done here, on memory BIOs, not by asyncio: the handshake starts after
 the connection is counted, is bounded by TLS_HANDSHAKE_DEADLINE_S, and costs the connection's
 own small buffers only (asyncio's TLS layer takes a 256 KiB buffer per connection before any
-accounting and a 60 s handshake timeout).
+accounting and a 60 s handshake timeout). Its crypto (the server's signature, the key exchange,
+a client certificate's check) runs on TLS_HANDSHAKE_THREADS threads, not on the event loop,
+and each address starts at most TLS_HANDSHAKES_PER_ADDRESS_PER_S handshakes: a flood of
+ClientHellos once stalled every tenant's control calls behind its signatures.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import contextlib
 import ctypes
+import functools
 import itertools
 import os
 import ssl
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import cast
@@ -72,6 +78,22 @@ HELLO_DEADLINE_S = 10.0  # a client says hello in its first round trip; 10 s on 
 # A TLS handshake is two round trips and ~1 ms of crypto; 5 s leaves room on a loaded 2-core
 # box and keeps a stalled handshake's buffers (~50 KiB) for at most that long.
 TLS_HANDSHAKE_DEADLINE_S = 5.0
+# Threads running TLS handshake steps (do_handshake: the server's signature, the key exchange,
+# a client certificate's check; ~1 ms with ECDSA P-256, ~10 ms with RSA-4096 here) off the
+# event loop: 2 are the DPU's spare cores; more would take them from the data path.
+TLS_HANDSHAKE_THREADS = 2
+# New TLS handshakes one address may start per second, with a burst of one host's clients
+# starting together (UNAUTHENTICATED_PER_ADDRESS_MAX): legit clients handshake once per
+# connection and keep it; a flood from one address past this is closed at its first byte.
+TLS_HANDSHAKES_PER_ADDRESS_PER_S = 32.0
+TLS_HANDSHAKE_BURST = 32.0
+# Handshake steps waiting for a thread, all addresses together: past it a newcomer is closed at
+# once (it retries) rather than queued behind a flood from many addresses; 64 steps are well
+# under a second of crypto.
+TLS_HANDSHAKE_QUEUE_MAX = 64
+# Addresses whose handshake rate is remembered: past it the ones whose bucket is full again
+# (idle for a second or more) are forgotten; a flood of distinct addresses meets the queue cap.
+TLS_RATE_ADDRESSES_MAX = 4096
 # Strangers looked at for a silent one to close before the oldest (the per-address share): a
 # bounded scan per new connection, even under a flood.
 STRANGER_EVICTION_SCAN_MAX = UNAUTHENTICATED_PER_ADDRESS_MAX
@@ -148,6 +170,12 @@ class ControlServer:
         self._trim: asyncio.TimerHandle | None = None
         self.unix_connections: set[_Connection] = set()
         self.tcp_address: tuple[str, int] | None = None
+        self._tls_pool: cf.ThreadPoolExecutor | None = None
+        if ssl_context is not None:
+            self._tls_pool = cf.ThreadPoolExecutor(TLS_HANDSHAKE_THREADS,
+                                                   thread_name_prefix="control-tls")  # fmt: skip
+        self.tls_queued = 0  # handshake steps submitted and not yet done
+        self._tls_rate: dict[str, tuple[float, float]] = {}  # address -> (tokens, when)
 
     @property
     def unix_path(self) -> Path | None:
@@ -208,6 +236,8 @@ class ControlServer:
             conn.abort()
         for server in self._servers:
             await server.wait_closed()
+        if self._tls_pool is not None:
+            self._tls_pool.shutdown(wait=False, cancel_futures=True)
         await asyncio.sleep(0)  # let connection_lost callbacks run
         self._servers.clear()
         if self._unix_path is not None:
@@ -249,6 +279,22 @@ class ControlServer:
             if self._trim is None and _MALLOC_TRIM is not None:  # after their buffers are freed
                 self._trim = asyncio.get_running_loop().call_later(1.0, self._give_back_memory)
         return True
+
+    def tls_admit(self, address: str) -> str | None:
+        """Whether `address` may start one more TLS handshake now (None) or why not."""
+        if self.tls_queued >= TLS_HANDSHAKE_QUEUE_MAX:
+            return "tls_queue_max"
+        now = time.monotonic()
+        if len(self._tls_rate) >= TLS_RATE_ADDRESSES_MAX:
+            full_after = TLS_HANDSHAKE_BURST / TLS_HANDSHAKES_PER_ADDRESS_PER_S
+            self._tls_rate = {a: v for a, v in self._tls_rate.items() if now - v[1] < full_after}
+        tokens, when = self._tls_rate.get(address, (TLS_HANDSHAKE_BURST, now))
+        tokens = min(TLS_HANDSHAKE_BURST, tokens + (now - when) * TLS_HANDSHAKES_PER_ADDRESS_PER_S)
+        if tokens < 1.0:
+            self._tls_rate[address] = (tokens, now)
+            return "tls_rate"
+        self._tls_rate[address] = (tokens - 1.0, now)
+        return None
 
     def _give_back_memory(self) -> None:
         """A flood of strangers is over: return what their buffers took (off the loop)."""
@@ -347,6 +393,8 @@ class _Connection(asyncio.BufferedProtocol):
         self._tls_in: ssl.MemoryBIO | None = None
         self._tls_out: ssl.MemoryBIO | None = None
         self._handshaken = False
+        self._tls_busy = False  # a handshake step runs on a TLS thread: reading waits for it
+        self._address = ""
         self._last_active = 0.0  # loop time of the last bytes received
         self.spoke = False  # any bytes received (a stranger mid-handshake or mid-hello)
         self.peer = "?"
@@ -359,6 +407,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._unix = not isinstance(peer, tuple)
         self.peer = str(peer) if peer else "unix"
         address = "" if self._unix else str(peer[0])
+        self._address = address
         refusal = self._refusal()
         if refusal:
             reason, message = refusal
@@ -451,7 +500,7 @@ class _Connection(asyncio.BufferedProtocol):
         t = self._transport
         if t is None or t.is_closing():
             return
-        if self._write_paused or self._pending is not None or self._yielding:
+        if self._write_paused or self._pending is not None or self._yielding or self._tls_busy:
             t.pause_reading()
         else:
             t.resume_reading()
@@ -466,6 +515,12 @@ class _Connection(asyncio.BufferedProtocol):
             if self._server._ssl is None or self._unix:
                 self.data_received(self._recv[:nbytes])
                 return
+            refused = self._server.tls_admit(self._address)
+            if refused is not None:  # before any crypto or TLS memory
+                m.CONNECTIONS_REFUSED.labels(refused).inc()
+                refusals.warning("control_tls_refused", peer=self.peer, reason=refused)
+                self.abort()
+                return
             self._tls_in, self._tls_out = ssl.MemoryBIO(), ssl.MemoryBIO()
             self._tls = self._server._ssl.wrap_bio(self._tls_in, self._tls_out, server_side=True)
         assert self._tls_in is not None
@@ -477,20 +532,8 @@ class _Connection(asyncio.BufferedProtocol):
         tls, t = self._tls, self._transport
         assert tls is not None and t is not None
         if not self._handshaken:
-            try:
-                tls.do_handshake()
-            except ssl.SSLWantReadError:
-                self._tls_flush()
-                return
-            except (ssl.SSLError, OSError) as e:  # not TLS, a refused certificate, ...
-                m.CONNECTIONS_REFUSED.labels("tls_handshake_failed").inc()
-                refusals.warning("control_tls_refused", peer=self.peer, error=str(e)[:200])
-                self._tls_flush()  # the alert, so the client knows why
-                t.close()
-                return
-            self._handshaken = True
-            if self._tls_deadline is not None:
-                self._tls_deadline.cancel()
+            self._handshake_step(tls, t)
+            return
         while self._tls is not None and not t.is_closing():
             try:
                 # with a buffer, read() returns the count (typeshed says bytes)
@@ -508,6 +551,46 @@ class _Connection(asyncio.BufferedProtocol):
                 break
             self.data_received(self._recv[:n])
         self._tls_flush()
+
+    def _handshake_step(self, tls: ssl.SSLObject, t: asyncio.Transport) -> None:
+        """Run do_handshake on a TLS thread, reading paused meanwhile (nothing touches the
+        BIOs while it runs); _handshake_done carries on, on the loop."""
+        srv = self._server
+        assert srv._tls_pool is not None
+        if srv.tls_queued >= TLS_HANDSHAKE_QUEUE_MAX:
+            m.CONNECTIONS_REFUSED.labels("tls_queue_max").inc()
+            self.abort()
+            return
+        srv.tls_queued += 1
+        self._tls_busy = True
+        t.pause_reading()
+        fut = asyncio.get_running_loop().run_in_executor(srv._tls_pool, _handshake, tls)
+        fut.add_done_callback(functools.partial(self._handshake_done, tls))
+
+    def _handshake_done(
+        self, tls: ssl.SSLObject, fut: asyncio.Future[BaseException | bool]
+    ) -> None:
+        self._server.tls_queued -= 1
+        self._tls_busy = False
+        t = self._transport
+        if fut.cancelled() or self._tls is not tls or t is None or t.is_closing():
+            return  # closed meanwhile, or the server stopped
+        done = fut.result()
+        if isinstance(done, BaseException):  # not TLS, a refused certificate, ...
+            m.CONNECTIONS_REFUSED.labels("tls_handshake_failed").inc()
+            refusals.warning("control_tls_refused", peer=self.peer, error=str(done)[:200])
+            self._tls_flush()  # the alert, so the client knows why
+            t.close()
+            return
+        if not done:  # it waits for the client's next flight
+            self._tls_flush()
+            self._update_reading()
+            return
+        self._handshaken = True
+        if self._tls_deadline is not None:
+            self._tls_deadline.cancel()
+        self._tls_received()  # application data that came with the last flight
+        self._update_reading()
 
     def _tls_flush(self) -> None:
         t, out = self._transport, self._tls_out
@@ -607,6 +690,18 @@ class _Connection(asyncio.BufferedProtocol):
                     self._tls.unwrap()  # close_notify: the client reads a clean end
                 self._tls_flush()
             t.close()  # after the queued replies are flushed
+
+
+def _handshake(tls: ssl.SSLObject) -> BaseException | bool:
+    """One do_handshake step, on a TLS thread: True when done, False when it needs the client's
+    next flight, else what refused it."""
+    try:
+        tls.do_handshake()
+    except ssl.SSLWantReadError:
+        return False
+    except (ssl.SSLError, OSError) as e:
+        return e
+    return True
 
 
 def _reraise(e: BaseException) -> None:

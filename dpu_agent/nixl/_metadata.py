@@ -14,14 +14,34 @@ exact layout nixl-cu12 writes, and anything else is refused with a clear error:
     and nothing after.
 
 What is checked beyond the layout: the name (ASCII, bounded), backends (UCX only: the only one
-the agent creates), each length against a stated maximum, the UCX worker address's header (its
-version nibble is the assertion seen) and the memory types (DRAM or VRAM). This is a filter in
-front of NIXL, not a proof: NIXL itself runs in a worker process (dpu_agent.nixl._worker) whose
-abort costs only the calls in flight.
+the agent creates), each length against a stated maximum, the UCX worker address (below) and
+the memory types (DRAM or VRAM). This is a filter in front of NIXL, not a proof: NIXL itself
+runs in a worker process (dpu_agent.nixl._worker) whose abort costs only the calls in flight.
+
+The UCX worker address is walked whole, in UCX's layout (src/ucp/wireup/address.c,
+ucp_address_unpack; UCX 1.19-1.23, address formats v1 and v2, non-unified mode, which the
+worker forces), so that the TCP endpoints inside it are known before UCX connects to them:
+
+    header: v1 = version nibble | flags nibble << 4; v2 = version | release << 4, flags byte
+    [uuid u64 (v1 always; v2 if flag 0x2)] [client id u64 (flag 0x4)] [name u8 len (flag 0x1)]
+    0xff (no devices) | per device:
+      md_index u8 (0x80 empty device; v2: 0x7f = next byte), dev_len u8 (0x80 last device,
+      0x40 paths byte follows, 0x20 sys_dev byte follows, low 5 bits length; v2: 0x1f = next
+      byte), [paths u8] [sys_dev u8], device address;
+      unless empty, per transport: name checksum u16 (ucs_crc16 of its name), attributes
+      (16 bytes in v1, 8 in v2), iface_len u8 (0x80 last, 0x40 ep addresses follow, low 6 bits
+      length; v2: 0x3f = next byte), iface address, per ep address: len u8, bytes, lane u8
+      (0x80 last)
+
+For the tcp transport (uct_tcp_device_addr_t, uct_tcp_iface_addr_t): the device address is a
+flags byte (0x1 loopback), the address family, then the IPv4/IPv6 address, or for loopback a
+uct_iface_local_addr_ns_t (the host's system id u64 and a namespace u32: UCX connects to
+127.0.0.1/::1 when they equal its own); the iface address is the port (big-endian u16).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import struct
 from dataclasses import dataclass
 
@@ -30,6 +50,7 @@ from kvproto.control import NIXL_METADATA_BYTES_MAX, RemoteProtocolError
 __all__ = [
     "NAME_BYTES_MAX",
     "NixlMetadata",
+    "TcpEndpoint",
     "parse_metadata",
 ]
 
@@ -58,6 +79,36 @@ DESCS_MAX = 2 * 4096
 # A UCX remote key is ~10 bytes over TCP and ~100 with RDMA devices; 4 KiB is generous.
 RKEY_BYTES_MAX = 4096
 MEM_TYPES = {0: "DRAM", 1: "VRAM"}  # nixl_mem_t: DRAM_SEG, VRAM_SEG
+# Transport entries in one UCX address: UCX's own bound (UCP_MAX_RESOURCES), past which its
+# unpacker refuses the address too.
+UCX_TRANSPORTS_MAX = 128
+# Endpoint addresses per transport entry: UCX's UCP_MAX_LANES.
+UCX_EP_ADDRESSES_MAX = 64
+
+
+def _crc16(name: bytes) -> int:
+    """ucs_crc16_string (CRC-16-CCITT, reflected, inverted): UCX names a transport by it."""
+    crc = 0xFFFF
+    for c in name:
+        crc ^= c
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x8408 if crc & 1 else 0)
+    return ~crc & 0xFFFF
+
+
+_TCP_CSUM = _crc16(b"tcp")
+_AF_INET, _AF_INET6 = 2, 10  # Linux sa_family values, as UCX packs them
+_TCP_LOOPBACK = 0x1  # UCT_TCP_DEVICE_ADDR_FLAG_LOOPBACK
+_LOCAL_NS_BYTES = 12  # uct_iface_local_addr_ns_t: system id u64, namespace u32
+
+
+@dataclass(frozen=True, slots=True)
+class TcpEndpoint:
+    """Where the agent's UCX would connect for one tcp entry of a peer's worker address."""
+
+    ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None  # None: UCX's loopback device
+    port: int
+    local_id: bytes = b""  # loopback only: the system id and namespace UCX compares to its own
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +116,7 @@ class NixlMetadata:
     name: str
     backends: tuple[str, ...]
     regions: tuple[tuple[int, int, int, str], ...]  # addr, nbytes, dev, mem (what it registered)
+    tcp: tuple[TcpEndpoint, ...] = ()  # the tcp endpoints inside its UCX worker address
 
 
 class _Reader:
@@ -106,14 +158,105 @@ class _Reader:
             raise self.fail(f"{what}: not {value.decode()!r}")
 
 
-def _check_ucx_address(addr: bytes, r: _Reader) -> None:
+class _Walk:
+    """A cursor over one UCX worker address; running off its end is a refusal."""
+
+    def __init__(self, addr: bytes, r: _Reader) -> None:
+        self.addr, self.pos, self.r = addr, 0, r
+
+    def take(self, n: int, what: str) -> bytes:
+        if self.pos + n > len(self.addr):
+            raise self.r.fail(f"UCX worker address: truncated in {what} (byte {self.pos})")
+        self.pos += n
+        return self.addr[self.pos - n : self.pos]
+
+    def byte(self, what: str) -> int:
+        return self.take(1, what)[0]
+
+    def extended(self, value: int, mask: int, v2: bool, what: str) -> int:
+        """A length or index whose all-ones value means "the next byte" (format v2 only)."""
+        return self.byte(what) if v2 and value == mask else value
+
+
+def _tcp_endpoint(dev: bytes, iface: bytes, r: _Reader) -> TcpEndpoint:
+    if len(iface) != 2:
+        raise r.fail(f"UCX tcp interface address of {len(iface)} bytes (a port: 2)")
+    (port,) = struct.unpack(">H", iface)
+    if len(dev) < 2:
+        raise r.fail(f"UCX tcp device address of {len(dev)} bytes")
+    flags, family, rest = dev[0], dev[1], dev[2:]
+    if flags & _TCP_LOOPBACK:
+        if family not in (_AF_INET, _AF_INET6) or len(rest) != _LOCAL_NS_BYTES:
+            raise r.fail("UCX tcp loopback device address: not family + system id + namespace")
+        return TcpEndpoint(ip=None, port=port, local_id=rest)
+    if flags or (family, len(rest)) not in ((_AF_INET, 4), (_AF_INET6, 16)):
+        raise r.fail(f"UCX tcp device address: flags {flags:#x}, family {family}, "
+                     f"{len(rest)} address bytes")  # fmt: skip
+    return TcpEndpoint(ip=ipaddress.ip_address(rest), port=port)
+
+
+def _ucx_address(addr: bytes, r: _Reader) -> tuple[TcpEndpoint, ...]:
+    """The tcp endpoints of a UCX worker address walked whole (layout in the module doc)."""
     if not UCX_ADDRESS_BYTES_MIN <= len(addr) <= UCX_ADDRESS_BYTES_MAX:
         raise r.fail(
             f"UCX worker address of {len(addr)} bytes "
             f"({UCX_ADDRESS_BYTES_MIN} to {UCX_ADDRESS_BYTES_MAX})"
         )
-    if addr[0] & 0x0F not in UCX_ADDRESS_VERSIONS:
-        raise r.fail(f"UCX worker address of format version {addr[0] & 0x0F} (0 or 1)")
+    version = addr[0] & 0x0F
+    if version not in UCX_ADDRESS_VERSIONS:
+        raise r.fail(f"UCX worker address of format version {version} (0 or 1)")
+    w, v2 = _Walk(addr, r), version == 1
+    w.take(1, "header")
+    flags = w.byte("header flags") if v2 else addr[0] >> 4
+    if not v2 or flags & 0x2:  # worker uuid (v1: always, under UCX's default unpack flags)
+        w.take(8, "worker uuid")
+    if flags & 0x4:  # client id
+        w.take(8, "client id")
+    if flags & 0x1:  # debug info: the worker's name
+        w.take(w.byte("worker name length"), "worker name")
+    if w.take(1, "first device")[0] == 0xFF:  # UCP_NULL_RESOURCE: no devices
+        if w.pos != len(addr):
+            raise r.fail("UCX worker address: bytes after an empty device list")
+        return ()
+    w.pos -= 1
+    attr_len = 8 if v2 else 16  # ucp_address_v2_packed_iface_attr_t / packed_iface_attr_t
+    tcp: list[TcpEndpoint] = []
+    entries = 0
+    while True:
+        md = w.byte("md index")
+        w.extended(md & 0x7F, 0x7F, v2, "md index")
+        b = w.byte("device address length")
+        dev_len = w.extended(b & 0x1F, 0x1F, v2, "device address length")
+        if b & 0x40:
+            w.take(1, "path count")
+        if b & 0x20:
+            w.take(1, "system device")
+        dev = w.take(dev_len, "device address")
+        last_tl = bool(md & 0x80)  # an empty device carries no transports
+        while not last_tl:
+            entries += 1
+            if entries > UCX_TRANSPORTS_MAX:
+                raise r.fail(f"UCX worker address: over {UCX_TRANSPORTS_MAX} transports")
+            (csum,) = struct.unpack("<H", w.take(2, "transport name checksum"))
+            w.take(attr_len, "transport attributes")
+            f = w.byte("interface address length")
+            last_tl, has_ep = bool(f & 0x80), bool(f & 0x40)
+            iface = w.take(w.extended(f & 0x3F, 0x3F, v2, "interface address length"),
+                           "interface address")  # fmt: skip
+            eps = 0
+            while has_ep:
+                eps += 1
+                if eps > UCX_EP_ADDRESSES_MAX:
+                    raise r.fail(f"UCX worker address: over {UCX_EP_ADDRESSES_MAX} ep addresses")
+                w.take(w.byte("ep address length"), "ep address")
+                has_ep = not w.byte("lane") & 0x80
+            if csum == _TCP_CSUM:
+                tcp.append(_tcp_endpoint(dev, iface, r))
+        if b & 0x80:  # the last device
+            break
+    if w.pos != len(addr):
+        raise r.fail(f"UCX worker address: {len(addr) - w.pos} bytes after the last device")
+    return tuple(tcp)
 
 
 def parse_metadata(blob: bytes) -> NixlMetadata:
@@ -128,6 +271,7 @@ def parse_metadata(blob: bytes) -> NixlMetadata:
         raise r.fail(f"agent name of {len(raw)} bytes is not printable ASCII")
     name = raw.decode("ascii")
     backends = []
+    tcp: tuple[TcpEndpoint, ...] = ()
     for _ in range(r.u64(b"Conns", "connection count", CONNS_MAX)):
         backend = r.entry(b"t", 64, "backend name").decode("ascii", "replace")
         if backend not in BACKENDS:
@@ -135,7 +279,7 @@ def parse_metadata(blob: bytes) -> NixlMetadata:
         if backend in backends:
             raise r.fail(f"backend {backend!r} twice")
         conn = r.entry(b"c", UCX_ADDRESS_BYTES_MAX, "connection info")
-        _check_ucx_address(conn, r)
+        tcp = _ucx_address(conn, r)
         backends.append(backend)
     r.exact(b"", b"MemSection", "memory section")
     regions: list[tuple[int, int, int, str]] = []
@@ -161,4 +305,4 @@ def parse_metadata(blob: bytes) -> NixlMetadata:
             regions.append((addr, nbytes, dev, mem))
     if r.pos != len(blob):
         raise r.fail(f"{len(blob) - r.pos} bytes after the last section")
-    return NixlMetadata(name=name, backends=tuple(backends), regions=tuple(regions))
+    return NixlMetadata(name=name, backends=tuple(backends), regions=tuple(regions), tcp=tcp)

@@ -32,6 +32,8 @@ from __future__ import annotations
 import asyncio
 import bisect
 import concurrent.futures as cf
+import functools
+import ipaddress
 import itertools
 import mmap
 import os
@@ -131,6 +133,7 @@ class _Session:
     sid: int
     tenant: str
     remote: str
+    peer: str  # the control connection's peer address ("" on the Unix socket)
     metadata: bytes  # the last metadata loaded: reloaded into a restarted worker
     # registered regions, sorted by address: starts (for bisect) and (end, dev, mem)
     starts: list[int] = field(default_factory=list)
@@ -158,6 +161,30 @@ class _Session:
         return (dev, mem) if addr + nbytes <= end else None
 
 
+def _unmapped(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> Any:
+    """An IPv4-mapped IPv6 address as the IPv4 address it is (a dual-stack socket's peer)."""
+    return ip.ipv4_mapped or ip if isinstance(ip, ipaddress.IPv6Address) else ip
+
+
+def _is_local_session(peer: str) -> bool:
+    """A control session from this machine: the Unix socket ("") or a loopback address."""
+    return not peer or ipaddress.ip_address(peer.split("%", 1)[0]).is_loopback
+
+
+def _is_this_machine(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Loopback, or an address of one of this machine's interfaces (bind succeeds only on
+    those; nothing is sent)."""
+    if ip.is_loopback:
+        return True
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind((str(ip), 0))
+    except OSError:
+        return False
+    return True
+
+
 def _covered(md: NixlMetadata, addr: int, nbytes: int, dev: int, mem: str) -> bool:
     """Whether the host's own NIXL registered [addr, addr+nbytes) (its metadata says so)."""
     return any(a <= addr and addr + nbytes <= a + n and d == dev and m == mem
@@ -173,8 +200,11 @@ class _Link:
         mine, theirs = socket.socketpair()
         cmd = [sys.executable, "-m", "dpu_agent.nixl._worker", str(theirs.fileno()),
                str(shm_fd), str(shm_bytes), name]  # fmt: skip
+        # Unified mode changes the layout of peers' worker addresses (attributes replaced by a
+        # resource index): dpu_agent.nixl._metadata reads the default, non-unified one.
+        env = {**os.environ, "UCX_UNIFIED_MODE": "n"}
         self.proc = subprocess.Popen(
-            cmd, pass_fds=(theirs.fileno(), shm_fd), stdin=subprocess.DEVNULL
+            cmd, pass_fds=(theirs.fileno(), shm_fd), stdin=subprocess.DEVNULL, env=env
         )
         theirs.close()
         self.conn = Connection(mine.detach())
@@ -331,8 +361,10 @@ class NixlServer:
         return nixl_status()
 
     async def handle(
-        self, session_id: int, tenant: str, op: str, fields: Mapping[str, Any]
+        self, session_id: int, tenant: str, op: str, fields: Mapping[str, Any], peer_host: str = ""
     ) -> dict[str, Any]:
+        """One NIXL op of a session; `peer_host` is the control connection's peer address ("" on
+        the Unix socket): the UCX endpoints in the host's metadata must be that address."""
         gate, users = self._gates.setdefault(
             tenant, (asyncio.Semaphore(NIXL_LANES_PER_TENANT), [0])
         )
@@ -341,6 +373,8 @@ class NixlServer:
             async with gate:  # at most NIXL_LANES_PER_TENANT lanes per tenant
                 loop = asyncio.get_running_loop()
                 call = getattr(self, "_" + op)
+                if op == "nixl_connect":  # the one op that takes a host's first metadata
+                    call = functools.partial(call, peer_host=peer_host)
                 return await loop.run_in_executor(self._thread, call, session_id, tenant, fields)
         except WorkerLost as e:
             raise RemoteProtocolError(
@@ -463,10 +497,11 @@ class NixlServer:
             raise RemoteProtocolError("no NIXL session: send nixl_connect first")
         return s
 
-    def _check(self, session_id: int, tenant: str, metadata: bytes) -> NixlMetadata:
-        """The parsed metadata if this session may load it (name, owner), else refused; nothing
-        reaches NIXL here."""
+    def _check(self, session_id: int, tenant: str, metadata: bytes, peer: str) -> NixlMetadata:
+        """The parsed metadata if this session may load it (name, owner, where its UCX address
+        points), else refused; nothing of it reaches NIXL here."""
         md = parse_metadata(metadata)
+        self._check_endpoints(md, peer)
         if not md.name.startswith(f"dpukv.{tenant}."):
             raise RemoteProtocolError(
                 f"nixl metadata: host agent {md.name!r} must be named dpukv.{tenant}.<anything> "
@@ -487,6 +522,42 @@ class NixlServer:
             del self._penalty[tenant]
         return md
 
+    def _check_endpoints(self, md: NixlMetadata, peer: str) -> None:
+        """Refuse metadata whose UCX address would make the agent's UCX connect anywhere but the
+        host that sent it: every tcp endpoint must be the control session's peer address, or,
+        for a session on loopback or the Unix socket, this machine itself. UCX's loopback
+        entries (it connects to 127.0.0.1 when their system id is its own) count as this
+        machine: from a remote session, one that UCX would find reachable is refused."""
+        local = _is_local_session(peer)
+        # a link-local peer carries its zone ("fe80::1%eth0"); UCX packs the bare address
+        peer_ip = None if local else _unmapped(ipaddress.ip_address(peer.split("%", 1)[0]))
+        own: frozenset[bytes] | None = None
+        for ep in md.tcp:
+            if ep.ip is None:
+                if local:
+                    continue
+                if own is None:
+                    own = self._own_system_ids()
+                if ep.local_id[:8] not in own:  # another machine's loopback: UCX skips it
+                    continue
+                where = f"this agent's loopback (port {ep.port})"
+            else:
+                ip = _unmapped(ep.ip)
+                if ip == peer_ip or (local and _is_this_machine(ip)):
+                    continue
+                where = f"{ip} port {ep.port}"
+            raise RemoteProtocolError(
+                f"nixl metadata: its UCX address points at {where}, not at the host of this "
+                f"session ({peer or 'this machine'}); limit the host's UCX to the interface that "
+                "faces the agent (UCX_NET_DEVICES)", "forbidden"
+            )  # fmt: skip
+
+    def _own_system_ids(self) -> frozenset[bytes]:
+        """The system ids in the worker's own loopback entries: a peer's loopback entry with
+        one of these is one UCX would connect to (on this machine)."""
+        own = parse_metadata(self._worker().metadata).tcp
+        return frozenset(ep.local_id[:8] for ep in own if ep.ip is None)
+
     def _load(self, tenant: str, md: NixlMetadata, metadata: bytes) -> None:
         link = self._worker()
         try:
@@ -501,18 +572,21 @@ class NixlServer:
         if loaded != md.name:
             raise RemoteProtocolError(f"nixl metadata: NIXL read agent {loaded!r}, not {md.name!r}")
 
-    def _nixl_connect(self, sid: int, tenant: str, f: Mapping[str, Any]) -> dict[str, Any]:
+    def _nixl_connect(
+        self, sid: int, tenant: str, f: Mapping[str, Any], *, peer_host: str
+    ) -> dict[str, Any]:
         old = self._sessions.get(sid)
         if old is None and len(self._sessions) >= SESSIONS_MAX:
             raise engine_errors.LimitExceeded(f"{SESSIONS_MAX} NIXL sessions; retry later")
-        md = self._check(sid, tenant, f["metadata"])
+        md = self._check(sid, tenant, f["metadata"], peer_host)
         if old is not None and old.remote != md.name:
             self._forget(sid)
         self._load(tenant, md, f["metadata"])
         with self._lock:
             s = self._sessions.get(sid)
             if s is None:
-                s = _Session(sid=sid, tenant=tenant, remote=md.name, metadata=f["metadata"])
+                s = _Session(sid=sid, tenant=tenant, remote=md.name, peer=peer_host,
+                             metadata=f["metadata"])  # fmt: skip
                 self._sessions[sid] = s
             else:
                 s.metadata = f["metadata"]
@@ -524,7 +598,7 @@ class NixlServer:
 
     def _nixl_register(self, sid: int, tenant: str, f: Mapping[str, Any]) -> dict[str, Any]:
         s = self._session(sid)
-        md = self._check(sid, tenant, f["metadata"])
+        md = self._check(sid, tenant, f["metadata"], s.peer)
         if md.name != s.remote:  # before NIXL loads anything: a refusal holds nothing
             raise RemoteProtocolError("nixl_register: metadata of another host agent", "forbidden")
         for i, (addr, nbytes, dev, mem) in enumerate(f["add"]):
