@@ -40,15 +40,17 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dpu_agent.eviction import DEFAULT_POLICY, POLICY_NAMES
 from dpu_agent.net import NetConfigError, NetDesired, parse_net
 from dpu_agent.units import SizeError, parse_size
 from kvproto.control import TENANTS_MAX, valid_tenant_name
 from kvproto.peer_auth import parse_peer_keys
-from spdk_plugins.desired import DesiredStateError, SpdkDesired, parse_desired
-from spdk_plugins.tiers import TierTarget, agent_tiers
+
+if TYPE_CHECKING:  # spdk_plugins loads its RPC client: imported only for an [spdk] section
+    from spdk_plugins.desired import SpdkDesired
+    from spdk_plugins.tiers import TierTarget
 
 __all__ = [
     "ENV_PREFIX",
@@ -229,6 +231,8 @@ class AgentConfig:
 
     def spdk_tiers(self) -> list[TierTarget]:
         """What the agent's initiator connects to, per tenant and tier (SPDK mode)."""
+        from spdk_plugins.tiers import agent_tiers
+
         assert self.spdk is not None, "not in SPDK mode"
         return agent_tiers(self.spdk)
 
@@ -636,6 +640,8 @@ def read_secret(path: Path) -> str:
 
 def _apply_spdk(cfg: AgentConfig, doc: dict[str, Any], source: str) -> None:
     """The [spdk] section through spdk_plugins' own parser (one parser for agent and dpuctl)."""
+    from spdk_plugins.desired import DesiredStateError, parse_desired
+
     try:
         cfg.spdk = parse_desired(doc)
     except DesiredStateError as e:
@@ -664,6 +670,8 @@ def _check_mode(cfg: AgentConfig) -> None:
         return
     if cfg.spdk is None:
         raise ConfigError(f"{where} needs an [spdk] section (see spdk_plugins/examples)")
+    from spdk_plugins.desired import DesiredStateError
+
     try:
         tiers = cfg.spdk_tiers()  # checks agent_hostnqn is in each tiered subsystem's hosts
     except DesiredStateError as e:
