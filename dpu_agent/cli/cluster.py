@@ -67,8 +67,9 @@ def status(config_path: str | None, as_json: bool) -> None:
 @ops.common
 def join(addresses: tuple[str, ...], config_path: str | None, as_json: bool) -> None:
     rpc, key = _serf(config_path, as_json)
+    node = ops.config_of(config_path, as_json, create=False).agent.node_name
     try:
-        ops.emit(serf_join(rpc, key, addresses), as_json, ops.show_done("cluster join"))
+        ops.emit(serf_join(rpc, key, addresses, node), as_json, ops.show_done("cluster join"))
     except Exception as e:  # SerfError, unreachable: a message, not a traceback
         ops._fail(ops.EXIT_FAILED, f"join: {e}", as_json)
 
