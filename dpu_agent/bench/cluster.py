@@ -406,7 +406,7 @@ def _status(c: SerfClient, name: str) -> str:
 
 def run_real(
     nodes: int, trials: int, keys: int = 1 << 18, *, replicas: int = VIEW_REPLICAS,
-    moves: bool = True, partition: bool = True,
+    moves: bool = True, partition: bool = True, node_deadline_s: float | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     if not 2 <= nodes <= REAL_NODES_MAX:
         raise click.BadParameter(f"--real --nodes {nodes}: give 2..{REAL_NODES_MAX}")
@@ -424,7 +424,7 @@ def run_real(
     if partition:
         from dpu_agent.bench.cluster_partition import run_partition
 
-        report.update(run_partition(nodes, replicas))
+        report.update(run_partition(nodes, replicas, node_deadline_s))
     return report
 
 
@@ -517,10 +517,13 @@ def _real(nodes: int, trials: int, keys: int, procs: list[SerfProcess], d: str) 
 @click.option("--partition/--no-partition", default=True, show_default=True,
               help="Real: a silent-drop partition of one of up to 5 agents in network "
               "namespaces (root): call latency p50/p99/max, misses, heal time.")  # fmt: skip
+@click.option("--node-deadline", "node_deadline_s", type=click.FloatRange(0.01, 60),
+              default=None, help="Real, partition: the clients' per-node deadline in seconds "
+              "(default host_shim's NODE_DEADLINE_S).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def cluster_cmd(
     mode: str, nodes: int, keys: int, trials: int, replicas: int, moves: bool,
-    partition: bool, as_json: bool,
+    partition: bool, node_deadline_s: float | None, as_json: bool,
 ) -> None:  # fmt: skip
     """Rendezvous placement and Serf membership: moved fraction and bytes, balance,
     convergence, view-change CPU."""
@@ -528,7 +531,7 @@ def cluster_cmd(
         raise click.BadParameter(f"--replicas {replicas}: give 1..8")
     if mode == "real":
         report = run_real(nodes, trials, keys or (1 << 18), replicas=replicas, moves=moves,
-                          partition=partition)  # fmt: skip
+                          partition=partition, node_deadline_s=node_deadline_s)  # fmt: skip
     else:
         report = run_simulation(nodes, keys, trials, replicas=replicas)
     if as_json:

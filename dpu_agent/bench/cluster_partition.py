@@ -116,8 +116,11 @@ def _pct(s: list[float], q: float) -> float:
     return round(float(np.percentile(s, q)) * 1e3, 2) if s else 0.0
 
 
-def run_partition(nodes: int, replicas: int = 2) -> dict[str, Any]:
-    """See the module docstring. `nodes` agents (at most PARTITION_NODES_MAX), R=`replicas`."""
+def run_partition(
+    nodes: int, replicas: int = 2, node_deadline_s: float | None = None
+) -> dict[str, Any]:
+    """See the module docstring. `nodes` agents (at most PARTITION_NODES_MAX), R=`replicas`,
+    the clients' per-node deadline `node_deadline_s` (None: host_shim's default)."""
     from dpu_agent.bench.cluster import cluster_files, settled
     from dpu_agent.cluster._serf_process import PICK_PORT_RANGE
     from dpu_agent.service import spawn_agent
@@ -156,7 +159,8 @@ def run_partition(nodes: int, replicas: int = 2) -> dict[str, Any]:
             while time.monotonic() < deadline and not settled(agents, files.token, n):
                 time.sleep(POLL_S)
             seeds = ",".join(a.control_url for a in agents)
-            with KVClient(seeds, "default", files.token, layout, salt, io_queues=1) as kv:
+            with KVClient(seeds, "default", files.token, layout, salt, io_queues=1,
+                          node_deadline_s=node_deadline_s) as kv:  # fmt: skip
                 r = kv.router
                 assert r is not None
                 r.spread_hot_reads = False  # hot copies would make the cut node own every key
