@@ -165,6 +165,10 @@ class ClusterSection:
     # The cluster pre-shared key (0600; one key per line, the first signs): every agent-to-
     # agent connection and every member's auth tag is proved with it (kvproto.peer_auth).
     peer_key_file: str = "cluster-peer.key"
+    # The CA that signed the other members' control certificates: what this agent verifies a
+    # tls:// member against when it connects to it ("" = [control] tls_client_ca, the CA of a
+    # cluster whose members present their control certificates to each other).
+    peer_tls_ca: str = ""
     join: str = ""  # gossip addresses of other members, comma-separated
     zone: str = ""  # failure domain (rack, row): replicas go to distinct zones
     replicas: int = 1  # copies of each chunk (R); a tenant's own `replicas` overrides it

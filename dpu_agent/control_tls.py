@@ -15,7 +15,7 @@ import ssl
 
 from dpu_agent.config import AgentConfig
 
-__all__ = ["exposure_warning", "server_context"]
+__all__ = ["exposure_warning", "peer_client_context", "server_context"]
 
 
 def server_context(cfg: AgentConfig) -> ssl.SSLContext | None:
@@ -31,6 +31,22 @@ def server_context(cfg: AgentConfig) -> ssl.SSLContext | None:
     if c.tls_client_ca:
         ctx.load_verify_locations(cfg.path(c.tls_client_ca))
         ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def peer_client_context(cfg: AgentConfig) -> ssl.SSLContext | None:
+    """What this agent connects to tls:// members with: their certificates verified against
+    [cluster] peer_tls_ca (or [control] tls_client_ca), host names checked, and this agent's
+    own control certificate presented (members with tls_client_ca require one). None when no
+    CA is configured: a tls:// member is then refused with that reason (cluster/_peer.py)."""
+    ca = cfg.cluster.peer_tls_ca or cfg.control.tls_client_ca
+    if not ca:
+        return None
+    ctx = ssl.create_default_context(cafile=cfg.path(ca))
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    c = cfg.control
+    if c.tls_cert:
+        ctx.load_cert_chain(cfg.path(c.tls_cert), cfg.path(c.tls_key) if c.tls_key else None)
     return ctx
 
 

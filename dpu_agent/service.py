@@ -61,7 +61,7 @@ from dpu_agent.control import (
     plain,
 )
 from dpu_agent.control import _metrics as control_metrics
-from dpu_agent.control_tls import exposure_warning, server_context
+from dpu_agent.control_tls import exposure_warning, peer_client_context, server_context
 from dpu_agent.crypto import KeyStore
 from dpu_agent.engine import Engine, EngineConfig, EngineError, LimitExceeded, UnknownTenant
 from dpu_agent.engine.backup import backup_tenants, check_no_interrupted_restore
@@ -147,7 +147,9 @@ class Agent:
         self.cluster: Membership | None = None  # [cluster] enabled: Serf membership
         # the cluster key: proves this agent to its peers and theirs to it (cluster/_peer.py)
         self.peer_auth = (
-            PeerAuth(cfg.agent.node_name, cfg.peer_keys) if cfg.cluster.enabled else None
+            PeerAuth(cfg.agent.node_name, cfg.peer_keys, peer_client_context(cfg))
+            if cfg.cluster.enabled
+            else None
         )
         self.started_at = time.time()
         self.host_keys = HostKeyIssuer(  # issued DH-HMAC-CHAP secrets / TLS PSKs per host

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
 from dpu_agent.bench.cluster import gossip_rounds, run_real
+from dpu_agent.bench.cluster_partition import partition_unavailable, run_partition
 from dpu_agent.cli import cli
 
 
@@ -50,8 +52,40 @@ def test_gossip_rounds_grow_like_log_n() -> None:
 @pytest.mark.full
 @pytest.mark.skipif(shutil.which("serf") is None, reason="needs the serf binary")
 def test_real_mode_with_live_serf_agents() -> None:
-    rep = run_real(4, trials=3, keys=1 << 14, replicas=2)
+    rep = run_real(4, trials=3, keys=1 << 14, replicas=2, partition=False)
     assert rep["mode"] == "real" and rep["nodes"] == 4
     assert 0 < rep["convergence_s_p50"] < 30 and 0 < rep["failure_detect_s"] < 60
     assert 0.8 <= rep["moved_join_over_ideal"] <= 1.2
     assert rep["moved_bytes_join_ideal"] > 0 and rep["moved_bytes_over_ideal"] <= 1.1
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10)
+    return {line.split()[0] for line in out.stdout.splitlines() if line.strip()}
+
+
+@pytest.mark.full
+@pytest.mark.timeout(400)
+def test_real_partition_reports_call_latency_misses_and_heal_and_cleans_up() -> None:
+    """The bench's silent-drop partition (3 agents in namespaces behind a bridge namespace,
+    R=2): it reports every figure, the client routes around the cut node (its keys read from
+    the other replica), the heal converges with nothing missing, and no namespace the bench
+    made is left behind. Misses and the latency bound are not asserted here: on this shared
+    box live members miss the deadline while starved (false downs), which the bench reports
+    as it finds it; tests/test_cluster_partition.py asserts the bounds."""
+    why = partition_unavailable()
+    if why:
+        pytest.skip(why)
+    before = _namespaces()
+    # 0.5 s: a live agent on this shared box can be silent for 0.25 s (test_cluster_partition)
+    rep = run_partition(3, 2, node_deadline_s=0.5)
+    print(rep)
+    assert {n for n in _namespaces() - before if n.startswith("kvb")} == set()
+    assert rep["partition_nodes"] == 3 and rep["node_deadline_ms"] == 500.0
+    assert rep["partition_calls"] > 0 and rep["partition_reads_of_cut_node_keys"] > 0
+    assert rep["partition_served_by_other_replica"] > 0
+    assert rep["partition_client_marked_cut_node_down"] is True
+    assert rep["partition_call_ms_p50"] <= rep["partition_call_ms_p99"] <= rep[
+        "partition_call_ms_max"]  # fmt: skip
+    assert rep["cut_node_says_cut_off_s"] is not None
+    assert rep["heal_converged_s"] > 0 and rep["heal_misses"] == 0

@@ -66,3 +66,39 @@ def test_cluster_commands_outside_a_cluster_fail_cleanly(tmp_path: Path) -> None
     assert CliRunner().invoke(cli, ["cluster", "join", "--json"], env=env).exit_code == 2
     r = CliRunner().invoke(cli, ["cluster", "leave", "--timeout", "0"], env=env)
     assert r.exit_code == 2
+
+
+def test_left_node_joins_again_without_an_agent_restart(tmp_path: Path) -> None:
+    """Regression: after `dpuctl cluster leave` the node's Serf had exited (Serf leaves, then
+    exits) and `dpuctl cluster join` failed until the agent was restarted. Now the agent
+    starts its Serf again alone (still `leaving`, owning nothing), and a join brings it back
+    serving: it owns keys again and what is put to it is served."""
+    c = Cluster(tmp_path)
+    try:
+        c.start("a")
+        c.start("b")
+        c.wait_serving(["a", "b"], on=["a", "b"])
+        b = c.nodes["b"].agent
+        r = c.dpuctl("b", "cluster", "leave", "--json", "--timeout", "60")
+        assert r.returncode == 0 and json.loads(r.stdout)["left"] is True, r.stdout + r.stderr
+        c.wait_serving(["a"], on=["a"])
+        c.wait_serving([], on=["b"])  # b's own Serf is back, alone, and b owns nothing
+        assert b.proc.poll() is None
+        r = c.dpuctl("b", "cluster", "join", c.nodes["a"].serf_bind, "--json")
+        assert r.returncode == 0, r.stdout + r.stderr
+        doc = json.loads(r.stdout)
+        assert doc["joined"] == 1 and doc["serving_again"] is True, doc
+        c.wait_serving(["a", "b"], on=["a", "b"])
+        chunks = [np.full(LAYOUT.chunk_shape, i, np.float16) for i in range(16)]
+        prompts = [np.arange(16, dtype=np.uint32) + 1000 * (i + 1) for i in range(16)]
+        with KVClient(c.seeds(), "default", c.token, LAYOUT, SALT, io_queues=1) as kv:
+            r_ = kv.router
+            assert r_ is not None and r_.refresh() and len(r_.placement.serving) == 2
+            assert all(kv.put(p, [ch]) == 1 for p, ch in zip(prompts, chunks, strict=True))
+            owners = {r_.placement.owners(kv.keys(p)[0], 1)[0].name for p in prompts}
+            assert "b" in owners, owners
+            out = [np.empty(LAYOUT.chunk_shape, np.float16)]
+            for p, ch in zip(prompts, chunks, strict=True):
+                assert kv.get(p, out) == 1 and out[0].tobytes() == ch.tobytes()
+    finally:
+        c.stop_all()

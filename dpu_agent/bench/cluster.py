@@ -13,7 +13,9 @@ timeout, 4 x log10(N) x the 1 s probe interval, plus a calibrated offset.
 --real --nodes N: N live `serf agent` processes on loopback, with the tags agents publish:
 join, tag-change and graceful-leave propagation until every agent's `members` shows it,
 kill -9 until every agent shows `failed`, and the moved fractions of the member lists they
-report, through the same placement code.
+report, through the same placement code; a join's moved bytes against the ideal on up to
+MOVE_NODES_MAX real agents at R=--replicas; view-change CPU per million chunks; and a silent-drop
+partition of one of up to 5 real agents in network namespaces (bench/cluster_partition.py).
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ from __future__ import annotations
 import base64
 import json
 import math
+import os
+import secrets
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import click
@@ -35,7 +40,15 @@ from kvproto.control import Reply, encode_reply
 from kvproto.peer_auth import AUTH_TAG, member_tag
 from kvproto.placement import Node, Placement
 
-__all__ = ["cluster_cmd", "gossip_rounds", "run_real", "run_simulation"]
+__all__ = [
+    "ClusterFiles",
+    "cluster_cmd",
+    "cluster_files",
+    "gossip_rounds",
+    "run_real",
+    "run_simulation",
+    "settled",
+]
 
 NODES_MAX = 4096  # simulated; the design's target is 1,024
 REAL_NODES_MAX = 64  # live Serf agents on this 2-core machine (~15 MB and ~0.2% CPU each)
@@ -206,13 +219,57 @@ def refresh_bytes(nodes: int) -> dict[str, int]:
 # --- live agents: a join's moved bytes -------------------------------------------------------
 
 
+@dataclass
+class ClusterFiles:
+    """A bench cluster's shared files under `root`: the tenant token and config, one gossip
+    key and one peer key (docs/CLUSTER.md, Keys), copied 0600 into each node's data dir."""
+
+    root: str
+    token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    gossip: str = field(
+        default_factory=lambda: json.dumps([base64.b64encode(secrets.token_bytes(32)).decode()])
+    )
+    peer_key: str = field(
+        default_factory=lambda: base64.b64encode(secrets.token_bytes(32)).decode() + "\n"
+    )
+
+    @property
+    def config(self) -> str:
+        return f"{self.root}/cluster.toml"
+
+    def write(self) -> ClusterFiles:
+        _secret(f"{self.root}/default.token", self.token + "\n")
+        with open(self.config, "w") as f:
+            f.write(f'[tenants.default]\ntoken_file = "{self.root}/default.token"\n')
+        return self
+
+    def env(self, name: str) -> dict[str, str]:
+        """Node `name`'s secrets in its data dir and the env every bench node shares."""
+        os.makedirs(f"{self.root}/{name}", exist_ok=True)
+        _secret(f"{self.root}/{name}/serf-keyring.json", self.gossip)
+        _secret(f"{self.root}/{name}/cluster-peer.key", self.peer_key)
+        return {
+            "DPUKV_AGENT_NODE_NAME": name, "DPUKV_CLUSTER_ENABLED": "1",
+            "DPUKV_CLUSTER_REFRESH_INTERVAL_S": "1", "DPUKV_METRICS_ENABLED": "0",
+            "DPUKV_STORAGE_DRAM_BYTES": str(16 << 20),
+            "DPUKV_STORAGE_NVME_BYTES": str(64 << 20),
+        }  # fmt: skip
+
+
+def _secret(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def cluster_files(root: str) -> ClusterFiles:
+    return ClusterFiles(root).write()
+
+
 def run_moves(nodes: int, replicas: int, chunks: int = MOVE_CHUNKS) -> dict[str, Any]:
     """`nodes` real agents (each with its Serf child) at R=`replicas`; `chunks` 2 KiB chunks
     put through a cluster client; one more agent joins: the bytes written to other nodes by
     every rebalancer, against the ideal (the chunks the joiner now owns), and the drain time."""
-    import os
-    import secrets
-
     from dpu_agent.service import spawn_agent
     from host_shim import KVClient
     from kvproto.keys import ChunkLayout
@@ -223,38 +280,18 @@ def run_moves(nodes: int, replicas: int, chunks: int = MOVE_CHUNKS) -> dict[str,
     agents: list[Any] = []
     binds: list[str] = []
     with tempfile.TemporaryDirectory(prefix="dpukv-bench-moves-") as d:
-        token = secrets.token_urlsafe(24)
-        fd = os.open(f"{d}/default.token", os.O_WRONLY | os.O_CREAT, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(token + "\n")
-        cfg = f"{d}/cluster.toml"
-        with open(cfg, "w") as f:
-            f.write(f'[tenants.default]\ntoken_file = "{d}/default.token"\n')
-        # the cluster's secrets (docs/CLUSTER.md, Keys): one gossip key, one peer key, 0600
-        gossip = json.dumps([base64.b64encode(secrets.token_bytes(32)).decode()])
-        peer_key = base64.b64encode(secrets.token_bytes(32)).decode() + "\n"
-
-        def secret(path: str, text: str) -> None:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
+        files = cluster_files(d)
+        token = files.token
 
         def start(i: int) -> None:
             bind = f"127.0.0.1:{free_port()}"
-            os.makedirs(f"{d}/m{i}", exist_ok=True)
-            secret(f"{d}/m{i}/serf-keyring.json", gossip)
-            secret(f"{d}/m{i}/cluster-peer.key", peer_key)
             env = {
-                "DPUKV_AGENT_NODE_NAME": f"m{i}", "DPUKV_CLUSTER_ENABLED": "1",
-                "DPUKV_CLUSTER_SERF_BIND": bind,
+                **files.env(f"m{i}"), "DPUKV_CLUSTER_SERF_BIND": bind,
                 "DPUKV_CLUSTER_SERF_RPC": f"127.0.0.1:{free_port()}",
                 "DPUKV_CLUSTER_JOIN": ",".join(binds[:2]),
                 "DPUKV_CLUSTER_REPLICAS": str(replicas),
-                "DPUKV_CLUSTER_REFRESH_INTERVAL_S": "1", "DPUKV_METRICS_ENABLED": "0",
-                "DPUKV_STORAGE_DRAM_BYTES": str(16 << 20),
-                "DPUKV_STORAGE_NVME_BYTES": str(64 << 20),
             }  # fmt: skip
-            agents.append(spawn_agent(f"{d}/m{i}", env=env, config=cfg))
+            agents.append(spawn_agent(f"{d}/m{i}", env=env, config=files.config))
             binds.append(bind)
 
         try:
@@ -265,7 +302,7 @@ def run_moves(nodes: int, replicas: int, chunks: int = MOVE_CHUNKS) -> dict[str,
             with kv:
                 _wait_members(kv, nodes)
                 deadline = time.monotonic() + WAIT_S_MAX  # every agent on one epoch first
-                while time.monotonic() < deadline and not _settled(agents, token, nodes):
+                while time.monotonic() < deadline and not settled(agents, token, nodes):
                     time.sleep(0.2)
                 rng = np.random.default_rng(3)
                 for i in range(chunks):
@@ -275,7 +312,7 @@ def run_moves(nodes: int, replicas: int, chunks: int = MOVE_CHUNKS) -> dict[str,
                 t0 = time.monotonic()
                 start(nodes)
                 deadline = time.monotonic() + WAIT_S_MAX * 4
-                while time.monotonic() < deadline and not _settled(agents, token, nodes + 1):
+                while time.monotonic() < deadline and not settled(agents, token, nodes + 1):
                     time.sleep(0.2)
                 drain_s = time.monotonic() - t0
                 _wait_members(kv, nodes + 1)
@@ -303,7 +340,7 @@ def _rebalance(agent: Any, token: str) -> dict[str, Any]:
         return dict(ch.call("members")["rebalance"])
 
 
-def _settled(agents: list[Any], token: str, n: int) -> bool:
+def settled(agents: list[Any], token: str, n: int) -> bool:
     from host_shim.client import ControlChannel, ControlError
 
     try:
@@ -369,7 +406,7 @@ def _status(c: SerfClient, name: str) -> str:
 
 def run_real(
     nodes: int, trials: int, keys: int = 1 << 18, *, replicas: int = VIEW_REPLICAS,
-    moves: bool = True,
+    moves: bool = True, partition: bool = True, node_deadline_s: float | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     if not 2 <= nodes <= REAL_NODES_MAX:
         raise click.BadParameter(f"--real --nodes {nodes}: give 2..{REAL_NODES_MAX}")
@@ -384,6 +421,10 @@ def run_real(
     report.update(view_change_cpu(nodes, replicas))
     if moves:
         report.update(run_moves(nodes, replicas))
+    if partition:
+        from dpu_agent.bench.cluster_partition import run_partition
+
+        report.update(run_partition(nodes, replicas, node_deadline_s))
     return report
 
 
@@ -473,16 +514,24 @@ def _real(nodes: int, trials: int, keys: int, procs: list[SerfProcess], d: str) 
               help="R for the view-change CPU and (real) the join's moved bytes.")  # fmt: skip
 @click.option("--moves/--no-moves", default=True, show_default=True,
               help=f"Real: a join's data move on up to {MOVE_NODES_MAX} agents.")  # fmt: skip
+@click.option("--partition/--no-partition", default=True, show_default=True,
+              help="Real: a silent-drop partition of one of up to 5 agents in network "
+              "namespaces (root): call latency p50/p99/max, misses, heal time.")  # fmt: skip
+@click.option("--node-deadline", "node_deadline_s", type=click.FloatRange(0.01, 60),
+              default=None, help="Real, partition: the clients' per-node deadline in seconds "
+              "(default host_shim's NODE_DEADLINE_S).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def cluster_cmd(
-    mode: str, nodes: int, keys: int, trials: int, replicas: int, moves: bool, as_json: bool
-) -> None:
+    mode: str, nodes: int, keys: int, trials: int, replicas: int, moves: bool,
+    partition: bool, node_deadline_s: float | None, as_json: bool,
+) -> None:  # fmt: skip
     """Rendezvous placement and Serf membership: moved fraction and bytes, balance,
     convergence, view-change CPU."""
     if not 1 <= replicas <= 8:
         raise click.BadParameter(f"--replicas {replicas}: give 1..8")
     if mode == "real":
-        report = run_real(nodes, trials, keys or (1 << 18), replicas=replicas, moves=moves)
+        report = run_real(nodes, trials, keys or (1 << 18), replicas=replicas, moves=moves,
+                          partition=partition, node_deadline_s=node_deadline_s)  # fmt: skip
     else:
         report = run_simulation(nodes, keys, trials, replicas=replicas)
     if as_json:

@@ -67,8 +67,9 @@ def status(config_path: str | None, as_json: bool) -> None:
 @ops.common
 def join(addresses: tuple[str, ...], config_path: str | None, as_json: bool) -> None:
     rpc, key = _serf(config_path, as_json)
+    node = ops.config_of(config_path, as_json, create=False).agent.node_name
     try:
-        ops.emit(serf_join(rpc, key, addresses), as_json, ops.show_done("cluster join"))
+        ops.emit(serf_join(rpc, key, addresses, node), as_json, ops.show_done("cluster join"))
     except Exception as e:  # SerfError, unreachable: a message, not a traceback
         ops._fail(ops.EXIT_FAILED, f"join: {e}", as_json)
 
@@ -88,7 +89,13 @@ def leave(timeout_s: float, no_drain: bool, config_path: str | None, as_json: bo
         result = drain_and_leave(rpc, key, view, timeout_s=timeout_s, drain=not no_drain)
     except Exception as e:
         ops._fail(ops.EXIT_FAILED, f"leave: {e}", as_json)
-    ops.emit(result, as_json, ops.show_done("cluster leave (stop the agent now)"))
+    ops.emit(
+        result,
+        as_json,
+        ops.show_done(
+            "cluster leave (stop the agent now, or `dpuctl cluster join ADDR` to serve again)"
+        ),
+    )
 
 
 @cluster_group.group("keys", help="The gossip keyring, cluster-wide (Serf's key commands).")

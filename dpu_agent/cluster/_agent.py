@@ -24,14 +24,15 @@ _WILDCARDS = ("0.0.0.0", "::", "")
 
 
 def _advertised(address: str, advertise_host: str) -> str:
-    """`address` (tcp://host:port or host:port) with a wildcard or chosen host replaced."""
+    """`address` (tcp://, tls:// or host:port) with a wildcard or chosen host replaced; the
+    scheme is kept (a TLS control plane is published as tls://: peers and clients must know)."""
     url = address if "://" in address else f"tcp://{address}"
     parts = urlsplit(url)
     host = parts.hostname or ""
     if advertise_host or host in _WILDCARDS:
         host = advertise_host or "127.0.0.1"
     hostport = f"[{host}]:{parts.port}" if ":" in host else f"{host}:{parts.port}"
-    return f"tcp://{hostport}" if "://" in address else hostport
+    return f"{parts.scheme}://{hostport}" if "://" in address else hostport
 
 
 def start_membership(agent: Any) -> Membership:

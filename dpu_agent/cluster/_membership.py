@@ -177,15 +177,19 @@ class Membership:
         self.last_change_s = 0.0
 
     # --- lifecycle -----------------------------------------------------------------------
+    def _spawn(self, join: Sequence[str]) -> SerfClient:
+        o = self.opts
+        self.serf = SerfProcess(
+            self.node, bind=o.serf_bind, rpc_addr=o.serf_rpc, tags=self.tags, join=join,
+            auth_key=o.auth_key, profile=o.profile, serf_bin=o.serf_bin,
+            log_path=o.log_path, keyring_file=o.keyring_file,
+        )  # fmt: skip
+        return self.serf.wait_ready()
+
     def start(self) -> None:
         o = self.opts
         if o.serf_start:
-            self.serf = SerfProcess(
-                self.node, bind=o.serf_bind, rpc_addr=o.serf_rpc, tags=self.tags, join=o.join,
-                auth_key=o.auth_key, profile=o.profile, serf_bin=o.serf_bin,
-                log_path=o.log_path, keyring_file=o.keyring_file,
-            )  # fmt: skip
-            self._client = self.serf.wait_ready()
+            self._client = self._spawn(o.join)
         else:  # an operator-run Serf agent: publish our tags on it, join the seeds
             self._client = SerfClient(o.serf_rpc, auth_key=o.auth_key)
             self._client.tags(self.tags)
@@ -195,9 +199,9 @@ class Membership:
                 f"Serf at {o.serf_rpc} does not encrypt gossip: anyone who reaches its port could "
                 "join. Start it with -keyring-file (docs/CLUSTER.md, Keys)"
             )
-            if o.join:
-                with contextlib.suppress(SerfError):  # a dead seed: others may answer later
-                    self._client.join(o.join)
+        if self.serf is None and o.join:
+            with contextlib.suppress(SerfError):  # a dead seed: others may answer later
+                self._client.join(o.join)
         self.set_state("serving")
         self._thread = threading.Thread(target=self._follow, name="cluster-members", daemon=True)
         self._thread.start()
@@ -250,6 +254,9 @@ class Membership:
         with self._lock:
             members = self._client.members()
         nodes = [n for n in (self._owner(m) for m in members) if n is not None]
+        for m in members:  # `dpuctl cluster leave|join` set our state through Serf directly
+            if m.name == self.node and m.tags.get("state") in NODE_STATES:
+                self.tags["state"] = m.tags["state"]
         placement = Placement(nodes)
         changed = placement.epoch != self.placement.epoch
         self.members = members
@@ -314,6 +321,34 @@ class Membership:
                     return
                 log.warning("cluster_serf_lost", error=str(e), retry_s=STREAM_RETRY_S)
                 self._stop.wait(STREAM_RETRY_S)
+                if not self._stop.is_set():
+                    self._reconnect()
+
+    def _reconnect(self) -> None:
+        """Serf is back to talk to after it was lost. Serf exits after a graceful leave
+        (`dpuctl cluster leave`): our own child is started again, alone and still `leaving`
+        (it owns nothing and joins nobody) so that `dpuctl cluster join` can bring the node
+        back without an agent restart; a child that crashed starts again with the seeds and
+        the state it had. An operator-run Serf that came back gets our tags again."""
+        with self._lock:
+            left = self.tags["state"] == "leaving"
+            try:
+                if self.serf is not None:
+                    if self.serf.alive:
+                        return  # only the stream broke: the next loop opens another
+                    self.serf.kill()  # reaped, its config dir removed
+                    client = self._spawn([] if left else self.opts.join)
+                else:
+                    client = SerfClient(self.opts.serf_rpc, auth_key=self.opts.auth_key)
+                    client.tags(self.tags)
+            except (RuntimeError, OSError, SerfError, ProtocolError, TimeoutError) as e:
+                log.warning("cluster_serf_restart_failed", error=str(e))
+                return
+            old, self._client = self._client, client
+            if old is not None:
+                old.close()
+        log.info("cluster_serf_restarted", node=self.node, left=left,
+                 own=self.serf is not None)  # fmt: skip
 
     # --- what the control plane answers ----------------------------------------------------------
     def view(self) -> dict[str, Any]:

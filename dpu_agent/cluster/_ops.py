@@ -19,9 +19,19 @@ __all__ = ["DRAIN_POLL_S", "drain_and_leave", "probe_serf", "serf_join", "serf_k
 DRAIN_POLL_S = 0.5
 
 
-def serf_join(rpc_addr: str, auth_key: str, addrs: Sequence[str]) -> dict[str, Any]:
+def serf_join(rpc_addr: str, auth_key: str, addrs: Sequence[str], node: str) -> dict[str, Any]:
+    """Join the cluster of `addrs`. A node that left (`cluster leave`: its agent restarted
+    Serf alone, still `leaving`) serves again once joined; a node draining inside the
+    cluster stays `leaving` (a join must not cancel a drain)."""
     with SerfClient(rpc_addr, auth_key=auth_key) as c:
-        return {"joined": c.join(list(addrs)), "addresses": list(addrs)}
+        before = c.members()
+        me = next((m for m in before if m.name == node), None)
+        alone = not any(m.name != node and m.status == "alive" for m in before)
+        joined = c.join(list(addrs))
+        back = me is not None and alone and me.tags.get("state") == "leaving" and joined > 0
+        if back:
+            c.tags({"state": "serving"})
+    return {"joined": joined, "addresses": list(addrs), "serving_again": back}
 
 
 def serf_keys(rpc_addr: str, auth_key: str, command: str, key: str = "") -> dict[str, Any]:

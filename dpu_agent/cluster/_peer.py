@@ -12,6 +12,7 @@ a byte past the challenge; its refusal is logged (rate-limited) and counted in
 from __future__ import annotations
 
 import secrets
+import ssl
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +41,8 @@ PEER_REFUSED = Counter(
     "kvtier_cluster_peer_refused",
     "Members or connections refused for not proving cluster membership, by reason: member_tag "
     "(gossip lists it, its auth tag does not verify), bad_tag (malformed tags), server_proof "
-    "(a peer we connected to failed the handshake), client_proof (a peer connecting here did).",
+    "(a peer we connected to failed the handshake), client_proof (a peer connecting here did), "
+    "no_peer_tls_ca (a tls:// member and no CA here to verify it).",
     ["reason"],
     registry=REGISTRY,
 )
@@ -54,10 +56,13 @@ def refuse(reason: str, **fields: Any) -> None:
 
 @dataclass(frozen=True, slots=True)
 class PeerAuth:
-    """This agent's name and the cluster keys (the first signs, any verifies)."""
+    """This agent's name, the cluster keys (the first signs, any verifies) and the TLS
+    context for members whose control URL is tls:// (dpu_agent.control_tls.peer_client_context:
+    None when no CA is configured)."""
 
     node: str
     keys: tuple[bytes, ...] = field(repr=False)
+    tls: ssl.SSLContext | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         assert self.keys, "a cluster needs at least one peer key"
@@ -70,11 +75,18 @@ class PeerChannel(ControlChannel):
     def __init__(
         self, url: str, tenant: str, auth: PeerAuth, expect: str, *, timeout_s: float
     ) -> None:
-        super().__init__(url, tenant, "", timeout_s=timeout_s, client="dpukv-peer")
+        super().__init__(url, tenant, "", timeout_s=timeout_s, client="dpukv-peer",
+                         ssl_context=auth.tls)  # fmt: skip
         self._auth = auth
         self._expect = expect
 
     def connect(self) -> dict[str, Any]:
+        if self.kind == "tls" and self._auth.tls is None:  # never the environment's defaults
+            refuse("no_peer_tls_ca", member=self._expect, control=self.url)
+            raise AgentUnreachable(
+                f"peer {self._expect} at {self.url} is TLS and this agent has no CA to verify "
+                "it: set [cluster] peer_tls_ca (or [control] tls_client_ca)"
+            )
         with self._lock:
             self._close_locked()
             self._sock = self._open()
