@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dpu_agent.log import nqn_tag
-from dpu_agent.service import AgentProcess, spawn_agent
+from dpu_agent.testing import AgentProcess, spawn_agent
 from host_shim.client import ControlChannel
 from host_shim.nvme import NvmeError, NvmeTcpController
 

@@ -213,7 +213,7 @@ def run_moves(nodes: int, replicas: int, chunks: int = MOVE_CHUNKS) -> dict[str,
     import os
     import secrets
 
-    from dpu_agent.service import spawn_agent
+    from dpu_agent.testing import spawn_agent
     from host_shim import KVClient
     from kvproto.keys import ChunkLayout
 
