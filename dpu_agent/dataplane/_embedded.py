@@ -21,7 +21,7 @@ from dpu_agent.nvmf._keys import HOST_KEYS_FILE, HostKeyIssuer, hello_keys
 
 __all__ = ["HOSTS_PER_TENANT_MAX", "EmbeddedDataPlane"]
 
-log = get_logger("dpu_agent.service")
+log = get_logger("dpu_agent.service")  # host_bound, host_added...: events of the agent service
 
 # Host NQNs allowed per subsystem at once (each bound to a live control session): a fleet of
 # GPU servers. Beyond it a hello is refused; nobody else's entry is pushed out.
