@@ -1,8 +1,8 @@
-"""The agent as a service: engine + NVMe/TCP target + control server + metrics + tick loop.
+"""The agent as a service: engine + data plane + control server + metrics + tick loop.
 
-In SPDK mode (`[agent] mode = "spdk"`) there is no NVMe/TCP target here: the tiers are SPDK's
-namespaces, reached through the agent's own initiator (dpu_agent.spdk_mode), and hello points
-hosts at SPDK's listener for their tenant's subsystem.
+The data plane (dpu_agent.dataplane) is what `[agent] mode` chooses: the embedded NVMe/TCP
+target over the agent's own tiers, or SPDK's target over SPDK's namespaces. This module asks it
+and never looks at the mode itself.
 
 `run_agent(cfg)` is what `dpuctl agent run` (and `make run`) calls: it starts everything in one
 asyncio loop, prints what it serves and how to try it, and on Ctrl-C or SIGTERM stops the
@@ -20,13 +20,12 @@ import json
 import os
 import secrets
 import signal
-import subprocess
 import sys
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 from prometheus_client import ProcessCollector, start_http_server
 
@@ -62,29 +61,20 @@ from dpu_agent.control import (
 )
 from dpu_agent.control import _metrics as control_metrics
 from dpu_agent.control_tls import exposure_warning, peer_client_context, server_context
-from dpu_agent.crypto import KeyStore
-from dpu_agent.engine import Engine, EngineConfig, EngineError, LimitExceeded, UnknownTenant
+from dpu_agent.dataplane import DataPlane, data_plane
+from dpu_agent.engine import Engine, EngineConfig, EngineError
 from dpu_agent.engine.backup import backup_tenants, check_no_interrupted_restore
 from dpu_agent.engine.engine import CHUNKS_PAGE_MAX
-from dpu_agent.log import configure_logging, get_logger, nqn_tag
+from dpu_agent.log import configure_logging, get_logger
 from dpu_agent.metrics import REGISTRY, forget_tenant
 from dpu_agent.nixl import NixlServer
-from dpu_agent.nvmf import NvmeTcpTarget, Subsystem, TargetOptions, tenant_nqn
-from dpu_agent.nvmf._keys import HOST_KEYS_FILE, HostKeyIssuer, hello_keys
 from dpu_agent.sdnotify import Notifier
-from dpu_agent.spdk_mode import SpdkDevices, check_spdk, listener_for
+from dpu_agent.tenant_store import TENANTS_FILE, TenantStore, write_secret
 from kvproto.control import TENANTS_MAX, valid_tenant_name
 
-__all__ = ["Agent", "AgentProcess", "run_agent", "spawn_agent"]
+__all__ = ["Agent", "banner", "run_agent"]
 
 log = get_logger("dpu_agent.service")
-
-TENANTS_FILE = "tenants.json"  # tenants added or removed at run time (tokens in their own files)
-# Host NQNs allowed per subsystem at once (each bound to a live control session): a fleet of
-# GPU servers. Beyond it a hello is refused; nobody else's entry is pushed out.
-HOSTS_PER_TENANT_MAX = 4096
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1"})  # where a Unix-socket client's NVMe/TCP comes from
-TENANT_EVICT_ALL_BYTES = 1 << 62  # "everything": more than any tier holds
 
 
 # The agent process's CPU seconds, RSS and open files on /metrics (process_* series): on a
@@ -112,6 +102,10 @@ def check_tenant_name(name: str) -> None:
         )
 
 
+# An admin op's handler: the agent, the request's fields -> the reply's result.
+AdminOp = Callable[["Agent", Mapping[str, Any]], Awaitable[dict[str, Any]]]
+
+
 class Agent:
     """One agent. Implements dpu_agent.control.ControlBackend for the control server."""
 
@@ -127,23 +121,19 @@ class Agent:
         self._cluster_served: set[str] = set()  # those of cfg.tenants that came from etcd
         self._static_conflicts: set[str] = set()  # etcd names shadowed by the config (logged)
         self._tenant_failures: set[str] = set()  # cluster tenants that could not be served
+        self.tenant_store = TenantStore(cfg.path(TENANTS_FILE))
         self._load_runtime_tenants()
         self.registry = TenantRegistry(
             cfg.admin_token, {name: t.token for name, t in cfg.tenants.items()}
         )
-        self.engine: Any = None
-        self.target: Any = None
+        self._engine: Engine | None = None
+        self.dataplane: DataPlane = data_plane(cfg)  # the one thing `[agent] mode` chooses
         self.control: ControlServer | None = None
         self._metrics_server: Any = None
         self._started = False  # agent_stopped is logged only for an agent that started
         self._telemetry: telemetry.Installed | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._admin_lock = asyncio.Lock()
-        self._subsystems: dict[str, Subsystem] = {}
-        # tenant -> host NQN -> {control session id: its peer address}: an allowlist entry
-        # lives exactly as long as a session that bound it (bind_host / session_closed)
-        self._bindings: dict[str, dict[str, dict[int, str]]] = {}
-        self._spdk_devices: SpdkDevices | None = None
         self.cluster: Membership | None = None  # [cluster] enabled: Serf membership
         # the cluster key: proves this agent to its peers and theirs to it (cluster/_peer.py)
         self.peer_auth = (
@@ -152,33 +142,20 @@ class Agent:
             else None
         )
         self.started_at = time.time()
-        self.host_keys = HostKeyIssuer(  # issued DH-HMAC-CHAP secrets / TLS PSKs per host
-            cfg.path(HOST_KEYS_FILE), dhchap=cfg.nvmf.require_auth, psk=cfg.nvmf.secure_channel
-        )
         # the NIXL data path (dpu_agent.nixl): its NIXL agent starts on a host's first use
         self.nixl_server = NixlServer(lambda: self.engine, f"dpukv-agent.{os.getpid()}")
+
+    @property
+    def engine(self) -> Engine:
+        """The engine, from start() on (a call before is a bug)."""
+        assert self._engine is not None, "the agent has not started"
+        return self._engine
 
     # --- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.cfg
-        if cfg.spdk_mode:
-            self.engine = await asyncio.to_thread(self._start_spdk)
-        else:
-            self.engine = Engine(self._engine_config())
-            subsystems = [self._subsystem(name) for name in self.cfg.tenants]
-            options = TargetOptions(
-                max_io_size=cfg.nvmf.max_io_size,
-                io_workers=cfg.nvmf.io_workers,
-                data_buffers_per_queue=cfg.nvmf.data_buffers_per_queue,
-            )
-            self.target = NvmeTcpTarget(
-                subsystems,
-                cfg.nvmf.host,
-                cfg.nvmf.port,
-                options=options,
-                secure_channel=cfg.nvmf.secure_channel,
-            )
-            await self.target.start()
+        self._engine = await self.dataplane.open_engine(self._engine_config())
+        await self.dataplane.start()
         await self._tenants_at_start()
         self.control = ControlServer(
             self,
@@ -209,17 +186,6 @@ class Agent:
         self._started = True
         log.info("agent_started", **self.addresses())
 
-    def _start_spdk(self) -> Engine:
-        """Check SPDK against [spdk] (plan, or apply), connect each tier, build the engine."""
-        cfg = self.cfg
-        assert cfg.spdk is not None, "load_config checks SPDK mode has [spdk]"
-        keystore = KeyStore(cfg.path(cfg.storage.key_file))  # SPDK's crypto keys come from it
-        apply_on_start = cfg.agent.spdk_apply_on_start
-        check_spdk(cfg.spdk, keystore, apply_on_start=apply_on_start, source=cfg.source)
-        tiers = [t for t in cfg.spdk_tiers() if t.tenant in cfg.tenants]
-        self._spdk_devices = SpdkDevices.connect(tiers)
-        return Engine(self._engine_config(), device_factory=self._spdk_devices)
-
     async def stop(self) -> None:
         if self.tenant_sync is not None:
             await asyncio.to_thread(self.tenant_sync.stop)
@@ -233,22 +199,18 @@ class Agent:
         if self.control is not None:
             await self.control.stop()
         await asyncio.to_thread(self.nixl_server.close)  # transfers in flight finish first
-        if self.target is not None:
-            await self.target.stop()
+        await self.dataplane.stop()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
         if self._telemetry is not None:
             self._telemetry.close()
             self._telemetry = None
-        if self.engine is not None:
+        if self._engine is not None:
             async with self._admin_lock:  # a backup or restore in flight finishes first
-                await asyncio.to_thread(self.engine.close)  # checkpoints: restart finds all
-            self.engine = None
-        if self._spdk_devices is not None:  # after the engine: its close demotes through them
-            self._spdk_devices.close()
-            self._spdk_devices = None
-        await asyncio.to_thread(self.host_keys.close)  # issued keys pending a batched write
+                await asyncio.to_thread(self._engine.close)  # checkpoints: restart finds all
+            self._engine = None
+        await self.dataplane.close()  # after the engine: its close demotes through the devices
         self._remove_state()
         if self._started:  # a refused start said why already; it did not stop a serving agent
             log.info("agent_stopped")
@@ -292,17 +254,6 @@ class Agent:
             tenants={name: t.quota_bytes for name, t in cfg.tenants.items()},
         )
 
-    def _subsystem(self, tenant: str) -> Subsystem:
-        """The tenant's subsystem: its namespaces only, reachable only by hosts it said hello
-        from (hello_info adds each authenticated client's host NQN)."""
-        sub = Subsystem(nqn=tenant_nqn(tenant), namespaces=self.engine.namespaces(tenant))
-        sub.require_auth = self.cfg.nvmf.require_auth
-        sub.secure_channel = self.cfg.nvmf.secure_channel
-        self.host_keys.bind(tenant, sub)
-        self._subsystems[tenant] = sub
-        self._bindings[tenant] = {}
-        return sub
-
     # --- addresses ----------------------------------------------------------------------------
     def addresses(self) -> dict[str, Any]:
         assert self.control is not None and self.control.tcp_address is not None
@@ -311,21 +262,13 @@ class Agent:
         out: dict[str, Any] = {
             "control_tcp": f"{'tls' if self.cfg.control.tls_cert else 'tcp'}://{host}:{port}",
             "control_unix": f"unix://{unix}" if unix else "",
-            "nvmf": self._nvmf_address(),
+            "nvmf": self.dataplane.address(),
             "metrics": "",
         }
         if self._metrics_server is not None:
             mhost, mport = self._metrics_server.server_address[:2]
             out["metrics"] = f"http://{mhost}:{mport}/metrics"
         return out
-
-    def _nvmf_address(self) -> str:
-        if self.target is not None:
-            return f"{self.target.host}:{self.target.port}"
-        assert self.cfg.spdk is not None, "SPDK mode"
-        first = next(iter(self.cfg.tenants), "")
-        nv = listener_for(self.cfg.spdk, first, "")  # SPDK's listener for the hosts
-        return f"{nv['host']}:{nv['port']}" if nv else ""
 
     def _write_state(self) -> None:
         a = self.addresses()
@@ -366,85 +309,23 @@ class Agent:
     # --- ControlBackend -----------------------------------------------------------------------
     def hello_info(self, tenant: str, hostnqn: str | None, local_host: str) -> dict[str, Any]:
         """The data-path address for `tenant`; its host NQN is allowed on the subsystem."""
-        if self.cfg.spdk is not None and self.cfg.spdk_mode:
-            return self._spdk_hello(tenant, local_host)
-        host, port = self.target.host, self.target.port
-        if host in ("0.0.0.0", "::", ""):  # a wildcard bind: the address the client reached
-            host = local_host
-        nvme: dict[str, Any] = {"host": host, "port": port, "subnqn": tenant_nqn(tenant)}
-        if hostnqn and self.host_keys.enabled:  # keys are issued, not invented
-            nvme.update(hello_keys(self.host_keys.issue(tenant, self._subsystems[tenant], hostnqn)))
-        return {
+        info: dict[str, Any] = {
             "node": self.cfg.agent.node_name,
-            "nvme": nvme,
-            "lease_ttl_s": self.lease_ttl_s,
-            "block_size": 4096,
-            "nixl": self.nixl_server.status(),
-        }
-
-    def _spdk_hello(self, tenant: str, local_host: str) -> dict[str, Any]:
-        """SPDK's listener and the tenant's subsystem. The allowlist is [spdk]'s `hosts` (plan
-        reconciles it), so hello adds nothing: an unlisted host NQN is refused at connect."""
-        assert self.cfg.spdk is not None
-        nv = listener_for(self.cfg.spdk, tenant, local_host)
-        assert nv is not None, f"load_config checks tenant {tenant} has an SPDK subsystem"
-        return {
-            "node": self.cfg.agent.node_name,
-            "nvme": nv,
+            "nvme": self.dataplane.hello_nvme(tenant, hostnqn, local_host),
             "lease_ttl_s": self.lease_ttl_s,
             "block_size": 4096,
         }
+        if self.dataplane.offers_nixl:
+            info["nixl"] = self.nixl_server.status()
+        return info
 
     def bind_host(self, session: Session, hostnqn: str) -> None:
         """Allow `hostnqn` on the session's tenant's subsystem, from the session's peer
-        address, until the session closes. (SPDK mode: the allowlist is [spdk]'s `hosts`.)"""
-        if self.cfg.spdk_mode:
-            return
-        hosts = self._bindings.get(session.tenant)
-        if hosts is None:
-            raise UnknownTenant(f"tenant {session.tenant!r} has no subsystem")
-        if hostnqn not in hosts and len(hosts) >= HOSTS_PER_TENANT_MAX:
-            raise LimitExceeded(
-                f"tenant {session.tenant!r} has {HOSTS_PER_TENANT_MAX} hosts connected "
-                "(HOSTS_PER_TENANT_MAX); close some clients first"
-            )
-        hosts.setdefault(hostnqn, {})[session.session_id] = session.peer_host
-        self._apply_host(session.tenant, hostnqn)
-        log.info("host_bound", tenant=session.tenant, host=nqn_tag(hostnqn),
-                 session=session.session_id)  # fmt: skip
+        address, until the session closes."""
+        self.dataplane.bind_host(session, hostnqn)
 
     def session_closed(self, session: Session) -> None:
-        hosts = self._bindings.get(session.tenant)
-        if hosts is None or session.hostnqn not in hosts:
-            return  # the tenant went first
-        peers = hosts[session.hostnqn]
-        peers.pop(session.session_id, None)
-        if peers:
-            self._apply_host(session.tenant, session.hostnqn)
-            return
-        del hosts[session.hostnqn]
-        sub = self._subsystems[session.tenant]
-        sub.allowed_hosts.discard(session.hostnqn)
-        sub.host_peers.pop(session.hostnqn, None)
-        if self.target is not None:  # its data-path connections end with it
-            self.target.disconnect_host(sub.nqn, session.hostnqn)
-        log.info("host_unbound", tenant=session.tenant, host=nqn_tag(session.hostnqn))
-
-    def _apply_host(self, tenant: str, hostnqn: str) -> None:
-        sub = self._subsystems[tenant]
-        addresses: set[str] = set()
-        for peer in self._bindings[tenant][hostnqn].values():
-            addresses |= {peer} if peer else LOOPBACK_HOSTS  # "": the Unix socket
-        sub.allowed_hosts.add(hostnqn)
-        sub.host_peers[hostnqn] = frozenset(addresses)
-
-    def _allow_host(self, tenant: str, hostnqn: str) -> None:
-        """An operator-added host (`dpuctl hosts add`): allowed from any address while the
-        tenant exists, not bound to a control session; with `[nvmf] require_auth` it must still
-        prove its issued secret (without it, its NQN is all it shows)."""
-        sub = self._subsystems[tenant]
-        sub.allowed_hosts.add(hostnqn)
-        sub.host_peers.pop(hostnqn, None)
+        self.dataplane.session_closed(session)
 
     def cluster_view(self, tenant: str) -> dict[str, Any]:
         view = agent_cluster_view(self, tenant)
@@ -526,81 +407,128 @@ class Agent:
         return out
 
     async def admin(self, op: str, fields: Mapping[str, Any]) -> dict[str, Any]:
-        """Admin ops one at a time; the slow ones (backup, restore) in a worker thread."""
+        """Admin ops one at a time, each through its entry in ADMIN_OPS; the slow ones
+        (checkpoint, backup, restore) in a worker thread."""
+        handler = self.ADMIN_OPS.get(op)
+        if handler is None:  # kvproto's ADMIN_OPS less what the dispatcher answers itself
+            raise AssertionError(f"admin op {op} has no handler")
         async with self._admin_lock:
-            if op in ("tenant_add", "tenant_rotate", "tenant_remove") and self.tenant_sync:
-                return await self._cluster_tenant_op(op, fields)
-            if op == "tenant_rotate":
-                return self._tenant_rotate(fields["tenant"], fields.get("token"))
-            if op == "tenant_add":
-                return self._tenant_add(
-                    fields["tenant"], fields.get("token"), fields.get("quota_bytes") or 0
-                )
-            if op == "tenant_remove":
-                removed = self._tenant_remove(fields["tenant"])
-                await asyncio.to_thread(self.host_keys.flush)  # its keys gone from the file
-                return removed
-            if op == "chunks_list":
-                self._known(fields["tenant"])
-                limit = min(fields["limit"], CHUNKS_PAGE_MAX)
-                after = fields.get("after") or b""
-                return {"chunks": self.engine.chunks(fields["tenant"], limit=limit, after=after)}
-            if op == "chunk_inspect":
-                self._known(fields["tenant"])
-                return {"chunk": self.engine.chunk(fields["tenant"], fields["key"])}
-            if op == "host_add":
-                host = self._host_add(fields["tenant"], fields["nqn"])
-                await asyncio.to_thread(self.host_keys.flush)  # the operator copies them now
-                return host
-            if op == "host_list":
-                return self._host_list(fields["tenant"])
-            if op == "host_remove":
-                removed = self._host_remove(fields["tenant"], fields["nqn"])
-                await asyncio.to_thread(self.host_keys.flush)  # revoked on disk before the reply
-                return removed
-            if op == "evict":
-                self._known(fields["tenant"])
-                return {"evicted": plain(self.engine.evict(fields["tenant"], fields["bytes"]))}
-            # The engine is thread-safe (one lock; data I/O outside it): slow ops off the loop.
-            if op == "checkpoint":
-                return {"checkpoint": plain(await asyncio.to_thread(self.engine.checkpoint))}
-            if op in ("backup", "restore") and self.cfg.spdk_mode:
-                # the agent sees plaintext through SPDK's crypto vbdev: a backup would hold it
-                raise ValueError(
-                    f"{op} is not available in SPDK mode (the agent reads plaintext through "
-                    "SPDK's crypto vbdev); back up the lvols with SPDK's snapshots instead"
-                )
-            if op == "backup":
-                result = await asyncio.to_thread(
-                    self.engine.backup, fields["dir"], incremental=fields["incremental"]
-                )
-                return {"backup": plain(result)}
-            if op == "restore" and (fields.get("mode") or "start") != "start":
-                # finish an interrupted restore: resume (start over) or roll back
-                dirs = [Path(d) for d in fields.get("dirs") or []]
-                result = await asyncio.to_thread(self.engine.restore, dirs, fields["mode"])
-                return {"restore": plain(result), "tenants_added": {}}
-            if op == "restore":
-                dirs = [Path(d) for d in fields.get("dirs") or []]
-                check_no_interrupted_restore(self.cfg.data_dir)  # before "holds chunks"
-                quotas = backup_tenants(dirs)
-                bad = [t for t in quotas if not (isinstance(t, str) and valid_tenant_name(t))]
-                if bad:  # a damaged or foreign manifest: nothing is added or restored
-                    raise ValueError(
-                        f"the backup names tenant {str(bad[0])[:80]!r}, not a tenant name "
-                        "([a-z0-9][a-z0-9-]{0,62}); the backup is damaged or not a dpukv one"
-                    )
-                missing = [t for t in quotas if t not in self.cfg.tenants]
-                if self.engine.stats()["records"]:  # before adding tenants (the engine checks too)
-                    raise ValueError(
-                        "restore needs an agent that holds no chunks; start a fresh agent on an "
-                        "empty data dir (with the old key file) and restore there"
-                    )
-                added = [self._tenant_add(n, None, quotas[n]) for n in missing]  # new tokens
-                result = await asyncio.to_thread(self.engine.restore, dirs)
-                tokens = {a["tenant"]: a["token_file"] for a in added}
-                return {"restore": plain(result), "tenants_added": tokens}
-        raise AssertionError(f"admin op {op} has no handler")
+            return await handler(self, fields)
+
+    # --- admin ops (ADMIN_OPS) ----------------------------------------------------------------
+    async def _op_tenant_add(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        if self.tenant_sync is not None:
+            return await self._cluster_tenant_op("tenant_add", fields)
+        quota = fields.get("quota_bytes") or 0
+        return self._tenant_add(fields["tenant"], fields.get("token"), quota)
+
+    async def _op_tenant_rotate(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        if self.tenant_sync is not None:
+            return await self._cluster_tenant_op("tenant_rotate", fields)
+        return self._tenant_rotate(fields["tenant"], fields.get("token"))
+
+    async def _op_tenant_remove(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        if self.tenant_sync is not None:
+            return await self._cluster_tenant_op("tenant_remove", fields)
+        removed = self._tenant_remove(fields["tenant"])
+        await asyncio.to_thread(self.dataplane.flush_keys)  # its keys gone from the file
+        return removed
+
+    async def _op_chunks_list(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        self._known(fields["tenant"])
+        limit = min(fields["limit"], CHUNKS_PAGE_MAX)
+        after = fields.get("after") or b""
+        return {"chunks": self.engine.chunks(fields["tenant"], limit=limit, after=after)}
+
+    async def _op_chunk_inspect(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        self._known(fields["tenant"])
+        return {"chunk": self.engine.chunk(fields["tenant"], fields["key"])}
+
+    async def _op_host_add(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        """`dpuctl hosts add`: allow host `nqn` on the tenant's subsystem with issued keys."""
+        tenant, nqn = fields["tenant"], fields["nqn"]
+        self._known(tenant)
+        if problem := host_nqn_problem(nqn):
+            raise ValueError(problem)
+        host = self.dataplane.host_add(tenant, nqn)
+        await asyncio.to_thread(self.dataplane.flush_keys)  # the operator copies them now
+        return host
+
+    async def _op_host_list(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        """`dpuctl hosts list`: hosts with issued keys, allowed or bound to a session."""
+        self._known(fields["tenant"])
+        return self.dataplane.host_list(fields["tenant"])
+
+    async def _op_host_remove(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        """`dpuctl hosts remove`: revoke the host's keys, end its control sessions and its
+        NVMe/TCP connections, and take it off the subsystem."""
+        tenant, nqn = fields["tenant"], fields["nqn"]
+        self._known(tenant)
+
+        def end_sessions() -> int:
+            return self.control.end_host_sessions(tenant, nqn) if self.control is not None else 0
+
+        removed = self.dataplane.host_remove(tenant, nqn, end_sessions)
+        await asyncio.to_thread(self.dataplane.flush_keys)  # revoked on disk before the reply
+        return removed
+
+    async def _op_evict(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        self._known(fields["tenant"])
+        return {"evicted": plain(self.engine.evict(fields["tenant"], fields["bytes"]))}
+
+    # The engine is thread-safe (one lock; data I/O outside it): slow ops off the loop.
+    async def _op_checkpoint(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        return {"checkpoint": plain(await asyncio.to_thread(self.engine.checkpoint))}
+
+    async def _op_backup(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        self.dataplane.check_backup("backup")
+        result = await asyncio.to_thread(
+            self.engine.backup, fields["dir"], incremental=fields["incremental"]
+        )
+        return {"backup": plain(result)}
+
+    async def _op_restore(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        self.dataplane.check_backup("restore")
+        dirs = [Path(d) for d in fields.get("dirs") or []]
+        if (fields.get("mode") or "start") != "start":
+            # finish an interrupted restore: resume (start over) or roll back
+            result = await asyncio.to_thread(self.engine.restore, dirs, fields["mode"])
+            return {"restore": plain(result), "tenants_added": {}}
+        check_no_interrupted_restore(self.cfg.data_dir)  # before "holds chunks"
+        quotas = backup_tenants(dirs)
+        bad = [t for t in quotas if not (isinstance(t, str) and valid_tenant_name(t))]
+        if bad:  # a damaged or foreign manifest: nothing is added or restored
+            raise ValueError(
+                f"the backup names tenant {str(bad[0])[:80]!r}, not a tenant name "
+                "([a-z0-9][a-z0-9-]{0,62}); the backup is damaged or not a dpukv one"
+            )
+        missing = [t for t in quotas if t not in self.cfg.tenants]
+        if self.engine.stats()["records"]:  # before adding tenants (the engine checks too)
+            raise ValueError(
+                "restore needs an agent that holds no chunks; start a fresh agent on an "
+                "empty data dir (with the old key file) and restore there"
+            )
+        added = [self._tenant_add(n, None, quotas[n]) for n in missing]  # new tokens
+        result = await asyncio.to_thread(self.engine.restore, dirs)
+        tokens = {a["tenant"]: a["token_file"] for a in added}
+        return {"restore": plain(result), "tenants_added": tokens}
+
+    # op -> handler; the dispatcher answers the other ops of kvproto.control (tenants_list
+    # through tenants_list above), and tests/test_service_split.py checks the two cover all
+    ADMIN_OPS: ClassVar[Mapping[str, AdminOp]] = MappingProxyType({
+        "tenant_add": _op_tenant_add,
+        "tenant_rotate": _op_tenant_rotate,
+        "tenant_remove": _op_tenant_remove,
+        "chunks_list": _op_chunks_list,
+        "chunk_inspect": _op_chunk_inspect,
+        "host_add": _op_host_add,
+        "host_list": _op_host_list,
+        "host_remove": _op_host_remove,
+        "evict": _op_evict,
+        "checkpoint": _op_checkpoint,
+        "backup": _op_backup,
+        "restore": _op_restore,
+    })  # fmt: skip
 
     def _known(self, tenant: str) -> None:
         if tenant not in self.cfg.tenants:
@@ -613,7 +541,7 @@ class Agent:
         self._check_addable(name)
         token = token or secrets.token_urlsafe(TENANT_TOKEN_BYTES)
         token_file = f"tenant-{name}.token"
-        _write_secret(self.cfg.path(token_file), token)  # replaces one left by an earlier name
+        write_secret(self.cfg.path(token_file), token)  # replaces one left by an earlier name
         t = TenantConfig(name=name, token=token, token_file=token_file, quota_bytes=quota_bytes)
         self._tenant_serve(t)
         self._save_runtime_tenants()
@@ -626,18 +554,14 @@ class Agent:
             raise ValueError(f"tenant {name!r} exists; remove it first or pick another name")
         if len(self.cfg.tenants) >= TENANTS_MAX:  # before anything is created for it
             raise ValueError(f"already {TENANTS_MAX} tenants (TENANTS_MAX); remove one first")
-        if self.cfg.spdk_mode:  # its tiers are SPDK namespaces, connected at start
-            raise ValueError(
-                f"SPDK mode: add tenant {name!r} to [tenants] and its [[spdk.subsystems]] in "
-                f"{self.cfg.source}, then restart the agent"
-            )
+        self.dataplane.check_addable(name)
 
     def _tenant_serve(self, t: TenantConfig) -> None:
         """Tiers, subsystem, token: the tenant is served from here on."""
         if len(self.registry.names()) >= TENANTS_MAX:  # before anything is built
             raise ValueError(f"already {TENANTS_MAX} tenants on this node (TENANTS_MAX)")
         self.engine.add_tenant(t.name, quota_bytes=t.quota_bytes)
-        self.target.add_subsystem(self._subsystem(t.name))
+        self.dataplane.add_tenant(t.name)
         self.cfg.tenants[t.name] = t
         self.registry.add(t.name, t.token)
         control_metrics.INTEGRITY_REPORTS.labels(t.name)  # a 0 sample before any report
@@ -652,7 +576,7 @@ class Agent:
                 "and restart the agent"
             )
         token = token or secrets.token_urlsafe(TENANT_TOKEN_BYTES)
-        _write_secret(self.cfg.path(t.token_file), token)
+        write_secret(self.cfg.path(t.token_file), token)
         ended = self._set_token(t, token)
         log.info("tenant_token_rotated", tenant=name, sessions_ended=ended)
         return {"tenant": name, "token": token, "token_file": str(self.cfg.path(t.token_file)),
@@ -664,79 +588,14 @@ class Agent:
         self.registry.add(t.name, token)  # a new incarnation: old sessions are refused
         return self.control.end_tenant_sessions(t.name) if self.control is not None else 0
 
-    def _host_add(self, tenant: str, nqn: str) -> dict[str, Any]:
-        """`dpuctl hosts add`: allow host `nqn` on the tenant's subsystem with issued keys."""
-        self._known(tenant)
-        if problem := host_nqn_problem(nqn):
-            raise ValueError(problem)
-        if self.target is None:
-            raise ValueError("SPDK mode: hosts and their keys are [spdk]'s (keyring files)")
-        self._allow_host(tenant, nqn)
-        keys = {}
-        if self.host_keys.enabled:
-            keys = hello_keys(
-                self.host_keys.issue(tenant, self._subsystems[tenant], nqn, any_address=True)
-            )
-        log.info("host_added", tenant=tenant, keys=sorted(keys))
-        return {"tenant": tenant, "hostnqn": nqn, "subnqn": tenant_nqn(tenant), **keys}
-
-    def _host_list(self, tenant: str) -> dict[str, Any]:
-        """`dpuctl hosts list`: hosts with issued keys, allowed or bound to a session."""
-        self._known(tenant)
-        if self.target is None:
-            raise ValueError("SPDK mode: hosts and their keys are [spdk]'s (keyring files)")
-        keyed = self.host_keys.hosts(tenant)
-        sub = self._subsystems[tenant]
-        bound = self._bindings.get(tenant, {})
-        names = set(keyed) | set(sub.allowed_hosts) | set(bound)
-        rows = [
-            {
-                "hostnqn": h,
-                "keys": keyed.get(h, {}).get("keys", []),
-                "operator_added": keyed.get(h, {}).get("operator_added", False),
-                "allowed": h in sub.allowed_hosts,
-                "sessions": len(bound.get(h, {})),
-            }
-            for h in sorted(names)
-        ]
-        return {"tenant": tenant, "hosts": rows}
-
-    def _host_remove(self, tenant: str, nqn: str) -> dict[str, Any]:
-        """`dpuctl hosts remove`: revoke the host's keys, end its control sessions and its
-        NVMe/TCP connections, and take it off the subsystem."""
-        self._known(tenant)
-        if self.target is None:
-            raise ValueError("SPDK mode: hosts and their keys are [spdk]'s (keyring files)")
-        sub = self._subsystems[tenant]
-        known = nqn in sub.allowed_hosts or nqn in self._bindings.get(tenant, {})
-        revoked = self.host_keys.forget_host(tenant, nqn)
-        if not (known or revoked):
-            raise LookupError(f"no host {nqn[:64]!r} on tenant {tenant!r}; see dpuctl hosts list")
-        ended = self.control.end_host_sessions(tenant, nqn) if self.control is not None else 0
-        self._bindings.get(tenant, {}).pop(nqn, None)
-        sub.allowed_hosts.discard(nqn)
-        sub.host_peers.pop(nqn, None)
-        sub.host_keys.pop(nqn, None)
-        self.target.disconnect_host(sub.nqn, nqn)
-        log.info("host_removed", tenant=tenant, host=nqn_tag(nqn), sessions_ended=ended)
-        return {"tenant": tenant, "hostnqn": nqn, "keys_revoked": revoked, "sessions_ended": ended}
-
     def _tenant_remove(self, name: str, *, cluster: bool = False) -> dict[str, Any]:
-        """Crypto-erase: revoke the token, end its sessions, remove its subsystem (its hosts
-        are disconnected), destroy its XTS key and free its space. A tenant added later under
-        the same name gets a new token and key; the old ones are refused."""
+        """Revoke the token, end its sessions, and have the data plane free what the tenant
+        held (embedded: crypto-erase, its subsystem and hosts gone). A tenant added later
+        under the same name gets a new token and key; the old ones are refused."""
         self._known(name)
         self.registry.remove(name)
         ended = self.control.end_tenant_sessions(name) if self.control is not None else 0
-        if self.target is not None:  # SPDK mode: the subsystem is SPDK's, kept
-            self.target.remove_subsystem(tenant_nqn(name))
-        self._subsystems.pop(name, None)
-        self.host_keys.forget_tenant(name)
-        self._bindings.pop(name, None)
-        if self.cfg.spdk_mode:  # the tiers are SPDK's namespaces: drop what is unleased
-            erased = {"freed_bytes": self.engine.evict(name, TENANT_EVICT_ALL_BYTES)}
-        else:
-            erased = self.engine.remove_tenant(name)
+        erased = self.dataplane.remove_tenant(name)
         t = self.cfg.tenants.pop(name)
         if t.token_file:
             self.cfg.path(t.token_file).unlink(missing_ok=True)
@@ -755,10 +614,10 @@ class Agent:
     def _drop_unconfigured_tenants(self) -> None:
         """At start, with tenants per node: a tenant on disk that the config (and the run-time
         store) no longer names is erased, not kept: nobody can present its token any more, and
-        keeping a removed tenant's data with its key is what removal must not do."""
-        if self.cfg.spdk_mode:
-            return  # SPDK's lvols are [spdk]'s: `dpuctl spdk plan` reports what is extra
-        for name in sorted(set(self.engine.tenants()) - set(self.cfg.tenants)):
+        keeping a removed tenant's data with its key is what removal must not do (the data
+        plane says which: SPDK's lvols are [spdk]'s)."""
+        held, configured = set(self.engine.tenants()), set(self.cfg.tenants)
+        for name in self.dataplane.unconfigured(held, configured):
             self._erase_unserved(name, f"not a tenant in {self.cfg.source}")
 
     # --- cluster-wide tenants ([cluster] etcd_endpoints) -------------------------------------
@@ -878,66 +737,28 @@ class Agent:
             return erased.get(name, {"tenant": name})
         return {"tenant": name, "token": token, "source": "etcd"}
 
-    def _runtime_tenants_path(self) -> Path:
-        return self.cfg.path(TENANTS_FILE)
-
     def _load_runtime_tenants(self) -> None:
-        try:
-            doc = json.loads(self._runtime_tenants_path().read_text())
-            if not isinstance(doc, dict):
-                raise ValueError(f"not a JSON object: {type(doc).__name__}")
-        except FileNotFoundError:
-            return
-        except (ValueError, OSError) as e:  # damaged: start with the configured tenants
-            log.error("runtime_tenants_unreadable", path=str(self._runtime_tenants_path()),
-                      error=str(e), dropped="tenants added or removed at run time")  # fmt: skip
-            return
-        for name, entry in doc.get("added", {}).items():
-            if valid_tenant_name(name) and name not in self.cfg.tenants:
-                t = TenantConfig(
-                    name=name,
-                    token_file=entry.get("token_file", ""),
-                    quota_bytes=int(entry.get("quota_bytes", 0)),
-                )
+        """The config file's tenants with the run-time changes of tenants.json applied."""
+        saved = self.tenant_store.load()
+        for name, t in saved.added.items():
+            if name not in self.cfg.tenants:
                 self.cfg.tenants[name] = t
-        for name in doc.get("removed", []):
+        for name in saved.removed:
             self.cfg.tenants.pop(name, None)
-        for name, entry in doc.get("cluster", {}).items():
-            if valid_tenant_name(name) and isinstance(entry, dict):
-                self._cluster_known[name] = str(entry.get("incarnation", ""))
+        self._cluster_known.update(saved.cluster)
         self.cfg.prepare()  # loads the tokens of the tenants just added
 
     def _save_runtime_tenants(self, removed: str | None = None) -> None:
         """tenants.json: this node's run-time tenants (added: not in the config file), config
         tenants removed at run time, and the incarnation of each cluster tenant held here."""
-        path = self._runtime_tenants_path()
-        try:
-            doc = json.loads(path.read_text())
-        except FileNotFoundError:
-            doc = {"added": {}, "removed": []}
-        doc["added"] = {
-            name: {"token_file": t.token_file, "quota_bytes": t.quota_bytes}
+        added = {
+            name: t
             for name, t in self.cfg.tenants.items()
             if name not in self._config_tenants and name not in self._cluster_served
         }
-        if removed:
-            doc["removed"] = sorted({*doc["removed"], removed})
-        doc["removed"] = [n for n in doc["removed"] if n not in self.cfg.tenants]
-        doc["cluster"] = {n: {"incarnation": inc} for n, inc in sorted(self._cluster_known.items())}
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc, indent=1) + "\n")
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-
-
-def _write_secret(path: Path, value: str) -> None:
-    """`value` in `path`, mode 0600 from creation, replacing what was there atomically."""
-    tmp = path.with_suffix(".tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(value + "\n")
-    os.replace(tmp, path)
+        self.tenant_store.save(
+            added=added, present=self.cfg.tenants, cluster=self._cluster_known, removed=removed
+        )
 
 
 def _summary(stats: Any) -> dict[str, Any]:
@@ -948,14 +769,13 @@ def _summary(stats: Any) -> dict[str, Any]:
     return {k: v for k, v in stats.items() if k in keep}
 
 
-def banner(cfg: AgentConfig, addr: Mapping[str, Any]) -> str:
+def banner(cfg: AgentConfig, addr: Mapping[str, Any], plane: DataPlane) -> str:
     tenant = "default" if "default" in cfg.tenants else next(iter(cfg.tenants), "default")
     token_file = cfg.path(cfg.tenants[tenant].token_file) if tenant in cfg.tenants else "?"
     # dpuctl in another terminal must find the same data directory (and so the agent)
     env = "" if cfg.agent.data_dir == "./var" else f"DPUKV_AGENT_DATA_DIR={cfg.data_dir} "
     opt = "" if cfg.source == "<defaults>" else f" --config {cfg.source}"
-    nv = listener_for(cfg.spdk, tenant, "") if cfg.spdk is not None and cfg.spdk_mode else None
-    nqn = nv["subnqn"] if nv else tenant_nqn(tenant)
+    nqn = plane.subsystem_nqn(tenant)
     return f"""dpukv agent {cfg.agent.node_name} is serving (Ctrl-C stops it)
   control   {addr["control_tcp"]}  {addr["control_unix"]}
   NVMe/TCP  {addr["nvmf"]}  (subsystem {nqn})
@@ -1000,7 +820,7 @@ async def _serve(cfg: AgentConfig) -> int:
         print(f"error: cannot start the agent: {type(e).__name__}: {e}", file=sys.stderr)
         await agent.stop()
         return 1
-    print(banner(cfg, agent.addresses()), flush=True)
+    print(banner(cfg, agent.addresses(), agent.dataplane), flush=True)
     if warning := exposure_warning(cfg):
         print(f"WARNING: {warning}", file=sys.stderr, flush=True)
         log.warning("control_plane_exposed", host=cfg.control.host, port=cfg.control.port)
@@ -1018,101 +838,3 @@ def run_agent(cfg: AgentConfig) -> int:
     """Run in the foreground until SIGINT/SIGTERM; returns the process exit code."""
     configure_logging(level=cfg.agent.log_level, console=sys.stderr.isatty())
     return asyncio.run(_serve(cfg))
-
-
-# --- an agent in a child process (tests, benchmarks, examples) ---------------------------------
-
-SPAWN_TIMEOUT_S = 60.0  # first start builds tiers and the journal; on a loaded 2-core box
-
-
-@dataclass(slots=True, kw_only=True)
-class AgentProcess:
-    """A `dpuctl agent run` child with its addresses (from its state file) and tokens."""
-
-    proc: subprocess.Popen[bytes]
-    data_dir: Path
-    state: dict[str, Any]
-    token: str = field(repr=False)
-    admin_token: str = field(repr=False)
-
-    @property
-    def control_url(self) -> str:
-        return str(self.state["control"]["tcp"])
-
-    @property
-    def unix_url(self) -> str:
-        return str(self.state["control"]["unix"])
-
-    @property
-    def metrics_url(self) -> str:
-        return str(self.state["metrics"])
-
-    def stop(self, sig: int = signal.SIGINT, timeout_s: float = 60.0) -> int:
-        """Signal the agent and wait; SIGKILL if it does not stop in time. Returns its code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                return self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        return self.proc.wait(timeout_s)
-
-    def kill(self) -> None:
-        self.stop(signal.SIGKILL)
-
-
-def _read_optional(path: Path) -> str:
-    """The default tenant's token; "" when a config without that tenant was used."""
-    try:
-        return path.read_text().strip()
-    except FileNotFoundError:
-        return ""
-
-
-def spawn_agent(
-    data_dir: str | os.PathLike[str],
-    *,
-    env: Mapping[str, str] | None = None,
-    config: str | os.PathLike[str] | None = None,
-    timeout_s: float = SPAWN_TIMEOUT_S,
-    netns: str | None = None,
-) -> AgentProcess:
-    """Start an agent on ephemeral loopback ports (unless `env` says otherwise) and wait for it;
-    with `netns`, inside that network namespace (`ip netns exec`: the same process id)."""
-    data = Path(data_dir).absolute()
-    data.mkdir(parents=True, exist_ok=True)
-    child_env = {
-        **os.environ,
-        "DPUKV_AGENT_DATA_DIR": str(data),
-        "DPUKV_CONTROL_PORT": "0",
-        "DPUKV_NVMF_PORT": "0",
-        "DPUKV_METRICS_PORT": "0",
-        **(env or {}),
-    }
-    state_path = data / "agent.json"
-    with contextlib.suppress(FileNotFoundError):
-        state_path.unlink()  # a stale one from a killed agent
-    args = [sys.executable, "-c", "from dpu_agent.cli import main; main()", "agent", "run"]
-    if config is not None:
-        args += ["--config", str(config)]
-    if netns is not None:
-        args = ["ip", "netns", "exec", netns, *args]
-    with open(data / "agent.log", "ab") as out:
-        proc = subprocess.Popen(args, env=child_env, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = (data / "agent.log").read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"agent exited with {proc.returncode} while starting:\n{tail}")
-        with contextlib.suppress(FileNotFoundError, ValueError):
-            state = json.loads(state_path.read_text())
-            if state.get("pid") == proc.pid:
-                return AgentProcess(
-                    proc=proc, data_dir=data, state=state,
-                    token=_read_optional(data / "tenant-default.token"),
-                    admin_token=(data / "admin.token").read_text().strip(),
-                )  # fmt: skip
-        time.sleep(0.05)
-    proc.kill()
-    proc.wait()
-    raise RuntimeError(f"agent did not start within {timeout_s} s; see {data / 'agent.log'}")

@@ -34,22 +34,18 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from host_shim.client import (
-    AgentUnreachable,
-    ControlChannel,
-    ControlError,
-    KVStore,
-    NodeClient,
-    _checked_keys,
-    byte_view,
-)
+from host_shim._store import KVStore, _checked_keys, byte_view
+from host_shim.control import AgentUnreachable, ControlChannel, ControlError
 from kvproto.control import ProtocolError
 from kvproto.keys import ChunkLayout
 from kvproto.placement import REPLICAS_MAX, Node, Placement, keys64
+
+if TYPE_CHECKING:
+    from host_shim.client import NodeClient
 
 __all__ = [
     "FANOUT_MAX",
@@ -174,8 +170,12 @@ class ClusterRouter(KVStore):
         transport: str = "nvme-tcp",
         node_deadline_s: float | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        node_client: Callable[..., NodeClient],
     ) -> None:
+        """`node_client` builds the client of one member (KVClient passes NodeClient: this
+        module is below host_shim.client, which imports it)."""
         assert seeds, "parse_client_url gives at least one seed"
+        self._node_client = node_client
         self._init_keys(layout, salt)
         self._seeds = list(seeds)
         self._tenant, self._token = tenant, token
@@ -355,7 +355,7 @@ class ClusterRouter(KVStore):
             if c is not None and c.url == node.control:
                 return c
             old = c
-            c = NodeClient(node.control, self._tenant, self._token, self.layout, self._salt,
+            c = self._node_client(node.control, self._tenant, self._token, self.layout, self._salt,
                            on_lost=functools.partial(self._tripped, node.name),
                            on_hot=self._mark_hot, **self._node_opts)  # fmt: skip
             ch = c._channel
@@ -762,7 +762,7 @@ class ClusterRouter(KVStore):
                 c.close()
 
 
-_Call = Callable[[Node, NodeClient, list[int]], Any]
+_Call = Callable[[Node, "NodeClient", list[int]], Any]
 
 
 def _putter(

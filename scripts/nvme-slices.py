@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from dpu_agent.bench.nvme import HOSTNQN, NQN, NS_BLOCKS, SPAN_BYTES, _CeilingPeer, _measure
-from dpu_agent.nvmf import TargetProcess
+from dpu_agent.testing import TargetProcess
 from host_shim.nvme import NvmeTcpController
 
 SLICES = 3

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from test_service import LAYOUT, SALT, chunks_for, tokens_for
 
-from dpu_agent.service import spawn_agent
+from dpu_agent.testing import spawn_agent
 from host_shim import KVClient
 
 KILLS = 20

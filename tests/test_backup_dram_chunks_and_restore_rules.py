@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dpu_agent.service import AgentProcess, spawn_agent
+from dpu_agent.testing import AgentProcess, spawn_agent
 from host_shim import KVClient
 from kvproto.keys import ChunkLayout
 

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from dpu_agent.cli import cli
 from dpu_agent.cli.ops import human, label
-from dpu_agent.service import AgentProcess, spawn_agent
+from dpu_agent.testing import AgentProcess, spawn_agent
 
 REPO = Path(__file__).resolve().parents[1]
 FLAT_STATS_ROWS = 120  # what `stats` printed as one table for one tenant before

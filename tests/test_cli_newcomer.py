@@ -20,7 +20,7 @@ from click.testing import CliRunner
 
 from dpu_agent.cli import cli
 from dpu_agent.config import load_config
-from dpu_agent.service import AgentProcess, spawn_agent
+from dpu_agent.testing import AgentProcess, spawn_agent
 from dpu_agent.units import SizeError, format_duration, format_size, parse_size
 from host_shim import KVClient
 from kvproto.keys import ChunkLayout

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from dpu_agent.cli import cli
-from dpu_agent.service import AgentProcess, spawn_agent
+from dpu_agent.testing import AgentProcess, spawn_agent
 
 
 def dpuctl(data_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -12,7 +12,7 @@ import pytest
 
 from dpu_agent.cluster import free_port
 from dpu_agent.cluster._serf_process import PICK_PORT_RANGE
-from dpu_agent.service import AgentProcess, spawn_agent
+from dpu_agent.testing import AgentProcess, spawn_agent
 from host_shim import KVClient
 from host_shim.client import NodeClient
 from kvproto.keys import ChunkLayout

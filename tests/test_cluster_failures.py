@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from cluster_harness import Cluster
 
-from dpu_agent.service import AgentProcess, spawn_agent
+from dpu_agent.testing import AgentProcess, spawn_agent
 from host_shim import KVClient
 from host_shim.client import ControlChannel, parse_client_url
 from host_shim.cluster import NODE_DEADLINE_S, ClusterRouter

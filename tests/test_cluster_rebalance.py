@@ -19,7 +19,7 @@ import dpu_agent.cluster._rebalance as rb
 from dpu_agent.cluster import PeerAuth, Rebalancer, free_port, open_peer, tenant_keys
 from dpu_agent.cluster._peer import PEER_REFUSED
 from dpu_agent.engine import Engine, EngineConfig
-from dpu_agent.service import AgentProcess, spawn_agent
+from dpu_agent.testing import AgentProcess, spawn_agent
 from host_shim.client import AgentUnreachable, KVClient
 from kvproto.control import (
     NEED_DATA,

@@ -24,7 +24,7 @@ from etcd_harness import ETCD_BIN, BlackHoleProxy, Etcd, start_etcd
 from test_service import LAYOUT, SALT, chunks_for, tokens_for
 
 from dpu_agent.cluster import ETCD_CALL_TIMEOUT_S, EtcdClient, EtcdError
-from dpu_agent.service import AgentProcess, spawn_agent
+from dpu_agent.testing import AgentProcess, spawn_agent
 from host_shim import KVClient
 from host_shim.client import ControlChannel, ControlError
 from kvproto.control import ADMIN_TENANT

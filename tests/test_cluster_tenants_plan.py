@@ -8,7 +8,7 @@ import pytest
 
 from dpu_agent.cluster import TenantRecord, plan_tenants
 from dpu_agent.config import ConfigError, load_config
-from dpu_agent.service import spawn_agent
+from dpu_agent.testing import spawn_agent
 
 
 def rec(name: str, inc: str = "i1", token: str = "t1", quota: int = 0) -> TenantRecord:

@@ -17,7 +17,7 @@ from cryptography.x509.oid import NameOID
 
 from dpu_agent.config import AgentConfig
 from dpu_agent.control_tls import exposure_warning
-from dpu_agent.service import AgentProcess, spawn_agent
+from dpu_agent.testing import AgentProcess, spawn_agent
 from host_shim.client import AgentUnreachable, ControlChannel, KVClient
 from kvproto.keys import ChunkLayout
 

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from test_control_tls import _cert
 
 from dpu_agent.cli import cli
-from dpu_agent.service import AgentProcess, spawn_agent
+from dpu_agent.testing import AgentProcess, spawn_agent
 from host_shim import KVClient
 from host_shim.integrations.credentials import load_credentials
 from kvproto.keys import ChunkLayout

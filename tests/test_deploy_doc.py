@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dpu_agent.service import AgentProcess, spawn_agent
+from dpu_agent.testing import AgentProcess, spawn_agent
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "DEPLOY.md"

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dpu_agent.service import spawn_agent
+from dpu_agent.testing import spawn_agent
 from host_shim.control import ControlChannel
 
 

@@ -161,7 +161,7 @@ def test_full_journal_disk_is_refused_over_the_control_plane_and_doctor_says_why
     import sys
     import time
 
-    from dpu_agent.service import spawn_agent
+    from dpu_agent.testing import spawn_agent
     from host_shim.client import ControlChannel, ControlError
 
     env = {"DPUKV_STORAGE_JOURNAL_DIR": str(tiny_fs), "DPUKV_STORAGE_DRAM_BYTES": str(16 << 10)}

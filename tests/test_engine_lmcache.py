@@ -30,7 +30,7 @@ if PYTHON is None:
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from dpu_agent.service import spawn_agent
+    from dpu_agent.testing import spawn_agent
 
     proc = spawn_agent(tmp_path_factory.mktemp("agent"))
     yield proc

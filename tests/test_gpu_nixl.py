@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dpu_agent.service import AgentProcess, spawn_agent  # noqa: E402
+from dpu_agent.testing import AgentProcess, spawn_agent  # noqa: E402
 from host_shim import KVClient  # noqa: E402
 from host_shim.gpu import DeviceChunkBuffers, choose_path, probe_host, staging_device  # noqa: E402
 from host_shim.transport import buffer_desc, nixl_status  # noqa: E402

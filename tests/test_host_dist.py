@@ -22,7 +22,7 @@ import pytest
 from click.testing import CliRunner
 
 from dpu_agent.cli import cli
-from dpu_agent.service import AgentProcess, spawn_agent
+from dpu_agent.testing import AgentProcess, spawn_agent
 from host_shim.integrations.credentials import load_credentials, parse_salt
 
 ROOT = Path(__file__).resolve().parent.parent

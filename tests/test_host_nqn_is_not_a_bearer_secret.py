@@ -17,7 +17,7 @@ import pytest
 from waits import wait_until
 
 from dpu_agent.log import nqn_tag
-from dpu_agent.service import AgentProcess, spawn_agent
+from dpu_agent.testing import AgentProcess, spawn_agent
 from host_shim.client import ControlChannel
 from host_shim.nvme import NvmeError, NvmeTcpController
 

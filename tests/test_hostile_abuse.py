@@ -32,7 +32,7 @@ from dpu_agent.engine import Engine, EngineConfig
 from dpu_agent.log import REFUSAL_LINES_PER_WINDOW_MAX, RateLimitedLog
 from dpu_agent.nvmf import NvmeTcpTarget, Subsystem, TargetOptions
 from dpu_agent.nvmf._limits import CONTROLLER_BUFFER_BYTES_MAX, BufferBudget, SizedPool
-from dpu_agent.nvmf._process import TargetProcess
+from dpu_agent.testing import TargetProcess
 from host_shim.client import ControlChannel
 from host_shim.nvme import NvmeTcpController
 from kvproto.control import ADMIN_TENANT

@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from dpu_agent.cli import cli
-from dpu_agent.service import AgentProcess, spawn_agent
+from dpu_agent.testing import AgentProcess, spawn_agent
 
 NVME = shutil.which("nvme")
 HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:0f6e1a2b-0000-4000-8000-000000000001"

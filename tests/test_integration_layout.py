@@ -265,7 +265,7 @@ def test_lmcache_module_imports_without_lmcache() -> None:
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from dpu_agent.service import spawn_agent
+    from dpu_agent.testing import spawn_agent
 
     proc = spawn_agent(tmp_path_factory.mktemp("agent"))
     yield proc

@@ -148,7 +148,7 @@ def test_extend_caches_a_reply_as_a_cold_prefill_would(smol: tuple[Any, Any]) ->
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from dpu_agent.service import spawn_agent
+    from dpu_agent.testing import spawn_agent
 
     proc = spawn_agent(tmp_path_factory.mktemp("agent"))
     yield proc

@@ -24,7 +24,7 @@ import numpy as np
 from test_service import LAYOUT, SALT, chunks_for, tokens_for
 
 from dpu_agent.engine.journal import FRAME_BYTES
-from dpu_agent.service import AgentProcess, spawn_agent
+from dpu_agent.testing import AgentProcess, spawn_agent
 from host_shim import KVClient
 from host_shim.client import ControlChannel
 from kvproto.control import ADMIN_TENANT

@@ -12,7 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from dpu_agent.service import spawn_agent
+from dpu_agent.testing import spawn_agent
 
 DEADLINE_S = 20.0  # the gauges refresh on the agent's tick (0.5 s); generous for a loaded box
 

@@ -18,7 +18,7 @@ import pytest
 
 from dpu_agent.nixl import metadata_agent_name
 from dpu_agent.nixl._server import _Session
-from dpu_agent.service import AgentProcess, spawn_agent
+from dpu_agent.testing import AgentProcess, spawn_agent
 from host_shim import KVClient
 from host_shim.transport import _lib, buffer_desc, choose_transport
 from kvproto.control import (

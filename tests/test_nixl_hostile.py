@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from dpu_agent.nixl._metadata import parse_metadata
-from dpu_agent.service import AgentProcess, spawn_agent
+from dpu_agent.testing import AgentProcess, spawn_agent
 from host_shim.client import ControlChannel, ControlError
 from host_shim.transport import nixl_status
 

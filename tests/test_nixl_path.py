@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dpu_agent.service import AgentProcess, spawn_agent
+from dpu_agent.testing import AgentProcess, spawn_agent
 from host_shim.transport import nixl_status
 
 pytestmark = pytest.mark.skipif(

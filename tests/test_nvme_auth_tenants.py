@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from dpu_agent.nvmf import tenant_nqn
-from dpu_agent.service import AgentProcess, spawn_agent
+from dpu_agent.testing import AgentProcess, spawn_agent
 from host_shim.client import ControlChannel, KVClient
 from host_shim.nvme import NvmeAuthError, NvmeError, NvmeStatusError, NvmeTcpController
 from kvproto.control import ADMIN_TENANT

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from dpu_agent.nvmf import TargetProcess
+from dpu_agent.testing import TargetProcess
 from host_shim.nvme import NvmeTcpController
 from kvproto.nvme import (
     CapsuleCmd,

@@ -26,7 +26,7 @@ import pytest
 from spdk_peer import SKIP_REASON, SPDK_BIN, SpdkApp, free_port, protocol_errors, spdk_tgt
 from waits import wait_until
 
-from dpu_agent.nvmf import TargetProcess
+from dpu_agent.testing import TargetProcess
 from host_shim.nvme import NvmeStatusError, NvmeTcpController, discover
 
 NVME_CLI = os.environ.get("NVME_CLI", "")

@@ -14,8 +14,9 @@ import pytest
 from test_nvme_target import LoopThread
 
 from dpu_agent.blockdev import MemoryBlockDevice
-from dpu_agent.nvmf import Controller, NvmeTcpTarget, Subsystem, TargetProcess
+from dpu_agent.nvmf import Controller, NvmeTcpTarget, Subsystem
 from dpu_agent.nvmf._controller import Completion
+from dpu_agent.testing import TargetProcess
 from host_shim.nvme import NvmeTcpController, Request
 from host_shim.nvme import _controller as host_controller
 from kvproto.nvme import Property, Sqe

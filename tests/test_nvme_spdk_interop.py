@@ -31,7 +31,7 @@ from spdk_peer import (
     protocol_errors,
 )
 
-from dpu_agent.nvmf import TargetProcess
+from dpu_agent.testing import TargetProcess
 
 pytestmark = needs_spdk
 

@@ -21,7 +21,8 @@ import pytest
 from waits import wait_until
 
 from dpu_agent.blockdev import MemoryBlockDevice
-from dpu_agent.nvmf import NvmeTcpTarget, Subsystem, TargetOptions, TargetProcess
+from dpu_agent.nvmf import NvmeTcpTarget, Subsystem, TargetOptions
+from dpu_agent.testing import TargetProcess
 from host_shim.nvme import (
     NvmeError,
     NvmeStatusError,

@@ -26,8 +26,9 @@ from spdk_auth_peer import (
     write_key,
 )
 
-from dpu_agent.nvmf import HostKeys, TargetProcess
+from dpu_agent.nvmf import HostKeys
 from dpu_agent.nvmf._auth import host_keys_to_dict
+from dpu_agent.testing import TargetProcess
 from host_shim.nvme import NvmeStatusError, NvmeTcpController, NvmeTransportError
 from kvproto.nvme import DhchapHash, DhchapSecret, TlsPsk
 

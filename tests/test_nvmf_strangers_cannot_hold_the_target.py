@@ -22,7 +22,7 @@ import pytest
 from spdk_auth_peer import write_key
 from test_hostile_abuse import rss_bytes
 
-from dpu_agent.nvmf import HostKeys, TargetProcess
+from dpu_agent.nvmf import HostKeys
 from dpu_agent.nvmf._auth import host_keys_to_dict
 from dpu_agent.nvmf._keys import HostKeyIssuer
 from dpu_agent.nvmf._limits import (
@@ -40,7 +40,7 @@ from dpu_agent.nvmf._target import (
     AUTH_DH_PER_ADDRESS_PER_S,
     HANDSHAKES_PER_ADDRESS_MAX,
 )
-from dpu_agent.service import spawn_agent
+from dpu_agent.testing import TargetProcess, spawn_agent
 from host_shim.client import ControlChannel
 from host_shim.nvme import NvmeStatusError, NvmeTcpController
 from kvproto.nvme import (

@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("kvproto", "host_shim", "spdk_plugins", "dpu_agent")
 # What each package may import among PACKAGES (the rule in the developers' guide).
@@ -91,3 +93,142 @@ def test_the_scan_sees_an_import_cycle(tmp_path: Path) -> None:
         "def f():\n    import host_shim.nvme\n"
     )
     assert {"dpu_agent", "host_shim"} <= _imports(mod)
+
+
+def _modules(package_dir: Path, root: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every module under `package_dir` (a package in `root`)."""
+    out = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node that runs: module level and inside functions, but not the bodies of
+    `if TYPE_CHECKING:` (imports there only name types for the checker, never execute)."""
+    out: list[ast.AST] = []
+    todo: list[ast.AST] = [tree]
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
+def _import_graph(package_dir: Path, root: Path = ROOT) -> dict[str, set[str]]:
+    """module -> the modules of the same package it imports (absolute and relative; a name
+    imported from a package counts as that submodule when one exists, else as the package)."""
+    modules = _modules(package_dir, root)
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for mod, path in modules.items():
+        for node in _runtime_nodes(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                graph[mod].update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    here = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+                    here = here[: len(here) - node.level + 1]
+                    base = ".".join([*here, *([node.module] if node.module else [])])
+                for a in node.names:
+                    if f"{base}.{a.name}" in modules:
+                        graph[mod].add(f"{base}.{a.name}")
+                    elif base in modules:
+                        graph[mod].add(base)
+        graph[mod].discard(mod)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    found: list[list[str]] = []
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                found.append([*path[path.index(d) :], d])
+            elif d not in state:
+                visit(d, [*path, d])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    return found
+
+
+# Cycles not yet broken, each with why it is there. The public module an engine's config
+# names (vLLM's kv_connector_module_path, LMCache's plugin) hands out the connector class
+# through a module __getattr__, so that importing it does not import vLLM/LMCache, and the
+# connector imports the public module's helpers back. Breaking them moves those helpers to a
+# third module (the integrations' owner's change). The list only shrinks: a cycle gone from
+# the code must go from here too (the test says so).
+KNOWN_CYCLES = {
+    (
+        "host_shim.integrations._lmcache_connector",
+        "host_shim.integrations.lmcache",
+        "host_shim.integrations._lmcache_connector",
+    ),
+    (
+        "host_shim.integrations._vllm_connector",
+        "host_shim.integrations.vllm",
+        "host_shim.integrations._vllm_connector",
+    ),
+}
+
+
+@pytest.mark.parametrize("package", ["dpu_agent/nvmf", "dpu_agent/engine", "host_shim"])
+def test_no_import_cycle_inside_package(package: str) -> None:
+    """Modules of one package import each other in one direction: no module needs another
+    that needs it back, at module level or inside a function (a lazy import only moves the
+    cycle to run time)."""
+    cycles = {tuple(c) for c in _cycles(_import_graph(ROOT / package))}
+    new = cycles - KNOWN_CYCLES
+    assert not new, "\n".join(" -> ".join(c) for c in sorted(new))
+    prefix = package.replace("/", ".") + "."
+    gone = {c for c in KNOWN_CYCLES if c[0].startswith(prefix)} - cycles
+    assert not gone, f"fixed: remove from KNOWN_CYCLES: {sorted(gone)}"
+
+
+def test_the_module_scan_sees_cycles_lazy_and_relative(tmp_path: Path) -> None:
+    """The scanner itself: a cycle through a function-level and a relative import is found;
+    one through an `if TYPE_CHECKING:` import is not a cycle."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.b import f\n")
+    (pkg / "b.py").write_text("def f():\n    from . import a\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                              "    from pkg.a import x\n")  # fmt: skip
+    (pkg / "d.py").write_text("import pkg.c\n")
+    graph = _import_graph(pkg, tmp_path)
+    assert graph["pkg.c"] == set() and graph["pkg.d"] == {"pkg.c"}
+    assert _cycles(graph) == [["pkg.a", "pkg.b", "pkg.a"]]
+
+
+# Only test and benchmark code may use the harness; the agent itself never starts agents.
+TESTING_MAY_IMPORT = ("dpu_agent/bench/",)
+
+
+def test_runtime_never_imports_the_test_harness() -> None:
+    bad = []
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            if rel == "dpu_agent/testing.py" or rel.startswith(TESTING_MAY_IMPORT):
+                continue
+            tree = ast.parse(path.read_text(), filename=rel)
+            for node in ast.walk(tree):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+                if "dpu_agent.testing" in names:
+                    bad.append(rel)
+    assert not bad, f"runtime modules import dpu_agent.testing: {sorted(set(bad))}"

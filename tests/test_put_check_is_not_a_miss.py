@@ -13,7 +13,7 @@ import urllib.request
 
 import numpy as np
 
-from dpu_agent.service import spawn_agent
+from dpu_agent.testing import spawn_agent
 from host_shim import KVClient
 from kvproto.keys import ChunkLayout
 

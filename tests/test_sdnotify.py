@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dpu_agent.sdnotify import notify, watchdog_interval_s
-from dpu_agent.service import spawn_agent
+from dpu_agent.testing import spawn_agent
 
 RECV_TIMEOUT_S = 60.0  # an agent's first start on a loaded 2-core machine
 

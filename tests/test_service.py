@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dpu_agent.service import AgentProcess, spawn_agent
+from dpu_agent.testing import AgentProcess, spawn_agent
 from host_shim import KVClient
 from host_shim.client import RECONNECT_BACKOFF_S, ControlChannel, ControlError
 from host_shim.nvme import NvmeError, NvmeTcpController

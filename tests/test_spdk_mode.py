@@ -36,8 +36,8 @@ from dpu_agent.config import ConfigError, load_config
 from dpu_agent.crypto import CryptoBlockDevice, KeyStore, XtsCipher
 from dpu_agent.engine import Engine, EngineConfig, TierSpec
 from dpu_agent.nvmf import NvmeTcpTarget, Subsystem
-from dpu_agent.service import AgentProcess, spawn_agent
 from dpu_agent.spdk_mode import SpdkDevices, listener_for
+from dpu_agent.testing import AgentProcess, spawn_agent
 from host_shim import KVClient
 from host_shim.client import ControlChannel, ControlError
 from kvproto.control import ADMIN_TENANT

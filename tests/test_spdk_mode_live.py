@@ -24,7 +24,7 @@ from test_spdk_mode import LAYOUT, SALT, chunks_for, tokens_for
 
 from dpu_agent.cli import cli
 from dpu_agent.crypto.keystore import env_var_name
-from dpu_agent.service import spawn_agent
+from dpu_agent.testing import spawn_agent
 from host_shim import KVClient
 from spdk_plugins import load_desired
 

@@ -158,7 +158,7 @@ def test_agent_notices_its_wal_truncated_and_loses_nothing_acknowledged_at_kill9
     import numpy as np
     from test_service import LAYOUT, SALT, chunks_for, tokens_for
 
-    from dpu_agent.service import spawn_agent
+    from dpu_agent.testing import spawn_agent
     from host_shim import KVClient
     from host_shim.client import ControlChannel
     from kvproto.control import ADMIN_TENANT

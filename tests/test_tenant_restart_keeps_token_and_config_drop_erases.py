@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from test_service import LAYOUT, SALT, chunks_for, tokens_for
 
-from dpu_agent.service import spawn_agent
+from dpu_agent.testing import spawn_agent
 from host_shim import KVClient
 from host_shim.client import ControlChannel, ControlError
 from kvproto.control import ADMIN_TENANT

@@ -270,7 +270,7 @@ def run_moves(nodes: int, replicas: int, chunks: int = MOVE_CHUNKS) -> dict[str,
     """`nodes` real agents (each with its Serf child) at R=`replicas`; `chunks` 2 KiB chunks
     put through a cluster client; one more agent joins: the bytes written to other nodes by
     every rebalancer, against the ideal (the chunks the joiner now owns), and the drain time."""
-    from dpu_agent.service import spawn_agent
+    from dpu_agent.testing import spawn_agent
     from host_shim import KVClient
     from kvproto.keys import ChunkLayout
 

@@ -134,7 +134,7 @@ def run_partition(
     the clients' per-node deadline `node_deadline_s` (None: host_shim's default)."""
     from dpu_agent.bench.cluster import cluster_files, settled
     from dpu_agent.cluster._serf_process import PICK_PORT_RANGE
-    from dpu_agent.service import spawn_agent
+    from dpu_agent.testing import spawn_agent
     from host_shim import KVClient
     from host_shim.client import ControlChannel, ControlError
     from kvproto.keys import ChunkLayout

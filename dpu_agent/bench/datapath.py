@@ -63,7 +63,7 @@ import click
 import numpy as np
 
 from dpu_agent.bench import _peers
-from dpu_agent.service import spawn_agent
+from dpu_agent.testing import spawn_agent
 from host_shim.client import ControlChannel, NodeClient
 from host_shim.transport import nixl_status
 from kvproto.keys import ChunkLayout

@@ -48,7 +48,7 @@ def run_lmcache_bench(
             f"MiB, over {DRAM_TIER_MIB_MAX}"
         )
     from dpu_agent.bench.engines import engine_python, run_lmcache
-    from dpu_agent.service import spawn_agent
+    from dpu_agent.testing import spawn_agent
 
     python = engine_python("lmcache")
     if python is None:

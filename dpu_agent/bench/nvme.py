@@ -59,7 +59,7 @@ from typing import Any
 import click
 
 from dpu_agent.bench.nvme_security import print_rows, security_rows
-from dpu_agent.nvmf import TargetProcess
+from dpu_agent.testing import TargetProcess
 from host_shim.nvme import NvmeError, NvmeTcpController
 
 __all__ = ["NvmeBenchRow", "nvme", "run_bench"]

@@ -19,8 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dpu_agent.nvmf import HostKeys, TargetProcess
+from dpu_agent.nvmf import HostKeys
 from dpu_agent.nvmf._auth import host_keys_to_dict
+from dpu_agent.testing import TargetProcess
 from host_shim.nvme import NvmeTcpController
 from kvproto.nvme import DhchapHash, DhchapSecret, TlsPsk
 

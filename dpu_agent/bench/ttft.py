@@ -448,7 +448,7 @@ def run_ttft(
         raise click.BadParameter("give at least one --chunk-tokens")
     import torch
 
-    from dpu_agent.service import spawn_agent
+    from dpu_agent.testing import spawn_agent
     from host_shim.client import KVClient
     from host_shim.integrations.transformers import TieredModel, model_layout
 

@@ -24,6 +24,7 @@ from dpu_agent.blockdev import BlockDeviceError
 from dpu_agent.cluster._peer import PeerAuth, refuse
 from dpu_agent.control import _metrics as m
 from dpu_agent.control._auth import TenantRegistry
+from dpu_agent.engine import Engine
 from dpu_agent.engine import errors as engine_errors
 from dpu_agent.log import RateLimitedLog, get_logger
 from dpu_agent.metrics import on_forget_tenant
@@ -81,8 +82,12 @@ _ERROR_CODES: tuple[tuple[type[Exception], ErrorCode], ...] = (
 class ControlBackend(Protocol):
     """What the dispatcher needs from the agent (dpu_agent.service.Agent implements it)."""
 
-    engine: Any
     lease_ttl_s: float
+
+    @property
+    def engine(self) -> Engine:
+        """The agent's engine (every tenant op goes to it)."""
+        ...
 
     def hello_info(self, tenant: str, hostnqn: str | None, local_host: str) -> dict[str, Any]:
         """`local_host`: the agent address the client reached (for wildcard NVMe/TCP binds)."""

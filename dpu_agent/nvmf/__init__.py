@@ -8,7 +8,6 @@ same thing either way.
 from dpu_agent.nvmf._auth import HostKeys, load_host_keys, nqn_hash
 from dpu_agent.nvmf._connection import ADMIN_ICD_BYTES, MAXH2CDATA, MemoryViewDevice
 from dpu_agent.nvmf._controller import Controller
-from dpu_agent.nvmf._process import TargetProcess
 from dpu_agent.nvmf._subsystem import (
     DISCOVERY_NQN,
     TENANT_NQN_PREFIX,
@@ -30,7 +29,6 @@ __all__ = [
     "NvmeTcpTarget",
     "Subsystem",
     "TargetOptions",
-    "TargetProcess",
     "load_host_keys",
     "nqn_hash",
     "tenant_nqn",

@@ -6,7 +6,8 @@ embedded tier factory: nsid 1 the DRAM tier, nsid 2 the NVMe tier in DIR, both u
 with that key or a random one) (DPU_NVMF_XTS_KEY_HEX: 64 bytes as 128 hex digits; never on the
 command line, where other users could read it), and prints one JSON line `{"port": N}` on stdout
 once it listens. It stops on SIGTERM/SIGINT or when stdin closes (so a parent that dies takes
-it along). Tests and `dpuctl bench nvme` run the target in a separate process this way.
+it along). Tests and `dpuctl bench nvme` run the target in a separate process this way
+(dpu_agent.testing.TargetProcess).
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from dpu_agent.blockdev import BlockDevice, FileBlockDevice, MemoryBlockDevice
 from dpu_agent.crypto import CryptoBlockDevice, XtsCipher
 from dpu_agent.log import configure_logging
 from dpu_agent.nvmf._auth import load_host_keys
-from dpu_agent.nvmf._process import XTS_KEY_ENV
 from dpu_agent.nvmf._subsystem import Subsystem, TargetOptions
 from dpu_agent.nvmf._target import NvmeTcpTarget
+
+XTS_KEY_ENV = "DPU_NVMF_XTS_KEY_HEX"  # 64-byte AES-XTS key (hex) for namespace 1
 
 
 def _device(args: argparse.Namespace) -> BlockDevice:

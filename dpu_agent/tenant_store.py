@@ -1,0 +1,134 @@
+"""The agent's run-time tenant file (tenants.json) and the tenants' token files.
+
+The config file names the tenants an operator wrote down; `dpuctl tenants add|remove` and the
+cluster's tenant source change that set while the agent runs. tenants.json keeps those changes
+across a restart: tenants added at run time (their token in its own 0600 file, never in
+tenants.json), config tenants removed at run time, and the incarnation of each cluster tenant
+held here (so a tenant removed and re-added in etcd while this node was down is erased, not
+served with the old one's data).
+
+    store = TenantStore(cfg.path(TENANTS_FILE))
+    saved = store.load()                  # what to apply over the config file's tenants
+    store.save(added=..., present=cfg.tenants, cluster=known, removed="old")
+    write_secret(cfg.path("tenant-a.token"), token)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dpu_agent.config import TenantConfig
+from dpu_agent.log import get_logger
+from kvproto.control import valid_tenant_name
+
+__all__ = ["TENANTS_FILE", "SavedTenants", "TenantStore", "write_secret"]
+
+log = get_logger("dpu_agent.tenant_store")
+
+TENANTS_FILE = "tenants.json"  # tenants added or removed at run time (tokens in their own files)
+
+
+@dataclass(slots=True)
+class SavedTenants:
+    """What tenants.json says to apply over the config file's tenants."""
+
+    added: dict[str, TenantConfig] = field(default_factory=dict)  # token_file and quota only
+    removed: list[str] = field(default_factory=list)
+    cluster: dict[str, str] = field(default_factory=dict)  # cluster tenant -> incarnation
+
+
+class TenantStore:
+    """tenants.json: read at start, rewritten (atomically, 0600) after each change."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def load(self) -> SavedTenants:
+        """The saved changes; none when there is no file. A damaged file (not JSON, not an
+        object) is logged and ignored, so the agent starts with its configured tenants; an
+        entry that is not a tenant name or not an object is skipped, the others are kept."""
+        doc = self._read()
+        out = SavedTenants()
+        if doc is None:
+            return out
+        added = doc.get("added")
+        for name, entry in (added if isinstance(added, dict) else {}).items():
+            if valid_tenant_name(name) and isinstance(entry, dict):
+                out.added[name] = TenantConfig(
+                    name=name,
+                    token_file=str(entry.get("token_file", "")),
+                    quota_bytes=_int(entry.get("quota_bytes", 0)),
+                )
+        out.removed = _names(doc.get("removed"))
+        cluster = doc.get("cluster")
+        for name, entry in (cluster if isinstance(cluster, dict) else {}).items():
+            if valid_tenant_name(name) and isinstance(entry, dict):
+                out.cluster[name] = str(entry.get("incarnation", ""))
+        return out
+
+    def save(
+        self,
+        *,
+        added: Mapping[str, TenantConfig],
+        present: Collection[str],
+        cluster: Mapping[str, str],
+        removed: str | None = None,
+    ) -> None:
+        """Write the run-time tenants: `added` (not in the config file), the config tenants
+        removed so far plus `removed`, less those `present` again, and each cluster tenant's
+        incarnation. Raises OSError when the file cannot be written."""
+        doc = self._read() or {}
+        gone = set(_names(doc.get("removed")))
+        if removed:
+            gone.add(removed)
+        out = {
+            "added": {
+                name: {"token_file": t.token_file, "quota_bytes": t.quota_bytes}
+                for name, t in added.items()
+            },
+            "removed": sorted(n for n in gone if n not in present),
+            "cluster": {n: {"incarnation": inc} for n, inc in sorted(cluster.items())},
+        }
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(out, indent=1) + "\n")
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, self.path)
+
+    def _read(self) -> dict[str, Any] | None:
+        try:
+            doc = json.loads(self.path.read_text())
+            if not isinstance(doc, dict):
+                raise ValueError(f"not a JSON object: {type(doc).__name__}")
+        except FileNotFoundError:
+            return None
+        except (ValueError, OSError) as e:  # damaged: start with the configured tenants
+            log.error("runtime_tenants_unreadable", path=str(self.path), error=str(e),
+                      dropped="tenants added or removed at run time")  # fmt: skip
+            return None
+        return doc
+
+
+def _names(value: Any) -> list[str]:
+    """The tenant names of a saved list (anything else in it is skipped)."""
+    if not isinstance(value, list):
+        return []
+    return [n for n in value if isinstance(n, str) and valid_tenant_name(n)]
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def write_secret(path: Path, value: str) -> None:
+    """`value` in `path`, mode 0600 from creation, replacing what was there atomically."""
+    tmp = path.with_suffix(".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+    os.replace(tmp, path)
