@@ -29,8 +29,8 @@ if engine_python("vllm") is None or engine_model() is None:
 def test_serve_tier_outputs_identical_to_plain_and_cached_tokens_come_from_the_tier() -> None:
     from dpu_agent.bench.serve import Workload, run_serve
 
-    wl = Workload(conversations=2, turns=2, turn_tokens=300, output_tokens=8, concurrency=2)
-    # 8 blocks of 128 tokens: one conversation's history at most, never both
+    wl = Workload(conversations=2, turns=2, turn_tokens=200, output_tokens=8, concurrency=2)
+    # 8 blocks of 128 tokens: the two conversations (about 700 tokens each) never fit together
     report = run_serve(wl, ["plain", "tier"], engine_blocks=8, tier_mib=128)
     plain, tier = report["results"]
     for row in (plain, tier):
