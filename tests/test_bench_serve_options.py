@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
+from typing import ClassVar
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import click
@@ -43,9 +44,9 @@ def test_workload_out_of_bounds_is_refused_naming_the_option(
 
 class _Sse(BaseHTTPRequestHandler):
     status = 200
-    events: list[dict] = []
+    events: ClassVar[list[dict]] = []
 
-    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+    def do_POST(self) -> None:
         self.rfile.read(int(self.headers["Content-Length"]))
         self.send_response(self.status)
         self.send_header("Content-Type", "text/event-stream")
