@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
-from typing import ClassVar
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import click
 import numpy as np
