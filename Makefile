@@ -70,7 +70,7 @@ wheelhouse: install
 VLLM_VENV ?= .venv-vllm
 LMCACHE_VENV ?= .venv-lmcache
 ENGINE_MODEL ?= .engines/smollm2-135m
-ENGINE_TESTS := tests/test_engine_vllm.py tests/test_engine_lmcache.py
+ENGINE_TESTS := tests/test_engine_vllm.py tests/test_engine_lmcache.py tests/test_engine_serve.py
 
 .PHONY: engines test-engines
 

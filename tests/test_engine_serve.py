@@ -1,0 +1,48 @@
+"""`dpuctl bench serve`, short: real `vllm serve` servers, plain against the tier (one real
+agent over NVMe/TCP), 2 conversations x 2 turns with the engine's cache smaller than both.
+
+Asserts what the bench reports rests on: every output of the tier configuration is plain
+vLLM's (greedy), no request fails, and the prompt tokens the tier claims were served through
+the connector (vLLM's own `external_prefix_cache_hits` counter), not by vLLM's prefix cache:
+a fresh second server, whose own cache is empty, gets the conversations' histories from the
+agent. `make test-engines` builds the venvs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dpu_agent.bench.engines import engine_model, engine_python
+
+ENGINE_TEST_TIMEOUT_S = 1800  # four vLLM servers start on 2 shared cores (40 s each quiet)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S)]
+
+if engine_python("vllm") is None or engine_model() is None:
+    pytest.skip(
+        "vLLM's venv (.venv-vllm) or the converted model (.engines/) is missing: run "
+        "`make test-engines` (builds them and runs these tests)",
+        allow_module_level=True,
+    )
+
+
+def test_serve_tier_outputs_identical_to_plain_and_cached_tokens_come_from_the_tier() -> None:
+    from dpu_agent.bench.serve import Workload, run_serve
+
+    wl = Workload(conversations=2, turns=2, turn_tokens=200, output_tokens=8, concurrency=2)
+    # 8 blocks of 128 tokens: the two conversations (about 700 tokens each) never fit together
+    report = run_serve(wl, ["plain", "tier"], engine_blocks=8, tier_mib=128)
+    plain, tier = report["results"]
+    for row in (plain, tier):
+        assert "refused" not in row, row.get("refused")
+        assert row["failed"] == 0, row["errors"]
+        assert row["second_server"]["failed"] == 0
+    assert tier["identical_to_plain"] is True
+    assert plain["connector_hit_tokens"] == 0
+    # the second server starts empty: what it finds cached, the tier served
+    second = tier["second_server"]
+    assert second["connector_hit_tokens"] > 0
+    assert second["cached_tokens"] >= second["connector_hit_tokens"]
+    assert plain["second_server"]["cached_tokens"] < second["cached_tokens"]
+    assert tier["tier_used_bytes"] > 0
+    assert tier["repeat"]["same_output"] is True
