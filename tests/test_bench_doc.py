@@ -16,6 +16,13 @@ from dpu_agent.cli import cli
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def test_benchmarks_md_is_what_docs_bench_generates() -> None:
+    """The failure: docs/BENCHMARKS.md was a hand-kept notebook whose tables drifted from the
+    runs. Now `dpuctl bench doc --check` fails when the page differs from docs/bench."""
+    result = CliRunner().invoke(cli, ["bench", "doc", "--check", "--root", str(ROOT)])
+    assert result.exit_code == 0, result.output
+
+
 def test_every_recorded_run_has_its_meta_and_stays_under_its_ceilings() -> None:
     records = load_records(ROOT / "docs" / "bench")
     for name, record in records.items():

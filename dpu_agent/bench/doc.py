@@ -180,9 +180,21 @@ def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
     return [*lines, ""]
 
 
+def _flat(row: dict[str, Any]) -> dict[str, Any]:
+    """A row whose cells are dicts of scalars gets one column per inner key (`cell.key`)."""
+    out: dict[str, Any] = {}
+    for k, v in row.items():
+        if isinstance(v, dict) and v and not any(isinstance(x, dict | list) for x in v.values()):
+            out |= {f"{k}.{inner}": x for inner, x in v.items()}
+        else:
+            out[k] = v
+    return out
+
+
 def _row_table(rows: list[dict[str, Any]]) -> list[str]:
     """Rows of dicts as tables: columns are the keys in order of first appearance, split into
     several tables (each repeating the first column) when there are too many."""
+    rows = [_flat(r) for r in rows]
     keys: list[str] = []
     for r in rows:
         keys += [k for k in r if k not in keys and k != "bounds"]
