@@ -95,3 +95,14 @@ def test_record_without_json_is_a_usage_error(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["bench", "--record", str(tmp_path / "x.json"), "index"])
     assert result.exit_code == 2 and "--json" in result.output
     assert not (tmp_path / "x.json").exists()
+
+
+def test_datapath_targets_are_judged_on_the_recorded_run(tmp_path: Path) -> None:
+    """The failure: the page said "targets met" from an early run with one Redis connection and
+    a one-stream ceiling. Now the sentence is made from the recorded run's own ratios."""
+    report = {"put_vs_redis_set": 2.5, "get_vs_redis_get": 1.5, "lookup_p50_us": 200.0}
+    _write(tmp_path, "datapath", report)
+    page = render(tmp_path)
+    assert "| put over Redis SET, same streams | 2.5 | >= 2 | met |" in page
+    assert "| get over Redis GET, same streams | 1.5 | >= 2 | NOT met |" in page
+    assert "| lookup p50 us | 200 | <= 150 | NOT met |" in page

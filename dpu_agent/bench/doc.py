@@ -252,19 +252,52 @@ def _nvme(report: dict[str, Any]) -> list[str]:
     """One row per measurement with its ceilings beside it; the rest generic."""
     rows = report.get("results", [])
     out = _table([h for _, h in NVME_COLUMNS], [[r.get(k) for k, _ in NVME_COLUMNS] for r in rows])
+    said: dict[tuple[str, str], list[str]] = {}  # (target, note) -> the rows it is about
+    for r in rows:
+        for k in ("ceiling_exceeded_reason", "vs_spdk_note"):
+            if r.get(k):
+                said.setdefault((r["target"], r[k]), []).append(
+                    f"{r['op']} {r['io_kib']} KiB QD{r['qd']}"
+                )
+    every = {t: sum(r["target"] == t for r in rows) for t, _ in said}
     notes = [
-        f"- {r['target']} {r['op']} {r['io_kib']} KiB QD{r['qd']}: {r[k]}"
-        for r in rows
-        for k in ("ceiling_exceeded_reason", "vs_spdk_note")
-        if r.get(k)
+        f"- {target} ({'every row' if len(which) == every[target] else ', '.join(which)}): {note}"
+        for (target, note), which in said.items()
     ]
     rest = {k: v for k, v in report.items() if k != "results"}
     return out + ([*notes, ""] if notes else []) + _generic(rest)
 
 
+# The data path's targets: (report field, at least or at most, bound, what it is)
+DATAPATH_TARGETS = (
+    ("put_vs_redis_set", ">=", 2.0, "put over Redis SET, same streams"),
+    ("get_vs_redis_get", ">=", 2.0, "get over Redis GET, same streams"),
+    ("put_vs_socket_ceiling", ">=", 0.4, "put over the socket ceiling, same streams"),
+    ("get_vs_socket_ceiling", ">=", 0.4, "get over the socket ceiling, same streams"),
+    ("lookup_p50_us", "<=", 150.0, "lookup p50 us"),
+)
+
+
+def _datapath(report: dict[str, Any]) -> list[str]:
+    """The targets, each judged on this run's own figures, then the generic tables."""
+    rows = []
+    for field, op, bound, what in DATAPATH_TARGETS:
+        value = report.get(field)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            met = value >= bound if op == ">=" else value <= bound
+            rows.append([what, value, f"{op} {bound:g}", "met" if met else "NOT met"])
+    head = ["Targets, judged on this run's figures:", ""] if rows else []
+    return (
+        head
+        + (_table(["target", "this run", "bound", ""], rows) if rows else [])
+        + _generic(report)
+    )
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "nvme": _nvme,
     "nvme_tmpfs": _nvme,
+    "datapath": _datapath,
 }
 
 
