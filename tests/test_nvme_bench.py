@@ -188,6 +188,10 @@ def test_a_row_above_its_ceiling_is_explained_by_its_slices_or_fails() -> None:
     assert ceiling_violations(above) == ["report: gbps 2.0 > device_ceiling_gbps 1.2"]
     below = _bounded({**row, "ceiling_gbps": 3.0, "ratio": 0.6})
     assert "ceilings_exceeded" not in below and "ceiling_exceeded_reason" not in below
+    median_over = _bounded({**row, "socket_device_ceiling_gbps": 2.1, "vs_socket_device": 1.2})
+    reason = median_over["ceiling_exceeded_reason"]
+    assert reason.startswith("vs_socket_device: the median of the slice ratios is 1.2, but")
+    assert "ceilings_exceeded" not in median_over
 
 
 def test_vs_spdk_pairs_only_the_same_kind_of_store() -> None:
