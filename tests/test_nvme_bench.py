@@ -65,6 +65,8 @@ def test_slices_a_loaded_box_starved_give_rates_not_a_traceback() -> None:
         assert r["ceiling_gbps"] > 0 and r["device_ceiling_gbps"] > 0
         assert r["ratio"] >= 0 and r["vs_device"] >= 0
         assert r["vs_socket_device"] is None or r["vs_socket_device"] >= 0
+        # a starved slice is no bound: the ceiling is measured slices only, or None, never 0
+        assert r["socket_device_ceiling_gbps"] is None or r["socket_device_ceiling_gbps"] > 0
 
 
 def test_tier_files_go_in_the_directory_given_and_are_removed(tmp_path) -> None:

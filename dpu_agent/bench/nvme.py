@@ -708,9 +708,13 @@ def _rows(
                     ),
                     3,
                 )
-                extra["socket_device_ceiling_gbps"] = round(statistics.median(joints) / 1e9, 3)
                 # a rate-matched device may move nothing in a slice a loaded box starved (it
-                # waits for the socket): such a slice has no ratio; none at all gives None
+                # waits for the socket): such a slice measured no bound, so it counts neither
+                # in the ceiling nor in the ratio; none at all gives None for both
+                measured = [j for j in joints if j > 0]
+                extra["socket_device_ceiling_gbps"] = (
+                    round(statistics.median(measured) / 1e9, 3) if measured else None
+                )
                 vs = [(b / t) / j for (b, t), j in zip(nvmes, joints, strict=True) if j > 0]
                 extra["vs_socket_device"] = round(statistics.median(vs), 3) if vs else None
             out.append(_bounded({**asdict(row), **extra}))
@@ -765,9 +769,9 @@ def _line(r: dict[str, Any]) -> str:
     if "device_ceiling_gbps" in r:
         vs += f"  {r['vs_device']:.2f}x {r['device_io']} device"
         vs += f" ({r['device_ceiling_gbps']:.2f} GB/s)"
-        joint = r["vs_socket_device"]
+        joint, bound = r["vs_socket_device"], r["socket_device_ceiling_gbps"]
         vs += f"  {'n/a' if joint is None else f'{joint:.2f}x'} socket+device"
-        vs += f" ({r['socket_device_ceiling_gbps']:.2f} GB/s)"
+        vs += f" ({'n/a' if bound is None else f'{bound:.2f}'} GB/s)"
     if r.get("ceiling_exceeded_reason"):
         vs += f"  [above a ceiling: {r['ceiling_exceeded_reason']}]"
     if r.get("ceilings_exceeded"):
