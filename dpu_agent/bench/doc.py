@@ -242,7 +242,7 @@ NVME_COLUMNS = (
     ("device_io", "device I/O"),
     ("device_ceiling_gbps", "device ceiling"),
     ("vs_device", "x device"),
-    ("socket_device_ceiling_gbps", "socket+device"),
+    ("socket_device_gbps", "socket+device (reference)"),
     ("vs_socket_device", "x socket+device"),
     ("vs_spdk", "x SPDK"),
 )
