@@ -2,11 +2,10 @@
 
 --simulate --nodes N: the placement code itself (kvproto.placement) over N simulated
 members and `--keys` random chunk keys: the fraction of keys that move when a node joins or
-leaves (against the ideal 1/N), max/mean load with equal weights, lookup hops (a client
-computes owners itself: one request per owner, two for a key that moved under a stale view),
-and the time until every node knows a change from a gossip model of Serf's LAN profile
-(memberlist: every 200 ms each node sends its pending broadcasts to 3 random members, each
-broadcast retransmitted 4 x ceil(log10(N+1)) times), with an offset calibrated on real Serf
+leaves (against the ideal 1/N), max/mean load with equal weights, and the time until every
+node knows a change from a gossip model of Serf's LAN profile (memberlist: every 200 ms each
+node sends its pending broadcasts to 3 random members, each broadcast retransmitted
+4 x ceil(log10(N+1)) times), with an offset calibrated on real Serf
 runs here (CALIBRATION, from `--real`). Failure detection follows memberlist's suspicion
 timeout, 4 x log10(N) x the 1 s probe interval, plus a calibrated offset.
 

@@ -1,11 +1,13 @@
 """`dpuctl bench crypto`: the engine's sector-wise AES-XTS against one-call OpenSSL speed.
 
 `sector_gbps` is XtsCipher over a chunk in 4096-byte sectors, each tweaked with its LBA, as
-CryptoBlockDevice does it; `ceiling_gbps` is `cryptography`'s AES-XTS over the same buffer in
+CryptoBlockDevice does it; `openssl_gbps` is `cryptography`'s AES-XTS over the same buffer in
 the largest data units OpenSSL accepts (16 MiB, its IEEE 1619 limit), i.e. no per-sector tweak
-cost. `ratio` = sector / ceiling (target >= 0.8). `evp_sector_gbps` is the same sector loop through
-the system OpenSSL's EVP (the portable path), for comparison. Medians of `repeats`, every
-variant run once per round (interleaved), GB/s = 10^9 bytes/s.
+cost. It is a baseline, not a ceiling: the engine's own loop (`implementation`, VAES where the
+CPU has it) can run faster than OpenSSL's. `vs_openssl` = sector / OpenSSL (target >= 0.8).
+`evp_sector_gbps` is the same sector loop through the system OpenSSL's EVP (the portable path),
+for comparison. Medians of `repeats`, every variant run once per round (interleaved),
+GB/s = 10^9 bytes/s.
 """
 
 from __future__ import annotations
@@ -89,29 +91,29 @@ def run_crypto_bench(chunk_mib: int = 32, repeats: int = 5) -> dict[str, Any]:
         "sector_bytes": SECTOR_BYTES,
         "repeats": repeats,
         "sector_gbps": round(sector_enc, 3),
-        "ceiling_gbps": round(ceiling_enc, 3),
-        "ratio": round(sector_enc / ceiling_enc, 3),
+        "openssl_gbps": round(ceiling_enc, 3),
+        "vs_openssl": round(sector_enc / ceiling_enc, 3),
         "decrypt_sector_gbps": round(sector_dec, 3),
-        "decrypt_ceiling_gbps": round(ceiling_dec, 3),
-        "decrypt_ratio": round(sector_dec / ceiling_dec, 3),
+        "decrypt_openssl_gbps": round(ceiling_dec, 3),
+        "decrypt_vs_openssl": round(sector_dec / ceiling_dec, 3),
         "evp_sector_gbps": round(evp_enc, 3),
     }
 
 
 def _table(report: dict[str, Any]) -> str:
     rows = [
-        ("encrypt", report["sector_gbps"], report["ceiling_gbps"], report["ratio"]),
+        ("encrypt", report["sector_gbps"], report["openssl_gbps"], report["vs_openssl"]),
         (
             "decrypt",
             report["decrypt_sector_gbps"],
-            report["decrypt_ceiling_gbps"],
-            report["decrypt_ratio"],
+            report["decrypt_openssl_gbps"],
+            report["decrypt_vs_openssl"],
         ),
     ]
     lines = [
         f"{report['cipher']} ({report['implementation']} loop), {report['chunk_bytes'] >> 20} MiB "
         f"chunk, {report['sector_bytes']}-byte sectors, median of {report['repeats']}",
-        f"{'':8} {'sector GB/s':>12} {'ceiling GB/s':>13} {'ratio':>6}",
+        f"{'':8} {'sector GB/s':>12} {'OpenSSL GB/s':>13} {'ratio':>6}",
     ]
     lines += [f"{name:8} {s:12.2f} {c:13.2f} {r:6.2f}" for name, s, c, r in rows]
     lines.append(f"OpenSSL EVP sector loop, encrypt: {report['evp_sector_gbps']:.2f} GB/s")

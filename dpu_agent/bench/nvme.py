@@ -23,27 +23,41 @@ row of the same op, size, depth and queues, measured in the same run (agent-dram
 
 The NVMe-tier rows (agent-nvme, spdk-nvme) also get a device ceiling, measured in slices
 alternated with theirs: the tier file system's own bandwidth at the same I/O size and depth
-(`qd` threads each keeping one O_DIRECT `pwritev`/`preadv` of `io_kib` in flight on a file
-next to the tier file): `device_gbps`, and `vs_device` the median of the slices' row / device.
-A row above 1.0 there is served from the page cache faster than the disk moves bytes; below,
-the device may be what bounds it. Where the file system refuses O_DIRECT (tmpfs), the device
-ceiling is the same loop without it, and `device_direct` says so.
+(`qd` threads each keeping one `pwritev`/`preadv` of `io_kib` in flight on a file next to the
+tier file), doing the same kind of I/O as the row it bounds (`device_io`): buffered for
+agent-nvme (the agent's tier file keeps the page cache, so its reads come from memory, and so
+do the ceiling's), O_DIRECT for spdk-nvme (SPDK's aio bdev opens its file O_DIRECT where the
+file system allows it, and buffered where not, as the ceiling does):
+`device_ceiling_gbps`, and `vs_device` the median of the slices' row / device.
 
-Those rows also get a socket+device ceiling, in slices of their own: the socket ceiling and
-the device ceiling run at the same time, the device moving only what the socket has moved
-(rate-matched), and the lower of the two rates is what a target that only moved bytes
-between the socket and the disk (no protocol, no cipher) could keep up on this machine, where
-a virtual disk's I/O costs CPU on the cores the network needs: `socket_device_gbps` (median
-of the slices), and `vs_socket_device` the median of the slices' row / socket+device.
+Those rows also get a socket+device reference, in slices of their own: the socket ceiling and
+the device ceiling run at the same time in this process, the device moving only what the
+socket has moved (rate-matched), and the lower of the two rates: roughly what moving bytes
+between the socket and the file costs on this machine, where a virtual disk's I/O costs CPU
+on the cores the network needs: `socket_device_gbps` (median of the slices), and
+`vs_socket_device` the median of the slices' row / socket+device. It is a reference, not a
+ceiling: its two threads share one interpreter and poll each other, and on a loaded box a
+target in its own process moves more (rows measured 1.1-2.4x it).
+
+Every ceiling bounds its row: SPDK's reactor busy-polls a core, so spdk_tgt is stopped
+(SIGSTOP) while the ceilings of its rows run and continued for the row's own slices. A row
+above one of its ceilings on one measure only (its GB/s over all slices, or the median of the
+slices' ratios) carries `ceiling_exceeded_reason` (the load moved between slices); above on
+both, the bench fails naming it. `vs_spdk` pairs rows on the same kind of store only:
+agent-nvme (page cache) with spdk-nvme where that reads memory too (tier files on tmpfs,
+`--dir /dev/shm`); on a disk that takes O_DIRECT the row says why it has no `vs_spdk`
+(`vs_spdk_note`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import json
 import mmap
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -51,7 +65,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -77,6 +91,28 @@ AGENT_TARGETS = {"agent-dram": 1, "agent-nvme": 2}  # target name -> nsid
 SPDK_TARGETS = {"spdk": 1, "spdk-nvme": 2}  # target name -> nsid of the SPDK target
 TARGETS = ("agent-dram", "agent-nvme", "spdk", "spdk-nvme")
 DEVICE_ROWS = frozenset({"agent-nvme", "spdk-nvme"})  # rows measured next to the device ceiling
+# The kind of file I/O each NVMe-tier row does, which its device ceiling does too: the agent's
+# FileBlockDevice keeps the page cache; SPDK's aio bdev opens its file O_DIRECT.
+ROW_DIRECT = {"agent-nvme": False, "spdk-nvme": True}
+BUFFERED, DIRECT, MEMORY = "buffered (page cache)", "O_DIRECT", "memory (tmpfs)"
+MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs"})
+
+
+def _fs_type(path: Path) -> str:
+    """The type of the file system holding `path` (the longest mount point above it)."""
+    best, fs = "", ""
+    target = str(path.resolve())
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            mount = fields[4].replace("\\040", " ")
+            fstype = fields[fields.index("-") + 1]
+            inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+            if inside and len(mount) >= len(best):
+                best, fs = mount, fstype
+    return fs
+
+
 SAME_STORE_SPDK = {"agent-dram": "spdk", "agent-nvme": "spdk-nvme"}  # vs_spdk pairs
 
 
@@ -162,20 +198,27 @@ class _CeilingPeer:
 
 class _DeviceCeiling:
     """The tier file system's own bandwidth: `qd` threads, each keeping one `io_kib` I/O in
-    flight (O_DIRECT `pwritev`/`preadv`, which release the GIL) on a file of the namespace's
-    size, walking it sequentially as the NVMe rows do."""
+    flight (`pwritev`/`preadv`, which release the GIL) on a file of the namespace's size,
+    walking it sequentially as the NVMe rows do. `direct`: O_DIRECT, as SPDK's aio bdev, where
+    the file system allows it (else buffered, as SPDK falls back to); not `direct`: through
+    the page cache, as the agent's tier file."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, direct: bool = True) -> None:
         self.path = path
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
-        try:
-            self.fd = os.open(path, flags | os.O_DIRECT, 0o600)
-            self.direct = True
-        except OSError as e:  # tmpfs: no O_DIRECT
-            if e.errno != errno.EINVAL:
-                raise
+        self.direct = False
+        if direct:
+            try:
+                self.fd = os.open(path, flags | os.O_DIRECT, 0o600)
+                self.direct = True
+            except OSError as e:  # a file system without O_DIRECT
+                if e.errno != errno.EINVAL:
+                    raise
+        if not self.direct:
             self.fd = os.open(path, flags, 0o600)
-            self.direct = False
+        # On a file system in memory, O_DIRECT or not, the bytes come from memory alike
+        memory = _fs_type(path.parent) in MEMORY_FILE_SYSTEMS
+        self.kind = MEMORY if memory else DIRECT if self.direct else BUFFERED
         os.ftruncate(self.fd, NS_BLOCKS * 4096)
         # Written once in full, so that reads move bytes and not holes of a sparse file.
         self._run("write", MESSAGE_BYTES, 1, float("inf"), NS_BLOCKS * 4096)
@@ -414,8 +457,19 @@ class _SpdkTarget:
             },
         ]
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """spdk_tgt stopped for the body: its reactor busy-polls a core, which the ceilings
+        measured next to its rows would otherwise lose (and the rows then exceed them)."""
+        self.proc.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            self.proc.send_signal(signal.SIGCONT)
+
     def close(self) -> None:
         if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # a stopped process would not see SIGTERM
             self.proc.terminate()
             try:
                 self.proc.wait(20)
@@ -475,13 +529,14 @@ def run_bench(
         spdk_nvme_note = spdk_note
     peer = _CeilingPeer()
     rows: list[dict[str, Any]] = []
-    device_direct: bool | None = None
     try:
         with tempfile.TemporaryDirectory(prefix="dpukv-bench-nvme-", dir=tier_dir) as tmp:
             tiers = Path(tmp) / "tiers"
             tiers.mkdir()
-            device = _DeviceCeiling(tiers / "device.img") if DEVICE_ROWS & set(targets) else None
-            device_direct = device.direct if device is not None else None
+            devices = {
+                name: _DeviceCeiling(tiers / f"device-{name}.img", direct=ROW_DIRECT[name])
+                for name in DEVICE_ROWS & set(targets)
+            }
             try:
                 agent = [t for t in targets if t in AGENT_TARGETS]
                 if agent:
@@ -491,7 +546,7 @@ def run_bench(
                         for name in agent:
                             rows += _target_rows(
                                 peer, t.port, name, AGENT_TARGETS[name], sizes_kib, qds, queues,
-                                seconds, progress, device if name in DEVICE_ROWS else None,
+                                seconds, progress, devices.get(name), contextlib.nullcontext,
                             )  # fmt: skip
                 spdk_names = [t for t in targets if t in SPDK_TARGETS]
                 if spdk_names:
@@ -502,22 +557,19 @@ def run_bench(
                         for name in spdk_names:
                             rows += _target_rows(
                                 peer, spdk.port, name, SPDK_TARGETS[name], sizes_kib, qds,
-                                queues, seconds, progress,
-                                device if name in DEVICE_ROWS else None,
+                                queues, seconds, progress, devices.get(name), spdk.paused,
                             )  # fmt: skip
                     finally:
                         spdk.close()
             finally:
-                if device is not None:
+                for device in devices.values():
                     device.close()
     finally:
         peer.close()
-    by_key = {(r["target"], r["op"], r["io_kib"], r["qd"], r["queues"]): r for r in rows}
-    for r in rows:
-        pair = SAME_STORE_SPDK.get(r["target"])
-        base = by_key.get((pair, r["op"], r["io_kib"], r["qd"], r["queues"]))
-        if base is not None and base["gbps"] > 0:
-            r["vs_spdk"] = round(r["gbps"] / base["gbps"], 3)
+    _pair_with_spdk(rows)
+    above = [_describe(r) for r in rows if r.get("ceilings_exceeded")]
+    if above:
+        raise CeilingExceeded("rows above their own ceiling: " + "; ".join(above))
     return {
         "socket_ceiling_gbps": round(statistics.median(r["ceiling_gbps"] for r in rows), 3),
         "targets": {
@@ -529,16 +581,40 @@ def run_bench(
             "spdk-nvme": spdk_nvme_note,
         },
         "tier_dir": str(Path(tier_dir) if tier_dir is not None else tempfile.gettempdir()),
-        "device_ceiling": (
-            None
-            if device_direct is None
-            else f"{'O_DIRECT' if device_direct else 'buffered (no O_DIRECT here)'} "
-            "pwritev/preadv of io_kib, qd threads, a file beside the tier file"
-        ),
+        "device_ceiling": "pwritev/preadv of io_kib, qd threads, on a file beside the tier "
+        "file, doing the row's kind of I/O (device_io)",
         "initiator": f"host_shim.nvme in this process, {queues} I/O queue(s) of depth qd",
         "seconds_per_row": seconds,
         "results": rows,
     }
+
+
+class CeilingExceeded(RuntimeError):
+    """A row above one of its own ceilings in the median of its slices: not a ceiling."""
+
+
+def _describe(r: dict[str, Any]) -> str:
+    return f"{r['target']} {r['op']} {r['io_kib']} KiB QD{r['qd']} {r['gbps']} GB/s > " + ", ".join(
+        r["ceilings_exceeded"]
+    )
+
+
+def _pair_with_spdk(rows: list[dict[str, Any]]) -> None:
+    """`vs_spdk` on agent rows: over SPDK's row of the same op, size, depth and queues, on the
+    same kind of store (the same file I/O for the NVMe tier), else a note saying why not."""
+    by_key = {(r["target"], r["op"], r["io_kib"], r["qd"], r["queues"]): r for r in rows}
+    for r in rows:
+        pair = SAME_STORE_SPDK.get(r["target"])
+        base = by_key.get((pair, r["op"], r["io_kib"], r["qd"], r["queues"]))
+        if base is None or base["gbps"] <= 0:
+            continue
+        if r.get("device_io") != base.get("device_io"):
+            r["vs_spdk_note"] = (
+                f"no vs_spdk: {r['target']} does {r['device_io']} file I/O, {pair} "
+                f"{base['device_io']} (tier files on tmpfs, --dir /dev/shm, compare the same)"
+            )
+            continue
+        r["vs_spdk"] = round(r["gbps"] / base["gbps"], 3)
 
 
 def _target_rows(
@@ -551,12 +627,14 @@ def _target_rows(
     queues: int,
     seconds: float,
     progress: Any,
-    device: _DeviceCeiling | None = None,
+    device: _DeviceCeiling | None,
+    pause: Callable[[], contextlib.AbstractContextManager[None]],
 ) -> list[dict[str, Any]]:
     out = []
     for io_kib in sizes_kib:
         for qd in qds:
-            for row in _rows(peer, port, target, nsid, io_kib, qd, queues, seconds, device):
+            rows = _rows(peer, port, target, nsid, io_kib, qd, queues, seconds, device, pause)
+            for row in rows:
                 out.append(row)
                 if progress is not None:
                     progress(row)
@@ -572,8 +650,11 @@ def _rows(
     qd: int,
     queues: int,
     seconds: float,
-    device: _DeviceCeiling | None = None,
+    device: _DeviceCeiling | None,
+    pause: Callable[[], contextlib.AbstractContextManager[None]],
 ) -> list[dict[str, Any]]:
+    """The write and read rows of one size and depth. `pause()`: held while the ceilings run
+    (spdk_tgt stopped, so that its busy-polling reactor does not slow them)."""
     ctrl = NvmeTcpController.connect(
         "127.0.0.1",
         port,
@@ -591,13 +672,17 @@ def _rows(
             # median of the slices' ratios ignores a slice that another job stalled.
             ceilings, nvmes, devices, joints = [], [], [], []
             for _ in range(ROUNDS):
-                ceilings.append(peer.moved(op, seconds / ROUNDS))
+                with pause():
+                    ceilings.append(peer.moved(op, seconds / ROUNDS))
                 nvmes.append(_measure(ctrl, nsid, op, buf, seconds / ROUNDS))
                 if device is not None:
-                    devices.append(device.moved(op, io_kib << 10, qd * queues, seconds / ROUNDS))
-                    joints.append(
-                        _socket_and_device(peer, device, op, io_kib << 10, qd * queues, seconds)
-                    )
+                    with pause():
+                        devices.append(
+                            device.moved(op, io_kib << 10, qd * queues, seconds / ROUNDS)
+                        )
+                        joints.append(_socket_and_device(
+                            peer, device, op, io_kib << 10, qd * queues, seconds
+                        ))  # fmt: skip
             ratio = statistics.median(
                 (b / t) / (cb / ct) for (b, t), (cb, ct) in zip(nvmes, ceilings, strict=True)
             )
@@ -614,8 +699,9 @@ def _rows(
                 ratio=round(ratio, 3),
             )
             extra: dict[str, Any] = {"ceiling_gbps": round(ceiling, 3)}
-            if devices:
-                extra["device_gbps"] = round(
+            if device is not None:
+                extra["device_io"] = device.kind
+                extra["device_ceiling_gbps"] = round(
                     sum(b for b, _ in devices) / sum(t for _, t in devices) / 1e9, 3
                 )
                 extra["vs_device"] = round(
@@ -624,24 +710,73 @@ def _rows(
                     ),
                     3,
                 )
-                extra["socket_device_gbps"] = round(statistics.median(joints) / 1e9, 3)
                 # a rate-matched device may move nothing in a slice a loaded box starved (it
-                # waits for the socket): such a slice has no ratio; none at all gives None
+                # waits for the socket): such a slice measured no bound, so it counts neither
+                # in the ceiling nor in the ratio; none at all gives None for both
+                measured = [j for j in joints if j > 0]
+                extra["socket_device_gbps"] = (
+                    round(statistics.median(measured) / 1e9, 3) if measured else None
+                )
                 vs = [(b / t) / j for (b, t), j in zip(nvmes, joints, strict=True) if j > 0]
                 extra["vs_socket_device"] = round(statistics.median(vs), 3) if vs else None
-            out.append({**asdict(row), **extra})
+            out.append(_bounded({**asdict(row), **extra}))
     finally:
         ctrl.close()
     return out
 
 
+# Each ceiling of a row and the median of its slices' ratios to it
+CEILING_RATIOS = {
+    "ceiling_gbps": "ratio",
+    "device_ceiling_gbps": "vs_device",
+}
+
+
+def _bounded(row: dict[str, Any]) -> dict[str, Any]:
+    """The row, judged against each of its ceilings on both measures: its GB/s over all its
+    slices against the ceiling's, and the median of the slices' ratios against 1. Above on one
+    measure only, the machine's load moved between the alternated slices: the row carries
+    `ceiling_exceeded_reason` saying so. Above on both, that ceiling does not bound the row:
+    `ceilings_exceeded`, and the bench fails."""
+    reasons, exceeded = [], []
+    for ceiling, ratio in CEILING_RATIOS.items():
+        bound = row.get(ceiling)
+        if bound is None:
+            continue
+        median = row.get(ratio)
+        over_all = row["gbps"] > bound
+        over_median = median is None or median > 1.0
+        if over_all and over_median:
+            exceeded.append(f"{ceiling} {bound} ({ratio} {median})")
+        elif over_all:
+            reasons.append(
+                f"{ceiling}: all slices together {row['gbps']} > {bound} GB/s, but the median "
+                f"of the slice ratios ({ratio}) is {median}: load moved between slices"
+            )
+        elif over_median and median is not None:
+            reasons.append(
+                f"{ratio}: the median of the slice ratios is {median}, but all slices "
+                f"together {row['gbps']} <= {bound} GB/s ({ceiling}): load moved between slices"
+            )
+    if reasons:
+        row["ceiling_exceeded_reason"] = "; ".join(reasons)
+    if exceeded:
+        row["ceilings_exceeded"] = exceeded
+    return row
+
+
 def _line(r: dict[str, Any]) -> str:
     vs = f"  {r['vs_spdk']:.2f}x SPDK" if "vs_spdk" in r else ""
-    if "device_gbps" in r:
-        vs += f"  {r['vs_device']:.2f}x device ({r['device_gbps']:.2f} GB/s)"
-        joint = r["vs_socket_device"]
+    if "device_ceiling_gbps" in r:
+        vs += f"  {r['vs_device']:.2f}x {r['device_io']} device"
+        vs += f" ({r['device_ceiling_gbps']:.2f} GB/s)"
+        joint, bound = r["vs_socket_device"], r["socket_device_gbps"]
         vs += f"  {'n/a' if joint is None else f'{joint:.2f}x'} socket+device"
-        vs += f" ({r['socket_device_gbps']:.2f} GB/s)"
+        vs += f" ({'n/a' if bound is None else f'{bound:.2f}'} GB/s)"
+    if r.get("ceiling_exceeded_reason"):
+        vs += f"  [above a ceiling: {r['ceiling_exceeded_reason']}]"
+    if r.get("ceilings_exceeded"):
+        vs += f"  [ABOVE ITS CEILING: {', '.join(r['ceilings_exceeded'])}]"
     return (
         f"{r['target']:10} {r['op']:5} {r['io_kib']:5} KiB QD{r['qd']:<3} x{r['queues']} "
         f"{r['gbps']:6.2f} GB/s  {r['ratio']:.2f}x ceiling{vs}"
@@ -703,7 +838,7 @@ def nvme(
     click.echo(f"socket ceiling {report['socket_ceiling_gbps']:.2f} GB/s; spdk: "
                f"{report['targets']['spdk']}")  # fmt: skip
     for r in report["results"]:
-        if "vs_spdk" in r or "device_gbps" in r:
+        if "vs_spdk" in r or "device_ceiling_gbps" in r:
             click.echo(_line(r))
     if security:
         print_rows(report["security"], click.echo)

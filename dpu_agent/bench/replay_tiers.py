@@ -7,10 +7,13 @@ demoted to NVMe, NVMe's victim is dropped; an NVMe hit on a block whose previous
 to DRAM, demoting DRAM's victim. Each tier has its own instance of the policy. A block hits
 when it and every block before it in the request are cached in either tier.
 
-Expected load time per request = (DRAM hits x block bytes / DRAM bandwidth + NVMe hits x block
-bytes / NVMe bandwidth) / requests, with both bandwidths measured in the same run through the
-engine's own tier devices (AES-XTS over an anonymous mapping, and over a file whose pages are
-dropped from the page cache before it is read).
+The hits are what the replay measures. The load time is a model output: expected load time
+per request = (DRAM hits x block bytes / DRAM bandwidth + NVMe hits x block bytes / NVMe
+bandwidth) / requests, with both bandwidths measured in the same run through the engine's own
+tier devices (AES-XTS over an anonymous mapping, and over a file whose pages are dropped from
+the page cache before it is read). The report prints the model's inputs (`model_inputs`) next
+to its outputs (`model_load_ms_per_request`, `model_load_vs_no_promotion`): with the same hits,
+promotion's share of the load time moves with the ratio of the two bandwidths alone.
 """
 
 from __future__ import annotations
@@ -205,39 +208,52 @@ def two_tier_report(
                 "dram_hit_rate": r["dram_hits"] / accesses,
                 "nvme_hit_rate": r["nvme_hits"] / accesses,
                 "hit_rate": (r["dram_hits"] + r["nvme_hits"]) / accesses,
-                "load_ms_per_request": load_s * 1e3,
+                "model_load_ms_per_request": load_s * 1e3,
             }
         )
-    base = rows[1]["load_ms_per_request"]
+    base = rows[1]["model_load_ms_per_request"]
     for row in rows:
-        row["load_vs_no_promotion"] = row["load_ms_per_request"] / base if base else None
+        ratio = row["model_load_ms_per_request"] / base if base else None
+        row["model_load_vs_no_promotion"] = ratio
     return {
         "policy": policy,
         "dram_fraction": dram_fraction,
         "nvme_fraction": nvme_fraction,
         "dram_blocks": dram_blocks,
         "nvme_blocks": nvme_blocks,
-        "block_bytes": block_bytes,
-        "dram_gbps": dram_gbps,
-        "nvme_gbps": nvme_gbps,
+        "model": MODEL,
+        "model_inputs": {
+            "block_bytes": block_bytes,
+            "dram_gbps": dram_gbps,
+            "nvme_gbps": nvme_gbps,
+            "bandwidths": "measured in this run" if bandwidths_gbps is None else "given",
+        },
         "results": rows,
     }
 
 
+MODEL = (
+    "model_load_ms_per_request = (dram_hits x block_bytes / dram_gbps + nvme_hits x "
+    "block_bytes / nvme_gbps) / requests: an output of the measured hits and model_inputs"
+)
+
+
 def format_two_tiers(report: dict[str, Any]) -> str:
+    inputs = report["model_inputs"]
     lines = [
-        f"DRAM {report['dram_blocks']} blocks ({report['dram_gbps']:.2f} GB/s measured), NVMe "
-        f"{report['nvme_blocks']} blocks ({report['nvme_gbps']:.2f} GB/s), "
-        f"{report['block_bytes']} B per block, policy {report['policy']}",
-        "promotion | DRAM hits | NVMe hits | total | promotions | demotions | load ms/request "
-        "| vs no promotion",
+        f"DRAM {report['dram_blocks']} blocks, NVMe {report['nvme_blocks']} blocks, "
+        f"policy {report['policy']}",
+        f"model inputs ({inputs['bandwidths']}): DRAM {inputs['dram_gbps']:.2f} GB/s, NVMe "
+        f"{inputs['nvme_gbps']:.2f} GB/s, {inputs['block_bytes']} B per block",
+        "promotion | DRAM hits | NVMe hits | total | promotions | demotions | model load "
+        "ms/request | model vs no promotion",
     ]
     for r in report["results"]:
-        ratio = r["load_vs_no_promotion"]
+        ratio = r["model_load_vs_no_promotion"]
         lines.append(
             f"{'on' if r['promotion'] else 'off'} | {r['dram_hit_rate'] * 100:.2f}% | "
             f"{r['nvme_hit_rate'] * 100:.2f}% | {r['hit_rate'] * 100:.2f}% | {r['promotions']} | "
-            f"{r['demotions']} | {r['load_ms_per_request']:.2f} | "
+            f"{r['demotions']} | {r['model_load_ms_per_request']:.2f} | "
             f"{'n/a' if ratio is None else f'{ratio:.2f}'}"
         )
     return "\n".join(lines)

@@ -538,7 +538,7 @@ def _spawn_cluster(
     import secrets
 
     from dpu_agent.cluster import free_port
-    from dpu_agent.service import spawn_agent
+    from dpu_agent.testing import spawn_agent
 
     d.mkdir(parents=True, exist_ok=True)
     per_node = tier_bytes * CLUSTER_REPLICAS // nodes
@@ -613,7 +613,7 @@ def _importable_in_vllm(module: str, what: str) -> None:
 
 
 def _spawn_agents(tmp: Path, count: int, tier_bytes: int) -> list[Any]:
-    from dpu_agent.service import spawn_agent
+    from dpu_agent.testing import spawn_agent
 
     # the tier's memory: DRAM and the file-backed NVMe tier, half each (a DPU's shape)
     env = {

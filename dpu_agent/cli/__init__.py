@@ -48,6 +48,7 @@ BENCH_COMMANDS: dict[str, tuple[str, str, str]] = {
     "cluster": ("dpu_agent.bench.cluster", "cluster_cmd", "Placement and Serf membership."),
     "lmcache": ("dpu_agent.bench.lmcache", "lmcache_cmd", "LMCache remote storage vs lm://."),
     "serve": ("dpu_agent.bench.serve", "serve_cmd", "Multi-turn serving through real vLLM."),
+    "doc": ("dpu_agent.bench.doc", "doc_cmd", "Regenerate docs/BENCHMARKS.md from docs/bench."),
 }
 # What each optional extra brings: a benchmark whose import fails on one of these names its extra
 EXTRA_OF_MODULE = {
@@ -109,13 +110,40 @@ class LazyGroup(click.Group):
 class _BenchGroup(LazyGroup):
     """Benchmarks need the `bench` extra (Redis client, matplotlib) or the `inference` one
     (torch, transformers), which a DPU image lacks: say which instead of a traceback, also when
-    the missing module is imported only once the benchmark runs."""
+    the missing module is imported only once the benchmark runs.
+
+    `--record PATH` writes the bench's --json report wrapped with the run's command, date,
+    load, CPUs and commit (dpu_agent/bench/record.py), what docs/BENCHMARKS.md is made from."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta["bench_argv"] = ["bench", *args]  # the command line a record names
+        return super().parse_args(ctx, args)
 
     def invoke(self, ctx: click.Context) -> object:
         try:
-            return super().invoke(ctx)
+            if ctx.params.get("record") is None:
+                return super().invoke(ctx)
+            return self._invoke_recorded(ctx, ctx.params["record"])
         except ModuleNotFoundError as e:
             raise _missing_extra(e, "this benchmark", " (make demo installs it)") from None
+
+    def _invoke_recorded(self, ctx: click.Context, path: str) -> object:
+        from pathlib import Path
+
+        from dpu_agent.bench import record
+
+        argv = ctx.meta["bench_argv"]
+        if "--json" not in argv:
+            raise click.UsageError("--record needs the bench's --json (the report it records)")
+        run_meta = record.meta(argv)
+        with record.captured_stdout(lambda text: click.echo(text, nl=False)) as printed:
+            rv = super().invoke(ctx)
+        try:
+            record.write_record(Path(path), run_meta, record.parse_report(printed()))
+        except record.RecordError as e:
+            raise click.ClickException(str(e)) from None
+        click.echo(f"recorded {path}", err=True)
+        return rv
 
 
 @click.group(
@@ -131,7 +159,10 @@ def cli() -> None:
 
 @cli.group(cls=_BenchGroup, lazy=BENCH_COMMANDS,
            help="Benchmarks; each prints a JSON report with --json.")  # fmt: skip
-def bench() -> None:
+@click.option("--record", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Also write the bench's --json report, with the run's command, date and "
+              "load, to this file (docs/bench/NAME.json).")  # fmt: skip
+def bench(record: str | None) -> None:
     pass
 
 
