@@ -8,7 +8,6 @@ cycle (the JSON's `activation` says which).
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from collections.abc import Callable
@@ -18,7 +17,7 @@ from typing import Any, TypeVar
 import click
 
 from dpu_agent import firmware as fw
-from dpu_agent.cli._common import fail as _fail
+from dpu_agent.cli._common import exits_on, plan_conflicts
 
 __all__ = ["firmware_group"]
 
@@ -27,24 +26,13 @@ QUERY_FILE_BYTES_MAX = 4 << 20
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _errors(fn: F) -> F:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        as_json = bool(kwargs.get("as_json"))
-        try:
-            return fn(*args, **kwargs)
-        except fw.ProfileError as e:
-            _fail(EXIT_PROFILE, str(e), as_json)
-        except fw.FirmwareUnavailable as e:
-            _fail(EXIT_UNAVAILABLE, str(e), as_json)
-        except fw.FirmwareConflict as e:
-            _fail(EXIT_FAILED, f"plan has conflicts: {e}", as_json, conflicts=list(e.conflicts))
-        except fw.FirmwareApplyError as e:
-            _fail(EXIT_FAILED, str(e), as_json, returncode=e.cause.returncode)
-        except fw.FirmwareToolError as e:
-            _fail(EXIT_FAILED, str(e), as_json, returncode=e.returncode)
-
-    return wrapper  # type: ignore[return-value]
+_errors = exits_on(
+    (fw.ProfileError, EXIT_PROFILE, None),
+    (fw.FirmwareUnavailable, EXIT_UNAVAILABLE, None),
+    (fw.FirmwareConflict, EXIT_FAILED, plan_conflicts),
+    (fw.FirmwareApplyError, EXIT_FAILED, lambda e: (str(e), {"returncode": e.cause.returncode})),
+    (fw.FirmwareToolError, EXIT_FAILED, lambda e: (str(e), {"returncode": e.returncode})),
+)
 
 
 def _options(fn: F) -> F:

@@ -7,7 +7,6 @@ network namespace does not exist; 4 the config is invalid (the message names the
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from collections.abc import Callable
@@ -17,7 +16,7 @@ from typing import Any, TypeVar
 import click
 
 from dpu_agent import net
-from dpu_agent.cli._common import fail as _fail
+from dpu_agent.cli._common import exits_on, plan_conflicts
 
 __all__ = ["net_group"]
 
@@ -25,22 +24,12 @@ EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE, EXIT_CONFIG = 0, 1, 3, 4
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _errors(fn: F) -> F:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        as_json = bool(kwargs.get("as_json"))
-        try:
-            return fn(*args, **kwargs)
-        except net.NetConfigError as e:
-            _fail(EXIT_CONFIG, str(e), as_json)
-        except net.NetnsMissing as e:
-            _fail(EXIT_UNREACHABLE, str(e), as_json)
-        except net.NetConflict as e:
-            _fail(EXIT_FAILED, f"plan has conflicts: {e}", as_json, conflicts=list(e.conflicts))
-        except net.NetApplyError as e:
-            _fail(EXIT_FAILED, str(e), as_json, step=e.step, done=e.done)
-
-    return wrapper  # type: ignore[return-value]
+_errors = exits_on(
+    (net.NetConfigError, EXIT_CONFIG, None),
+    (net.NetnsMissing, EXIT_UNREACHABLE, None),
+    (net.NetConflict, EXIT_FAILED, plan_conflicts),
+    (net.NetApplyError, EXIT_FAILED, lambda e: (str(e), {"step": e.step, "done": e.done})),
+)
 
 
 def _options(fn: F) -> F:

@@ -7,7 +7,6 @@ status found drift; 2 usage; 3 SPDK unreachable (socket missing, timeout, connec
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from collections.abc import Callable
@@ -16,7 +15,7 @@ from typing import Any, TypeVar
 import click
 
 from dpu_agent import spdk_ops as ops
-from dpu_agent.cli._common import fail as _fail
+from dpu_agent.cli._common import exits_on, plan_conflicts
 from dpu_agent.crypto import KeyStoreError
 from spdk_plugins.apply import ApplyError, PlanConflict
 from spdk_plugins.desired import DesiredStateError
@@ -30,28 +29,20 @@ F = TypeVar("F", bound=Callable[..., Any])
 _CONFIG = click.Path(exists=True, dir_okay=False)
 
 
-def _errors(fn: F) -> F:
-    """Map driver errors to exit codes in one place."""
+def _os_error(e: OSError) -> tuple[str, dict[str, Any]]:
+    """ "[Errno 2] ..." says less than the file and the reason."""
+    return (f"{e.filename}: {e.strerror}" if e.filename else str(e)), {}
 
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        as_json = bool(kwargs.get("as_json"))
-        try:
-            return fn(*args, **kwargs)
-        except OSError as e:  # "[Errno 2] ..." says less than the file and the reason
-            _fail(EXIT_CONFIG, f"{e.filename}: {e.strerror}" if e.filename else str(e), as_json)
-        except (DesiredStateError, KeyStoreError, ValueError) as e:
-            _fail(EXIT_CONFIG, str(e), as_json)
-        except PlanConflict as e:
-            _fail(EXIT_FAILED, f"plan has conflicts: {e}", as_json, conflicts=list(e.conflicts))
-        except ApplyError as e:
-            _fail(EXIT_FAILED, str(e), as_json, step=e.step, code=e.code, done=e.done)
-        except (SpdkConnectionError, SpdkTimeout) as e:
-            _fail(EXIT_UNREACHABLE, str(e), as_json)
-        except SpdkError as e:
-            _fail(EXIT_FAILED, str(e), as_json)
 
-    return wrapper  # type: ignore[return-value]
+# Driver errors to exit codes, in one place.
+_errors = exits_on(
+    (OSError, EXIT_CONFIG, _os_error),
+    ((DesiredStateError, KeyStoreError, ValueError), EXIT_CONFIG, None),
+    (PlanConflict, EXIT_FAILED, plan_conflicts),
+    (ApplyError, EXIT_FAILED, lambda e: (str(e), {"step": e.step, "code": e.code, "done": e.done})),
+    ((SpdkConnectionError, SpdkTimeout), EXIT_UNREACHABLE, None),
+    (SpdkError, EXIT_FAILED, None),
+)
 
 
 def _options(fn: F) -> F:
