@@ -50,6 +50,7 @@ from kvproto.control import (
     LOOKUP_KEYS_MAX,
 )
 from kvproto.keys import KEY_BYTES, ChunkLayout, chunk_keys
+from kvproto.nvme import BLOCK_BYTES
 
 if TYPE_CHECKING:
     from host_shim.cluster import ClusterRouter
@@ -70,7 +71,6 @@ __all__ = [
     "parse_control_url",
 ]
 
-BLOCK_BYTES = 4096  # the namespaces' logical block size
 
 # --- KVClient -------------------------------------------------------------------------------
 
