@@ -13,7 +13,7 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-__all__ = ["exits_on", "fail", "plan_conflicts"]
+__all__ = ["exits_on", "fail", "plan_conflicts", "show"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 # (exception types, exit code, what to say: the message and the JSON's extra fields; None: str(e))
@@ -37,6 +37,11 @@ def fail(exit_code: int, message: str, as_json: bool, **extra: Any) -> NoReturn:
         for line in extra.get("tail", [])[-TAIL_LINES_MAX:]:
             _err.print(f"  | {line}", highlight=False, markup=False, soft_wrap=True)
     sys.exit(exit_code)
+
+
+def show(doc: Any, as_json: bool, render: Callable[[Any], str]) -> None:
+    """A command's result: indented JSON under --json, else `render(doc)`."""
+    click.echo(json.dumps(doc, indent=2) if as_json else render(doc))
 
 
 def plan_conflicts(e: Any) -> tuple[str, dict[str, Any]]:

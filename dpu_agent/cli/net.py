@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import click
 
 from dpu_agent import net
-from dpu_agent.cli._common import exits_on, plan_conflicts
+from dpu_agent.cli._common import exits_on, plan_conflicts, show
 
 __all__ = ["net_group"]
 
@@ -61,10 +61,6 @@ def _render_plan(p: dict[str, Any]) -> str:
     return "\n".join(lines + [f"note {n}" for n in p["notes"]])
 
 
-def _show(doc: Any, as_json: bool, render: Callable[[Any], str]) -> None:
-    click.echo(json.dumps(doc, indent=2) if as_json else render(doc))
-
-
 @click.group("net", help="The DPU's RoCE network ([net]): addresses, MTU, VLAN, routes, PFC, ECN.")
 def net_group() -> None:
     pass
@@ -75,7 +71,7 @@ def net_group() -> None:
 @_errors
 def plan_cmd(config: str, netns: str | None, sysfs_root: Path, as_json: bool) -> None:
     p = net.run_plan(config, netns, sysfs_root)
-    _show(p, as_json, _render_plan)
+    show(p, as_json, _render_plan)
     sys.exit(EXIT_FAILED if p["conflicts"] else EXIT_OK)
 
 
@@ -84,7 +80,7 @@ def plan_cmd(config: str, netns: str | None, sysfs_root: Path, as_json: bool) ->
 @_errors
 def apply_cmd(config: str, netns: str | None, sysfs_root: Path, as_json: bool) -> None:
     r = net.run_apply(config, netns, sysfs_root)
-    _show(r, as_json, lambda d: f"applied {len(d['applied'])} step(s)\n" + _render_plan(d["after"]))
+    show(r, as_json, lambda d: f"applied {len(d['applied'])} step(s)\n" + _render_plan(d["after"]))
     sys.exit(EXIT_OK if r["after"]["in_sync"] else EXIT_FAILED)
 
 
@@ -93,5 +89,5 @@ def apply_cmd(config: str, netns: str | None, sysfs_root: Path, as_json: bool) -
 @_errors
 def status_cmd(config: str, netns: str | None, sysfs_root: Path, as_json: bool) -> None:
     s = net.run_status(config, netns, sysfs_root)
-    _show(s, as_json, _render_plan)
+    show(s, as_json, _render_plan)
     sys.exit(EXIT_OK if s["in_sync"] else EXIT_FAILED)

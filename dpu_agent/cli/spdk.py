@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import click
 
 from dpu_agent import spdk_ops as ops
-from dpu_agent.cli._common import exits_on, plan_conflicts
+from dpu_agent.cli._common import exits_on, plan_conflicts, show
 from dpu_agent.crypto import KeyStoreError
 from spdk_plugins.apply import ApplyError, PlanConflict
 from spdk_plugins.desired import DesiredStateError
@@ -53,10 +53,6 @@ def _options(fn: F) -> F:
     fn = click.option("--key-file", default=None, help="Agent key file (default: environment).")(fn)
     fn = click.option("--config", "config", required=True, envvar="DPUKV_CONFIG", type=_CONFIG)(fn)
     return fn
-
-
-def _show(doc: Any, as_json: bool, render: Callable[[Any], str]) -> None:
-    click.echo(json.dumps(doc, indent=2) if as_json else render(doc))
 
 
 def _render_steps(steps: list[dict[str, Any]]) -> list[str]:
@@ -103,7 +99,7 @@ def spdk_group() -> None:
 @_errors
 def plan_cmd(config: str, socket: str | None, key_file: str | None, as_json: bool) -> None:
     p = ops.run_plan(config, socket, key_file)
-    _show(p, as_json, _render_plan)
+    show(p, as_json, _render_plan)
     sys.exit(EXIT_FAILED if p["conflicts"] else EXIT_OK)  # a plan apply would refuse
 
 
@@ -114,7 +110,7 @@ def apply_cmd(config: str, socket: str | None, key_file: str | None, as_json: bo
     result = ops.run_apply(config, socket, key_file)
     after = result["after"]
     result["converged"] = not after["steps"] and not after["conflicts"]
-    _show(result, as_json, _render_apply)
+    show(result, as_json, _render_apply)
     sys.exit(EXIT_OK if result["converged"] else EXIT_FAILED)
 
 
@@ -123,7 +119,7 @@ def apply_cmd(config: str, socket: str | None, key_file: str | None, as_json: bo
 @_errors
 def status_cmd(config: str, socket: str | None, key_file: str | None, as_json: bool) -> None:
     report = ops.run_status(config, socket, key_file)
-    _show(report, as_json, _render_status)
+    show(report, as_json, _render_status)
     sys.exit(EXIT_OK if report["in_sync"] else EXIT_FAILED)
 
 
@@ -154,7 +150,7 @@ def boot_config_cmd(
 @click.option("--json", "as_json", is_flag=True)
 @_errors
 def tiers_cmd(config: str, as_json: bool) -> None:
-    _show(
+    show(
         ops.run_tiers(config),
         as_json,
         lambda ts: "\n".join(
