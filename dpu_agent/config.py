@@ -36,7 +36,6 @@ import json
 import os
 import secrets
 import socket
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +45,9 @@ from dpu_agent.eviction import DEFAULT_POLICY, POLICY_NAMES
 from dpu_agent.net import NetConfigError, NetDesired, parse_net
 from dpu_agent.units import SizeError, parse_size
 from kvproto.control import TENANTS_MAX, valid_tenant_name
+from kvproto.nvme import BLOCK_BYTES
 from kvproto.peer_auth import parse_peer_keys
+from kvproto.tomlfile import CONFIG_BYTES_MAX, TomlFileError, load_toml
 
 if TYPE_CHECKING:  # spdk_plugins loads its RPC client: imported only for an [spdk] section
     from spdk_plugins.desired import SpdkDesired
@@ -74,7 +75,6 @@ ENV_PREFIX = "DPUKV_"
 DATA_DIR_ENV = "DPUKV_DATA_DIR"
 REDACTED = "<redacted>"
 TOKEN_BYTES = 32  # 256-bit random tokens, URL-safe base64
-CONFIG_BYTES_MAX = 1 << 20  # a config file bigger than this is a mistake
 MODES = ("embedded", "spdk")
 
 
@@ -498,15 +498,9 @@ def load_config(
     if path is not None:
         p = Path(path)
         try:
-            raw = p.read_bytes()
-        except OSError as e:
-            raise ConfigError(f"cannot read config {p}: {e.strerror}") from None
-        if len(raw) > CONFIG_BYTES_MAX:
-            raise ConfigError(f"config {p} is over {CONFIG_BYTES_MAX} bytes")
-        try:
-            doc = tomllib.loads(raw.decode())
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"config {p} is not valid TOML: {e}") from None
+            doc = load_toml(p, max_bytes=CONFIG_BYTES_MAX)
+        except TomlFileError as e:
+            raise ConfigError(str(e)) from None
         cfg.source = str(p)
         for section, values in doc.items():
             if section == "tenants":
@@ -541,7 +535,6 @@ TICK_INTERVAL_S_MIN = 0.01  # the tick fsyncs and expires leases; 0 would spin a
 TICK_INTERVAL_S_MAX = 60.0  # leases and reservations expire on ticks: keep them timely
 IO_SIZE_MAX = 64 << 20  # one command's buffer; KV chunks are a few MiB
 IO_WORKERS_MAX = 256
-BLOCK_BYTES = 4096  # the tiers' logical block (one AES-XTS data unit)
 
 
 def _check_values(cfg: AgentConfig) -> None:

@@ -117,6 +117,9 @@ class SpdkNamespace:
     as a miss); the agent reconnects when restarted.
     """
 
+    # I/O traits (BlockDevice): every I/O is a round trip to SPDK's target.
+    in_memory = lends_memory = mapped_reads = buffered_writes = False
+
     def __init__(self, target: TierTarget, device: NvmeTcpBlockDevice) -> None:
         self.target = target
         self._dev = device

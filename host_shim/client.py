@@ -48,6 +48,7 @@ from host_shim.nvme import NvmeError, NvmeStatusError, NvmeTcpController
 from host_shim.transport import TransportSelector
 from kvproto.checksum import chunk_checksum, verify_checksum
 from kvproto.keys import ChunkLayout
+from kvproto.nvme import BLOCK_BYTES
 
 __all__ = [
     "PIPELINE_BYTES_MAX",
@@ -65,7 +66,6 @@ __all__ = [
     "parse_control_url",
 ]
 
-BLOCK_BYTES = 4096  # the namespaces' logical block size
 
 # --- KVClient -------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from spdk_plugins._omit import omit_none
 from spdk_plugins.desired import (
     AccelConfig,
     AioBdev,
@@ -46,7 +47,7 @@ Call = tuple[str, dict[str, Any]]
 
 def call(method: str, **params: Any) -> Call:
     """A call with the `None` parameters left out (SPDK's `None` = omit)."""
-    return method, {k: v for k, v in params.items() if v is not None}
+    return method, omit_none(**params)
 
 
 def mlx5_scan_call(a: AccelConfig) -> Call:

@@ -9,11 +9,12 @@ the field (`spdk.subsystems[1].namespaces[0].bdev_name`). Key material never app
 from __future__ import annotations
 
 import re
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from kvproto.tomlfile import CONFIG_BYTES_MAX, TomlFileError, load_toml
 
 __all__ = [
     "AccelConfig",
@@ -355,8 +356,10 @@ def _choice(t: _Table, name: str, choices: tuple[str, ...], default: str | None)
 
 def load_desired(path: str | Path) -> SpdkDesired:
     """Read the agent config file and parse its `[spdk]` section."""
-    with open(path, "rb") as f:
-        doc = tomllib.load(f)
+    try:
+        doc = load_toml(path, max_bytes=CONFIG_BYTES_MAX)
+    except TomlFileError as e:
+        raise DesiredStateError("spdk", str(e)) from None
     return parse_desired(doc)
 
 

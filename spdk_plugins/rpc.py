@@ -3,7 +3,7 @@
 Framing goes through the official `spdk` package (`spdk.rpc.client.JSONRPCClient`); this module
 adds what it lacks: structured errors (method, params, JSON-RPC code), a wall-clock bound on
 every call (the package's timeout counts CPU time, so a stalled target would block forever),
-and `None` = omit handled in one place (`_params`), so `0` and `False` are always sent.
+and `None` = omit handled in one place (`_omit.omit_none`), so `0` and `False` are sent.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 from spdk.rpc.client import JSONRPCClient, JSONRPCException
 
 from spdk_plugins._log import get_logger
+from spdk_plugins._omit import omit_none
 
 __all__ = [
     "SECRET_PARAM_NAMES",
@@ -50,11 +51,6 @@ def redact_params(params: Any) -> Any:
     if isinstance(params, list):
         return [redact_params(v) for v in params]
     return params
-
-
-def _params(**kwargs: Any) -> dict[str, Any]:
-    """Request params: a key whose value is None is omitted; 0, False and "" are sent."""
-    return {k: v for k, v in kwargs.items() if v is not None}
 
 
 class SpdkError(Exception):
@@ -171,7 +167,7 @@ class SpdkClient:
         self, *, current: bool | None = None, include_aliases: bool | None = None
     ) -> list[str]:
         result: list[str] = self.call(
-            "rpc_get_methods", _params(current=current, include_aliases=include_aliases)
+            "rpc_get_methods", omit_none(current=current, include_aliases=include_aliases)
         )
         return result
 
@@ -184,7 +180,7 @@ class SpdkClient:
         return result
 
     def framework_get_config(self, *, name: str, with_batches: bool | None = None) -> Any:
-        return self.call("framework_get_config", _params(name=name, with_batches=with_batches))
+        return self.call("framework_get_config", omit_none(name=name, with_batches=with_batches))
 
     # --- accel ---
 
@@ -207,7 +203,7 @@ class SpdkClient:
     ) -> bool:
         result: bool = self.call(
             "mlx5_scan_accel_module",
-            _params(
+            omit_none(
                 qp_size=qp_size,
                 num_requests=num_requests,
                 allowed_devs=allowed_devs,
@@ -228,17 +224,19 @@ class SpdkClient:
     ) -> bool:
         result: bool = self.call(
             "accel_crypto_key_create",
-            _params(cipher=cipher, key=key, key2=key2, tweak_mode=tweak_mode, name=name),
+            omit_none(cipher=cipher, key=key, key2=key2, tweak_mode=tweak_mode, name=name),
         )
         return result
 
     def accel_crypto_key_destroy(self, *, key_name: str) -> bool:
-        result: bool = self.call("accel_crypto_key_destroy", _params(key_name=key_name))
+        result: bool = self.call("accel_crypto_key_destroy", omit_none(key_name=key_name))
         return result
 
     def accel_crypto_keys_get(self, *, key_name: str | None = None) -> list[dict[str, Any]]:
         """Key metadata. SPDK returns key material in clear: it is dropped here, never kept."""
-        keys: list[dict[str, Any]] = self.call("accel_crypto_keys_get", _params(key_name=key_name))
+        keys: list[dict[str, Any]] = self.call(
+            "accel_crypto_keys_get", omit_none(key_name=key_name)
+        )
         return [{k: v for k, v in entry.items() if k not in SECRET_PARAM_NAMES} for entry in keys]
 
     def accel_crypto_keys_fingerprint(self) -> dict[str, tuple[str, str]]:
@@ -252,7 +250,7 @@ class SpdkClient:
         self, *, name: str | None = None, timeout: int | None = None
     ) -> list[dict[str, Any]]:
         result: list[dict[str, Any]] = self.call(
-            "bdev_get_bdevs", _params(name=name, timeout=timeout)
+            "bdev_get_bdevs", omit_none(name=name, timeout=timeout)
         )
         return result
 
@@ -269,7 +267,7 @@ class SpdkClient:
     ) -> str:
         result: str = self.call(
             "bdev_malloc_create",
-            _params(
+            omit_none(
                 name=name,
                 block_size=block_size,
                 num_blocks=num_blocks,
@@ -282,7 +280,7 @@ class SpdkClient:
         return result
 
     def bdev_malloc_delete(self, *, name: str) -> bool:
-        result: bool = self.call("bdev_malloc_delete", _params(name=name))
+        result: bool = self.call("bdev_malloc_delete", omit_none(name=name))
         return result
 
     def bdev_aio_create(
@@ -298,7 +296,7 @@ class SpdkClient:
     ) -> str:
         result: str = self.call(
             "bdev_aio_create",
-            _params(
+            omit_none(
                 name=name,
                 filename=filename,
                 block_size=block_size,
@@ -311,7 +309,7 @@ class SpdkClient:
         return result
 
     def bdev_aio_delete(self, *, name: str) -> bool:
-        result: bool = self.call("bdev_aio_delete", _params(name=name))
+        result: bool = self.call("bdev_aio_delete", omit_none(name=name))
         return result
 
     def bdev_uring_create(
@@ -319,12 +317,12 @@ class SpdkClient:
     ) -> str:
         result: str = self.call(
             "bdev_uring_create",
-            _params(name=name, filename=filename, block_size=block_size, uuid=uuid),
+            omit_none(name=name, filename=filename, block_size=block_size, uuid=uuid),
         )
         return result
 
     def bdev_uring_delete(self, *, name: str) -> bool:
-        result: bool = self.call("bdev_uring_delete", _params(name=name))
+        result: bool = self.call("bdev_uring_delete", omit_none(name=name))
         return result
 
     def bdev_nvme_attach_controller(
@@ -346,7 +344,7 @@ class SpdkClient:
     ) -> list[str]:
         result: list[str] = self.call(
             "bdev_nvme_attach_controller",
-            _params(
+            omit_none(
                 name=name,
                 trtype=trtype,
                 traddr=traddr,
@@ -365,25 +363,25 @@ class SpdkClient:
         return result
 
     def bdev_nvme_detach_controller(self, *, name: str) -> bool:
-        result: bool = self.call("bdev_nvme_detach_controller", _params(name=name))
+        result: bool = self.call("bdev_nvme_detach_controller", omit_none(name=name))
         return result
 
     def bdev_crypto_create(self, *, base_bdev_name: str, name: str, key_name: str) -> str:
         result: str = self.call(
             "bdev_crypto_create",
-            _params(base_bdev_name=base_bdev_name, name=name, key_name=key_name),
+            omit_none(base_bdev_name=base_bdev_name, name=name, key_name=key_name),
         )
         return result
 
     def bdev_crypto_delete(self, *, name: str) -> bool:
-        result: bool = self.call("bdev_crypto_delete", _params(name=name))
+        result: bool = self.call("bdev_crypto_delete", omit_none(name=name))
         return result
 
     def bdev_lvol_get_lvstores(
         self, *, uuid: str | None = None, lvs_name: str | None = None
     ) -> list[dict[str, Any]]:
         result: list[dict[str, Any]] = self.call(
-            "bdev_lvol_get_lvstores", _params(uuid=uuid, lvs_name=lvs_name)
+            "bdev_lvol_get_lvstores", omit_none(uuid=uuid, lvs_name=lvs_name)
         )
         return result
 
@@ -398,7 +396,7 @@ class SpdkClient:
     ) -> str:
         result: str = self.call(
             "bdev_lvol_create_lvstore",
-            _params(
+            omit_none(
                 bdev_name=bdev_name,
                 lvs_name=lvs_name,
                 cluster_sz=cluster_sz,
@@ -411,7 +409,9 @@ class SpdkClient:
     def bdev_lvol_delete_lvstore(
         self, *, uuid: str | None = None, lvs_name: str | None = None
     ) -> bool:
-        result: bool = self.call("bdev_lvol_delete_lvstore", _params(uuid=uuid, lvs_name=lvs_name))
+        result: bool = self.call(
+            "bdev_lvol_delete_lvstore", omit_none(uuid=uuid, lvs_name=lvs_name)
+        )
         return result
 
     def bdev_lvol_create(
@@ -426,7 +426,7 @@ class SpdkClient:
     ) -> str:
         result: str = self.call(
             "bdev_lvol_create",
-            _params(
+            omit_none(
                 lvol_name=lvol_name,
                 size_in_mib=size_in_mib,
                 thin_provision=thin_provision,
@@ -438,21 +438,21 @@ class SpdkClient:
         return result
 
     def bdev_lvol_delete(self, *, name: str) -> bool:
-        result: bool = self.call("bdev_lvol_delete", _params(name=name))
+        result: bool = self.call("bdev_lvol_delete", omit_none(name=name))
         return result
 
     # --- nvmf ---
 
     def nvmf_create_transport(self, *, trtype: str, **tuning: Any) -> bool:
         """Transport tuning parameters go through by SPDK name (max_queue_depth, zcopy, ...)."""
-        result: bool = self.call("nvmf_create_transport", _params(trtype=trtype, **tuning))
+        result: bool = self.call("nvmf_create_transport", omit_none(trtype=trtype, **tuning))
         return result
 
     def nvmf_get_transports(
         self, *, trtype: str | None = None, tgt_name: str | None = None
     ) -> list[dict[str, Any]]:
         result: list[dict[str, Any]] = self.call(
-            "nvmf_get_transports", _params(trtype=trtype, tgt_name=tgt_name)
+            "nvmf_get_transports", omit_none(trtype=trtype, tgt_name=tgt_name)
         )
         return result
 
@@ -460,7 +460,7 @@ class SpdkClient:
         self, *, nqn: str | None = None, tgt_name: str | None = None
     ) -> list[dict[str, Any]]:
         result: list[dict[str, Any]] = self.call(
-            "nvmf_get_subsystems", _params(nqn=nqn, tgt_name=tgt_name)
+            "nvmf_get_subsystems", omit_none(nqn=nqn, tgt_name=tgt_name)
         )
         return result
 
@@ -476,7 +476,7 @@ class SpdkClient:
     ) -> bool:
         result: bool = self.call(
             "nvmf_create_subsystem",
-            _params(
+            omit_none(
                 nqn=nqn,
                 serial_number=serial_number,
                 model_number=model_number,
@@ -488,16 +488,16 @@ class SpdkClient:
         return result
 
     def nvmf_delete_subsystem(self, *, nqn: str) -> bool:
-        result: bool = self.call("nvmf_delete_subsystem", _params(nqn=nqn))
+        result: bool = self.call("nvmf_delete_subsystem", omit_none(nqn=nqn))
         return result
 
     def nvmf_subsystem_add_ns(self, *, nqn: str, namespace: dict[str, Any]) -> int:
         """`namespace` is SPDK's rpc_nvmf_namespace object: bdev_name, nsid, uuid, nguid..."""
-        result: int = self.call("nvmf_subsystem_add_ns", _params(nqn=nqn, namespace=namespace))
+        result: int = self.call("nvmf_subsystem_add_ns", omit_none(nqn=nqn, namespace=namespace))
         return result
 
     def nvmf_subsystem_remove_ns(self, *, nqn: str, nsid: int) -> bool:
-        result: bool = self.call("nvmf_subsystem_remove_ns", _params(nqn=nqn, nsid=nsid))
+        result: bool = self.call("nvmf_subsystem_remove_ns", omit_none(nqn=nqn, nsid=nsid))
         return result
 
     def nvmf_subsystem_add_listener(
@@ -505,26 +505,26 @@ class SpdkClient:
     ) -> bool:
         result: bool = self.call(
             "nvmf_subsystem_add_listener",
-            _params(nqn=nqn, listen_address=listen_address, secure_channel=secure_channel),
+            omit_none(nqn=nqn, listen_address=listen_address, secure_channel=secure_channel),
         )
         return result
 
     def nvmf_subsystem_remove_listener(self, *, nqn: str, listen_address: dict[str, str]) -> bool:
         result: bool = self.call(
-            "nvmf_subsystem_remove_listener", _params(nqn=nqn, listen_address=listen_address)
+            "nvmf_subsystem_remove_listener", omit_none(nqn=nqn, listen_address=listen_address)
         )
         return result
 
     def nvmf_subsystem_add_host(self, *, nqn: str, host: str) -> bool:
-        result: bool = self.call("nvmf_subsystem_add_host", _params(nqn=nqn, host=host))
+        result: bool = self.call("nvmf_subsystem_add_host", omit_none(nqn=nqn, host=host))
         return result
 
     def nvmf_subsystem_remove_host(self, *, nqn: str, host: str) -> bool:
-        result: bool = self.call("nvmf_subsystem_remove_host", _params(nqn=nqn, host=host))
+        result: bool = self.call("nvmf_subsystem_remove_host", omit_none(nqn=nqn, host=host))
         return result
 
     def nvmf_subsystem_allow_any_host(self, *, nqn: str, allow_any_host: bool) -> bool:
         result: bool = self.call(
-            "nvmf_subsystem_allow_any_host", _params(nqn=nqn, allow_any_host=allow_any_host)
+            "nvmf_subsystem_allow_any_host", omit_none(nqn=nqn, allow_any_host=allow_any_host)
         )
         return result

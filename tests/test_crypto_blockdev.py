@@ -113,6 +113,8 @@ def test_concurrent_writers_and_readers(tmp_path: Path) -> None:
 class _NoView:
     """A MemoryBlockDevice without its `view` capability: the copy path."""
 
+    in_memory = lends_memory = mapped_reads = buffered_writes = False
+
     def __init__(self, base: MemoryBlockDevice) -> None:
         self.base, self.block_size, self.block_count = base, base.block_size, base.block_count
 

@@ -269,7 +269,8 @@ def test_corrupt_dram_chunk_is_dropped_not_demoted(eng: Engine) -> None:
     key, data = chunk(0)
     loc = eng.put_chunk("acme", key, data)
     assert loc.nsid == DRAM + 1
-    raw = eng._tenants["acme"].tiers[DRAM].devices.raw  # the mmap under the cipher
+    with eng.locked() as state:
+        raw = state.tenant("acme").tiers[DRAM].devices.raw  # the mmap under the cipher
     raw.write(loc.lba, os.urandom(BS))
     for i in range(1, 30):
         eng.put_chunk("acme", *chunk(i))
@@ -392,7 +393,8 @@ def test_background_demotion_yields_to_a_reader_that_leased_meanwhile(eng: Engin
 def test_background_demotion_catches_a_corrupt_dram_chunk(eng: Engine) -> None:
     for i in range(16):
         eng.put_chunk("acme", *chunk(i))
-    raw = eng._tenants["acme"].tiers[DRAM].devices.raw
+    with eng.locked() as state:
+        raw = state.tenant("acme").tiers[DRAM].devices.raw
     for i in range(16):
         loc = eng.lookup("acme", [chunk(i)[0]])
         eng.release("acme", loc.lease_id)  # type: ignore[arg-type]

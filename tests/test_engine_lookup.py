@@ -54,10 +54,11 @@ def test_bulk_and_row_by_row_hits_agree(eng: Engine) -> None:
     rows = [h for i in range(0, CHUNKS, 8) for h in eng.lookup("acme", keys[i : i + 8]).hits]
     assert bulk.hits == rows
     assert [h.length for h in bulk.hits] == [BS + i for i in range(CHUNKS)]
-    cols = eng._index.cols
-    found = [eng._index.find(eng._tenants["acme"].tenant_id, k) for k in keys]
-    assert (cols["access_count"][found] == 2).all()
-    assert (cols["lease"][found] == 2).all()  # the bulk lease and one of the small ones
+    with eng.locked() as st:
+        cols = st.index.cols
+        found = [st.index.find(st.tenant("acme").tenant_id, k) for k in keys]
+        assert (cols["access_count"][found] == 2).all()
+        assert (cols["lease"][found] == 2).all()  # the bulk lease and one of the small ones
 
 
 def test_prefix_cut_inside_and_after_the_scalar_probes(eng: Engine) -> None:
@@ -124,18 +125,22 @@ def test_lookup_lists_are_lookup_in_the_reply_shape(eng: Engine) -> None:
 @pytest.mark.parametrize("count", [2, CHUNKS])  # row by row, and numpy in bulk
 def test_a_chunk_at_its_lease_count_limit_refuses_another_lease(eng: Engine, count: int) -> None:
     keys = [key(i) for i in range(count)]
-    row = eng._index.find(eng._tenants["acme"].tenant_id, keys[-1])
-    eng._index.cols["lease"][row] = COUNT_MAX
+    with eng.locked() as st:
+        row = st.index.find(st.tenant("acme").tenant_id, keys[-1])
+        st.index.cols["lease"][row] = COUNT_MAX
     with pytest.raises(LimitExceeded, match="leases"):
         eng.lookup("acme", keys)
     assert len(eng.lookup("acme", keys, lease=False).hits) == count  # a probe takes none
-    eng._index.cols["lease"][row] = 0
+    with eng.locked() as st:
+        st.index.cols["lease"][row] = 0
 
 
 @pytest.mark.parametrize("count", [2, CHUNKS])  # row by row, and numpy in bulk
 def test_access_count_wraps_instead_of_failing_hot_chunks(eng: Engine, count: int) -> None:
     keys = [key(i) for i in range(count)]
-    row = eng._index.find(eng._tenants["acme"].tenant_id, keys[0])
-    eng._index.cols["access_count"][row] = 0xFFFF_FFFF  # a chunk read 4 billion times
+    with eng.locked() as st:
+        row = st.index.find(st.tenant("acme").tenant_id, keys[0])
+        st.index.cols["access_count"][row] = 0xFFFF_FFFF  # a chunk read 4 billion times
     assert len(eng.lookup("acme", keys, lease=False).hits) == count
-    assert eng._index.cols["access_count"][row] == 0
+    with eng.locked() as st:
+        assert st.index.cols["access_count"][row] == 0

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from dpu_agent.engine import DRAM, Engine, EngineConfig
+from dpu_agent.engine.engine import EngineState
 from dpu_agent.engine.index import STATE_LIVE
 
 BS = 4096
@@ -28,12 +29,12 @@ def make(tmp_path: Path, clock: list[float]) -> Engine:
     return Engine(cfg, clock=lambda: clock[0])
 
 
-def check_blocks(eng: Engine) -> None:
+def check_blocks(st: EngineState) -> None:
     """Every block of every tier is exactly one of: free, a record's, a reservation's, deferred
     (deleted while leased) or quarantined."""
-    cols = eng._index.cols
-    live = eng._index.live_rows()
-    for ts in eng._tenants.values():
+    cols = st.index.cols
+    live = st.index.live_rows()
+    for ts in st.tenants.values():
         for tier in ts.tiers:
             t = tier.spec.index
             owned = np.zeros(tier.alloc.block_count, dtype=np.int8)
@@ -41,12 +42,12 @@ def check_blocks(eng: Engine) -> None:
             extents = [(int(cols["lba"][r]), int(cols["block_count"][r])) for r in mine]
             extents += [
                 (r.lba, r.block_count)
-                for r in eng._leases.reservations.values()
+                for r in st.leases.reservations.values()
                 if r.tenant_id == ts.tenant_id and r.tier == t
             ]
             extents += [
                 (lba, n)
-                for (tid, tt, lba), (n, _q) in eng._leases.deferred.items()
+                for (tid, tt, lba), (n, _q) in st.leases.deferred.items()
                 if tid == ts.tenant_id and tt == t
             ]
             extents += list(tier.quarantined.items())
@@ -115,8 +116,10 @@ def test_random_operations_against_a_model(tmp_path: Path) -> None:
                 seen["restarts"] += 1
                 leases.clear()
             if step % 50 == 0:
-                check_blocks(eng)
-        check_blocks(eng)
+                with eng.locked() as st:
+                    check_blocks(st)
+        with eng.locked() as st:
+            check_blocks(st)
         for (tenant, key), data in model.items():
             got = eng.get_chunk(tenant, key)
             assert got is None or got == data
@@ -178,8 +181,8 @@ def test_threads_with_background_demotion_keep_blocks_consistent(tmp_path: Path)
         stop.set()
         tick_thread.join(timeout=60)
         assert not errors, errors
-        with eng._lock:
-            check_blocks(eng)
+        with eng.locked() as st:
+            check_blocks(st)
         assert eng.stats("acme")["demotions"] > 0
     finally:
         stop.set()

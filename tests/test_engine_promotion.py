@@ -163,7 +163,8 @@ def test_corrupt_nvme_chunk_is_quarantined_not_promoted(tmp_path: Path) -> None:
         loc = eng.lookup("acme", [key], lease=False).hits[0]
         assert loc.nsid == NVME + 1
         eng.lookup("acme", [key], lease=False)  # read twice: hot
-        raw = eng._tenants["acme"].tiers[NVME].devices.raw  # the file under the cipher
+        with eng.locked() as state:
+            raw = state.tenant("acme").tiers[NVME].devices.raw  # the file under the cipher
         raw.write(loc.lba, os.urandom(BS))
         assert eng.tick()["promoted"] == 0
         st = eng.stats("acme")

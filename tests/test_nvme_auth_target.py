@@ -17,7 +17,7 @@ import pytest
 from spdk_auth_peer import bdevperf, require_spdk, write_key
 
 from dpu_agent.nvmf import HostKeys, nqn_hash
-from dpu_agent.nvmf._auth import host_keys_to_dict
+from dpu_agent.nvmf._host_keys import host_keys_to_dict
 from dpu_agent.testing import TargetProcess
 from host_shim.nvme import NvmeAuthError, NvmeStatusError, NvmeTcpController
 from kvproto.nvme import DhchapHash, DhchapSecret, Status

@@ -311,6 +311,8 @@ class LendingDevice:
     """A DRAM-like device with the optional MemoryViewDevice capability (`view`)."""
 
     block_size = 4096
+    lends_memory = True
+    in_memory = mapped_reads = buffered_writes = False
 
     def __init__(self, block_count: int) -> None:
         self.block_count = block_count

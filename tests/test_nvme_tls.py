@@ -27,7 +27,7 @@ from spdk_auth_peer import (
 )
 
 from dpu_agent.nvmf import HostKeys
-from dpu_agent.nvmf._auth import host_keys_to_dict
+from dpu_agent.nvmf._host_keys import host_keys_to_dict
 from dpu_agent.testing import TargetProcess
 from host_shim.nvme import NvmeStatusError, NvmeTcpController, NvmeTransportError
 from kvproto.nvme import DhchapHash, DhchapSecret, TlsPsk

@@ -10,8 +10,8 @@ import pytest
 
 from dpu_agent.blockdev import FileBlockDevice, MemoryBlockDevice
 from dpu_agent.crypto import CryptoBlockDevice, XtsCipher
-from dpu_agent.nvmf._connection import _inline, _memory_lane
 from dpu_agent.nvmf._limits import QUEUE_CACHE_BYTES_MAX, BufferBudget, SizedPool
+from dpu_agent.nvmf._placement import inline, memory_lane
 from dpu_agent.nvmf._subsystem import TargetOptions
 from kvproto.nvme import IoOpcode
 
@@ -74,13 +74,13 @@ def test_target_writes_both_encrypted_tiers_inline_and_reads_neither(
     dev = CryptoBlockDevice(base, XtsCipher(bytes(range(64))))
     try:
         assert dev.in_memory is lends
-        assert _inline(dev, IoOpcode.WRITE)
-        assert not _inline(dev, IoOpcode.READ)  # decrypts on the other core while sending
+        assert inline(dev, IoOpcode.WRITE)
+        assert not inline(dev, IoOpcode.READ)  # decrypts on the other core while sending
         # Reads of both are a cipher pass out of memory (the DRAM tier's, or the file tier's
         # page cache through its mapping): one lane (tests/test_mapped_reads.py).
-        assert _memory_lane(dev, IoOpcode.READ)
-        assert not _memory_lane(dev, IoOpcode.WRITE_ZEROES)
-        assert _inline(MemoryBlockDevice(8), IoOpcode.READ)
+        assert memory_lane(dev, IoOpcode.READ)
+        assert not memory_lane(dev, IoOpcode.WRITE_ZEROES)
+        assert inline(MemoryBlockDevice(8), IoOpcode.READ)
     finally:
         dev.close()
 

@@ -16,7 +16,7 @@ from dpu_agent.blockdev import FileBlockDevice, MemoryBlockDevice
 from dpu_agent.crypto import CryptoBlockDevice, XtsCipher
 from dpu_agent.nvmf import NvmeTcpTarget, Subsystem, TargetOptions
 from dpu_agent.nvmf import _connection as nvmf_connection
-from dpu_agent.nvmf._connection import _inline, _page_cache_write
+from dpu_agent.nvmf._placement import inline, page_cache_write
 from host_shim.nvme import NvmeTcpController
 from kvproto.nvme import R2T, ICReq, ICResp, IoOpcode, QueuePair, Role
 from kvproto.nvme import _commands as cmds
@@ -32,10 +32,10 @@ def test_file_tier_writes_run_inline_and_its_reads_do_not(tmp_path: Path) -> Non
     dram = CryptoBlockDevice(MemoryBlockDevice(64), XtsCipher(KEY))
     try:
         assert dev.buffered_writes and not dram.buffered_writes
-        assert _inline(dev, IoOpcode.WRITE) and _page_cache_write(dev, IoOpcode.WRITE)
-        assert not _inline(dev, IoOpcode.READ)  # preadv + decrypt: the pool, beside the send
-        assert not _page_cache_write(dev, IoOpcode.READ)
-        assert not _page_cache_write(dram, IoOpcode.WRITE)  # memory work: never backs off
+        assert inline(dev, IoOpcode.WRITE) and page_cache_write(dev, IoOpcode.WRITE)
+        assert not inline(dev, IoOpcode.READ)  # preadv + decrypt: the pool, beside the send
+        assert not page_cache_write(dev, IoOpcode.READ)
+        assert not page_cache_write(dram, IoOpcode.WRITE)  # memory work: never backs off
     finally:
         dev.close()
         dram.close()
@@ -46,6 +46,7 @@ class ThrottledDevice:
     the writer); records the thread each write ran on."""
 
     block_size = 4096
+    in_memory = lends_memory = mapped_reads = False
     buffered_writes = True
 
     def __init__(self, block_count: int, slow: int, delay_s: float) -> None:

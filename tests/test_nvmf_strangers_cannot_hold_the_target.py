@@ -23,7 +23,7 @@ from spdk_auth_peer import write_key
 from test_hostile_abuse import rss_bytes
 
 from dpu_agent.nvmf import HostKeys
-from dpu_agent.nvmf._auth import host_keys_to_dict
+from dpu_agent.nvmf._host_keys import host_keys_to_dict
 from dpu_agent.nvmf._keys import HostKeyIssuer
 from dpu_agent.nvmf._limits import (
     AUTH_DEADLINE_S,

@@ -76,6 +76,8 @@ def free_port() -> int:
 class CountingDevice:
     """A BlockDevice that counts the writes reaching it (who wrote: only the agent demotes)."""
 
+    in_memory = lends_memory = mapped_reads = buffered_writes = False
+
     def __init__(self, base: Any) -> None:
         self.base = base
         self.writes = 0

@@ -12,7 +12,8 @@ import pytest
 from spdk_sim.sim import SpdkSimulator
 
 from spdk_plugins import SpdkClient, SpdkConnectionError, SpdkRpcError, SpdkTimeout
-from spdk_plugins.rpc import _params, redact_params
+from spdk_plugins._omit import omit_none
+from spdk_plugins.rpc import redact_params
 
 
 @pytest.fixture
@@ -22,7 +23,7 @@ def client(tmp_path: Path) -> Iterator[SpdkClient]:
 
 
 def test_none_is_omitted_but_zero_and_false_are_sent() -> None:
-    assert _params(a=None, b=0, c=False, d="") == {"b": 0, "c": False, "d": ""}
+    assert omit_none(a=None, b=0, c=False, d="") == {"b": 0, "c": False, "d": ""}
 
 
 def test_duplicate_bdev_error_keeps_method_params_code(client: SpdkClient) -> None:

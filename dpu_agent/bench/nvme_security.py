@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dpu_agent.nvmf import HostKeys
-from dpu_agent.nvmf._auth import host_keys_to_dict
+from dpu_agent.nvmf._host_keys import host_keys_to_dict
 from dpu_agent.testing import TargetProcess
 from host_shim.nvme import NvmeTcpController
 from kvproto.nvme import DhchapHash, DhchapSecret, TlsPsk

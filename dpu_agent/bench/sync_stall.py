@@ -10,7 +10,8 @@ from when a lookup was due, so time spent blocked is not hidden). Three engines 
   dirty data left;
 - `unkicked`: the same engine with that write-out off (`writeback_after_bytes=0`): all N MiB are
   still dirty when the tick's fsync runs (the engine before this change);
-- `locked_baseline`: `unkicked` with the fsync under the engine lock (before issue 10, finding 6).
+- `locked_baseline`: `unkicked` with the fsync under the engine lock (the engine before the
+  group-commit fsync moved out of the lock).
 
 Medians of REPEATS runs per mode, the modes interleaved. Target: lookup p99 <= 2 ms during the
 tick. Background demotion yields after each chunk (`YIELD_S` in engine/_movement.py) in every

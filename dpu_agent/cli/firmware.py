@@ -8,7 +8,6 @@ cycle (the JSON's `activation` says which).
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from collections.abc import Callable
@@ -18,7 +17,7 @@ from typing import Any, TypeVar
 import click
 
 from dpu_agent import firmware as fw
-from dpu_agent.cli._common import fail as _fail
+from dpu_agent.cli._common import exits_on, plan_conflicts, show
 
 __all__ = ["firmware_group"]
 
@@ -27,24 +26,13 @@ QUERY_FILE_BYTES_MAX = 4 << 20
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _errors(fn: F) -> F:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        as_json = bool(kwargs.get("as_json"))
-        try:
-            return fn(*args, **kwargs)
-        except fw.ProfileError as e:
-            _fail(EXIT_PROFILE, str(e), as_json)
-        except fw.FirmwareUnavailable as e:
-            _fail(EXIT_UNAVAILABLE, str(e), as_json)
-        except fw.FirmwareConflict as e:
-            _fail(EXIT_FAILED, f"plan has conflicts: {e}", as_json, conflicts=list(e.conflicts))
-        except fw.FirmwareApplyError as e:
-            _fail(EXIT_FAILED, str(e), as_json, returncode=e.cause.returncode)
-        except fw.FirmwareToolError as e:
-            _fail(EXIT_FAILED, str(e), as_json, returncode=e.returncode)
-
-    return wrapper  # type: ignore[return-value]
+_errors = exits_on(
+    (fw.ProfileError, EXIT_PROFILE, None),
+    (fw.FirmwareUnavailable, EXIT_UNAVAILABLE, None),
+    (fw.FirmwareConflict, EXIT_FAILED, plan_conflicts),
+    (fw.FirmwareApplyError, EXIT_FAILED, lambda e: (str(e), {"returncode": e.cause.returncode})),
+    (fw.FirmwareToolError, EXIT_FAILED, lambda e: (str(e), {"returncode": e.returncode})),
+)
 
 
 def _options(fn: F) -> F:
@@ -87,10 +75,6 @@ def _render_plan(p: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _show(doc: dict[str, Any], as_json: bool, render: Callable[[dict[str, Any]], str]) -> None:
-    click.echo(json.dumps(doc, indent=2) if as_json else render(doc))
-
-
 @click.group("firmware", help="BlueField firmware parameters (mlxconfig) from a profile.")
 def firmware_group() -> None:
     pass
@@ -103,7 +87,7 @@ def plan_cmd(
     device: str | None, profile: str, query_file: str | None, tool: str | None, as_json: bool
 ) -> None:
     result = fw.plan(fw.load_profile(profile), _live(device, query_file, tool), fw.load_schema())
-    _show(result.to_json(), as_json, _render_plan)
+    show(result.to_json(), as_json, _render_plan)
     sys.exit(EXIT_FAILED if result.conflicts else EXIT_OK)
 
 
@@ -114,7 +98,7 @@ def status_cmd(
     device: str | None, profile: str, query_file: str | None, tool: str | None, as_json: bool
 ) -> None:
     result = fw.plan(fw.load_profile(profile), _live(device, query_file, tool), fw.load_schema())
-    _show(result.to_json(), as_json, _render_plan)
+    show(result.to_json(), as_json, _render_plan)
     pending_only = not result.conflicts and not result.to_set
     sys.exit(EXIT_OK if result.in_sync else EXIT_ACTIVATE if pending_only else EXIT_FAILED)
 
@@ -128,7 +112,7 @@ def status_cmd(
 def apply_cmd(device: str, profile: str, tool: str | None, as_json: bool) -> None:
     result = fw.apply(fw.load_profile(profile), device, fw.find_tool(tool), fw.load_schema())
     doc = result.to_json()
-    _show(
+    show(
         doc, as_json, lambda d: f"set {len(d['applied'])} parameter(s)\n" + _render_plan(d["after"])
     )
     if not result.converged:
@@ -146,4 +130,4 @@ def profiles_cmd(profile: str | None, as_json: bool) -> None:
         click.echo(json.dumps(names) if as_json else "\n".join(names))
         return
     doc = fw.load_profile(profile).to_json(fw.load_schema())
-    _show(doc, as_json, lambda d: "\n".join(f"{k} = {v}" for k, v in d["parameters"].items()))
+    show(doc, as_json, lambda d: "\n".join(f"{k} = {v}" for k, v in d["parameters"].items()))

@@ -7,7 +7,6 @@ network namespace does not exist; 4 the config is invalid (the message names the
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from collections.abc import Callable
@@ -17,7 +16,7 @@ from typing import Any, TypeVar
 import click
 
 from dpu_agent import net
-from dpu_agent.cli._common import fail as _fail
+from dpu_agent.cli._common import exits_on, plan_conflicts, show
 
 __all__ = ["net_group"]
 
@@ -25,22 +24,12 @@ EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE, EXIT_CONFIG = 0, 1, 3, 4
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _errors(fn: F) -> F:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        as_json = bool(kwargs.get("as_json"))
-        try:
-            return fn(*args, **kwargs)
-        except net.NetConfigError as e:
-            _fail(EXIT_CONFIG, str(e), as_json)
-        except net.NetnsMissing as e:
-            _fail(EXIT_UNREACHABLE, str(e), as_json)
-        except net.NetConflict as e:
-            _fail(EXIT_FAILED, f"plan has conflicts: {e}", as_json, conflicts=list(e.conflicts))
-        except net.NetApplyError as e:
-            _fail(EXIT_FAILED, str(e), as_json, step=e.step, done=e.done)
-
-    return wrapper  # type: ignore[return-value]
+_errors = exits_on(
+    (net.NetConfigError, EXIT_CONFIG, None),
+    (net.NetnsMissing, EXIT_UNREACHABLE, None),
+    (net.NetConflict, EXIT_FAILED, plan_conflicts),
+    (net.NetApplyError, EXIT_FAILED, lambda e: (str(e), {"step": e.step, "done": e.done})),
+)
 
 
 def _options(fn: F) -> F:
@@ -72,10 +61,6 @@ def _render_plan(p: dict[str, Any]) -> str:
     return "\n".join(lines + [f"note {n}" for n in p["notes"]])
 
 
-def _show(doc: Any, as_json: bool, render: Callable[[Any], str]) -> None:
-    click.echo(json.dumps(doc, indent=2) if as_json else render(doc))
-
-
 @click.group("net", help="The DPU's RoCE network ([net]): addresses, MTU, VLAN, routes, PFC, ECN.")
 def net_group() -> None:
     pass
@@ -86,7 +71,7 @@ def net_group() -> None:
 @_errors
 def plan_cmd(config: str, netns: str | None, sysfs_root: Path, as_json: bool) -> None:
     p = net.run_plan(config, netns, sysfs_root)
-    _show(p, as_json, _render_plan)
+    show(p, as_json, _render_plan)
     sys.exit(EXIT_FAILED if p["conflicts"] else EXIT_OK)
 
 
@@ -95,7 +80,7 @@ def plan_cmd(config: str, netns: str | None, sysfs_root: Path, as_json: bool) ->
 @_errors
 def apply_cmd(config: str, netns: str | None, sysfs_root: Path, as_json: bool) -> None:
     r = net.run_apply(config, netns, sysfs_root)
-    _show(r, as_json, lambda d: f"applied {len(d['applied'])} step(s)\n" + _render_plan(d["after"]))
+    show(r, as_json, lambda d: f"applied {len(d['applied'])} step(s)\n" + _render_plan(d["after"]))
     sys.exit(EXIT_OK if r["after"]["in_sync"] else EXIT_FAILED)
 
 
@@ -104,5 +89,5 @@ def apply_cmd(config: str, netns: str | None, sysfs_root: Path, as_json: bool) -
 @_errors
 def status_cmd(config: str, netns: str | None, sysfs_root: Path, as_json: bool) -> None:
     s = net.run_status(config, netns, sysfs_root)
-    _show(s, as_json, _render_plan)
+    show(s, as_json, _render_plan)
     sys.exit(EXIT_OK if s["in_sync"] else EXIT_FAILED)

@@ -26,7 +26,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import click
 from rich.console import Console
@@ -35,6 +35,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from dpu_agent.cli import LazyGroup
+from dpu_agent.cli._common import fail as _fail
 from dpu_agent.config import DATA_DIR_ENV, AgentConfig, ConfigError, load_config, read_secret
 from dpu_agent.units import SizeError, format_duration, format_size, format_timestamp, parse_size
 from host_shim.control import AgentUnreachable, ControlChannel, ControlError
@@ -58,14 +59,6 @@ _err = Console(stderr=True)
 
 # Where an agent installed as a service keeps its data (scripts/ and the systemd unit use it)
 SYSTEM_DATA_DIR = Path("/var/lib/dpukv")
-
-
-def _fail(code: int, message: str, as_json: bool) -> NoReturn:
-    if as_json:
-        click.echo(json.dumps({"ok": False, "error": message, "exit_code": code}))
-    else:  # escape: a message naming "[storage] key" is text, not rich markup
-        _err.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
-    sys.exit(code)
 
 
 class SizeParam(click.ParamType):

@@ -8,31 +8,21 @@ is not installed; 4 the config, profile or wheelhouse is invalid.
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import click
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from dpu_agent import provision as pv
+from dpu_agent.cli._common import fail as _fail
 
 __all__ = ["provision_cmd"]
 
 EXIT_OK, EXIT_FAILED, EXIT_MISSING, EXIT_CONFIG = 0, 1, 3, 4
 _err = Console(stderr=True)
-
-
-def _fail(code: int, message: str, as_json: bool, **extra: Any) -> NoReturn:
-    if as_json:
-        click.echo(json.dumps({"ok": False, "error": message, "exit_code": code, **extra}))
-    else:
-        _err.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
-        for line in extra.get("tail", [])[-10:]:
-            _err.print(f"  | {line}", highlight=False, markup=False, soft_wrap=True)
-    sys.exit(code)
 
 
 def _settings(values: tuple[str, ...]) -> dict[str, str]:

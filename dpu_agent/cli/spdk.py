@@ -7,7 +7,6 @@ status found drift; 2 usage; 3 SPDK unreachable (socket missing, timeout, connec
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from collections.abc import Callable
@@ -16,7 +15,7 @@ from typing import Any, TypeVar
 import click
 
 from dpu_agent import spdk_ops as ops
-from dpu_agent.cli._common import fail as _fail
+from dpu_agent.cli._common import exits_on, plan_conflicts, show
 from dpu_agent.crypto import KeyStoreError
 from spdk_plugins.apply import ApplyError, PlanConflict
 from spdk_plugins.desired import DesiredStateError
@@ -31,28 +30,20 @@ F = TypeVar("F", bound=Callable[..., Any])
 _CONFIG = click.Path(exists=True, dir_okay=False)
 
 
-def _errors(fn: F) -> F:
-    """Map driver errors to exit codes in one place."""
+def _os_error(e: OSError) -> tuple[str, dict[str, Any]]:
+    """ "[Errno 2] ..." says less than the file and the reason."""
+    return (f"{e.filename}: {e.strerror}" if e.filename else str(e)), {}
 
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        as_json = bool(kwargs.get("as_json"))
-        try:
-            return fn(*args, **kwargs)
-        except OSError as e:  # "[Errno 2] ..." says less than the file and the reason
-            _fail(EXIT_CONFIG, f"{e.filename}: {e.strerror}" if e.filename else str(e), as_json)
-        except (DesiredStateError, SavedConfigError, KeyStoreError, ValueError) as e:
-            _fail(EXIT_CONFIG, str(e), as_json)
-        except PlanConflict as e:
-            _fail(EXIT_FAILED, f"plan has conflicts: {e}", as_json, conflicts=list(e.conflicts))
-        except ApplyError as e:
-            _fail(EXIT_FAILED, str(e), as_json, step=e.step, code=e.code, done=e.done)
-        except (SpdkConnectionError, SpdkTimeout) as e:
-            _fail(EXIT_UNREACHABLE, str(e), as_json)
-        except SpdkError as e:
-            _fail(EXIT_FAILED, str(e), as_json)
 
-    return wrapper  # type: ignore[return-value]
+# Driver errors to exit codes, in one place.
+_errors = exits_on(
+    (OSError, EXIT_CONFIG, _os_error),
+    ((DesiredStateError, SavedConfigError, KeyStoreError, ValueError), EXIT_CONFIG, None),
+    (PlanConflict, EXIT_FAILED, plan_conflicts),
+    (ApplyError, EXIT_FAILED, lambda e: (str(e), {"step": e.step, "code": e.code, "done": e.done})),
+    ((SpdkConnectionError, SpdkTimeout), EXIT_UNREACHABLE, None),
+    (SpdkError, EXIT_FAILED, None),
+)
 
 
 def _options(fn: F) -> F:
@@ -63,10 +54,6 @@ def _options(fn: F) -> F:
     fn = click.option("--key-file", default=None, help="Agent key file (default: environment).")(fn)
     fn = click.option("--config", "config", required=True, envvar="DPUKV_CONFIG", type=_CONFIG)(fn)
     return fn
-
-
-def _show(doc: Any, as_json: bool, render: Callable[[Any], str]) -> None:
-    click.echo(json.dumps(doc, indent=2) if as_json else render(doc))
 
 
 def _render_steps(steps: list[dict[str, Any]]) -> list[str]:
@@ -123,7 +110,7 @@ def plan_cmd(
     config: str, socket: str | None, key_file: str | None, as_json: bool, saved: str | None
 ) -> None:
     p = ops.run_plan(config, socket, key_file, saved)
-    _show(p, as_json, _render_plan)
+    show(p, as_json, _render_plan)
     sys.exit(EXIT_FAILED if p["conflicts"] else EXIT_OK)  # a plan apply would refuse
 
 
@@ -134,7 +121,7 @@ def apply_cmd(config: str, socket: str | None, key_file: str | None, as_json: bo
     result = ops.run_apply(config, socket, key_file)
     after = result["after"]
     result["converged"] = not after["steps"] and not after["conflicts"]
-    _show(result, as_json, _render_apply)
+    show(result, as_json, _render_apply)
     sys.exit(EXIT_OK if result["converged"] else EXIT_FAILED)
 
 
@@ -143,7 +130,7 @@ def apply_cmd(config: str, socket: str | None, key_file: str | None, as_json: bo
 @_errors
 def status_cmd(config: str, socket: str | None, key_file: str | None, as_json: bool) -> None:
     report = ops.run_status(config, socket, key_file)
-    _show(report, as_json, _render_status)
+    show(report, as_json, _render_status)
     sys.exit(EXIT_OK if report["in_sync"] else EXIT_FAILED)
 
 
@@ -174,7 +161,7 @@ def boot_config_cmd(
 @click.option("--json", "as_json", is_flag=True)
 @_errors
 def tiers_cmd(config: str, as_json: bool) -> None:
-    _show(
+    show(
         ops.run_tiers(config),
         as_json,
         lambda ts: "\n".join(

@@ -159,14 +159,14 @@ class TenantRows:
 
 
 def tenant_rows(engine: Any, tenant: str) -> TenantRows:
-    with engine._lock:
-        ts = engine._tenant(tenant)
-        idx = engine._index
+    with engine.locked() as st:
+        ts = st.tenant(tenant)
+        idx = st.index
         rows = idx.live_rows()
         rows = rows[idx.cols["tenant"][rows] == ts.tenant_id]
         cols = {c: idx.cols[c][rows].copy() for c in ("k0", "k1", "c0", "c1", "length")}
         last = idx.cols["last_access"][rows].astype(np.float64)
-        now = engine._clock() - engine._epoch
+        now = st.since_epoch()
     words = np.empty((len(rows), 2), dtype="<u8")
     words[:, 0], words[:, 1] = cols["k0"], cols["k1"]
     blob = words.tobytes()

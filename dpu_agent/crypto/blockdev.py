@@ -8,8 +8,14 @@ here reads back through SPDK's crypto vbdev with the same key and the other way 
 from __future__ import annotations
 
 import threading
+from typing import cast
 
-from dpu_agent.blockdev import BlockDevice, check_range
+from dpu_agent.blockdev import (
+    BlockDevice,
+    MemoryViewDevice,
+    PageCacheMappedDevice,
+    check_range,
+)
 from dpu_agent.crypto.xts import XtsCipher, Xxh3
 
 __all__ = ["SCRATCH_BYTES_MAX", "CryptoBlockDevice"]
@@ -44,10 +50,12 @@ class CryptoBlockDevice:
         self._local = threading.local()
         # A base that lends its memory (`view`, the DRAM tier): encrypt into and decrypt out of
         # it directly, one pass over the bytes instead of a cipher pass plus a copy.
-        self._lends = callable(getattr(type(base), "view", None))
+        self._lends = base.lends_memory
+        self._view_base = cast(MemoryViewDevice, base)
         # A base that maps its page cache for reading (`mapped`, the NVMe tier's file): reads
         # decrypt straight out of it, guarded against a page the kernel cannot supply.
-        self._maps = callable(getattr(type(base), "mapped", None))
+        self._maps = isinstance(base, PageCacheMappedDevice)
+        self._mapped_base = cast(PageCacheMappedDevice, base)
 
     def __repr__(self) -> str:
         return f"CryptoBlockDevice(base={self._base!r}, cipher={self._cipher!r})"
@@ -81,7 +89,12 @@ class CryptoBlockDevice:
     def buffered_writes(self) -> bool:
         """Whether writes end in the base's page cache (a file tier): a cipher pass and a copy
         that only block when the kernel throttles the writer (see FileBlockDevice)."""
-        return getattr(self._base, "buffered_writes", False) is True
+        return self._base.buffered_writes
+
+    @property
+    def lends_memory(self) -> bool:
+        """Never: the bytes stored are ciphertext, the caller's are plaintext."""
+        return False
 
     def _scratch(self) -> memoryview:
         view: memoryview | None = getattr(self._local, "scratch", None)
@@ -97,24 +110,25 @@ class CryptoBlockDevice:
         read_into, which raises its error."""
         check_range(self, lba, len(buf))
         if self._lends:
-            src = self._base.view(lba, len(buf) // self._block_size)  # type: ignore[attr-defined]
+            src = self._view_base.view(lba, len(buf) // self._block_size)
             self._cipher.decrypt_into(src, buf, lba)
             return
         if self._maps:
-            src = self._base.mapped(lba, len(buf) // self._block_size)  # type: ignore[attr-defined]
-            if src is not None and self._cipher.decrypt_mapped_into(src, buf, lba):
+            cached = self._mapped_base.mapped(lba, len(buf) // self._block_size)
+            if cached is not None and self._cipher.decrypt_mapped_into(cached, buf, lba):
                 return
         self._base.read_into(lba, buf)
         self._cipher.decrypt_into(buf, buf, lba)
 
     def read_hashed_into(self, lba: int, buf: memoryview, hasher: Xxh3, nbytes: int) -> None:
         """`read_into`, and the first `nbytes` of plaintext fed to `hasher` inside the same
-        cipher pass (the NIXL get's checksum, issue 14); a partial tail block is hashed after."""
+        cipher pass (the NIXL get's checksum, without a second pass over the bytes); a partial
+        tail block is hashed after."""
         check_range(self, lba, len(buf))
         assert 0 <= nbytes <= len(buf), (nbytes, len(buf))
         whole = nbytes // self._block_size * self._block_size
         if self._lends:
-            src = self._base.view(lba, len(buf) // self._block_size)  # type: ignore[attr-defined]
+            src = self._view_base.view(lba, len(buf) // self._block_size)
         else:
             self._base.read_into(lba, buf)
             src = buf
@@ -131,7 +145,7 @@ class CryptoBlockDevice:
             view = view.cast("B")
         check_range(self, lba, len(view))
         if self._lends:
-            dst = self._base.view(lba, len(view) // self._block_size)  # type: ignore[attr-defined]
+            dst = self._view_base.view(lba, len(view) // self._block_size)
             self._cipher.encrypt_into(view, dst, lba)
             return
         scratch = self._scratch()

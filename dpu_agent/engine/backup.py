@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dpu_agent.blockdev import BLOCK_SIZE
+from dpu_agent.blockdev import BLOCK_SIZE, BlockDevice
 from dpu_agent.engine.alloc import AllocError
 from dpu_agent.engine.errors import ChecksumMismatch, EngineError
 from dpu_agent.engine.index import NO_ROW, STATE_LIVE
@@ -41,7 +41,7 @@ from dpu_agent.log import get_logger
 from kvproto.checksum import chunk_checksum
 
 if TYPE_CHECKING:
-    from dpu_agent.engine.engine import Engine
+    from dpu_agent.engine.engine import Engine, EngineState
 
 __all__ = [
     "BACKUP_FORMAT",
@@ -112,18 +112,21 @@ def backup(engine: Engine, dest: Path, *, incremental: bool) -> dict[str, Any]:
     dest.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(dest, 0o700)  # records and ciphertext: the owner only
     prev_seq = int(prev["seq"]) if incremental and prev else 0
-    with engine._lock:
-        engine._check_open()
-        sel, live_keys, deleted, seq = _select(engine, prev, prev_seq, incremental)
-        columns, leases = _columns_and_lease(engine, sel)
-        names = {str(tid): name for tid, name in engine._tenants.names_by_id().items()}
-        quotas = {name: engine._tenants[name].quota_bytes for name in names.values()}
+    with engine.locked() as st:
+        sel, live_keys, deleted, seq = _select(st, prev, prev_seq, incremental)
+        columns, leases = _columns_and_lease(st, sel)
+        names = {str(tid): name for tid, name in st.tenants.names_by_id().items()}
+        quotas = {name: st.tenants[name].quota_bytes for name in names.values()}
+        raws = {
+            tid: st.tenants.by_id(tid).tiers[NVME].devices.raw
+            for tid in set(columns["tenant"].tolist())
+        }
     try:
-        data_bytes = _copy_out(engine, columns, dest / "data.bin")
+        data_bytes = _copy_out(raws, columns, dest / "data.bin")
     finally:
-        with engine._lock:
+        with engine.locked(check_open=False) as st:
             for lease in leases:
-                engine._leases.unlease(lease)
+                st.leases.unlease(lease)
     for name, arrays in (("records", columns), ("keys", live_keys), ("deleted", deleted)):
         _save_arrays(dest / f"{name}.npz", arrays)
     manifest = {
@@ -150,10 +153,10 @@ def backup(engine: Engine, dest: Path, *, incremental: bool) -> dict[str, Any]:
 
 
 def _select(
-    engine: Engine, prev: dict[str, Any] | None, prev_seq: int, incremental: bool
+    st: EngineState, prev: dict[str, Any] | None, prev_seq: int, incremental: bool
 ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray], int]:
     """Rows to back up, all live persistent keys, and the keys deleted since `prev`."""
-    index = engine._index
+    index = st.index
     cols = index.cols
     live = index.live_rows()
     persistent = live[cols["tier"][live] == NVME]
@@ -179,14 +182,14 @@ def _select(
         safe = np.where(rows >= 0, rows, 0)
         gone = (rows == NO_ROW) | (cols["tier"][safe] != NVME)
         deleted = {name: col[gone] for name, col in before.items()}
-    return sel, live_keys, deleted, engine._commit.seq
+    return sel, live_keys, deleted, st.commit.seq
 
 
 def _columns_and_lease(
-    engine: Engine, sel: np.ndarray
+    st: EngineState, sel: np.ndarray
 ) -> tuple[dict[str, np.ndarray], list[Lease]]:
     """Copy the rows' columns and lease their extents so they stay put while being copied."""
-    cols = engine._index.cols
+    cols = st.index.cols
     columns = {name: cols[name][sel].copy() for name in CHECKPOINT_COLUMNS}
     parent = cols["parent"][sel].astype(np.int64)
     safe = np.where(parent >= 0, parent, 0)
@@ -202,16 +205,16 @@ def _columns_and_lease(
             tid, Lease(lease_id=0, tenant_id=tid, extents=[], expires=float("inf"))
         )
         lease.extents.append((NVME, lba, int(cols["block_count"][row]), row))
-        engine._leases.lease_extent(tid, NVME, lba, row)
+        st.leases.lease_extent(tid, NVME, lba, row)
     return columns, list(leases.values())
 
 
-def _copy_out(engine: Engine, columns: dict[str, np.ndarray], path: Path) -> int:
+def _copy_out(raws: dict[int, BlockDevice], columns: dict[str, np.ndarray], path: Path) -> int:
+    """Outside the engine lock: the extents are leased, so they stay put while copied."""
     total = 0
     with open(path, "wb", opener=_private) as f:
         for i in range(len(columns["k0"])):
-            ts = engine._tenants.by_id(int(columns["tenant"][i]))
-            raw = ts.tiers[NVME].devices.raw
+            raw = raws[int(columns["tenant"][i])]
             buf = bytearray(int(columns["block_count"][i]) * BLOCK_SIZE)
             raw.read_into(int(columns["lba"][i]), memoryview(buf))
             f.write(buf)
@@ -290,14 +293,12 @@ def restore(engine: Engine, dirs: list[Path], mode: str = "start") -> dict[str, 
 def _drop_everything(engine: Engine) -> int:
     """Drop every record (journaled): what an interrupted restore placed, in an engine that
     held nothing when it began."""
-    with engine._lock:
-        engine._check_open()
-        engine._commit.check_writable()
-        cols = engine._index.cols
-        rows = engine._index.live_rows().tolist()
+    with engine.locked(writable=True) as st:
+        cols = st.index.cols
+        rows = st.index.live_rows().tolist()
         for row in rows:
-            ts = engine._tenants.by_id(int(cols["tenant"][row]))
-            engine._records.drop(ts, row)
+            ts = st.tenants.by_id(int(cols["tenant"][row]))
+            st.records.drop(ts, row)
     return len(rows)
 
 
@@ -311,8 +312,8 @@ def _restore(engine: Engine, dirs: list[Path], *, resuming: bool = False) -> dic
     if not dirs:
         raise EngineError("restore needs at least one backup directory (a full backup first)")
     manifests = read_manifests(dirs)
-    with engine._lock:
-        held = len(engine._index)
+    with engine.locked() as st:
+        held = len(st.index)
     if held:
         raise EngineError(
             f"restore needs an agent that holds no chunks; this one holds {held}. Start a "
@@ -340,13 +341,13 @@ def _restore(engine: Engine, dirs: list[Path], *, resuming: bool = False) -> dic
         for name in m["tenants"].values():
             if name not in engine.tenants():  # one served already keeps the quota it has
                 engine.add_tenant(name, quota_bytes=engine.config.tenants.get(name, 0))
-        with engine._lock:
-            deleted += _apply_deletes(engine, d, m)
-            restored += _apply_records(engine, d, m)
+        with engine.locked() as st:
+            deleted += _apply_deletes(st, d, m)
+            restored += _apply_records(st, d, m)
     engine.checkpoint()
-    with engine._lock:
+    with engine.locked() as st:
         state = {
-            "seq": engine._commit.seq,
+            "seq": st.commit.seq,
             "dir": str(dirs[-1].absolute()),
             "backup_id": manifests[-1]["backup_id"],
         }
@@ -356,46 +357,46 @@ def _restore(engine: Engine, dirs: list[Path], *, resuming: bool = False) -> dic
     return {"backups": len(dirs), "records": restored, "deleted": deleted}
 
 
-def _tenant_of(engine: Engine, manifest: dict[str, Any], tid: int) -> TenantState:
-    return engine._tenants[manifest["tenants"][str(tid)]]
+def _tenant_of(st: EngineState, manifest: dict[str, Any], tid: int) -> TenantState:
+    return st.tenants[manifest["tenants"][str(tid)]]
 
 
-def _apply_deletes(engine: Engine, d: Path, m: dict[str, Any]) -> int:
+def _apply_deletes(st: EngineState, d: Path, m: dict[str, Any]) -> int:
     count = 0
     with np.load(d / "deleted.npz") as dz:
         tenants, k0s, k1s = dz["tenant"], dz["k0"], dz["k1"]
     for tid, k0, k1 in zip(tenants.tolist(), k0s.tolist(), k1s.tolist(), strict=True):
-        ts = _tenant_of(engine, m, tid)
+        ts = _tenant_of(st, m, tid)
         key = k0.to_bytes(8, "little") + k1.to_bytes(8, "little")
-        row = engine._index.find(ts.tenant_id, key)
+        row = st.index.find(ts.tenant_id, key)
         if row != NO_ROW:
-            engine._records.drop(ts, row)
+            st.records.drop(ts, row)
             count += 1
     return count
 
 
-def _apply_records(engine: Engine, d: Path, m: dict[str, Any]) -> int:
+def _apply_records(st: EngineState, d: Path, m: dict[str, Any]) -> int:
     """Drop every older version of the backup's keys first (their extents may be where the new
     versions go), then put each chunk back at its LBA."""
     with np.load(d / "records.npz") as rz:
         rec = {name: rz[name] for name in rz.files}
     keys = []
     for i in range(len(rec["k0"])):
-        ts = _tenant_of(engine, m, int(rec["tenant"][i]))
+        ts = _tenant_of(st, m, int(rec["tenant"][i]))
         key = int(rec["k0"][i]).to_bytes(8, "little") + int(rec["k1"][i]).to_bytes(8, "little")
-        old = engine._index.find(ts.tenant_id, key)
+        old = st.index.find(ts.tenant_id, key)
         if old != NO_ROW:
-            engine._records.drop(ts, old)
+            st.records.drop(ts, old)
         keys.append((ts, key))
     with open(d / "data.bin", "rb") as f:
         for i, (ts, key) in enumerate(keys):
             data = f.read(int(rec["block_count"][i]) * BLOCK_SIZE)
-            _place_chunk(engine, ts, key, rec, i, data)
+            _place_chunk(st, ts, key, rec, i, data)
     return len(keys)
 
 
 def _place_chunk(
-    engine: Engine, ts: TenantState, key: bytes, rec: dict[str, np.ndarray], i: int, data: bytes
+    st: EngineState, ts: TenantState, key: bytes, rec: dict[str, np.ndarray], i: int, data: bytes
 ) -> None:
     tier = ts.tiers[NVME]
     n, lba, length = int(rec["block_count"][i]), int(rec["lba"][i]), int(rec["length"][i])
@@ -430,4 +431,4 @@ def _place_chunk(
         block_count=n,
         expires=0.0,
     )
-    engine._records.insert(ts, res, checksum, engine._clock())
+    st.records.insert(ts, res, checksum, st.clock())

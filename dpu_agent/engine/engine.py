@@ -28,12 +28,13 @@ writes until a probe in tick() passes, and reads go on.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,7 @@ from dpu_agent.metrics import REGISTRY, Gauge
 from kvproto.checksum import chunk_checksum
 from kvproto.control import LOOKUP_KEYS_MAX, TENANTS_MAX, valid_tenant_name
 
-__all__ = ["CHUNKS_PAGE_MAX", "PROMOTE_REREAD_S", "Engine"]
+__all__ = ["CHUNKS_PAGE_MAX", "PROMOTE_REREAD_S", "Engine", "EngineState"]
 
 log = get_logger(__name__)
 # in the journal directory: written when close() finished, removed at start, so its absence at
@@ -98,6 +99,30 @@ _USED = Gauge(
 _RECORDS = Gauge(
     "kvtier_engine_records", "Committed chunks per tier", ["tenant", "tier"], registry=REGISTRY
 )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineState:
+    """The engine's state as a whole, for the modules that work on all of it at once (backup
+    and restore, the cluster's anti-entropy snapshot): handed out by `Engine.locked()` and
+    valid only inside it, under the engine lock. Everything else goes through Engine's
+    methods."""
+
+    index: RecordIndex
+    tenants: Tenants
+    records: Records
+    leases: Leases
+    commit: CommitLog
+    clock: Callable[[], float]  # the engine's clock (time.monotonic unless a test gives one)
+    epoch: float  # clock() at start: the index keeps times as seconds since it
+
+    def tenant(self, name: str) -> TenantState:
+        """The tenant's state, or UnknownTenant."""
+        return self.tenants.get(name)
+
+    def since_epoch(self) -> float:
+        """Now, in the index's time base (what `last_access` counts in)."""
+        return self.clock() - self.epoch
 
 
 class Engine:
@@ -132,6 +157,9 @@ class Engine:
         self._leases = Leases(self._index, self._tenants, self._commit)
         self._records = Records(self._index, self._commit, self._leases, epoch=self._epoch,
                                 wall_clock=wall_clock)  # fmt: skip
+        self._state = EngineState(index=self._index, tenants=self._tenants, records=self._records,
+                                  leases=self._leases, commit=self._commit, clock=clock,
+                                  epoch=self._epoch)  # fmt: skip
         self._placement = Placement(self._records, self._leases, clock)
         self._reads = Reads(self._records, self._leases, epoch=self._epoch,
                             lease_ttl_s=config.lease_ttl_s)  # fmt: skip
@@ -229,6 +257,18 @@ class Engine:
         log.info("engine.tenant_removed", tenant=tenant, records=len(rows),
                  key_destroyed=key_destroyed)  # fmt: skip
         return {"records_dropped": len(rows), "key_destroyed": key_destroyed}
+
+    @contextlib.contextmanager
+    def locked(self, *, check_open: bool = True, writable: bool = False) -> Iterator[EngineState]:
+        """The engine lock, held for the block, and its state (EngineState). `check_open`:
+        EngineError if the engine is closed (False: only to give back what an earlier block
+        took, e.g. leases); `writable`: EngineError if the journal refuses writes."""
+        with self._lock:
+            if check_open:
+                self._check_open()
+            if writable:
+                self._commit.check_writable()
+            yield self._state
 
     def _tenant(self, name: str) -> TenantState:
         """The open engine's tenant (lock held), or EngineError/UnknownTenant."""

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 import re
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kvproto.tomlfile import TomlFileError, load_toml
 
 __all__ = [
     "ACTIVATIONS",
@@ -88,7 +89,7 @@ class Param:
 
 
 def load_schema(path: Path = _SCHEMA_PATH) -> dict[str, Param]:
-    doc = tomllib.loads(path.read_text())
+    doc = load_toml(path, max_bytes=PROFILE_BYTES_MAX, what="firmware schema")
     out: dict[str, Param] = {}
     for name, spec in doc.items():
         assert spec["type"] in ("bool", "unsigned", "enum"), (name, spec)
@@ -170,15 +171,9 @@ def load_profile(
 
 def _read(path: Path) -> dict[str, Any]:
     try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise ProfileError(f"cannot read firmware profile {path}: {e.strerror}") from None
-    if len(raw) > PROFILE_BYTES_MAX:
-        raise ProfileError(f"firmware profile {path} is over {PROFILE_BYTES_MAX} bytes")
-    try:
-        return tomllib.loads(raw.decode())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ProfileError(f"firmware profile {path} is not valid TOML: {e}") from None
+        return load_toml(path, max_bytes=PROFILE_BYTES_MAX, what="firmware profile")
+    except TomlFileError as e:
+        raise ProfileError(str(e)) from None
 
 
 def _load(

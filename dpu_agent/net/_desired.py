@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import ipaddress
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvproto.tomlfile import CONFIG_BYTES_MAX, TomlFileError, load_toml
 
 __all__ = [
     "INTERFACES_MAX",
@@ -51,7 +52,6 @@ SYSFS_NET = Path("/sys/class/net")  # where the driver's qos/ and ecn/ knobs liv
 INTERFACES_MAX = 16  # a BlueField has 2 uplinks, their PFs/SFs/VLANs: 16 is plenty
 ADDRESSES_MAX = 32  # per interface
 ROUTES_MAX = 256  # per interface; a static fabric's prefixes, not a routing table
-CONFIG_BYTES_MAX = 1 << 20
 MTU_MIN, MTU_MAX = 68, 9216  # IPv4 minimum; DPF uses 9216, the largest BlueField MTU
 PRIOS = 8  # 802.1p priorities / traffic classes
 TSA = ("strict", "cbs", "ets", "vendor")  # dcb ets tc-tsa keywords
@@ -122,15 +122,9 @@ def load_net(path: str | Path) -> NetDesired:
     """The [net] section of an agent config file."""
     p = Path(path)
     try:
-        raw = p.read_bytes()
-    except OSError as e:
-        raise NetConfigError(f"cannot read config {p}: {e.strerror}") from None
-    if len(raw) > CONFIG_BYTES_MAX:
-        raise NetConfigError(f"config {p} is over {CONFIG_BYTES_MAX} bytes")
-    try:
-        doc = tomllib.loads(raw.decode())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise NetConfigError(f"config {p} is not valid TOML: {e}") from None
+        doc = load_toml(p, max_bytes=CONFIG_BYTES_MAX)
+    except TomlFileError as e:
+        raise NetConfigError(str(e)) from None
     if "net" not in doc:
         raise NetConfigError(f"{p} has no [net] section (see docs/NETWORK.md)")
     return parse_net(doc["net"], str(p))

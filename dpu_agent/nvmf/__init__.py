@@ -5,9 +5,9 @@ namespaces itself, so hosts (the shim's initiator, Linux nvme-tcp, SPDK's initia
 same thing either way.
 """
 
-from dpu_agent.nvmf._auth import HostKeys, load_host_keys, nqn_hash
 from dpu_agent.nvmf._connection import ADMIN_ICD_BYTES, MAXH2CDATA, MemoryViewDevice
 from dpu_agent.nvmf._controller import Controller
+from dpu_agent.nvmf._host_keys import HostKeys, load_host_keys, nqn_hash
 from dpu_agent.nvmf._subsystem import (
     DISCOVERY_NQN,
     TENANT_NQN_PREFIX,

@@ -22,7 +22,7 @@ import sys
 from dpu_agent.blockdev import BlockDevice, FileBlockDevice, MemoryBlockDevice
 from dpu_agent.crypto import CryptoBlockDevice, XtsCipher
 from dpu_agent.log import configure_logging
-from dpu_agent.nvmf._auth import load_host_keys
+from dpu_agent.nvmf._host_keys import load_host_keys
 from dpu_agent.nvmf._subsystem import Subsystem, TargetOptions
 from dpu_agent.nvmf._target import NvmeTcpTarget
 

@@ -1,36 +1,31 @@
-"""In-band authentication (DH-HMAC-CHAP) on the target: keys per host, the queue's state.
+"""In-band authentication (DH-HMAC-CHAP) on the target: the queue's state.
 
-A subsystem holds `HostKeys` per host NQN (`Subsystem.host_keys`). A host with a DH-HMAC-CHAP
-key there, or any host of a subsystem with `require_auth`, must authenticate each queue after
-its Connect (the Connect response sets AUTHREQ.ATR); until it has, every command other than
-Authentication Send/Receive and Disconnect completes with Authentication Required (SCT 1,
-SC 0x91), as SPDK does. A wrong or missing key gets AUTH_Failure1 ("authentication failed")
-and the connection closes. Refusals are logged with a hash of the host NQN, never the NQN
-or anything of the key.
+A subsystem holds `HostKeys` per host NQN (`Subsystem.host_keys`, nvmf/_host_keys.py). A host
+with a DH-HMAC-CHAP key there, or any host of a subsystem with `require_auth`, must
+authenticate each queue after its Connect (the Connect response sets AUTHREQ.ATR); until it
+has, every command other than Authentication Send/Receive and Disconnect completes with
+Authentication Required (SCT 1, SC 0x91), as SPDK does. A wrong or missing key gets
+AUTH_Failure1 ("authentication failed") and the connection closes. Refusals are logged with a
+hash of the host NQN, never the NQN or anything of the key.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
-import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dpu_agent.log import RateLimitedLog, get_logger
+from dpu_agent.nvmf._host_keys import HostKeys, nqn_hash
 from kvproto.nvme import (
     AUTH_DATA_BYTES_MAX,
     AdminOpcode,
     ControllerAuth,
     ControllerAuthState,
-    DhchapSecret,
     FabricsType,
     SglType,
     Sqe,
     Status,
-    TlsPsk,
     auth_command_ok,
 )
 
@@ -39,18 +34,7 @@ if TYPE_CHECKING:
     from dpu_agent.nvmf._controller import Controller
     from dpu_agent.nvmf._subsystem import Subsystem
 
-__all__ = [
-    "ATR_BIT",
-    "HostKeys",
-    "auth_exempt",
-    "handle_auth",
-    "host_keys_from_dict",
-    "host_keys_to_dict",
-    "load_host_keys",
-    "needs_auth",
-    "nqn_hash",
-    "queue_auth",
-]
+__all__ = ["ATR_BIT", "auth_exempt", "handle_auth", "needs_auth", "queue_auth"]
 
 log = get_logger("dpu_agent.nvmf")
 refusals = RateLimitedLog(log)  # throttled peers: a flood costs a few lines a second
@@ -61,65 +45,6 @@ ATR_BIT = 1 << 17  # Connect response dword 0, AUTHREQ bit 1: authentication req
 # answers Authentication Required meanwhile; a host that lingers is closed after this.
 AUTH_FAILED_CLOSE_S = 2.0
 _EXEMPT = frozenset({FabricsType.AUTH_SEND, FabricsType.AUTH_RECV, FabricsType.DISCONNECT})
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class HostKeys:
-    """What a host must prove on a subsystem: DH-HMAC-CHAP key, optional controller key
-    (bidirectional authentication), optional TLS PSK (secure channel)."""
-
-    dhchap_key: DhchapSecret | None = None
-    dhchap_ctrlr_key: DhchapSecret | None = None
-    psk: TlsPsk | None = None
-
-    def __post_init__(self) -> None:
-        if self.dhchap_ctrlr_key is not None and self.dhchap_key is None:
-            raise ValueError("a controller key needs a host key (bidirectional authentication)")
-
-    def __repr__(self) -> str:
-        return (
-            f"HostKeys(dhchap={self.dhchap_key is not None}, "
-            f"ctrlr={self.dhchap_ctrlr_key is not None}, psk={self.psk is not None})"
-        )
-
-
-def load_host_keys(path: str | os.PathLike[str]) -> dict[str, HostKeys]:
-    """`{hostnqn: {"dhchap_key": "DHHC-1:..", "dhchap_ctrlr_key": .., "psk": "NVMeTLSkey-1:.."}}`
-    from a JSON file only its owner may read (the file holds secrets)."""
-    st = os.stat(path)
-    if st.st_mode & 0o077:
-        raise ValueError(f"{path}: key file must not be readable by others (chmod 600)")
-    with open(path, encoding="utf-8") as f:
-        raw = json.load(f)
-    return {host: host_keys_from_dict(v) for host, v in raw.items()}
-
-
-def host_keys_from_dict(v: dict[str, str]) -> HostKeys:
-    def get(name: str) -> str | None:
-        return v.get(name) or None
-
-    key, ckey, psk = get("dhchap_key"), get("dhchap_ctrlr_key"), get("psk")
-    return HostKeys(
-        dhchap_key=DhchapSecret.parse(key) if key else None,
-        dhchap_ctrlr_key=DhchapSecret.parse(ckey) if ckey else None,
-        psk=TlsPsk.parse(psk) if psk else None,
-    )
-
-
-def host_keys_to_dict(k: HostKeys) -> dict[str, str]:
-    out = {}
-    if k.dhchap_key is not None:
-        out["dhchap_key"] = k.dhchap_key.format()
-    if k.dhchap_ctrlr_key is not None:
-        out["dhchap_ctrlr_key"] = k.dhchap_ctrlr_key.format()
-    if k.psk is not None:
-        out["psk"] = k.psk.format()
-    return out
-
-
-def nqn_hash(nqn: str) -> str:
-    """What logs say instead of a host NQN (stable, not reversible)."""
-    return hashlib.sha256(nqn.encode()).hexdigest()[:16]
 
 
 def queue_auth(ctrl: Controller, *, voluntary: bool = False) -> ControllerAuth | None:

@@ -20,11 +20,12 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, cast
 
 from dpu_agent import telemetry
-from dpu_agent.blockdev import BlockDevice, BlockDeviceError, MemoryBlockDevice
+from dpu_agent.blockdev import BlockDevice, BlockDeviceError, MemoryViewDevice
 from dpu_agent.log import RateLimitedLog, get_logger
+from dpu_agent.nvmf import _placement as placement
 from dpu_agent.nvmf._auth import ATR_BIT, auth_exempt, handle_auth, queue_auth
 from dpu_agent.nvmf._controller import Completion, Controller
 from dpu_agent.nvmf._limits import (
@@ -36,6 +37,7 @@ from dpu_agent.nvmf._limits import (
     SizedPool,
 )
 from kvproto.nvme import (
+    ADMIN_ICD_BYTES,
     R2T,
     AdminOpcode,
     C2HData,
@@ -68,8 +70,6 @@ __all__ = ["ADMIN_ICD_BYTES", "MAXH2CDATA", "MemoryViewDevice", "NvmfConnection"
 log = get_logger("dpu_agent.nvmf")
 refusals = RateLimitedLog(log)  # protocol errors of hostile peers: a few lines a second
 
-# The NVMe/TCP spec fixes the admin queue's in-capsule data size at 8 KiB.
-ADMIN_ICD_BYTES = 8192
 # MAXH2CDATA in ICResp is max(this, max_io_size). SPDK sends 128 KiB (its
 # NVMF_TCP_PDU_MAX_H2C_DATA_SIZE); the spec leaves it to the controller, and one H2CData per
 # command costs this event loop far fewer turns than eight.
@@ -81,27 +81,13 @@ SOCKET_BUFFER_BYTES = 4 << 20  # asked of the kernel (it caps it at net.core.wme
 RCVLOWAT_BYTES_MAX = 1 << 20
 RCVLOWAT_BYTES_MIN = 64 << 10
 CORK_BYTES_MAX = 8192  # PDUs up to this size wait for the end of the loop turn
-# Writes to a page-cache device (the NVMe tier's file) run inline on the loop (`_inline`)
+# Writes to a page-cache device (the NVMe tier's file) run inline on the loop (`placement.inline`)
 # unless one took longer than this: a 1 MiB write and its cipher pass take ~0.2 ms here, so
 # 2 ms means the kernel throttles the writer (dirty limits) or the device is slow, and the
 # loop serves every queue. The queue then sends its writes to the I/O pool for
 # INLINE_BACKOFF_S, and tries inline again after that.
 INLINE_WRITE_SLOW_S = 0.002
 INLINE_BACKOFF_S = 1.0
-
-
-@runtime_checkable
-class MemoryViewDevice(Protocol):
-    """Optional BlockDevice capability of a device that is memory (a DRAM tier).
-
-    `view(lba, block_count)` returns a writable memoryview of the device's own bytes for that
-    range. With it the target sends reads straight from, and receives writes straight into,
-    the device: no copy through its own buffers (measured here: 15-25 % less target CPU per
-    byte). Writes then land as they arrive, so a read overlapping a write in flight may see
-    part of a block updated (NVMe orders neither; the engine never overlaps them).
-    """
-
-    def view(self, lba: int, block_count: int) -> memoryview: ...
 
 
 class _Pool:
@@ -381,7 +367,7 @@ class NvmfConnection(asyncio.BufferedProtocol):
         turn (an inline write's cipher pass, the next data PDU's parse): at 1 MiB QD8 the host
         sat idle 24-30 % of the time waiting for R2Ts, and DRAM-tier writes moved 0.90-0.92 of
         the socket ceiling sent at once vs 0.77-0.78 corked (interleaved A/B under the bench
-        lock, issue 9)."""
+        lock)."""
         assert self.transport is not None
         parts = self.qp.send(pdu)
         if self._fd >= 0 and not self.transport.get_write_buffer_size():
@@ -502,7 +488,7 @@ class NvmfConnection(asyncio.BufferedProtocol):
             buf, cmd.buf, cmd.view = cmd.buf, None, memoryview(b"")
             assert self.transport is not None
             # A corked C2HData (in `_out`) or the transport may still reference `buf`: the
-            # pool gets it back after the flush (issue 9: SPDK's bdevperf read another
+            # pool gets it back after the flush (given back earlier, SPDK's bdevperf read another
             # command's bytes when the next read decrypted into it before the flush).
             if self._out or self.transport.get_write_buffer_size():
                 self._unsent.append(buf)
@@ -731,8 +717,8 @@ class NvmfConnection(asyncio.BufferedProtocol):
         """A data buffer is free (unless the device lends its memory), and for a read the
         transport has sent everything: reading more while it still buffers data would only
         make asyncio copy it (backpressure)."""
-        assert self.transport is not None
-        if not _lends_memory(cmd.dev) and not self._data_pool.can_take(cmd.length):
+        assert self.transport is not None and cmd.dev is not None
+        if not placement.lends_memory(cmd.dev) and not self._data_pool.can_take(cmd.length):
             return False
         return cmd.sqe.opcode != IoOpcode.READ or not self.transport.get_write_buffer_size()
 
@@ -746,7 +732,7 @@ class NvmfConnection(asyncio.BufferedProtocol):
     def _start(self, cmd: _Cmd) -> None:
         dev = cmd.dev
         assert dev is not None
-        if _lends_memory(dev):  # zero copy: the device's own memory
+        if placement.lends_memory(dev):  # zero copy: the device's own memory
             cmd.view, cmd.in_place = cast(MemoryViewDevice, dev).view(cmd.slba, cmd.nlb), True
             assert len(cmd.view) == cmd.length and not cmd.view.readonly, len(cmd.view)
             if cmd.sqe.opcode == IoOpcode.READ:
@@ -782,12 +768,13 @@ class NvmfConnection(asyncio.BufferedProtocol):
         self._submit(cmd, cmd.dev.write, cmd.slba, view)
 
     def _submit(self, cmd: _Cmd, fn: Callable[..., None], *args: Any) -> None:
-        """Run device I/O: DRAM inline where a thread hop costs more than it saves (`_inline`),
-        everything else in the target's bounded pool so a slow device or a 256 MiB Write
-        Zeroes never blocks the loop."""
-        op = cmd.sqe.opcode
-        if op in _INLINE_OPS and _inline(cmd.dev, op):
-            guarded = _page_cache_write(cmd.dev, op)
+        """Run device I/O: inline where a thread hop costs more than it saves, memory work on
+        the memory lane, everything else in the target's bounded pool so a slow device or a
+        256 MiB Write Zeroes never blocks the loop (nvmf/_placement.py)."""
+        op, dev = cmd.sqe.opcode, cmd.dev
+        assert dev is not None
+        if placement.inline(dev, op):
+            guarded = placement.page_cache_write(dev, op)
             if not guarded or time.monotonic() >= self._pool_writes_until:
                 t0 = time.perf_counter()
                 try:
@@ -797,7 +784,7 @@ class NvmfConnection(asyncio.BufferedProtocol):
                 if guarded and time.perf_counter() - t0 > INLINE_WRITE_SLOW_S:
                     self._pool_writes_until = time.monotonic() + INLINE_BACKOFF_S
                 return self._io_done(cmd, None)
-        memory = _memory_lane(cmd.dev, cmd.sqe.opcode)
+        memory = placement.memory_lane(dev, op)
         self.target.submit_io(lambda exc: self._io_done(cmd, exc), fn, *args, memory=memory)
 
     def _io_done(self, cmd: _Cmd, exc: BaseException | None) -> None:
@@ -823,7 +810,6 @@ _IO_OPS = frozenset(
 )
 
 
-_INLINE_OPS = frozenset({IoOpcode.READ, IoOpcode.WRITE})
 _GET = telemetry.child("get", "nvme-tcp")  # chunk reads and writes: data-path latency
 _PUT = telemetry.child("put", "nvme-tcp")
 
@@ -834,56 +820,6 @@ def _observe_io(cmd: _Cmd) -> None:
         _GET.observe(time.perf_counter() - cmd.t0)
     elif op == IoOpcode.WRITE:
         _PUT.observe(time.perf_counter() - cmd.t0)
-
-
-def _inline(dev: object, opcode: int) -> bool:
-    """Whether to run a Read/Write of `dev` on the loop rather than in the I/O pool.
-
-    Plain DRAM: a memcpy of at most max_io_size. Writes of the encrypted DRAM tier: one
-    AES-XTS pass (50 us per MiB with VAES, about 300 with the EVP loop) from the received
-    buffer into the tier; measured at 1 MiB QD8, inline moves 4.4 GB/s where the thread hop
-    moved 3.3-3.6 (issue 9). Its reads stay in the pool: the decryption then runs on the other
-    core while the loop sends the previous reply (3.5-4.2 GB/s vs 3.4-3.8 inline).
-
-    Writes of a page-cache device (the NVMe tier's file, `buffered_writes`) too: the cipher
-    pass and a `pwritev` into the page cache, ~0.2 ms per MiB on the loop, where the two
-    thread hops left the loop idle half the time while a command's round trip waited on them
-    (1 MiB QD8, interleaved A/B under the bench lock: 0.54-0.56 vs 0.47 of the socket
-    ceiling). The caller sends them to the pool after a slow one (INLINE_WRITE_SLOW_S).
-    """
-    if type(dev) is MemoryBlockDevice:
-        return True
-    return opcode == IoOpcode.WRITE and (
-        getattr(dev, "in_memory", False) is True or _page_cache_write(dev, opcode)
-    )
-
-
-def _page_cache_write(dev: object, opcode: int) -> bool:
-    """Whether a Write of `dev` is a copy into the page cache (no memory of its own lent):
-    inline, but watched for the kernel throttling it (INLINE_WRITE_SLOW_S)."""
-    return (
-        opcode == IoOpcode.WRITE
-        and getattr(dev, "buffered_writes", False) is True
-        and getattr(dev, "in_memory", False) is not True
-    )
-
-
-def _memory_lane(dev: object, opcode: int) -> bool:
-    """Whether a command that leaves the loop goes to the target's memory lane (one thread,
-    arrival order) rather than the I/O pool: reads of the encrypted DRAM tier, whose only
-    work is the decryption (MEMORY_LANE_WORKERS), and reads of the NVMe tier's mapped file,
-    the same while its pages are cached (the target watches for those that are not,
-    LANE_SLOW_S). Write Zeroes and the rest stay in the pool, so a long one never holds up the
-    reads queued behind it."""
-    return opcode == IoOpcode.READ and (
-        getattr(dev, "in_memory", False) is True or getattr(dev, "mapped_reads", False) is True
-    )
-
-
-def _lends_memory(dev: object) -> bool:
-    """Whether `dev` is a MemoryViewDevice (checked on its type: isinstance on a runtime
-    Protocol costs microseconds per command)."""
-    return callable(getattr(type(dev), "view", None))
 
 
 def _dsm_ranges(data: bytes | bytearray | memoryview, count: int) -> list[tuple[int, int]]:

@@ -14,6 +14,7 @@ from dpu_agent.blockdev import BLOCK_SIZE
 from dpu_agent.nvmf._limits import ADMIN_REPLY_BYTES_MAX, KATO_IDLE_MS, BufferBudget
 from dpu_agent.nvmf._subsystem import Subsystem, TargetOptions, namespace_ids
 from kvproto.nvme import (
+    IDENTIFY_BYTES,
     AdminOpcode,
     Cns,
     FabricsType,
@@ -239,7 +240,7 @@ class Controller:
             dev = sub.namespaces.get(sqe.nsid)
             if dev is None:
                 if cns == Cns.NAMESPACE and 0 < sqe.nsid <= max([NN_DEFAULT, *sub.namespaces]):
-                    return Completion(data=bytes(4096))  # an inactive nsid: all zeros
+                    return Completion(data=bytes(IDENTIFY_BYTES))  # an inactive nsid: all zeros
                 return Completion(Status.INVALID_NAMESPACE)
             nguid, uuid = namespace_ids(sub.nqn, sqe.nsid)
             if cns == Cns.NS_ID_DESCRIPTORS:

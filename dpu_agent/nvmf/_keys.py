@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dpu_agent.log import get_logger
-from dpu_agent.nvmf._auth import HostKeys, host_keys_from_dict, host_keys_to_dict
+from dpu_agent.nvmf._host_keys import HostKeys, host_keys_from_dict, host_keys_to_dict
 from dpu_agent.nvmf._subsystem import Subsystem
 from kvproto.nvme import DhchapHash, DhchapSecret, TlsPsk
 

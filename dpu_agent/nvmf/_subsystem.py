@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from dpu_agent.blockdev import BLOCK_SIZE, BlockDevice
-from dpu_agent.nvmf._auth import HostKeys
+from dpu_agent.nvmf._host_keys import HostKeys
 from kvproto.nvme import DISCOVERY_NQN, NQN_BYTES_MAX
 
 __all__ = [

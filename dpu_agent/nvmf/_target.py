@@ -16,9 +16,10 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from dpu_agent.log import RateLimitedLog, get_logger, nqn_tag
-from dpu_agent.nvmf._auth import needs_auth, nqn_hash
+from dpu_agent.nvmf._auth import needs_auth
 from dpu_agent.nvmf._connection import NvmfConnection
 from dpu_agent.nvmf._controller import CNTLID_MAX, CNTLID_MIN, Controller
+from dpu_agent.nvmf._host_keys import nqn_hash
 from dpu_agent.nvmf._limits import (
     CONTROLLERS_PER_ADDRESS_MAX,
     CONTROLLERS_PER_HOST_MAX,
@@ -62,7 +63,7 @@ _IPO_QID, _IPO_SQSIZE = 42, 44
 # ~50 us per MiB, so one thread outruns the socket many times over, and it decrypts in the
 # order the commands came, which is the order the loop sends them. Four threads decrypting
 # at once on the 2-vCPU box preempted the loop's send and the host: at 1 MiB QD8, 4.3 GB/s
-# with the four-thread pool vs 4.5-4.7 with one (issue 9, A/B runs under the bench lock).
+# with the four-thread pool vs 4.5-4.7 with one (A/B runs under the bench lock).
 MEMORY_LANE_WORKERS = 1
 # Reads of the NVMe tier's mapped file share the lane (a cipher pass out of the page cache, as
 # for DRAM: 1 MiB QD8 moved 0.74-0.87 of the socket ceiling there against 0.61-0.73 through
@@ -299,7 +300,7 @@ class NvmeTcpTarget:
     ) -> None:
         """Run `fn(*args)` in the I/O pool, then `done(its exception or None)` on the loop:
         one loop wake-up per command, where run_in_executor's chain of futures takes a
-        wake-up and another loop turn (issue 9: per-command work at 1 MiB QD8).
+        wake-up and another loop turn (per-command work that shows at 1 MiB QD8).
 
         `memory`: memory-only work (decrypting a read of the DRAM tier or of the NVMe tier's
         page cache) goes to the memory lane instead, one thread that runs it in arrival order

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from dpu_agent.log import RateLimitedLog, get_logger
-from dpu_agent.nvmf._auth import nqn_hash
 from dpu_agent.nvmf._connection import SOCKET_BUFFER_BYTES, NvmfConnection
+from dpu_agent.nvmf._host_keys import nqn_hash
 from kvproto.nvme import DhchapHash, SecretFormatError, parse_identity
 from kvproto.nvme._openssl import TlsEngine, TlsError, TlsWantRead
 

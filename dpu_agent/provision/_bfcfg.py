@@ -17,13 +17,13 @@ import os
 import shlex
 import tarfile
 import time
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dpu_agent import __version__
 from dpu_agent.provision import _units as units
+from kvproto.tomlfile import TomlFileError, load_toml
 
 __all__ = [
     "INSTALLER_KEYS",
@@ -90,7 +90,10 @@ def _check_config(path: Path) -> dict[str, Any]:
             f"{path}: tenants {inline} have inline tokens; bf.cfg must not carry secrets: "
             "use token_file (the DPU generates the token at first start)"
         )
-    return tomllib.loads(path.read_text())
+    try:
+        return load_toml(path)
+    except TomlFileError as e:  # changed since load_config read it
+        raise ProvisionError(str(e)) from None
 
 
 def _spdk_json(path: Path, doc: dict[str, Any]) -> bytes | None:

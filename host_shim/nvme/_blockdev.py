@@ -20,6 +20,9 @@ class NvmeTcpBlockDevice:
     `close()` closes the controller too when `owns_controller` (the default).
     """
 
+    # I/O traits of dpu_agent.blockdev.BlockDevice: every I/O is a round trip to the target.
+    in_memory = lends_memory = mapped_reads = buffered_writes = False
+
     def __init__(
         self, controller: NvmeTcpController, nsid: int, *, owns_controller: bool = True
     ) -> None:

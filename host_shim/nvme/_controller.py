@@ -29,6 +29,7 @@ from kvproto.nvme import (
     DISCOVERY_ENTRY_BYTES,
     DISCOVERY_HEADER_BYTES,
     DISCOVERY_NQN,
+    IDENTIFY_BYTES,
     Cns,
     ConnectData,
     Cqe,
@@ -56,7 +57,7 @@ _CSTS_SHST_MASK = 0x3 << 2
 _CSTS_SHST_COMPLETE = 0x2 << 2
 # Waiting for CSTS.SHST = complete after CC.SHN on close: Linux's default shutdown_timeout
 # (5 s); SPDK's target reports it within milliseconds, and busy-loops ~100 ms per close when
-# the host hangs up before it has (issue 9).
+# the host hangs up before it has.
 SHUTDOWN_TIMEOUT_S_MAX = 5.0
 SHUTDOWN_POLL_S = 0.002  # first poll interval; doubles up to 50 ms
 
@@ -354,7 +355,7 @@ class NvmeTcpController:
         )
 
     def identify_controller(self) -> IdentifyController:
-        buf = bytearray(4096)
+        buf = bytearray(IDENTIFY_BYTES)
         self._admin_cmd(
             lambda c: cmds.identify(cid=c, cns=Cns.CONTROLLER),
             "Identify Controller",
@@ -363,7 +364,7 @@ class NvmeTcpController:
         return IdentifyController.unpack(buf)
 
     def identify_namespace(self, nsid: int) -> IdentifyNamespace:
-        buf = bytearray(4096)
+        buf = bytearray(IDENTIFY_BYTES)
         self._admin_cmd(
             lambda c: cmds.identify(cid=c, cns=Cns.NAMESPACE, nsid=nsid),
             f"Identify Namespace {nsid}",
@@ -375,13 +376,13 @@ class NvmeTcpController:
         return ns
 
     def active_namespaces(self) -> list[int]:
-        buf = bytearray(4096)
+        buf = bytearray(IDENTIFY_BYTES)
         self._admin_cmd(
             lambda c: cmds.identify(cid=c, cns=Cns.ACTIVE_NAMESPACES),
             "Identify Active Namespace List",
             data_in=memoryview(buf),
         )
-        ids = [int.from_bytes(buf[i : i + 4], "little") for i in range(0, 4096, 4)]
+        ids = [int.from_bytes(buf[i : i + 4], "little") for i in range(0, IDENTIFY_BYTES, 4)]
         return [n for n in ids if n] if ids else []
 
     def get_log_page(self, lid: int, length: int, offset: int = 0) -> bytes:

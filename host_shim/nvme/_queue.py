@@ -21,6 +21,7 @@ from typing import Any
 
 from host_shim.nvme._errors import NvmeTransportError
 from kvproto.nvme import (
+    ADMIN_ICD_BYTES,
     R2T,
     C2HData,
     C2HTermReq,
@@ -99,7 +100,9 @@ class QueuePairSocket:
         self.qid = qid
         self.depth = depth
         self.timeout_s = timeout_s
-        self.icd_bytes = 8192 if qid == 0 else 0  # in-capsule data the controller accepts
+        self.icd_bytes = (
+            ADMIN_ICD_BYTES if qid == 0 else 0
+        )  # in-capsule data the controller accepts
         self.lock = threading.Lock()
         self.broken = ""
         self._inflight: dict[int, Request] = {}

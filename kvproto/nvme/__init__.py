@@ -31,6 +31,8 @@ from kvproto.nvme._auth_fsm import (
     HostAuthState,
 )
 from kvproto.nvme._commands import (
+    ADMIN_ICD_BYTES,
+    BLOCK_BYTES,
     CONNECT_DATA_BYTES,
     DISCOVERY_NQN,
     DSM_RANGE_BYTES,
@@ -110,8 +112,10 @@ from kvproto.nvme._structs import (
 )
 
 __all__ = [
+    "ADMIN_ICD_BYTES",
     "AUTH_DATA_BYTES_MAX",
     "AUTH_SECP",
+    "BLOCK_BYTES",
     "CONNECT_DATA_BYTES",
     "CONTROLLER_TRANSITIONS",
     "CQE_BYTES",

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from kvproto.nvme._sqe import Sgl, SglType, Sqe
 
 __all__ = [
+    "ADMIN_ICD_BYTES",
+    "BLOCK_BYTES",
     "CONNECT_DATA_BYTES",
     "DISCOVERY_NQN",
     "DSM_RANGE_BYTES",
@@ -51,6 +53,11 @@ NQN_BYTES_MAX = 223  # the spec's NQN limit (the field is 256 bytes, NUL-termina
 CONNECT_DATA_BYTES = 1024
 IDENTIFY_BYTES = 4096
 DSM_RANGE_BYTES = 16
+# The logical block of every namespace the project exports or reads (Identify Namespace LBA
+# format lbads 12), and so the tiers' unit of I/O and one AES-XTS data unit.
+BLOCK_BYTES = 4096
+# The admin queue's in-capsule data size: the NVMe/TCP transport spec fixes it at 8 KiB.
+ADMIN_ICD_BYTES = 8192
 
 
 class AdminOpcode(enum.IntEnum):
@@ -286,7 +293,7 @@ def _rw(
     )
 
 
-def read(*, cid: int, nsid: int, slba: int, nlb: int, block_size: int = 4096) -> Sqe:
+def read(*, cid: int, nsid: int, slba: int, nlb: int, block_size: int = BLOCK_BYTES) -> Sqe:
     """Read `nlb` blocks (1..65536) from `slba`."""
     return _rw(IoOpcode.READ, cid, nsid, slba, nlb, nlb * block_size, False)
 
