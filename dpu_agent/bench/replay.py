@@ -3,9 +3,11 @@
 Trace format (Mooncake's, docs/EVICTION.md): JSON lines with `timestamp` (ms) and `hash_ids`
 (prefix block ids, parent first). Per request the longest cached prefix is looked up first (a
 block hits only if it and every block before it are cached); then every block of the request is
-accessed or inserted with parent = the previous block, evicting as needed. The blocks of the
-request in flight are not evictable (the engine holds them under lease/reservation); a request
-longer than the whole cache stores only what fits.
+accessed or inserted with parent = the previous block, evicting as needed. A put never evicts
+the block it extends (the engine's rule: `Placement.place`, `keep`); a request longer than the
+whole cache evicts its own older blocks. This is the fast path of `replay_engine`
+(`bench/replay_engine.py`), which drives the real Engine: the tests prove the two give the same
+hits on every policy.
 
 `opt` is Belady's MIN with bypass over the block next-use sequence, ties evicting the deeper
 block. Because every request that uses a block uses its whole prefix, a parent's next use is
@@ -23,10 +25,12 @@ import heapq
 import itertools
 import json
 import math
+import operator
 import random
 import time
 from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -121,18 +125,13 @@ def replay_request(policy: EvictionPolicy, req: Request, capacity: int) -> int:
     ids = req.hash_ids
     hits = _prefix_hits(ids, policy)
     now = req.timestamp_ms / 1000.0
-    in_flight = set(ids)
-
-    def evictable(item: int) -> bool:
-        return item not in in_flight
-
     parent: int | None = None
     for b in ids:
         if b in policy:
             policy.access(b, now)
         else:
             if len(policy) >= capacity:
-                victim = policy.victim(evictable)
+                victim = policy.victim(partial(operator.ne, parent))
                 if victim is None:
                     break  # the request is larger than the cache: store what fits
                 policy.remove(victim)
