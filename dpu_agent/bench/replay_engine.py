@@ -20,11 +20,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dpu_agent.bench.replay import Request
+from dpu_agent.bench.replay import Request, replay_hits
 from dpu_agent.engine import Engine, EngineConfig
 from dpu_agent.engine.errors import TierFull
+from dpu_agent.eviction import make_policy
 
-__all__ = ["EngineReplay", "replay_engine"]
+__all__ = ["EngineReplay", "policy_hits", "replay_engine"]
 
 BS = 4096
 CHUNK_BYTES = BS - 64  # one block each (the engine adds no header to the block count)
@@ -46,6 +47,7 @@ class EngineReplay:
     hits: int  # prefix hits over the trace
     accesses: int  # blocks requested
     hits_by_tier: dict[str, int]  # of `hits`, per tier that served them
+    per_request: list[int]  # prefix hits of each request, in trace order
 
 
 def _key(block: int) -> bytes:
@@ -70,7 +72,8 @@ def replay_engine(
         )
         eng = Engine(cfg, clock=clock)
         data = bytes(CHUNK_BYTES)
-        hits, accesses = 0, 0
+        per_request: list[int] = []
+        accesses = 0
         by_nsid: dict[int, int] = {}
         try:
             clock.t = 1.0
@@ -79,7 +82,7 @@ def replay_engine(
                 keys = [_key(b) for b in req.hash_ids]
                 accesses += len(keys)
                 found = eng.lookup(TENANT, keys, lease=False).hits
-                hits += len(found)
+                per_request.append(len(found))
                 for loc in found:
                     by_nsid[loc.nsid] = by_nsid.get(loc.nsid, 0) + 1
                 parent = keys[len(found) - 1] if found else None
@@ -93,4 +96,23 @@ def replay_engine(
         finally:
             eng.close()
     names = {1: "dram", 2: "nvme"}
-    return EngineReplay(hits, accesses, {names[n]: c for n, c in sorted(by_nsid.items())})
+    by_tier = {names[n]: c for n, c in sorted(by_nsid.items())}
+    return EngineReplay(sum(per_request), accesses, by_tier, per_request)
+
+
+def policy_hits(
+    trace: Sequence[Request],
+    policy: str,
+    capacity: int,
+    *,
+    engine: bool = True,
+    data_dir: Path | None = None,
+) -> tuple[list[int], dict[str, int]]:
+    """(each request's prefix hits, hits per tier): through the real Engine, or with
+    `engine=False` through its fast path, the standalone simulator (the same hits, proven by
+    tests/test_replay_engine.py on every policy; the simulator knows one tier only)."""
+    if engine:
+        got = replay_engine(trace, policy, capacity, data_dir=data_dir)
+        return got.per_request, got.hits_by_tier
+    per_request = replay_hits(trace, make_policy(policy, capacity), capacity)
+    return per_request, {"nvme": sum(per_request)}
