@@ -557,9 +557,10 @@ def _format_table(report: dict[str, Any]) -> str:
 @click.option(
     "--family",
     is_flag=True,
-    help="Replay the whole trace family (choose, report and held-out sets, plus --trace if "
-    "given): best fixed policy per cell, the --policy's gap to it, and whether the trace can "
-    "tell that policy from the nearest one 0.5 points under it (z), as a Markdown table.",
+    help="Replay the trace family (choose, report and held-out sets, or --family-set; plus "
+    "--trace if given) through the engine: per cell the best fixed policy, the --policy's gap "
+    "to it and to LRU, prefix-run and LRU, and whether the trace decides the cell (z), as a "
+    "Markdown table.",
 )
 @click.option(
     "--family-set",
