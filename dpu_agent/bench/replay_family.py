@@ -206,7 +206,7 @@ def family_table(rows: Sequence[dict[str, Any]]) -> str:
     separation (`separation_z`; "-": every fixed policy within the bar), "yes" when decided."""
     default = rows[0]["default"]
     lines = [
-        f"| trace | set | capacity | `{default}` | `prefix-run` | `lru` | best fixed | "
+        f"| trace | set | capacity | default `{default}` | `prefix-run` | `lru` | best fixed | "
         "gap (points) | vs LRU (points) | z | decided | Belady |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
