@@ -98,7 +98,7 @@ def test_two_keys_with_one_policy_hash_are_both_tracked_and_evicted(tmp_path: Pa
         eng.close()
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc", "prefix-run", "adaptive"])
+@pytest.mark.parametrize("policy", ["lru", "arc", "prefix-run", "lru2"])
 def test_item_to_row_map_holds_only_live_chunks(tmp_path: Path, policy: str) -> None:
     """The item -> row map each tier keeps for the policy grows with the chunks the tier holds,
     not with the chunks it ever held: after many turnovers, deletes and returns it has exactly

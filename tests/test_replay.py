@@ -18,10 +18,11 @@ from dpu_agent.bench.replay import (
     replay,
     replay_belady,
     replay_command,
+    replay_hits,
     replay_policy,
     write_trace,
 )
-from dpu_agent.eviction import DEFAULT_POLICY, POLICY_NAMES
+from dpu_agent.eviction import DEFAULT_POLICY, POLICY_NAMES, make_policy
 
 
 def trace_of(*requests: list[int]) -> list[Request]:
@@ -51,10 +52,15 @@ def test_prefix_rule_a_cached_block_after_a_miss_is_not_a_hit() -> None:
     assert replay_policy(trace, "lru", 4) == 3
 
 
-def test_request_longer_than_cache_stores_what_fits() -> None:
+def test_request_longer_than_cache_keeps_its_tail_as_the_engine_does() -> None:
+    """Only the block a put extends is kept (the engine's rule), so a request longer than the
+    cache evicts its own older blocks and ends holding its tail: the next identical request
+    misses at its first block. (Belady may bypass, and keeps the head.)"""
     trace = trace_of([1, 2, 3, 4, 5], [1, 2, 3, 4, 5])
     for name in POLICY_NAMES:
-        assert replay_policy(trace, name, 2) == 2, name
+        policy = make_policy(name, 2)
+        assert replay_hits(trace, policy, 2) == [0, 0], name
+        assert 5 in policy and 4 in policy, name
     assert replay_belady(trace, 2) == 2
 
 
@@ -111,7 +117,9 @@ def test_cli_prints_json_report(tmp_path: Path) -> None:
     write_trace(path, generate_trace("chat", 300, seed=1))
     plot = tmp_path / "replay.png"
     args = ["--trace", str(path), "--capacity-fraction", "0.02", "--capacity-fraction", "0.1"]
-    result = CliRunner().invoke(replay_command, [*args, "--json", "--plot", str(plot)])
+    result = CliRunner().invoke(
+        replay_command, [*args, "--simulator", "--json", "--plot", str(plot)]
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["trace"] == str(path) and report["policy"] == DEFAULT_POLICY
@@ -122,6 +130,19 @@ def test_cli_prints_json_report(tmp_path: Path) -> None:
         assert set(row["policies"]) == set(POLICY_NAMES)
         assert all(0.0 <= v <= row["opt_hit_rate"] for v in row["policies"].values())
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_replays_through_the_engine_by_default(tmp_path: Path) -> None:
+    args = ["--synthetic", "docs", "--requests", "100", "--capacity-fraction", "0.05"]
+    engine = CliRunner().invoke(replay_command, [*args, "--data-dir", str(tmp_path), "--json"])
+    assert engine.exit_code == 0, engine.output
+    fast = CliRunner().invoke(replay_command, [*args, "--simulator", "--json"])
+    (row,) = json.loads(engine.output)["results"]
+    (fast_row,) = json.loads(fast.output)["results"]
+    assert row["replayed_through"] == "engine" and fast_row["replayed_through"] == "simulator"
+    assert row["policies"] == fast_row["policies"]
+    hits = row["hit_rate"] * sum(len(r.hash_ids) for r in generate_trace("docs", 100))
+    assert sum(row["hits_by_tier"][DEFAULT_POLICY].values()) == round(hits)
 
 
 def test_cli_synthetic_table() -> None:

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from dpu_agent.bench.replay import (
     BLOCK_BYTES_DEFAULT,
+    SYNTHETIC_SHAPES,
     Request,
     distinct_blocks,
     generate_trace,
@@ -62,16 +63,57 @@ def test_mix_changes_shape_halfway() -> None:
     assert len(roots) > 3  # chat: many system prompts, where docs has 3
 
 
-def test_family_sets_are_disjoint_and_choose_is_seed_zero_and_the_later_choose_seeds() -> None:
-    assert {t.seed for t in CHOOSE_SET} == {0, 10, 11, 12, 13}
-    assert not {t.seed for t in REPORT_SET} & {t.seed for t in CHOOSE_SET}
-    assert {t.shape for t in CHOOSE_SET} == {t.shape for t in REPORT_SET}
-    assert {t.shape for t in CHOOSE_SET} == {"chat", "docs", "agent", "mix", "conv", "scan"}
-    assert {t.role for t in CHOOSE_SET} == {"choose"} and {t.role for t in REPORT_SET} == {"report"}
-    # the held-out set: every shape, a seed no other set uses
-    assert {t.shape for t in HELD_OUT_SET} == {t.shape for t in CHOOSE_SET}
-    assert not {t.seed for t in HELD_OUT_SET} & {t.seed for t in (*CHOOSE_SET, *REPORT_SET)}
-    assert {t.role for t in HELD_OUT_SET} == {"held-out"}
+def test_family_sets_are_disjoint_and_cover_every_shape_short_and_restarting() -> None:
+    sets = {"choose": CHOOSE_SET, "report": REPORT_SET, "held-out": HELD_OUT_SET}
+    seeds = {role: {t.seed for t in traces} for role, traces in sets.items()}
+    assert seeds == {"choose": {0}, "report": {1}, "held-out": {31}}
+    for role, traces in sets.items():
+        assert {t.role for t in traces} == {role}
+        assert {t.shape for t in traces} == set(SYNTHETIC_SHAPES)
+        for shape in SYNTHETIC_SHAPES:
+            mine = [t for t in traces if t.shape == shape]
+            assert any(t.restart for t in mine)  # a cache that restarts cold halfway
+            assert min(t.requests for t in mine) <= 300  # a trace of a few turnovers
+
+
+def test_tenants_shape_interleaves_five_shapes_with_disjoint_ids() -> None:
+    trace = generate_trace("tenants", 500, seed=2)
+    assert len(trace) == 500
+    assert all(a.timestamp_ms <= b.timestamp_ms for a, b in itertools.pairwise(trace))
+    owners = [{b >> 40 for b in r.hash_ids} for r in trace]
+    assert all(len(o) == 1 for o in owners)  # a request belongs to one tenant
+    assert {next(iter(o)) for o in owners} == {1, 2, 3, 4, 5}
+    switches = sum(a != b for a, b in itertools.pairwise(owners))
+    assert switches > 100  # interleaved, not one tenant after the other
+    # tenant 1 is `chat` with its own seed, its ids moved into its namespace
+    chat = [r for r, o in zip(trace, owners, strict=True) if o == {1}]
+    assert [b - (1 << 40) for b in chat[0].hash_ids] == list(
+        generate_trace("chat", 100, seed=10)[0].hash_ids
+    )
+
+
+def test_a_restart_cell_replays_each_half_with_a_cold_cache() -> None:
+    spec = FamilyTrace(role="choose", shape="chat", requests=200, seed=3, restart=True)
+    (row,) = run_family([spec], [0.5], engine=False)
+    trace = spec.load()
+    capacity = row["capacity_blocks"]
+    accesses = sum(len(r.hash_ids) for r in trace)
+    halves = replay_policy(trace[:100], "lru", capacity) + replay_policy(
+        trace[100:], "lru", capacity
+    )
+    assert row["lru_hit_rate"] == halves / accesses
+    assert halves < replay_policy(trace, "lru", capacity)  # the restart cost hits
+    assert row["trace"].endswith(", restart")
+
+
+def test_family_cell_through_the_engine_is_the_fast_paths() -> None:
+    spec = FamilyTrace(role="choose", shape="conv", requests=120, seed=5)
+    engine = run_family([spec], [0.05], engine=True)
+    fast = run_family([spec], [0.05], engine=False)
+    assert engine[0]["replayed_through"] == "engine"
+    assert fast[0]["replayed_through"] == "simulator"
+    for key in ("policies", "opt_hit_rate", "separation_z", "gap_points"):
+        assert engine[0][key] == fast[0][key]
 
 
 def test_conv_is_mostly_one_hit_blocks_with_a_reused_shared_set() -> None:
@@ -107,37 +149,39 @@ def test_scan_interrupts_reused_documents_with_runs_of_new_ones() -> None:
 def test_run_family_reports_best_fixed_and_the_default_gap() -> None:
     traces = [
         FamilyTrace(role="choose", shape="chat", requests=150, seed=0),
-        FamilyTrace(role="report", path=SAMPLE),
+        FamilyTrace(role="report", path=SAMPLE, requests=200),
     ]
     rows = run_family(traces, [0.05], DEFAULT_POLICY)
-    assert [r["trace"] for r in rows] == ["chat seed 0, 150 req", SAMPLE.name]
+    assert [r["trace"] for r in rows] == ["chat seed 0, 150 req", f"{SAMPLE.name} (first 200)"]
     for row in rows:
-        fixed = {n: v for n, v in row["policies"].items() if n != DEFAULT_POLICY}
-        assert set(fixed) == set(POLICY_NAMES) - {DEFAULT_POLICY}
-        assert row["best_fixed_hit_rate"] == max(fixed.values())
-        assert fixed[row["best_fixed"]] == row["best_fixed_hit_rate"]
+        rates = row["policies"]
+        assert set(rates) == set(POLICY_NAMES)
+        assert row["best_fixed_hit_rate"] == max(rates.values())
+        assert rates[row["best_fixed"]] == row["best_fixed_hit_rate"]
         assert row["gap_points"] == pytest.approx(
             (row["default_hit_rate"] - row["best_fixed_hit_rate"]) * 100
         )
-        assert all(v <= row["opt_hit_rate"] + 1e-12 for v in row["policies"].values())
-        assert all(v > 0 for v in row["cpu_us_per_access"].values())
+        assert row["vs_lru_points"] == pytest.approx((rates[DEFAULT_POLICY] - rates["lru"]) * 100)
+        assert row["prefix_run_hit_rate"] == rates["prefix-run"]
+        assert all(v <= row["opt_hit_rate"] + 1e-12 for v in rates.values())
     text = format_family(rows, {"lru": 100.0})
     assert "| report |" in text and "worst gap" in text and "lru 100 B" in text
-    for row in rows:  # the separation is of the fixed policies, the default left out
+    assert "| `prefix-run` | `lru` |" in text and "| decided |" in text
+    for row in rows:
         z = row["separation_z"]
         nearest = row["nearest_outside_bar"]
-        fixed = {n: v for n, v in row["policies"].items() if n != DEFAULT_POLICY}
+        rates = row["policies"]
         if z is None:
             assert nearest is None
-            assert min(fixed.values()) >= row["best_fixed_hit_rate"] - 0.005
+            assert min(rates.values()) >= row["best_fixed_hit_rate"] - 0.005
         else:
-            assert fixed[nearest] < row["best_fixed_hit_rate"] - 0.005
+            assert rates[nearest] < row["best_fixed_hit_rate"] - 0.005
             assert all(
-                v <= fixed[nearest] or v >= row["best_fixed_hit_rate"] - 0.005
-                for v in fixed.values()
+                v <= rates[nearest] or v >= row["best_fixed_hit_rate"] - 0.005
+                for v in rates.values()
             )
             assert z > 0
-    assert "cells the trace decides" in text
+    assert "cells the trace decides" in text and "under LRU" in text
 
 
 def test_separation_z_is_a_paired_test_against_the_nearest_policy_outside_the_bar() -> None:
@@ -167,13 +211,15 @@ def test_separation_summary_counts_decided_and_undecided_cells_apart() -> None:
         {"separation_z": 1.0, "gap_points": -0.9},
         {"separation_z": None, "gap_points": 0.0},
     ]
+    for row in rows:
+        row["vs_lru_points"] = 0.0
     text = separation_summary(rows)
-    assert "within 0.5 points 1 of 2; the other cells: 1 of 2" in text
+    assert "within 0.5 points 1 of 2; undecided cells: 1 of 2 within" in text
 
 
 @pytest.mark.slow
-def test_adaptive_within_half_a_point_of_the_best_fixed_policy_on_the_mooncake_sample() -> None:
-    rows = run_family([FamilyTrace(role="report", path=SAMPLE)], [0.02, 0.1], "adaptive")
+def test_default_within_half_a_point_of_the_best_fixed_policy_on_the_mooncake_sample() -> None:
+    rows = run_family([FamilyTrace(role="report", path=SAMPLE)], [0.02, 0.1], engine=False)
     for row in rows:
         assert row["gap_points"] >= -0.5, row
 
@@ -257,14 +303,14 @@ def test_family_cli_prints_the_table_with_the_trace_given(monkeypatch: pytest.Mo
     monkeypatch.setattr(fam, "REPORT_SET", ())
     monkeypatch.setattr(fam, "HELD_OUT_SET", ())
     monkeypatch.setattr(fam, "policy_memory_bytes", lambda name: 1.0)
-    args = ["--family", "--trace", str(SAMPLE), "--capacity-fraction", "0.05"]
+    args = ["--family", "--simulator", "--trace", str(SAMPLE), "--capacity-fraction", "0.05"]
     result = CliRunner().invoke(replay_command, args)
     assert result.exit_code == 0, result.output
     rows = [line for line in result.output.splitlines() if line.startswith("| ")]
     assert rows[0].startswith("| trace | set |") and len(rows) == 1 + 2
-    assert "| docs seed 0, 80 req | choose | 5% (" in rows[1]
+    assert "| docs seed 0, 80 req | choose | 5% (" in rows[1] and "| trace | set |" in rows[0]
     assert f"| {SAMPLE.name} | report | 5% (" in rows[2]
-    assert "cells within 0.5 points or above" in result.output
+    assert "cells the trace decides" in result.output
     result = CliRunner().invoke(replay_command, [*args, "--json"])
     report = json.loads(result.output)
     assert len(report["cells"]) == 2 and set(report["memory_bytes_per_item"]) == set(POLICY_NAMES)

@@ -3,9 +3,11 @@
 Trace format (Mooncake's, docs/EVICTION.md): JSON lines with `timestamp` (ms) and `hash_ids`
 (prefix block ids, parent first). Per request the longest cached prefix is looked up first (a
 block hits only if it and every block before it are cached); then every block of the request is
-accessed or inserted with parent = the previous block, evicting as needed. The blocks of the
-request in flight are not evictable (the engine holds them under lease/reservation); a request
-longer than the whole cache stores only what fits.
+accessed or inserted with parent = the previous block, evicting as needed. A put never evicts
+the block it extends (the engine's rule: `Placement.place`, `keep`); a request longer than the
+whole cache evicts its own older blocks. This is the fast path of `replay_engine`
+(`bench/replay_engine.py`), which drives the real Engine: the tests prove the two give the same
+hits on every policy.
 
 `opt` is Belady's MIN with bypass over the block next-use sequence, ties evicting the deeper
 block. Because every request that uses a block uses its whole prefix, a parent's next use is
@@ -23,10 +25,12 @@ import heapq
 import itertools
 import json
 import math
+import operator
 import random
 import time
 from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -121,18 +125,13 @@ def replay_request(policy: EvictionPolicy, req: Request, capacity: int) -> int:
     ids = req.hash_ids
     hits = _prefix_hits(ids, policy)
     now = req.timestamp_ms / 1000.0
-    in_flight = set(ids)
-
-    def evictable(item: int) -> bool:
-        return item not in in_flight
-
     parent: int | None = None
     for b in ids:
         if b in policy:
             policy.access(b, now)
         else:
             if len(policy) >= capacity:
-                victim = policy.victim(evictable)
+                victim = policy.victim(partial(operator.ne, parent))
                 if victim is None:
                     break  # the request is larger than the cache: store what fits
                 policy.remove(victim)
@@ -226,7 +225,9 @@ class _Both:
 
 # --- synthetic traces -------------------------------------------------------------------------
 
-SYNTHETIC_SHAPES = ("chat", "docs", "agent", "mix", "conv", "scan")
+SYNTHETIC_SHAPES = ("chat", "docs", "agent", "mix", "conv", "scan", "tenants")
+TENANT_SHAPES = ("chat", "docs", "agent", "conv", "scan")  # `tenants`: one client of each
+TENANT_ID_SHIFT = 40  # tenant t's ids are t << 40 plus its own: a shape makes far fewer
 SYNTHETIC_REQUESTS_MAX = 1_000_000
 
 
@@ -273,12 +274,16 @@ def generate_trace(shape: str, requests: int, seed: int = 0) -> list[Request]:
     whose first turn is as long and which come back after long gaps (up to 400 open at once),
     all behind a Zipf-skewed set of 300 shared prefixes: most blocks are used once, and which
     policy is best changes as the open conversations pile up. scan: Zipf-popular documents,
-    interrupted by scans (runs of 20-120 requests over new documents).
+    interrupted by scans (runs of 20-120 requests over new documents). tenants: one tenant of
+    each of chat, docs, agent, conv and scan (a fifth of the requests each, ids disjoint)
+    sharing one tier, their requests interleaved by timestamp.
     """
     if shape not in SYNTHETIC_SHAPES:
         raise ValueError(f"unknown trace shape {shape!r}; valid: {', '.join(SYNTHETIC_SHAPES)}")
     if not 0 < requests <= SYNTHETIC_REQUESTS_MAX:
         raise ValueError(f"requests must be in 1..{SYNTHETIC_REQUESTS_MAX}, got {requests}")
+    if shape == "tenants":
+        return _gen_tenants(requests, seed)
     tb = _TraceBuilder(seed)
     if shape == "chat":
         return _gen_chat(tb, requests)
@@ -293,6 +298,19 @@ def generate_trace(shape: str, requests: int, seed: int = 0) -> list[Request]:
         tb.tag = 1
         return first + _gen_chat(tb, requests - requests // 2)
     return _gen_docs(tb, requests)
+
+
+def _gen_tenants(requests: int, seed: int) -> list[Request]:
+    merged: list[Request] = []
+    for t, shape in enumerate(TENANT_SHAPES):
+        share = requests // len(TENANT_SHAPES) + (t < requests % len(TENANT_SHAPES))
+        if not share:
+            continue
+        offset = (t + 1) << TENANT_ID_SHIFT
+        for r in generate_trace(shape, share, seed * len(TENANT_SHAPES) + t):
+            merged.append(Request(r.timestamp_ms, tuple(offset + b for b in r.hash_ids)))
+    merged.sort(key=lambda r: r.timestamp_ms)  # stable: a tenant's own order is kept
+    return merged
 
 
 def _gen_chat(tb: _TraceBuilder, requests: int) -> list[Request]:
@@ -416,8 +434,15 @@ def replay(
     fractions: Sequence[float],
     policy: str = DEFAULT_POLICY,
     policies: Sequence[str] = POLICY_NAMES,
+    *,
+    engine: bool = True,
+    data_dir: Path | None = None,
 ) -> list[dict[str, Any]]:
-    """One result row per capacity fraction, hit rates as fractions of all block accesses."""
+    """One result row per capacity fraction, hit rates as fractions of all block accesses,
+    every policy replayed through the real Engine (`engine=False`: its fast path, the
+    simulator, which gives the same hits)."""
+    from dpu_agent.bench.replay_engine import policy_hits
+
     if policy not in POLICY_NAMES:
         raise ValueError(f"unknown eviction policy {policy!r}; valid: {', '.join(POLICY_NAMES)}")
     accesses = sum(len(r.hash_ids) for r in trace)
@@ -429,7 +454,12 @@ def replay(
             raise ValueError(f"capacity fraction must be in (0, 1], got {f}")
         capacity = max(1, round(f * distinct))
         started = time.monotonic()
-        rates = {n: replay_policy(trace, n, capacity) / accesses for n in names}
+        rates, by_tier = {}, {}
+        for n in names:
+            per_request, by_tier[n] = policy_hits(
+                trace, n, capacity, engine=engine, data_dir=data_dir
+            )
+            rates[n] = sum(per_request) / accesses
         opt = replay_belady(trace, capacity) / accesses
         a0 = replay_popularity_oracle(trace, capacity) / accesses
         hit, lru = rates[policy], rates["lru"]
@@ -437,6 +467,7 @@ def replay(
             {
                 "capacity_fraction": f,
                 "capacity_blocks": capacity,
+                "replayed_through": "engine" if engine else "simulator",
                 "hit_rate": hit,
                 "lru_hit_rate": lru,
                 "opt_hit_rate": opt,
@@ -444,6 +475,7 @@ def replay(
                 "opt_is_upper_bound": all(r <= opt + 1e-12 for r in (*rates.values(), a0)),
                 "a0_hit_rate": a0,
                 "policies": rates,
+                "hits_by_tier": by_tier,
                 "elapsed_s": round(time.monotonic() - started, 3),
             }
         )
@@ -525,9 +557,23 @@ def _format_table(report: dict[str, Any]) -> str:
 @click.option(
     "--family",
     is_flag=True,
-    help="Replay the whole trace family (choose, report and held-out sets, plus --trace if "
-    "given): best fixed policy per cell, the --policy's gap to it, and whether the trace can "
-    "tell that policy from the nearest one 0.5 points under it (z), as a Markdown table.",
+    help="Replay the trace family (choose, report and held-out sets, or --family-set; plus "
+    "--trace if given) through the engine: per cell the best fixed policy, the --policy's gap "
+    "to it and to LRU, prefix-run and LRU, and whether the trace decides the cell (z), as a "
+    "Markdown table.",
+)
+@click.option(
+    "--family-set",
+    "family_sets",
+    type=click.Choice(["choose", "report", "held-out"]),
+    multiple=True,
+    help="With --family: only these sets (repeatable; default: all three).",
+)
+@click.option(
+    "--head",
+    type=click.IntRange(1),
+    default=None,
+    help="Replay only the first N requests of --trace (a bounded run; the report says so).",
 )
 @click.option(
     "--jobs",
@@ -551,12 +597,23 @@ def _format_table(report: dict[str, Any]) -> str:
     help="Bytes per block for the two-tier load time (default: 512 tokens of Llama-3-8B bf16).",
 )
 @click.option(
-    "--timeline",
-    type=int,
+    "--simulator",
+    is_flag=True,
+    help="Replay through the standalone simulator instead of the real Engine: the fast path, "
+    "which gives the engine's hits on every policy (tests/test_replay_engine.py), one tier.",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
     default=None,
-    metavar="N",
-    help="What the adaptive default did, per window of N requests, at one --capacity-fraction: "
-    "the candidates' true and estimated hit rates and whom it followed.",
+    help="Where the engine replay keeps its tiers (default: a temporary directory; /dev/shm "
+    "puts them on tmpfs).",
+)
+@click.option(
+    "--cost",
+    is_flag=True,
+    help="Cost of each policy instead of hit rates: CPU per put and per lookup hit in the "
+    "engine, per block access in the replay, and memory per item held.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report.")
 @click.option(
@@ -573,19 +630,38 @@ def replay_command(
     policy: str,
     all_policies: bool,
     family: bool,
+    family_sets: tuple[str, ...],
+    head: int | None,
     jobs: int,
     dram_fraction: float | None,
     nvme_fraction: float | None,
     block_bytes: int,
-    timeline: int | None,
+    simulator: bool,
+    data_dir: Path | None,
+    cost: bool,
     as_json: bool,
     plot: Path | None,
 ) -> None:
     """Replay a prefix-cache trace: hit rate of a policy against LRU and Belady's optimum."""
+    if cost:
+        from dpu_agent.bench.replay_cost import cost_command
+
+        cost_command(policy, all_policies, as_json)
+        return
     if family:
         if dram_fraction is not None or nvme_fraction is not None:
             raise click.UsageError("--family replays one tier; drop --dram/--nvme-fraction")
-        _family_command(trace_path, synthetic, fractions, policy, jobs, as_json)
+        _family_command(
+            trace_path,
+            synthetic,
+            fractions,
+            policy,
+            jobs,
+            as_json,
+            not simulator,
+            family_sets,
+            head,
+        )
         return
     if (trace_path is None) == (synthetic is None):
         raise click.UsageError("give exactly one of --trace FILE or --synthetic SHAPE")
@@ -594,19 +670,12 @@ def replay_command(
     try:
         if trace_path is not None:
             trace, name = load_trace(trace_path), str(trace_path)
+            if head is not None:
+                trace, name = trace[:head], f"{trace_path} (first {head} requests)"
         else:
             assert synthetic is not None
             trace = generate_trace(synthetic, requests, seed)
             name = f"synthetic:{synthetic}:requests={requests}:seed={seed}"
-        if timeline is not None:
-            from dpu_agent.bench.replay_timeline import adaptive_timeline, format_timeline
-
-            if len(fractions) != 1:
-                raise ValueError("--timeline replays one capacity: give one --capacity-fraction")
-            t = adaptive_timeline(trace, fractions[0], timeline)
-            t["trace"] = name
-            click.echo(json.dumps(t, indent=2) if as_json else format_timeline(t))
-            return
         if dram_fraction is not None and nvme_fraction is not None:
             from dpu_agent.bench.replay_tiers import format_two_tiers, two_tier_report
 
@@ -617,7 +686,14 @@ def replay_command(
             click.echo(json.dumps(tiers, indent=2) if as_json else format_two_tiers(tiers))
             return
         names = POLICY_NAMES if (all_policies or plot) else (policy,)
-        rows = replay(trace, fractions or DEFAULT_FRACTIONS, policy, names)
+        rows = replay(
+            trace,
+            fractions or DEFAULT_FRACTIONS,
+            policy,
+            names,
+            engine=not simulator,
+            data_dir=data_dir,
+        )
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     report = {"trace": name, "policy": policy, "results": rows}
@@ -633,6 +709,9 @@ def _family_command(
     policy: str,
     jobs: int,
     as_json: bool,
+    engine: bool,
+    family_sets: tuple[str, ...],
+    head: int | None,
 ) -> None:
     from dpu_agent.bench.replay_family import (
         CHOOSE_SET,
@@ -646,14 +725,15 @@ def _family_command(
 
     if synthetic is not None:
         raise click.UsageError("--family replays its own synthetic traces; drop --synthetic")
-    traces = [*CHOOSE_SET, *REPORT_SET, *HELD_OUT_SET]
+    sets = {"choose": CHOOSE_SET, "report": REPORT_SET, "held-out": HELD_OUT_SET}
+    traces = [t for name in family_sets or tuple(sets) for t in sets[name]]
     if trace_path is not None:
-        traces.append(FamilyTrace(role="report", path=trace_path))
+        traces.append(FamilyTrace(role="report", path=trace_path, requests=head or 0))
     try:
         for f in fractions:
             if not 0.0 < f <= 1.0:
                 raise ValueError(f"capacity fraction must be in (0, 1], got {f}")
-        rows = run_family(traces, fractions or DEFAULT_FRACTIONS, policy, jobs)
+        rows = run_family(traces, fractions or DEFAULT_FRACTIONS, policy, jobs, engine=engine)
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     memory = {n: policy_memory_bytes(n) for n in rows[0]["policies"]}

@@ -5,11 +5,12 @@ policies, so the hit rates are the engine's own, not a model's.
 Each trace block is a one-block chunk whose key is the block id. A request looks up its blocks
 (the engine's longest-prefix lookup: the hits counted), then, block by block after the first
 miss, uses a present block (a one-key lookup, as a hit would) or puts a missing one with the
-previous block as its parent. The DRAM tier holds one block and is filled first, so the NVMe
-tier, `capacity` blocks, and its policy decide: the same single cache the standalone
-simulator (`replay.replay_request`) models. Two differences from it remain, both the engine's
-real behaviour: the blocks of the request in flight are not protected from eviction, and the
-policy sees engine-clock times (the trace's, here) for every call.
+previous block as its parent. The DRAM tier holds one block, too small for any chunk to be
+placed there (a chunk above 1/8 of DRAM goes to NVMe), so the NVMe tier, `capacity` blocks,
+and its policy decide: the same single cache the standalone
+simulator (`replay.replay_request`) models, with the engine's rule that a put never evicts the
+chunk it extends. The simulator is this replay's fast path: tests/test_replay_engine.py proves
+the two give the same hits on every policy.
 """
 
 from __future__ import annotations
@@ -19,15 +20,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dpu_agent.bench.replay import Request
+from dpu_agent.bench.replay import Request, replay_hits
 from dpu_agent.engine import Engine, EngineConfig
+from dpu_agent.engine.errors import TierFull
+from dpu_agent.eviction import make_policy
 
-__all__ = ["EngineReplay", "replay_engine"]
+__all__ = ["EngineReplay", "policy_hits", "replay_engine"]
 
 BS = 4096
 CHUNK_BYTES = BS - 64  # one block each (the engine adds no header to the block count)
 TENANT = "replay"
-_FILLER_KEY = b"\xff" * 16  # holds the one DRAM block; trace ids are below 2**64
 
 
 class _TraceClock:
@@ -45,6 +47,7 @@ class EngineReplay:
     hits: int  # prefix hits over the trace
     accesses: int  # blocks requested
     hits_by_tier: dict[str, int]  # of `hits`, per tier that served them
+    per_request: list[int]  # prefix hits of each request, in trace order
 
 
 def _key(block: int) -> bytes:
@@ -69,25 +72,47 @@ def replay_engine(
         )
         eng = Engine(cfg, clock=clock)
         data = bytes(CHUNK_BYTES)
-        hits, accesses = 0, 0
+        per_request: list[int] = []
+        accesses = 0
         by_nsid: dict[int, int] = {}
         try:
-            eng.put_chunk(TENANT, _FILLER_KEY, data)
             clock.t = 1.0
             for req in trace:
                 clock.t = max(clock.t, 1.0 + req.timestamp_ms / 1000.0)
                 keys = [_key(b) for b in req.hash_ids]
                 accesses += len(keys)
                 found = eng.lookup(TENANT, keys, lease=False).hits
-                hits += len(found)
+                per_request.append(len(found))
                 for loc in found:
                     by_nsid[loc.nsid] = by_nsid.get(loc.nsid, 0) + 1
                 parent = keys[len(found) - 1] if found else None
                 for key in keys[len(found) :]:
                     if not eng.lookup(TENANT, [key], lease=False).hits:
-                        eng.put_chunk(TENANT, key, data, parent=parent)
+                        try:
+                            eng.put_chunk(TENANT, key, data, parent=parent)
+                        except TierFull:
+                            break  # only the parent is held and it is kept: store what fits
                     parent = key
         finally:
             eng.close()
     names = {1: "dram", 2: "nvme"}
-    return EngineReplay(hits, accesses, {names[n]: c for n, c in sorted(by_nsid.items())})
+    by_tier = {names[n]: c for n, c in sorted(by_nsid.items())}
+    return EngineReplay(sum(per_request), accesses, by_tier, per_request)
+
+
+def policy_hits(
+    trace: Sequence[Request],
+    policy: str,
+    capacity: int,
+    *,
+    engine: bool = True,
+    data_dir: Path | None = None,
+) -> tuple[list[int], dict[str, int]]:
+    """(each request's prefix hits, hits per tier): through the real Engine, or with
+    `engine=False` through its fast path, the standalone simulator (the same hits, proven by
+    tests/test_replay_engine.py on every policy; the simulator knows one tier only)."""
+    if engine:
+        got = replay_engine(trace, policy, capacity, data_dir=data_dir)
+        return got.per_request, got.hits_by_tier
+    per_request = replay_hits(trace, make_policy(policy, capacity), capacity)
+    return per_request, {"nvme": sum(per_request)}

@@ -12,6 +12,7 @@ from dpu_agent.blockdev import BLOCK_SIZE
 from dpu_agent.engine._leases import Leases
 from dpu_agent.engine._records import Records
 from dpu_agent.engine.errors import QuotaExceeded, TierFull
+from dpu_agent.engine.index import NO_ROW
 from dpu_agent.engine.tiers import DRAM, NVME
 from dpu_agent.engine.types import TenantState
 from dpu_agent.metrics import REGISTRY, Counter
@@ -36,13 +37,18 @@ class Placement:
     def __init__(self, records: Records, leases: Leases, clock: Callable[[], float]) -> None:
         self._records, self._leases, self._clock = records, leases, clock
 
-    def place(self, ts: TenantState, n: int, length: int, now: float) -> tuple[int, int]:
+    def place(
+        self, ts: TenantState, n: int, length: int, now: float, keep: int = NO_ROW
+    ) -> tuple[int, int]:
         """DRAM if it has room now, else NVMe (dropping NVMe victims), else DRAM dropping its
-        victims: (tier, lba), or TierFull saying what holds the space."""
+        victims: (tier, lba), or TierFull saying what holds the space. `keep` (the row of the
+        chunk this one extends) is never dropped for it: a client building a prefix chain puts
+        its chunks one by one, and the chunk just put is the newest leaf, the one prefix-aware
+        policies would evict first; dropping it would cut the chain being written."""
         small = n <= ts.tiers[DRAM].alloc.block_count // SMALL_FRACTION
         steps = ((DRAM, False), (NVME, True), (DRAM, True)) if small else ((NVME, True),)
         for t, evict in steps:
-            lba = self.make_room(ts, t, n, now, evict=evict)
+            lba = self.make_room(ts, t, n, now, evict=evict, keep=keep)
             if lba is not None:
                 return t, lba
         parts = []
@@ -64,8 +70,10 @@ class Placement:
             "delete chunks, or give the tenant bigger tiers"
         )
 
-    def make_room(self, ts: TenantState, t: int, n: int, now: float, *, evict: bool) -> int | None:
-        """Allocate `n` blocks in tier `t`, dropping its victims first when `evict`."""
+    def make_room(
+        self, ts: TenantState, t: int, n: int, now: float, *, evict: bool, keep: int = NO_ROW
+    ) -> int | None:
+        """Allocate `n` blocks in tier `t`, dropping its victims (never `keep`) when `evict`."""
         tier = ts.tiers[t]
         if n > tier.alloc.block_count:
             return None
@@ -73,7 +81,7 @@ class Placement:
             lba = tier.alloc.alloc(n)
             if lba is not None or not evict:
                 return lba
-            row = self._records.victim(tier, now)
+            row = self._records.victim(tier, now, keep)
             if row is None:
                 return None
             self._evict(ts, t, row)

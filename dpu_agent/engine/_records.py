@@ -93,9 +93,9 @@ class Records:
 
     # --- the eviction policy's view ------------------------------------------------------------
 
-    def victim(self, tier: Tier, now: float) -> int | None:
+    def victim(self, tier: Tier, now: float, keep: int = NO_ROW) -> int | None:
         """Recovered chunks not used since the restart go first (leaves, oldest first), then
-        the policy's choice. Returns a row."""
+        the policy's choice. Returns a row, never `keep` (the chunk a put extends)."""
         cols = self.index.cols
         while tier.cold_pos < len(tier.cold):
             entry = int(tier.cold[tier.cold_pos])
@@ -106,13 +106,13 @@ class Records:
             )
             if stale or self.item(tier, row) in tier.policy:
                 continue
-            if self.evictable(row):
+            if self.evictable(row) and row != keep:
                 return row
-            self.policy_insert(tier, row, now)  # pinned or leased: let the policy track it
+            self.policy_insert(tier, row, now)  # pinned, leased or kept: the policy tracks it
         if len(tier.cold):
             tier.cold, tier.cold_pos = tier.cold[:0], 0
         rows = tier.rows
-        chosen = tier.policy.victim(lambda item: self.evictable(rows[item]))
+        chosen = tier.policy.victim(lambda item: rows[item] != keep and self.evictable(rows[item]))
         return None if chosen is None else rows[chosen]
 
     def evictable(self, row: int) -> bool:

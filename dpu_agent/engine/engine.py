@@ -339,7 +339,8 @@ class Engine:
             now = self._clock()
             self._leases.check_reservation_room(now)
             self._placement.enforce_quota(ts, n)
-            tier, lba = self._placement.place(ts, n, length, now)
+            keep = NO_ROW if parent is None else self._index.find(ts.tenant_id, parent)
+            tier, lba = self._placement.place(ts, n, length, now, keep)
             res = PendingReservation(
                 reservation_id=self._leases.next_id(),
                 tenant_id=ts.tenant_id,

@@ -4,7 +4,6 @@ Items are integer ids. A tier calls `insert`, `access` and `remove` as chunks co
 `victim(evictable)` when it needs room; `make_policy(name, capacity)` builds one by name.
 """
 
-from dpu_agent.eviction._adaptive import DEFAULT_CANDIDATES, AdaptivePolicy
 from dpu_agent.eviction._arc import ArcPolicy
 from dpu_agent.eviction._clock import ClockPolicy
 from dpu_agent.eviction._lru import Lru2Policy, LruPolicy
@@ -16,10 +15,8 @@ from dpu_agent.eviction._s3fifo import S3FifoPolicy
 
 __all__ = [
     "CAPACITY_ITEMS_MAX",
-    "DEFAULT_CANDIDATES",
     "DEFAULT_POLICY",
     "POLICY_NAMES",
-    "AdaptivePolicy",
     "ArcPolicy",
     "ClockPolicy",
     "Evictable",

@@ -1,4 +1,5 @@
-"""The shipped default: prefix-aware eviction over an adaptive recency/frequency split (ARC).
+"""`prefix`: prefix-aware eviction over an adaptive recency/frequency split (ARC); the default
+`prefix-run` (`_prefix_run.py`) builds on it.
 
 Why this shape (docs/EVICTION.md has the measurements):
 - A chunk is useless without its parent, and every request that uses a chunk uses its whole

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dpu_agent.eviction._adaptive import AdaptivePolicy
 from dpu_agent.eviction._arc import ArcPolicy
 from dpu_agent.eviction._clock import ClockPolicy
 from dpu_agent.eviction._lru import Lru2Policy, LruPolicy
@@ -15,7 +14,7 @@ from dpu_agent.eviction._s3fifo import S3FifoPolicy
 
 __all__ = ["DEFAULT_POLICY", "POLICY_NAMES", "make_policy"]
 
-DEFAULT_POLICY = "adaptive"
+DEFAULT_POLICY = "prefix-run"  # chosen through the engine: docs/EVICTION.md, "The default"
 
 _FACTORIES: dict[str, Callable[[int], EvictionPolicy]] = {
     "lru": LruPolicy,
@@ -25,7 +24,6 @@ _FACTORIES: dict[str, Callable[[int], EvictionPolicy]] = {
     "arc": ArcPolicy,
     "prefix": PrefixPolicy,
     "prefix-run": RunAwarePrefixPolicy,
-    "adaptive": AdaptivePolicy,
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
 

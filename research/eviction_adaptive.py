@@ -1,4 +1,8 @@
-"""`adaptive`: follow whichever candidate policy is doing best on the running workload.
+"""Research record, not part of the package: the `adaptive` policy that was the default until
+the replay went through the engine (docs/EVICTION.md, "History"). Import it with research/ on
+the path; it runs against the policies of `dpu_agent.eviction`.
+
+`adaptive`: follow whichever candidate policy is doing best on the running workload.
 
 Two parts, both fed every reference the tier sees:
 
@@ -61,13 +65,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from dpu_agent.eviction._arc import ArcPolicy
-from dpu_agent.eviction._clock import ClockPolicy
-from dpu_agent.eviction._lru import Lru2Policy, LruPolicy
-from dpu_agent.eviction._policy import Evictable, EvictionPolicy
-from dpu_agent.eviction._prefix import PrefixPolicy
-from dpu_agent.eviction._prefix_run import RunAwarePrefixPolicy
-from dpu_agent.eviction._s3fifo import S3FifoPolicy
+from dpu_agent.eviction import (
+    ArcPolicy,
+    ClockPolicy,
+    Evictable,
+    EvictionPolicy,
+    Lru2Policy,
+    LruPolicy,
+    PrefixPolicy,
+    RunAwarePrefixPolicy,
+    S3FifoPolicy,
+)
 
 __all__ = ["CANDIDATES", "DEFAULT_CANDIDATES", "AdaptivePolicy"]
 
