@@ -164,37 +164,13 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-# Cycles not yet broken, each with why it is there. The public module an engine's config
-# names (vLLM's kv_connector_module_path, LMCache's plugin) hands out the connector class
-# through a module __getattr__, so that importing it does not import vLLM/LMCache, and the
-# connector imports the public module's helpers back. Breaking them moves those helpers to a
-# third module (the integrations' owner's change). The list only shrinks: a cycle gone from
-# the code must go from here too (the test says so).
-KNOWN_CYCLES = {
-    (
-        "host_shim.integrations._lmcache_connector",
-        "host_shim.integrations.lmcache",
-        "host_shim.integrations._lmcache_connector",
-    ),
-    (
-        "host_shim.integrations._vllm_connector",
-        "host_shim.integrations.vllm",
-        "host_shim.integrations._vllm_connector",
-    ),
-}
-
-
 @pytest.mark.parametrize("package", ["dpu_agent/nvmf", "dpu_agent/engine", "host_shim"])
 def test_no_import_cycle_inside_package(package: str) -> None:
     """Modules of one package import each other in one direction: no module needs another
     that needs it back, at module level or inside a function (a lazy import only moves the
     cycle to run time)."""
     cycles = {tuple(c) for c in _cycles(_import_graph(ROOT / package))}
-    new = cycles - KNOWN_CYCLES
-    assert not new, "\n".join(" -> ".join(c) for c in sorted(new))
-    prefix = package.replace("/", ".") + "."
-    gone = {c for c in KNOWN_CYCLES if c[0].startswith(prefix)} - cycles
-    assert not gone, f"fixed: remove from KNOWN_CYCLES: {sorted(gone)}"
+    assert not cycles, "\n".join(" -> ".join(c) for c in sorted(cycles))
 
 
 def test_the_module_scan_sees_cycles_lazy_and_relative(tmp_path: Path) -> None:

@@ -22,8 +22,7 @@ from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorCont
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from host_shim.client import KVClient
-from host_shim.integrations.credentials import load_credentials, parse_salt
-from host_shim.integrations.lmcache import (
+from host_shim.integrations._lmcache_core import (
     PLUGIN,
     SCHEME,
     KeyedChunks,
@@ -31,6 +30,7 @@ from host_shim.integrations.lmcache import (
     object_shape,
     tier_key,
 )
+from host_shim.integrations.credentials import load_credentials, parse_salt
 from kvproto.keys import ChunkLayout
 
 __all__ = ["DpuKVConnectorAdapter", "DpuKVRemoteConnector"]

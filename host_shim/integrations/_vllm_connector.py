@@ -25,8 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from host_shim.client import KVClient
-from host_shim.integrations.layout import PagedLayout, check_chunk_tokens
-from host_shim.integrations.vllm import (
+from host_shim.integrations._vllm_core import (
     AsyncSaver,
     ConnectorSettings,
     ReqLoad,
@@ -38,6 +37,7 @@ from host_shim.integrations.vllm import (
     paged_kind_for,
     storable_chunks,
 )
+from host_shim.integrations.layout import PagedLayout, check_chunk_tokens
 from kvproto.keys import ChunkLayout
 
 if TYPE_CHECKING:

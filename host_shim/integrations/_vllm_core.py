@@ -1,0 +1,397 @@
+"""The vLLM connector's parts that need no vLLM (settings, load/store planning, the
+asynchronous saver, the load-or-recompute model); host_shim.integrations.vllm re-exports
+them and hands out the connector class (`_vllm_connector`) on first access."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import ssl
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from host_shim.control import client_tls_context
+from host_shim.gpu import staging_device
+from host_shim.integrations.credentials import load_credentials, parse_salt
+from host_shim.integrations.layout import (
+    BACKEND_KINDS,
+    PAGED_KINDS,
+    PagedLayout,
+    chunk_block_ids,
+    gather_chunks,
+    scatter_chunks,
+    torch_dtype,
+)
+from kvproto.keys import ChunkLayout
+
+__all__ = [
+    "STORE_QUEUE_BYTES_MAX",
+    "AsyncSaver",
+    "ConnectorSettings",
+    "ReqLoad",
+    "ReqStore",
+    "TierCostModel",
+    "failed_block_ids",
+    "load_request",
+    "matched_tokens",
+    "paged_kind_for",
+    "save_request",
+    "storable_chunks",
+]
+
+log = logging.getLogger("host_shim.integrations.vllm")
+
+# Bytes of gathered chunks waiting for the agent. A store over this is dropped (the tier misses
+# that prefix later; nothing is wrong) instead of making the forward wait: 512 MiB is ~40 chunks
+# of 256 tokens of a 135M-parameter float32 model, and bounds the host memory the queue can take
+# whatever the agent's speed.
+STORE_QUEUE_BYTES_MAX = 512 << 20
+# How long shutdown waits for queued stores before dropping them.
+STORE_DRAIN_S_MAX = 10.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConnectorSettings:
+    """`kv_connector_extra_config` of the connector, validated."""
+
+    control: str
+    tenant: str
+    token: str
+    salt: bytes
+    chunk_tokens: int = 256
+    paged_kind: str = "auto"
+    transport: str = "nvme-tcp"  # or "nixl" / "auto": KVClient's data path (host_shim.transport)
+    node_deadline_s: float | None = None  # a cluster URL's per-node deadline (None: default)
+    control_ca: str = ""  # PEM: verify tls:// agents against it (the credentials file's)
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """For tls:// control URLs: the credentials' CA; None lets the client use
+        DPUKV_CONTROL_TLS_CA or the system's CAs."""
+        return client_tls_context(self.control_ca) if self.control_ca else None
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
+        def secret(name: str) -> str:
+            if extra.get(name):
+                return str(extra[name])
+            path = extra.get(f"{name}_file")
+            if not path:
+                raise ValueError(f"kv_connector_extra_config needs {name!r} or {name + '_file'!r}")
+            return Path(str(path)).read_text().strip()
+
+        if extra.get("credentials_file"):  # `dpuctl hosts enrol`'s file: everything in one
+            creds = load_credentials(str(extra["credentials_file"]))
+            extra = {
+                **extra,
+                "control": creds.client_url,  # every URL: a cluster's seeds
+                "control_ca": creds.control_ca,
+                "tenant": creds.tenant,
+                "token": creds.token,
+                "salt": creds.salt.hex(),
+            }
+        for name in ("control", "tenant"):
+            if not extra.get(name):
+                raise ValueError(f"kv_connector_extra_config needs 'credentials_file' or {name!r}")
+        salt = parse_salt(secret("salt"))
+        kind = str(extra.get("paged_layout", "auto"))
+        if kind != "auto" and kind not in PAGED_KINDS:
+            raise ValueError(f"paged_layout {kind!r}: use 'auto' or one of {PAGED_KINDS}")
+        chunk_tokens = int(extra.get("chunk_tokens", 256))
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens={chunk_tokens} must be positive")
+        return cls(
+            control=str(extra["control"]),
+            tenant=str(extra["tenant"]),
+            token=secret("token"),
+            salt=salt,
+            chunk_tokens=chunk_tokens,
+            paged_kind=kind,
+            transport=str(extra.get("transport", "nvme-tcp")),
+            node_deadline_s=(
+                float(extra["node_deadline_s"]) if extra.get("node_deadline_s") else None
+            ),
+            control_ca=str(extra.get("control_ca") or ""),
+        )
+
+
+def paged_kind_for(backends: Sequence[str], shape: Sequence[int]) -> str:
+    """The paged layout of a KV tensor of `shape` kept by the attention backends named
+    `backends` (``AttentionBackend.get_name()``); ValueError when that is not known."""
+    kinds = {BACKEND_KINDS.get(b) for b in backends}
+    if len(shape) == 4 and len(kinds) == 1 and None not in kinds:
+        return str(kinds.pop())
+    if len(shape) == 5 and shape[0] == 2:
+        return "flash_attn_5d"
+    raise ValueError(
+        f"unknown vLLM KV layout: tensor shape {list(shape)} from attention backend(s) "
+        f"{list(backends)}; set kv_connector_extra_config.paged_layout to one of {PAGED_KINDS} "
+        "if one of them fits"
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReqLoad:
+    """Load chunks ``[first_chunk, first_chunk + chunk_count)`` of a request into its blocks."""
+
+    req_id: str
+    token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    first_chunk: int
+    chunk_count: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReqStore:
+    """Store chunks ``[first_chunk, chunk_count)`` of a request out of its blocks (those
+    before `first_chunk` the agent holds already, or were stored in an earlier step)."""
+
+    req_id: str
+    token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    chunk_count: int
+    first_chunk: int = 0
+
+
+def matched_tokens(
+    hit_chunks: int, prompt_tokens: int, num_computed_tokens: int, chunk_tokens: int
+) -> int:
+    """Tokens the tier adds beyond vLLM's own prefix cache (get_num_new_matched_tokens)."""
+    usable = min(hit_chunks, (prompt_tokens - 1) // chunk_tokens)  # keep one token to compute
+    return max(0, usable * chunk_tokens - num_computed_tokens)
+
+
+def storable_chunks(computed_tokens: int, prompt_tokens: int, chunk_tokens: int) -> int:
+    """Full prompt chunks whose KV exists after `computed_tokens` tokens were computed."""
+    return min(computed_tokens, prompt_tokens) // chunk_tokens
+
+
+def load_request(
+    client: Any,
+    kv_layers: Sequence[torch.Tensor],
+    paged: PagedLayout,
+    layout: ChunkLayout,
+    req: ReqLoad,
+) -> int:
+    """Get the request's chunks from the tier into its paged blocks; returns how many of them
+    (from `first_chunk` on) were loaded. The rest were not: `failed_block_ids` names their
+    blocks, which hold whatever they held before."""
+    if req.chunk_count == 0:
+        return 0
+    n = layout.chunk_tokens
+    end = req.first_chunk + req.chunk_count
+    keys = client.keys(list(req.token_ids[: end * n]))[req.first_chunk :]
+    device = staging_device(client, kv_layers[0].device)  # NIXL: the GPU itself, no staging
+    shape = (req.chunk_count, *layout.chunk_shape)
+    bufs = torch.empty(shape, dtype=torch_dtype(layout.dtype), device=device)
+    # Chunks before first_chunk are vLLM's own (its prefix cache): neither read nor written.
+    loaded = int(client.get_keys(keys, list(bufs.unbind(0))))
+    scatter_chunks(bufs[:loaded], kv_layers, paged, req.block_ids, req.first_chunk, layout)
+    return loaded
+
+
+def failed_block_ids(req: ReqLoad, loaded: int, chunk_tokens: int, block_size: int) -> set[int]:
+    """The blocks of the chunks of `req` that `load_request` did not load."""
+    return {
+        b
+        for i in range(req.first_chunk + loaded, req.first_chunk + req.chunk_count)
+        for b in chunk_block_ids(req.block_ids, i, chunk_tokens, block_size)
+    }
+
+
+def save_request(
+    client: Any,
+    kv_layers: Sequence[torch.Tensor],
+    paged: PagedLayout,
+    layout: ChunkLayout,
+    req: ReqStore,
+) -> int:
+    """Gather chunks ``[first_chunk, chunk_count)`` out of the request's paged blocks and put
+    them (the agent skips those it holds); returns how many leading chunks it holds."""
+    first, count = req.first_chunk, req.chunk_count
+    if count <= first:
+        return count
+    n = layout.chunk_tokens
+    keys = client.keys(list(req.token_ids[: count * n]))
+    device = staging_device(client, kv_layers[0].device)  # NIXL: the GPU itself, no staging
+    chunks = gather_chunks(kv_layers, paged, req.block_ids, first, count - first, layout)
+    parents = [keys[first - 1] if first else None, *keys[first : count - 1]]
+    held = int(client.put_keys(keys[first:count], list(chunks.to(device).unbind(0)), parents))
+    return first + held
+
+
+# Weight of the newest observation in the cost model's moving averages: about the last ten
+# transfers or steps count, so a throttled tier is noticed within a few requests.
+COST_EWMA_WEIGHT = 0.2
+# Smallest prefill step (tokens) that measures the engine's prefill rate: decode steps of a few
+# tokens measure per-step overhead, not prefill.
+PREFILL_TOKENS_MIN = 64
+# Gaps between steps longer than this are idle time, not compute.
+STEP_GAP_S_MAX = 30.0
+
+
+class TierCostModel:
+    """Whether loading a matched prefix beats recomputing it, from what was measured: the tier's
+    per-transfer latency and bandwidth (each load and store the connector makes) and the
+    engine's prefill rate (tokens per second of its prefill steps). Estimate to load `b` bytes:
+    ``latency + b / bandwidth``; to recompute `t` tokens: ``t / prefill_rate``. Until both are
+    measured the answer is yes (the loads are what measures the tier). Thread-safe: the worker
+    observes transfers while the scheduler asks."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.latency_s: float | None = None
+        self.bytes_per_s: float | None = None
+        self.prefill_tokens_per_s: float | None = None
+
+    @staticmethod
+    def _ewma(old: float | None, new: float) -> float:
+        return new if old is None else (1 - COST_EWMA_WEIGHT) * old + COST_EWMA_WEIGHT * new
+
+    def observe_latency(self, seconds: float) -> None:
+        """A control round trip with no data (the scheduler's lease)."""
+        if seconds > 0:
+            with self._lock:
+                self.latency_s = self._ewma(self.latency_s, seconds)
+
+    def observe_transfer(self, nbytes: int, seconds: float) -> None:
+        """A load or store of `nbytes` that took `seconds` (its latency included)."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            lat = min(self.latency_s or 0.0, seconds / 2)
+            self.bytes_per_s = self._ewma(self.bytes_per_s, nbytes / (seconds - lat))
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens < PREFILL_TOKENS_MIN or not 0 < seconds <= STEP_GAP_S_MAX:
+            return
+        with self._lock:
+            self.prefill_tokens_per_s = self._ewma(self.prefill_tokens_per_s, tokens / seconds)
+
+    def load_s(self, nbytes: int) -> float | None:
+        with self._lock:
+            if self.bytes_per_s is None:
+                return None
+            return (self.latency_s or 0.0) + nbytes / self.bytes_per_s
+
+    def recompute_s(self, tokens: int) -> float | None:
+        with self._lock:
+            rate = self.prefill_tokens_per_s
+        return None if rate is None else tokens / rate
+
+    def worth_loading(self, tokens: int, nbytes: int) -> bool:
+        load, recompute = self.load_s(nbytes), self.recompute_s(tokens)
+        if load is None or recompute is None:
+            return True
+        return load < recompute
+
+
+@dataclass(slots=True)
+class _Queued:
+    keys: list[bytes]
+    parents: list[bytes | None]
+    chunks: torch.Tensor
+    nbytes: int
+
+
+class AsyncSaver:
+    """Puts gathered chunks to the tier on its own thread and client, so that a store never
+    holds up the forward that produced it: `save` copies the chunks out of the paged blocks
+    (the only work on the request's path, a memory copy), queues them and returns; the blocks
+    can be reused at once. Back-pressure: at most `queue_bytes_max` bytes wait; a store that
+    would exceed it is dropped and counted (`dropped`), never waited for. Stores run in order,
+    so a chunk's parent is put before it. The saver owns `client` (close() closes it): give it
+    one of its own, so that a put in flight never holds the lock a load waits on."""
+
+    def __init__(
+        self,
+        client: Any,
+        layout: ChunkLayout,
+        queue_bytes_max: int = STORE_QUEUE_BYTES_MAX,
+        cost: TierCostModel | None = None,
+    ):
+        self._client, self._layout, self._max, self._cost = client, layout, queue_bytes_max, cost
+        self._queue: deque[_Queued] = deque()
+        self._cond = threading.Condition()
+        self._queued_bytes = 0
+        self._busy = False
+        self._stop = False
+        self.stored = 0  # chunks the agent acknowledged
+        self.dropped = 0  # chunks dropped by back-pressure or a lost agent
+        self._thread = threading.Thread(target=self._run, name="dpukv-save", daemon=True)
+        self._thread.start()
+        # an engine that exits without calling the connector's shutdown still drains its queue
+        atexit.register(self.flush, STORE_DRAIN_S_MAX)
+
+    def save(self, kv_layers: Sequence[torch.Tensor], paged: PagedLayout, req: ReqStore) -> bool:
+        """Queue chunks ``[first_chunk, chunk_count)`` of `req`; False when dropped."""
+        first, count = req.first_chunk, req.chunk_count
+        if count <= first:
+            return True
+        nbytes = (count - first) * self._layout.chunk_bytes
+        with self._cond:
+            if self._stop or self._queued_bytes + nbytes > self._max:
+                self.dropped += count - first
+                return False
+            self._queued_bytes += nbytes  # reserved before the copy: the cap holds while copying
+        n = self._layout.chunk_tokens
+        keys = self._client.keys(list(req.token_ids[: count * n]))
+        chunks = gather_chunks(kv_layers, paged, req.block_ids, first, count - first, self._layout)
+        parents = [keys[first - 1] if first else None, *keys[first : count - 1]]
+        with self._cond:
+            self._queue.append(_Queued(keys[first:count], parents, chunks, nbytes))
+            self._cond.notify_all()
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stop:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                item = self._queue.popleft()
+                self._busy = True
+            try:
+                device = staging_device(self._client, item.chunks.device)
+                chunks = list(item.chunks.to(device).unbind(0))
+                t0 = time.perf_counter()
+                held = int(self._client.put_keys(item.keys, chunks, item.parents))
+                if self._cost is not None and held:
+                    self._cost.observe_transfer(item.nbytes, time.perf_counter() - t0)
+            except Exception:  # a store is an optimisation: log, never take the engine down
+                log.exception("dpukv: store of %d chunks failed", len(item.keys))
+                held = 0
+            with self._cond:
+                self.stored += held
+                self.dropped += len(item.keys) - held
+                self._queued_bytes -= item.nbytes
+                self._busy = False
+                self._cond.notify_all()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every queued store is done (True) or `timeout_s` passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, drain_s: float = STORE_DRAIN_S_MAX) -> None:
+        self.flush(drain_s)
+        with self._cond:
+            self.dropped += sum(len(q.keys) for q in self._queue)
+            self._queue.clear()
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=drain_s)
+        self._client.close()
