@@ -89,3 +89,17 @@ def test_real_partition_reports_call_latency_misses_and_heal_and_cleans_up() -> 
         "partition_call_ms_max"]  # fmt: skip
     assert rep["cut_node_says_cut_off_s"] is not None
     assert rep["heal_converged_s"] > 0 and rep["heal_misses"] == 0
+
+
+def test_push_pull_interval_scales_as_memberlists_and_its_bytes_grow_with_members() -> None:
+    from dpu_agent.bench.cluster import push_pull_bytes, push_pull_interval_s
+
+    # memberlist pushPullScale: unchanged up to 32 members, then x(ceil(log2 n - 5) + 1)
+    assert [push_pull_interval_s(n) for n in (2, 32, 33, 64, 65, 128, 1024)] == [
+        30.0, 30.0, 60.0, 60.0, 90.0, 90.0, 180.0,
+    ]  # fmt: skip
+    small, large = push_pull_bytes(32), push_pull_bytes(1024)
+    assert 32 * 200 < small["push_pull_state_bytes"] < 32 * 600  # names, tags and the HMAC
+    assert large["push_pull_state_bytes"] > 30 * small["push_pull_state_bytes"]
+    # the slower exchanges at 1,024 members do not make up for 32x the state
+    assert large["push_pull_bytes_per_member_per_s"] > small["push_pull_bytes_per_member_per_s"]

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import click
+import msgpack
 import numpy as np
 
 from dpu_agent.cluster import SerfClient, SerfProcess, free_port, node_of, plan
@@ -74,11 +75,44 @@ SUSPICION_MULT = 4
 # the 200 ms tick). Failure detection 5.96/7.72/10.22 s against suspicion timeouts of
 # 3.6/4.8/6.0 s: +3.1 s on average (probe round, indirect probes, the dead message's gossip).
 CALIBRATION = {"propagation_scale": 0.62, "propagation_offset_s": 0.0, "failure_offset_s": 3.1}
+# memberlist's full state exchange (push-pull, TCP) with one random member: every 30 s on the
+# LAN profile up to 32 members, then slower as the cluster grows so that the exchanges do not
+# saturate the network (memberlist util.go pushPullScale: x(ceil(log2 n - log2 32) + 1)).
+PUSH_PULL_INTERVAL_S = 30.0
+PUSH_PULL_SCALE_THRESHOLD = 32
+
+
+def push_pull_interval_s(n: int) -> float:
+    """Seconds between one member's push-pull exchanges in a cluster of `n` (memberlist)."""
+    if n <= PUSH_PULL_SCALE_THRESHOLD:
+        return PUSH_PULL_INTERVAL_S
+    mult = math.ceil(math.log2(n) - math.log2(PUSH_PULL_SCALE_THRESHOLD)) + 1
+    return mult * PUSH_PULL_INTERVAL_S
+
+
+def push_pull_bytes(n: int) -> dict[str, Any]:
+    """What push-pull costs at `n` members with this project's tags: the full state one
+    exchange carries (each member as memberlist encodes it: name, address, port, the tags
+    Serf packs into its meta, incarnation, state, versions), and per member per second."""
+    members = []
+    for i in range(n):
+        name = f"dpu-{i:05d}.rack-{i // 32:03d}"
+        meta = msgpack.packb(_tags(name, i))
+        members.append({"Name": name, "Addr": bytes(16), "Port": 7946, "Meta": meta,
+                        "Incarnation": 1, "State": 0, "Vsn": [1, 5, 2, 2, 5, 4]})  # fmt: skip
+    state = len(msgpack.packb(members))
+    interval = push_pull_interval_s(n)
+    return {
+        "push_pull_interval_s": interval,
+        "push_pull_state_bytes": state,
+        # each member starts one exchange per interval and answers one on average: both ways
+        "push_pull_bytes_per_member_per_s": round(4 * state / interval),
+    }
 
 
 def gossip_rounds(n: int, rng: np.random.Generator) -> int:
     """Gossip rounds until all `n` nodes hold a broadcast that starts at one node; a node
-    never reached by gossip gets it at the next push-pull (counted as the rounds of 30 s)."""
+    never reached by gossip gets it at the next push-pull (push_pull_interval_s(n) of rounds)."""
     limit = RETRANSMIT_MULT * max(1, math.ceil(math.log10(n + 1)))
     informed = np.zeros(n, dtype=bool)
     budget = np.zeros(n, dtype=np.int64)
@@ -94,7 +128,7 @@ def gossip_rounds(n: int, rng: np.random.Generator) -> int:
         budget[new] = limit
         if informed.all():
             return rounds
-    return int(30.0 / GOSSIP_INTERVAL_S)  # residue: healed by the next push-pull
+    return int(push_pull_interval_s(n) / GOSSIP_INTERVAL_S)  # residue: the next push-pull
 
 
 def _model_s(rounds: np.ndarray) -> np.ndarray:
@@ -180,6 +214,7 @@ def run_simulation(
         "convergence_s_p99": round(float(np.percentile(conv, 99)), 3),
         "failure_detect_s": round(_failure_model_s(nodes), 2),
         **refresh_bytes(nodes),
+        **push_pull_bytes(nodes),
         **view_change_cpu(nodes, replicas),
         "calibration": CALIBRATION,
         "elapsed_s": round(time.perf_counter() - t0, 2),
