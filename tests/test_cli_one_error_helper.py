@@ -70,7 +70,7 @@ def test_no_command_group_defines_its_own_error_exit() -> None:
         f"{path.name}:{node.name}"
         for path in sorted(CLI.glob("*.py"))
         if path.name != "_common.py"
-        for node in ast.walk(ast.parse(path.read_text()))
+        for node in ast.parse(path.read_text()).body  # a module's own helpers, not a callback
         if isinstance(node, ast.FunctionDef) and node.name.strip("_") in ("fail", "errors", "show")
     ]
     assert not own, own
