@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -712,7 +711,7 @@ class Engine:
         with self._lock:
             try:
                 self._commit.journal.close()
-                _mark_clean_stop(self._commit.journal.dir / CLEAN_STOP)
+                jr.replace_file(self._commit.journal.dir / CLEAN_STOP, b"clean\n")
             except OSError as e:  # no marker: the next start reports an unclean stop, no harm
                 log.warning("engine.clean_stop_marker_failed", error=str(e))
             except JournalError as e:  # the last fsync failed: a power loss may cost the tail
@@ -741,18 +740,3 @@ class Engine:
             return backup_mod.restore(self, [Path(d) for d in backup_dirs], mode)
         finally:
             self.restore_interrupted = backup_mod.interrupted_restore(self.config.data_dir)
-
-
-def _mark_clean_stop(path: Path) -> None:
-    """The marker, durable: written, fsynced, and its directory entry fsynced."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, b"clean\n")
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
