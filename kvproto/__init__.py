@@ -4,32 +4,23 @@ Chunk keys, checksums, control-plane frames and NVMe/TCP PDUs. Depends only on t
 shim's own dependencies (msgpack, xxhash, numpy).
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-# Imported on first use: kvproto.control (the CLI's, every command's) needs no numpy.
-_WHERE = {
-    "CHECKSUM_BYTES": "kvproto.checksum",
-    "chunk_checksum": "kvproto.checksum",
-    "verify_checksum": "kvproto.checksum",
-    "KEY_BYTES": "kvproto.keys",
-    "LAYOUT_ID_BYTES": "kvproto.keys",
-    "ChunkLayout": "kvproto.keys",
-    "chunk_keys": "kvproto.keys",
-}
+from kvproto._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kvproto.checksum import CHECKSUM_BYTES, chunk_checksum, verify_checksum
     from kvproto.keys import KEY_BYTES, LAYOUT_ID_BYTES, ChunkLayout, chunk_keys
 
 
-def __getattr__(name: str) -> Any:
-    where = _WHERE.get(name)
-    if where is None:
-        raise AttributeError(f"module 'kvproto' has no attribute {name!r}")
-    value = getattr(importlib.import_module(where), name)
-    globals()[name] = value
-    return value
+# Imported on first use: kvproto.control (the CLI's, every command's) needs no numpy.
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "kvproto.checksum": ("CHECKSUM_BYTES", "chunk_checksum", "verify_checksum"),
+        "kvproto.keys": ("KEY_BYTES", "LAYOUT_ID_BYTES", "ChunkLayout", "chunk_keys"),
+    },
+)
 
 
 __all__ = [
