@@ -14,6 +14,7 @@ from kvproto.keys import KEY_BYTES
 
 __all__ = [
     "PLUGIN",
+    "SCHEME",
     "KeyedChunks",
     "agent_address",
     "object_shape",

@@ -36,25 +36,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from host_shim.integrations._lmcache_core import (
-    PLUGIN,
-    SCHEME,
-    KeyedChunks,
-    agent_address,
-    object_shape,
-    parse_dpukv_url,
-    tier_key,
-)
-
-__all__ = [
-    "PLUGIN",
-    "SCHEME",
-    "KeyedChunks",
-    "agent_address",
-    "object_shape",
-    "parse_dpukv_url",
-    "tier_key",
-]
+# The parts that need no LMCache, re-exported as they are (`_lmcache_core.__all__`).
+from host_shim.integrations._lmcache_core import *  # noqa: F403
+from host_shim.integrations._lmcache_core import __all__ as __all__
 
 
 def __getattr__(name: str) -> Any:

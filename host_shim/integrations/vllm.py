@@ -45,35 +45,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from host_shim.integrations._vllm_core import (
-    STORE_QUEUE_BYTES_MAX,
-    AsyncSaver,
-    ConnectorSettings,
-    ReqLoad,
-    ReqStore,
-    TierCostModel,
-    failed_block_ids,
-    load_request,
-    matched_tokens,
-    paged_kind_for,
-    save_request,
-    storable_chunks,
-)
-
-__all__ = [
-    "STORE_QUEUE_BYTES_MAX",
-    "AsyncSaver",
-    "ConnectorSettings",
-    "ReqLoad",
-    "ReqStore",
-    "TierCostModel",
-    "failed_block_ids",
-    "load_request",
-    "matched_tokens",
-    "paged_kind_for",
-    "save_request",
-    "storable_chunks",
-]
+# The parts that need no vLLM, re-exported as they are (`_vllm_core.__all__`).
+from host_shim.integrations._vllm_core import *  # noqa: F403
+from host_shim.integrations._vllm_core import __all__ as __all__
 
 
 def __getattr__(name: str) -> Any:
