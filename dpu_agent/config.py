@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 from dpu_agent.eviction import DEFAULT_POLICY, POLICY_NAMES
 from dpu_agent.net import NetConfigError, NetDesired, parse_net
 from dpu_agent.units import SizeError, parse_size
-from kvproto.control import TENANTS_MAX, valid_tenant_name
+from kvproto.control import REPLICAS_MAX, TENANTS_MAX, valid_tenant_name
 from kvproto.nvme import BLOCK_BYTES
 from kvproto.peer_auth import parse_peer_keys
 from kvproto.tomlfile import CONFIG_BYTES_MAX, TomlFileError, load_toml
@@ -580,18 +580,6 @@ def _check_values(cfg: AgentConfig) -> None:
 def _check_cluster(cfg: AgentConfig) -> None:
     """[cluster] replicas (and each tenant's) within 1..REPLICAS_MAX; profile one of Serf's."""
     c = cfg.cluster
-    if c.replicas != 1 or any(t.replicas for t in cfg.tenants.values()):
-        _check_replicas(cfg)  # the defaults need no bound (and dpuctl status no numpy)
-    if c.serf_profile not in ("lan", "wan", "local"):
-        raise ConfigError(
-            f"{cfg.source}: [cluster] serf_profile={c.serf_profile!r}: lan, wan or local"
-        )
-
-
-def _check_replicas(cfg: AgentConfig) -> None:
-    from kvproto.placement import REPLICAS_MAX  # placement's numpy: only when replicas are set
-
-    c = cfg.cluster
     if not 1 <= c.replicas <= REPLICAS_MAX:
         raise ConfigError(
             f"{cfg.source}: [cluster] replicas={c.replicas} must be 1..{REPLICAS_MAX}"
@@ -601,6 +589,10 @@ def _check_replicas(cfg: AgentConfig) -> None:
             raise ConfigError(
                 f"{cfg.source}: [tenants.{t.name}] replicas={t.replicas} must be 0..{REPLICAS_MAX}"
             )
+    if c.serf_profile not in ("lan", "wan", "local"):
+        raise ConfigError(
+            f"{cfg.source}: [cluster] serf_profile={c.serf_profile!r}: lan, wan or local"
+        )
 
 
 def _check_etcd(cfg: AgentConfig) -> None:

@@ -82,6 +82,7 @@ __all__ = [
     "NIXL_SPAN_BYTES_MAX",
     "OPS",
     "PROTOCOL_VERSION",
+    "REPLICAS_MAX",
     "TENANTS_MAX",
     "ErrorCode",
     "FrameDecoder",
@@ -106,6 +107,9 @@ PROTOCOL_VERSION: Final = 1
 LOOKUP_KEYS_MAX: Final = 4096
 # Tenants one agent serves: each is an NVMe-oF subsystem with its own keys and tiers; far above
 # any DPU's real tenant count, and it bounds every per-tenant table (tokens, keys, engine state).
+# copies of one chunk (the `replicas` of a members reply); beyond this a chunk is a broadcast,
+# not a cache
+REPLICAS_MAX: Final = 8
 TENANTS_MAX: Final = 4096
 # 1 MiB bounds what one peer can make us buffer per connection; no control message needs more.
 CONTROL_FRAME_BYTES_MAX: Final = 1 << 20

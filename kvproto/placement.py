@@ -25,6 +25,8 @@ from typing import Any, Final
 
 import numpy as np
 
+from kvproto.control import REPLICAS_MAX
+
 __all__ = [
     "NODE_STATES",
     "REPLICAS_MAX",
@@ -36,7 +38,6 @@ __all__ = [
 ]
 
 NODE_STATES: Final = ("joining", "serving", "leaving")
-REPLICAS_MAX: Final = 8  # copies of one chunk; beyond this a chunk is a broadcast, not a cache
 # Cells of the [keys x nodes] score matrix per numpy pass: 256 KiB temporaries stay in cache
 # (3-4 ns a cell here at 1,024 nodes, 4x faster than 64 MiB passes).
 SCORE_CELLS_MAX: Final = 1 << 15
