@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from dpu_agent.nvmf.__main__ import XTS_KEY_ENV
+from host_shim.control import ControlChannel
+from kvproto.control import ADMIN_TENANT
 
 __all__ = [
     "SPAWN_TIMEOUT_S",
@@ -45,6 +47,18 @@ TARGET_STOP_TIMEOUT_S = 10.0
 
 
 # --- an agent in a child process ---------------------------------------------------------------
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process `pid` in bytes (/proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+# What `dpuctl agent run` is, as the `python -c` program of a child
+AGENT_PROGRAM = "from dpu_agent.cli import main; main()"
 
 
 @dataclass(slots=True, kw_only=True)
@@ -68,6 +82,25 @@ class AgentProcess:
     @property
     def metrics_url(self) -> str:
         return str(self.state["metrics"])
+
+    @property
+    def port(self) -> int:
+        """The TCP control listener's port."""
+        return int(self.control_url.rsplit(":", 1)[1])
+
+    def rss(self) -> int:
+        """The agent's resident memory in bytes."""
+        return rss_bytes(self.proc.pid)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def admin(self, op: str, **fields: Any) -> dict[str, Any]:
+        """One admin op over the Unix socket, with the admin token."""
+        with ControlChannel(self.unix_url, ADMIN_TENANT, self.admin_token) as adm:
+            adm.connect()
+            result: dict[str, Any] = adm.call(op, **fields)
+            return result
 
     def stop(self, sig: int = signal.SIGINT, timeout_s: float = 60.0) -> int:
         """Signal the agent and wait; SIGKILL if it does not stop in time. Returns its code."""
@@ -98,9 +131,12 @@ def spawn_agent(
     config: str | os.PathLike[str] | None = None,
     timeout_s: float = SPAWN_TIMEOUT_S,
     netns: str | None = None,
+    program: str = AGENT_PROGRAM,
 ) -> AgentProcess:
     """Start an agent on ephemeral loopback ports (unless `env` says otherwise) and wait for it;
-    with `netns`, inside that network namespace (`ip netns exec`: the same process id)."""
+    with `netns`, inside that network namespace (`ip netns exec`: the same process id).
+    `program` is the `python -c` code the child runs (tests that patch module constants
+    first pass their own, ending in AGENT_PROGRAM)."""
     data = Path(data_dir).absolute()
     data.mkdir(parents=True, exist_ok=True)
     child_env = {
@@ -114,7 +150,7 @@ def spawn_agent(
     state_path = data / "agent.json"
     with contextlib.suppress(FileNotFoundError):
         state_path.unlink()  # a stale one from a killed agent
-    args = [sys.executable, "-c", "from dpu_agent.cli import main; main()", "agent", "run"]
+    args = [sys.executable, "-c", program, "agent", "run"]
     if config is not None:
         args += ["--config", str(config)]
     if netns is not None:

@@ -32,7 +32,7 @@ from dpu_agent.engine import Engine, EngineConfig
 from dpu_agent.log import REFUSAL_LINES_PER_WINDOW_MAX, RateLimitedLog
 from dpu_agent.nvmf import NvmeTcpTarget, Subsystem, TargetOptions
 from dpu_agent.nvmf._limits import CONTROLLER_BUFFER_BYTES_MAX, BufferBudget, SizedPool
-from dpu_agent.testing import TargetProcess
+from dpu_agent.testing import TargetProcess, rss_bytes
 from host_shim.client import ControlChannel
 from host_shim.nvme import NvmeTcpController
 from kvproto.control import ADMIN_TENANT
@@ -45,13 +45,6 @@ ATTACKERS = [f"127.0.0.{i}" for i in range(2, 12)]  # ten source addresses on lo
 # RSS the target may gain under each attack (buffers, kernel queues, allocator slack): the
 # attacks below took 0.8-1.5 GiB before the fixes.
 RSS_GROWTH_BYTES_MAX = CONTROLLER_BUFFER_BYTES_MAX + (64 << 20)
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 def check_legit(ctrl: NvmeTcpController, round_: int) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import json
-import os
+import signal
 import socket
 import ssl
 import statistics
@@ -21,7 +21,6 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from dpu_agent.control._dispatch import HELLO_FAILURES_PER_ADDRESS_MAX, HelloFai
 from dpu_agent.control._server import TLS_HANDSHAKE_DEADLINE_S
 from dpu_agent.nvmf import Subsystem
 from dpu_agent.nvmf import _keys as nvmf_keys
+from dpu_agent.testing import AGENT_PROGRAM, AgentProcess, spawn_agent
 from host_shim.client import AgentUnreachable, ControlChannel, ControlError, KVClient
 from host_shim.nvme import NvmeTcpController
 from kvproto.control import ADMIN_TENANT, PROTOCOL_VERSION, encode_request
@@ -65,95 +65,33 @@ PRELUDE = (
     "    m = importlib.import_module(mod)\n"
     "    for k, v in attrs.items():\n"
     "        hasattr(m, k) or print('no such constant', mod, k)\n"
-    "        setattr(m, k, v)\n"
-    "from dpu_agent.cli import main\n"
-    "main()\n"
+    "        setattr(m, k, v)\n" + AGENT_PROGRAM
 )
-SPAWN_TIMEOUT_S = 60.0
-
-
-@dataclass
-class Agent:
-    proc: subprocess.Popen[bytes]
-    data: Path
-    state: dict[str, Any]
-    token: str
-    admin_token: str
-
-    @property
-    def control_url(self) -> str:
-        return str(self.state["control"]["tcp"])
-
-    @property
-    def unix_url(self) -> str:
-        return str(self.state["control"]["unix"])
-
-    @property
-    def port(self) -> int:
-        return int(self.control_url.rsplit(":", 1)[1])
-
-    def rss(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise AssertionError("no VmRSS")
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def admin(self, op: str, **fields: Any) -> dict[str, Any]:
-        with ControlChannel(self.unix_url, ADMIN_TENANT, self.admin_token) as adm:
-            adm.connect()
-            return adm.call(op, **fields)
 
 
 @contextlib.contextmanager
 def agent(
     tmp: Path, patches: dict[str, dict[str, Any]] | None = None, env: dict[str, str] | None = None
-) -> Iterator[Agent]:
-    """A `dpuctl agent run` child on ephemeral loopback ports (as service.spawn_agent), with
-    module constants patched."""
-    data = tmp / "var"
-    data.mkdir(parents=True, exist_ok=True)
-    child_env = {
-        **os.environ,
-        "DPUKV_AGENT_DATA_DIR": str(data),
-        "DPUKV_CONTROL_PORT": "0",
-        "DPUKV_NVMF_PORT": "0",
-        "DPUKV_METRICS_PORT": "0",
-        "DPUKV_METRICS_ENABLED": "false",
-        "DPUKV_TEST_PATCHES": json.dumps(patches or {}),
-        **(env or {}),
-    }
-    with open(data / "agent.log", "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-c", PRELUDE, "agent", "run"], env=child_env,
-                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+) -> Iterator[AgentProcess]:
+    """A `dpuctl agent run` child on ephemeral loopback ports (dpu_agent.testing.spawn_agent),
+    with module constants patched."""
+    a = spawn_agent(
+        tmp / "var",
+        env={"DPUKV_METRICS_ENABLED": "false", "DPUKV_TEST_PATCHES": json.dumps(patches or {}),
+             **(env or {})},
+        program=PRELUDE,
+    )  # fmt: skip
     try:
-        deadline = time.monotonic() + SPAWN_TIMEOUT_S
-        state: dict[str, Any] = {}
-        while time.monotonic() < deadline and state.get("pid") != proc.pid:
-            assert proc.poll() is None, (data / "agent.log").read_text()[-2000:]
-            with contextlib.suppress(FileNotFoundError, ValueError):
-                state = json.loads((data / "agent.json").read_text())
-            time.sleep(0.05)
-        assert state.get("pid") == proc.pid, "the agent did not start"
-        yield Agent(proc, data, state, (data / "tenant-default.token").read_text().strip(),
-                    (data / "admin.token").read_text().strip())  # fmt: skip
+        yield a
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        a.stop(signal.SIGTERM, 30)
 
 
 class Legit:
     """A legitimate client of tenant `default`: committed chunks it reads back byte-exact, and
     lookups on its own control channel, timed."""
 
-    def __init__(self, a: Agent, url: str | None = None, **kw: Any) -> None:
+    def __init__(self, a: AgentProcess, url: str | None = None, **kw: Any) -> None:
         self.url = url or a.control_url
         rng = np.random.default_rng(7)
         self.tokens = rng.integers(0, 50000, size=LAYOUT.chunk_tokens * 2, dtype=np.int64)
@@ -504,7 +442,7 @@ def test_fresh_nqn_hellos_never_evict_a_host_key_in_use(tmp_path: Path) -> None:
             legit.check()
             legit.assert_fast()
             assert a.rss() - before < RSS_GROWTH_BYTES_MAX
-        keys = json.loads((a.data / "host_keys.json").read_text())
+        keys = json.loads((a.data_dir / "host_keys.json").read_text())
         assert len(keys["default"]) <= KEYS_BUDGET and victim in keys["default"]
         assert a.alive()
 

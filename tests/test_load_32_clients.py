@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dpu_agent.testing import spawn_agent
+from dpu_agent.testing import rss_bytes, spawn_agent
 from host_shim import KVClient
 from kvproto.keys import ChunkLayout
 
@@ -35,13 +35,6 @@ def prompt_chunks(prompt: int) -> list[np.ndarray]:
         rng.integers(0, 1 << 16, LAYOUT.chunk_shape, dtype=np.uint16).view(np.float16)
         for _ in range(CHUNKS)
     ]
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 def worker(url: str, token: str, cid: int, deadline: float, errors: list[str],

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from dpu_agent.nixl._metadata import parse_metadata
-from dpu_agent.testing import AgentProcess, spawn_agent
+from dpu_agent.testing import AgentProcess, rss_bytes, spawn_agent
 from host_shim.client import ControlChannel, ControlError
 from host_shim.transport import nixl_status
 
@@ -114,13 +114,6 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
-def _rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) << 10
-    return 0
-
-
 def _fds(pid: int) -> int:
     return sum(len(os.listdir(f"/proc/{p}/fd")) for p in _tree(pid) if Path(f"/proc/{p}").exists())
 
@@ -138,10 +131,10 @@ def _worker(agent: AgentProcess) -> int | None:
 
 def _bounded(agent: AgentProcess) -> None:
     assert agent.proc.poll() is None, "the agent died"
-    assert _rss(agent.proc.pid) < AGENT_RSS_MAX, _rss(agent.proc.pid)
+    assert rss_bytes(agent.proc.pid) < AGENT_RSS_MAX, rss_bytes(agent.proc.pid)
     w = _worker(agent)
     if w is not None:
-        assert _rss(w) < WORKER_RSS_MAX, _rss(w)
+        assert rss_bytes(w) < WORKER_RSS_MAX, rss_bytes(w)
 
 
 @contextlib.contextmanager
@@ -339,14 +332,14 @@ def test_nixl_huge_claimed_spans_are_refused_before_any_allocation(
     """A 2^46-byte put span inside a claimed 2^63-byte region once cost +2.9 GiB and the NIXL
     thread for 31 s (the whole segment list was built before the first reservation)."""
     legit = Legit(agent, tmp_path)
-    rss0 = _rss(agent.proc.pid)
+    rss0 = rss_bytes(agent.proc.pid)
     r = _result(_peer("huge", agent.control_url, agent.token))
     assert r["region_2_63"] == "protocol"
     assert r["region_not_registered"] == "forbidden"
     assert r["put_2_46"] == "protocol"
     assert r["put_past_region"] == "forbidden"
     assert r["refusals_s"] < LEGIT_LATENCY_MAX_S
-    assert _rss(agent.proc.pid) - rss0 < 64 << 20
+    assert rss_bytes(agent.proc.pid) - rss0 < 64 << 20
     legit.result()
     _bounded(agent)
 
