@@ -42,6 +42,7 @@ from dpu_agent.control import _metrics as m
 from dpu_agent.control._auth import TenantRegistry
 from dpu_agent.control._dispatch import ControlBackend, Dispatcher, Session
 from dpu_agent.log import RateLimitedLog, get_logger
+from dpu_agent.ratelimit import TokenBuckets
 from kvproto.control import (
     ADMIN_TENANT,
     NEED_DATA,
@@ -91,8 +92,8 @@ TLS_HANDSHAKE_BURST = 32.0
 # once (it retries) rather than queued behind a flood from many addresses; 64 steps are well
 # under a second of crypto.
 TLS_HANDSHAKE_QUEUE_MAX = 64
-# Addresses whose handshake rate is remembered: past it the ones whose bucket is full again
-# (idle for a second or more) are forgotten; a flood of distinct addresses meets the queue cap.
+# Addresses whose handshake rate is remembered: past it the least recently seen is forgotten
+# (a full bucket again); a flood of distinct addresses meets the queue cap.
 TLS_RATE_ADDRESSES_MAX = 4096
 # Strangers looked at for a silent one to close before the oldest (the per-address share): a
 # bounded scan per new connection, even under a flood.
@@ -175,7 +176,9 @@ class ControlServer:
             self._tls_pool = cf.ThreadPoolExecutor(TLS_HANDSHAKE_THREADS,
                                                    thread_name_prefix="control-tls")  # fmt: skip
         self.tls_queued = 0  # handshake steps submitted and not yet done
-        self._tls_rate: dict[str, tuple[float, float]] = {}  # address -> (tokens, when)
+        self._tls_rate = TokenBuckets(
+            TLS_HANDSHAKE_BURST, TLS_HANDSHAKES_PER_ADDRESS_PER_S, TLS_RATE_ADDRESSES_MAX
+        )
 
     @property
     def unix_path(self) -> Path | None:
@@ -284,16 +287,8 @@ class ControlServer:
         """Whether `address` may start one more TLS handshake now (None) or why not."""
         if self.tls_queued >= TLS_HANDSHAKE_QUEUE_MAX:
             return "tls_queue_max"
-        now = time.monotonic()
-        if len(self._tls_rate) >= TLS_RATE_ADDRESSES_MAX:
-            full_after = TLS_HANDSHAKE_BURST / TLS_HANDSHAKES_PER_ADDRESS_PER_S
-            self._tls_rate = {a: v for a, v in self._tls_rate.items() if now - v[1] < full_after}
-        tokens, when = self._tls_rate.get(address, (TLS_HANDSHAKE_BURST, now))
-        tokens = min(TLS_HANDSHAKE_BURST, tokens + (now - when) * TLS_HANDSHAKES_PER_ADDRESS_PER_S)
-        if tokens < 1.0:
-            self._tls_rate[address] = (tokens, now)
+        if not self._tls_rate.take(address, time.monotonic()):
             return "tls_rate"
-        self._tls_rate[address] = (tokens - 1.0, now)
         return None
 
     def _give_back_memory(self) -> None:

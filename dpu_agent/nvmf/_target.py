@@ -40,6 +40,7 @@ from dpu_agent.nvmf._limits import (
 )
 from dpu_agent.nvmf._subsystem import DISCOVERY_NQN, Subsystem, TargetOptions, check_namespace
 from dpu_agent.nvmf._tls import TlsServerProtocol, check_secure, psk_lookup
+from dpu_agent.ratelimit import TokenBuckets
 from kvproto.nvme import CONNECT_DATA_BYTES, ConnectData, ConnectDataError, Status
 from kvproto.nvme._structs import ADRFAM_IPV4, ADRFAM_IPV6, DiscoveryEntry, DiscoveryLog
 
@@ -95,23 +96,6 @@ AUTH_RATE_ADDRESSES_MAX = 4096
 # in all as UNCONNECTED_MAX; at a cap the oldest handshake of the fullest address goes.
 HANDSHAKES_PER_ADDRESS_MAX = UNCONNECTED_PER_ADDRESS_MAX
 HANDSHAKES_MAX = UNCONNECTED_MAX
-
-
-class _TokenBuckets:
-    """Per-address token buckets: `burst` at once, refilled at `rate` a second."""
-
-    def __init__(self, burst: int, rate: float, entries_max: int) -> None:
-        self.burst, self.rate, self.entries_max = burst, rate, entries_max
-        self._b: dict[str, tuple[float, float]] = {}  # address -> (tokens, when), LRU order
-
-    def take(self, address: str, now: float) -> bool:
-        tokens, when = self._b.pop(address, (float(self.burst), now))
-        tokens = min(float(self.burst), tokens + (now - when) * self.rate)
-        ok = tokens >= 1.0
-        self._b[address] = (tokens - 1.0 if ok else tokens, now)
-        while len(self._b) > self.entries_max:
-            del self._b[next(iter(self._b))]
-        return ok
 
 
 def _victim(items: Iterable[tuple[Any, str]]) -> Any | None:
@@ -175,7 +159,7 @@ class NvmeTcpTarget:
         self._host_buffers: dict[tuple[str, str], BufferBudget] = {}
         self._auth_executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._auth_pending = 0
-        self._auth_rate = _TokenBuckets(
+        self._auth_rate = TokenBuckets(
             AUTH_DH_BURST_PER_ADDRESS_MAX, AUTH_DH_PER_ADDRESS_PER_S, AUTH_RATE_ADDRESSES_MAX
         )
         self._handshakes: dict[Any, str] = {}  # TLS handshakes in progress -> address
