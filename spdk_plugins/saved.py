@@ -46,7 +46,8 @@ class SavedState:
 
 
 def load_saved(path: str | Path) -> dict[str, Any]:
-    """Read and check the shape of a save_config document (`{"subsystems": [...]}`)."""
+    """Read a save_config document (`{"subsystems": [...]}`, or the JSON-RPC reply holding one)
+    and check it (index_saved)."""
     p = Path(path)
     size = p.stat().st_size
     if size > SAVED_CONFIG_BYTES_MAX:
@@ -57,30 +58,65 @@ def load_saved(path: str | Path) -> dict[str, Any]:
         raise SavedConfigError(f"{p}: not JSON ({e})") from None
     if isinstance(doc, dict) and isinstance(doc.get("result"), dict):
         doc = doc["result"]  # a raw JSON-RPC reply to save_config
+    try:
+        index_saved(doc)
+    except SavedConfigError as e:
+        raise SavedConfigError(f"{p}: {e}") from None
+    return dict(doc)
+
+
+# What this module reads of each call's params, and the JSON type SPDK writes it as: a saved
+# config from elsewhere is input, checked where it enters (a list where a name belongs is an
+# error naming the call and the field, not a crash in the planner).
+_STRINGS = frozenset({
+    "name", "nqn", "trtype", "adrfam", "traddr", "trsvcid", "subnqn", "filename",
+    "base_bdev_name", "key_name", "host", "cipher", "tweak_mode", "uuid", "nguid", "bdev_name",
+    "serial_number", "model_number",
+})  # fmt: skip
+_INTEGERS = frozenset({"block_size", "num_blocks", "nsid"})
+_OBJECTS = frozenset({"namespace", "listen_address"})
+_NOT_SAVED = (
+    'not a saved SPDK configuration (want {"subsystems": [{"subsystem", "config": [...]}]}, '
+    "what `rpc.py save_config` writes)"
+)
+Calls = dict[str, list[tuple[str, dict[str, Any]]]]  # subsystem -> [(method, params)] in order
+
+
+def index_saved(doc: Any) -> Calls:
+    """The calls of a saved configuration by subsystem, each checked; SavedConfigError naming
+    the call and field that is not what SPDK writes."""
     subsystems = doc.get("subsystems") if isinstance(doc, dict) else None
-    if not isinstance(subsystems, list) or not all(
-        isinstance(s, dict) and isinstance(s.get("config") or [], list) for s in subsystems
-    ):
-        raise SavedConfigError(
-            f'{p}: not a saved SPDK configuration (want {{"subsystems": [{{"subsystem", '
-            '"config": [...]}}]}}, what `rpc.py save_config` writes)'
-        )
-    return doc
-
-
-def _calls(doc: dict[str, Any], subsystem: str) -> list[tuple[str, dict[str, Any]]]:
-    out: list[tuple[str, dict[str, Any]]] = []
-    for s in doc["subsystems"]:
-        if s.get("subsystem") != subsystem:
-            continue
-        for c in s.get("config") or []:
+    if not isinstance(subsystems, list):
+        raise SavedConfigError(_NOT_SAVED)
+    out: Calls = {}
+    for s in subsystems:
+        config = s.get("config") if isinstance(s, dict) else None
+        if not isinstance(s, dict) or not isinstance(s.get("subsystem"), str):
+            raise SavedConfigError(_NOT_SAVED)
+        if not isinstance(config or [], list):
+            raise SavedConfigError(f"subsystem {s['subsystem']}: config is not a list")
+        calls = out.setdefault(s["subsystem"], [])
+        for c in config or []:
             if not isinstance(c, dict) or not isinstance(c.get("method"), str):
-                raise SavedConfigError(f"subsystem {subsystem}: an entry without a method: {c!r}")
+                raise SavedConfigError(f"subsystem {s['subsystem']}: an entry without a method")
             params = c.get("params") or {}
-            if not isinstance(params, dict):
-                raise SavedConfigError(f"{c['method']}: params is not an object")
-            out.append((c["method"], params))
+            _check_params(f"{c['method']}: params", params)
+            calls.append((c["method"], params))
     return out
+
+
+def _check_params(where: str, params: Any) -> None:
+    if not isinstance(params, dict):
+        raise SavedConfigError(f"{where} is not an object")
+    for key, value in params.items():
+        if value is None:
+            continue
+        if key in _STRINGS and not isinstance(value, str):
+            raise SavedConfigError(f"{where}.{key} is not a string ({type(value).__name__})")
+        if key in _INTEGERS and (not isinstance(value, int) or isinstance(value, bool)):
+            raise SavedConfigError(f"{where}.{key} is not an integer ({type(value).__name__})")
+        if key in _OBJECTS:
+            _check_params(f"{where}.{key}", value)
 
 
 def _uuid_for(name: str) -> str:
@@ -94,8 +130,8 @@ def _bdev(name: str, product: str, uid: str | None, **fields: Any) -> dict[str, 
 
 
 class _Builder:
-    def __init__(self, doc: dict[str, Any], desired: SpdkDesired) -> None:
-        self.doc, self.desired = doc, desired
+    def __init__(self, calls: Calls, desired: SpdkDesired) -> None:
+        self.calls, self.desired = calls, desired
         self.bdevs: dict[str, dict[str, Any]] = {}
         self.notes: list[str] = []
 
@@ -109,7 +145,7 @@ class _Builder:
 
     def base_bdevs(self) -> None:
         nvme_names = {n.name: n for n in self.desired.bdevs if hasattr(n, "num_namespaces")}
-        for method, p in _calls(self.doc, "bdev"):
+        for method, p in self.calls.get("bdev", []):
             name = p.get("name")
             if method == "bdev_malloc_create" and name:
                 self.bdevs[name] = _bdev(
@@ -144,7 +180,7 @@ class _Builder:
 
     def stacked(self) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
         """Crypto vbdevs, lvstores and lvols, to a fixpoint: each layer may sit on the other."""
-        crypto = {p["name"]: p for m, p in _calls(self.doc, "bdev") if m == "bdev_crypto_create"}
+        crypto = {p["name"]: p for m, p in self.calls.get("bdev", []) if m == "bdev_crypto_create"}
         lvstores: dict[str, dict[str, Any]] = {}
         hinted = self._lvol_uuids(crypto)
         changed = True
@@ -206,7 +242,7 @@ class _Builder:
         hints: dict[str, str] = {}
         saved_ns = {
             (p.get("nqn"), (p.get("namespace") or {}).get("nsid")): (p.get("namespace") or {})
-            for m, p in _calls(self.doc, "nvmf")
+            for m, p in self.calls.get("nvmf", [])
             if m == "nvmf_subsystem_add_ns"
         }
         for sub in self.desired.subsystems:
@@ -221,16 +257,16 @@ class _Builder:
         return hints
 
 
-def _methods(doc: dict[str, Any]) -> frozenset[str]:
+def _methods(calls: Calls) -> frozenset[str]:
     methods = set(recorded_release(SUPPORTED_RELEASES[max(SUPPORTED_RELEASES)])["rpc_get_methods"])
-    if any(m == "mlx5_scan_accel_module" for m, _ in _calls(doc, "accel")):
+    if any(m == "mlx5_scan_accel_module" for m, _ in calls.get("accel", [])):
         methods.add("mlx5_scan_accel_module")
     return frozenset(methods)
 
 
-def _subsystems(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def _subsystems(calls: Calls) -> dict[str, dict[str, Any]]:
     subs: dict[str, dict[str, Any]] = {}
-    for method, p in _calls(doc, "nvmf"):
+    for method, p in calls.get("nvmf", []):
         nqn = p.get("nqn")
         if method == "nvmf_create_subsystem" and nqn and nqn != DISCOVERY_NQN:
             subs[nqn] = {
@@ -254,17 +290,18 @@ def _subsystems(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def saved_state(doc: dict[str, Any], desired: SpdkDesired) -> SavedState:
     """The LiveState a target booted from `doc` would answer, with the assumptions made."""
-    b = _Builder(doc, desired)
+    calls = index_saved(doc)
+    b = _Builder(calls, desired)
     b.base_bdevs()
     crypto, lvstores = b.stacked()
-    accel = _calls(doc, "accel")
+    accel = calls.get("accel", [])
     keys = {p["name"]: p for m, p in accel if m == "accel_crypto_key_create" and p.get("name")}
     modules = ["software"] + (
         ["mlx5"] if any(m == "mlx5_scan_accel_module" for m, _ in accel) else []
     )
     live = LiveState(
         started=True,
-        methods=_methods(doc),
+        methods=_methods(calls),
         accel_modules=tuple(modules),
         bdevs=b.bdevs,
         keys={
@@ -274,10 +311,10 @@ def saved_state(doc: dict[str, Any], desired: SpdkDesired) -> SavedState:
         lvstores=lvstores,
         transports={
             str(p["trtype"]).upper(): dict(p)
-            for m, p in _calls(doc, "nvmf")
+            for m, p in calls.get("nvmf", [])
             if m == "nvmf_create_transport" and p.get("trtype")
         },
-        subsystems=_subsystems(doc),
+        subsystems=_subsystems(calls),
         crypto_configs=crypto,
     )
     fingerprints = {n: (str(k.get("key", "")), str(k.get("key2", ""))) for n, k in keys.items()}

@@ -132,6 +132,31 @@ def test_a_file_that_is_not_a_saved_config_is_refused(tmp_path: Path, text: str,
         plan_saved(parse_desired(RECORDED_DESIRED), load_saved(f))
 
 
+@pytest.mark.parametrize(
+    ("method", "field", "value", "why"),
+    [("nvmf_subsystem_add_ns", "namespace", [1], "params.namespace is not an object"),
+     ("nvmf_create_subsystem", "nqn", [1], "params.nqn is not a string"),
+     ("bdev_malloc_create", "name", {"a": 1}, "params.name is not a string"),
+     ("bdev_malloc_create", "num_blocks", "many", "params.num_blocks is not an integer"),
+     ("nvmf_subsystem_add_listener", "listen_address", "x", "params.listen_address is not")],
+)  # fmt: skip
+def test_a_saved_call_with_a_field_of_the_wrong_type_is_refused_naming_it(
+    tmp_path: Path, method: str, field: str, value: Any, why: str
+) -> None:
+    """A saved config is input: a list where SPDK writes a name crashed the planner
+    (TypeError: unhashable type) instead of naming the call and the field."""
+    doc = json.loads((SHARED_SPDK / "save_config.json").read_text())
+    hits = [c for s in doc["subsystems"] for c in s["config"] or [] if c["method"] == method]
+    assert hits
+    hits[0]["params"][field] = value
+    f = tmp_path / "saved.json"
+    f.write_text(json.dumps(doc))
+    with pytest.raises(SavedConfigError, match=f"{method}: {why}"):
+        plan_saved(parse_desired(RECORDED_DESIRED), load_saved(f))
+    with pytest.raises(SavedConfigError, match=why):  # a document handed over in memory too
+        plan_saved(parse_desired(RECORDED_DESIRED), doc)
+
+
 def _toml(value: Any) -> str:
     return json.dumps(value).replace("true", "true").replace("false", "false")
 
