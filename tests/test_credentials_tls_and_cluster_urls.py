@@ -94,3 +94,15 @@ def test_one_url_is_one_agent_several_are_a_cluster(tmp_path: Path) -> None:
     assert load_credentials(f).tls_context() is None
     f.write_text(json.dumps({**base, "control": ["tcp://10.0.0.1:7400", "tcp://10.0.0.2:7400"]}))
     assert load_credentials(f).client_url == "tcp://10.0.0.1:7400,tcp://10.0.0.2:7400"
+
+
+def test_a_control_ca_that_is_not_a_certificate_is_refused_naming_the_file(tmp_path: Path) -> None:
+    """It raised ssl.SSLError ("no start line") from inside the connector's start."""
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({
+        "version": 1, "control": ["tls://10.0.0.1:7400"], "tenant": "acme", "token": "t" * 32,
+        "salt": "ab" * 16,
+        "control_ca": "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+    }))  # fmt: skip
+    with pytest.raises(ValueError, match=rf"credentials file {f}: control_ca is not a PEM"):
+        load_credentials(f)

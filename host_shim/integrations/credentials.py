@@ -96,4 +96,10 @@ def load_credentials(path: str | Path) -> Credentials:
         salt = parse_salt(out.pop("salt"))
     except ValueError as e:
         raise ValueError(f"credentials file {p}: {e}") from None
-    return Credentials(control=tuple(control), salt=salt, **out)
+    creds = Credentials(control=tuple(control), salt=salt, **out)
+    try:
+        creds.tls_context()  # a CA that does not load fails here, naming the file, not mid-connect
+    except ssl.SSLError as e:
+        msg = f"credentials file {p}: control_ca is not a PEM certificate ({e.reason or e})"
+        raise ValueError(msg) from None
+    return creds
