@@ -32,8 +32,10 @@ alike); one unmeasured warm-up round; GB/s is the median of the measured rounds.
 `--nixl-ab` measures only NIXL get through the agent against raw NIXL: the same chunks, sizes
 and one stream each, raw then agent in every round (put before the agent's turn, untimed), the
 ratio per round and its median, min and max, with the CPU seconds per GiB both sides spent
-(this process, the raw initiator child; the agent and its NIXL worker) to say where time goes
-on a box whose cores are the bottleneck.
+(this process, the raw initiator child; the agent and its NIXL worker; inside the agent its
+decrypting threads and its lane threads, by the names it gives them) and the cores each kept
+busy (CPU seconds / wall seconds), to say where time goes on a box whose cores are the
+bottleneck.
 
 `--lookup-only` measures only the lookup latencies and the echo floor (no put/get rounds, no
 Redis): `dpuctl bench datapath --lookup-only --json`, a few seconds, for control-plane work.
@@ -470,6 +472,20 @@ def _proc_cpu_s(pids: list[int]) -> float:
     return total
 
 
+def _threads_cpu_s(pid: int) -> dict[str, float]:
+    """User+system CPU seconds of a process's threads, summed by thread name (the agent names
+    its NIXL threads: nixl-io decrypts and hashes, nixl-lane and nixl-link drive transfers)."""
+    tick, out = os.sysconf("SC_CLK_TCK"), dict[str, float]()
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                stat = (task / "stat").read_text()
+                name = stat[stat.index("(") + 1 : stat.rindex(")")]
+                fields = stat.rsplit(")", 1)[1].split()
+                out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def _agent_pids(agent: Any) -> list[int]:
     """The agent and its NIXL worker child."""
     pids = [agent.proc.pid]
@@ -527,12 +543,17 @@ def run_nixl_ab(*, chunks: int = 8, rounds: int = 7) -> dict[str, Any]:
                 o.fill(0)
             pids = _agent_pids(agent)  # the agent, then its NIXL worker
             here, main, worker = _cpu_s(), _proc_cpu_s(pids[:1]), _proc_cpu_s(pids[1:])
+            threads = _threads_cpu_s(pids[0])
             t0 = time.perf_counter()
             loaded = client.get(tokens, out)
             get_s = time.perf_counter() - t0
             host_cpu = _cpu_s() - here
             agent_cpu = _proc_cpu_s(pids[:1]) - main
             worker_cpu = _proc_cpu_s(pids[1:]) - worker
+            after = _threads_cpu_s(pids[0])
+            io_cpu = after.get("nixl-io", 0.0) - threads.get("nixl-io", 0.0)
+            lane_cpu = sum(after.get(n, 0.0) - threads.get(n, 0.0)
+                           for n in ("nixl-lane", "nixl-link", "nixl-watchdog"))  # fmt: skip
             get_cpu = host_cpu + agent_cpu + worker_cpu
             assert loaded == chunks, f"get loaded {loaded} of {chunks}"
             for a, b in zip(data, out, strict=True):
@@ -545,7 +566,11 @@ def run_nixl_ab(*, chunks: int = 8, rounds: int = 7) -> dict[str, Any]:
                              "get_cpu_s_per_gib": round(get_cpu / gib, 3),
                              "get_host_cpu_s_per_gib": round(host_cpu / gib, 3),
                              "get_agent_cpu_s_per_gib": round(agent_cpu / gib, 3),
-                             "get_worker_cpu_s_per_gib": round(worker_cpu / gib, 3)})  # fmt: skip
+                             "get_agent_io_cpu_s_per_gib": round(io_cpu / gib, 3),
+                             "get_agent_lane_cpu_s_per_gib": round(lane_cpu / gib, 3),
+                             "get_worker_cpu_s_per_gib": round(worker_cpu / gib, 3),
+                             "raw_cores": round(raw_cpu / raw_s, 2),
+                             "get_cores": round(get_cpu / get_s, 2)})  # fmt: skip
     ratios = [r["ratio"] for r in rows]
 
     def med(k: str) -> float:
@@ -560,7 +585,10 @@ def run_nixl_ab(*, chunks: int = 8, rounds: int = 7) -> dict[str, Any]:
             "get_cpu_s_per_gib": med("get_cpu_s_per_gib"),
             "get_host_cpu_s_per_gib": med("get_host_cpu_s_per_gib"),
             "get_agent_cpu_s_per_gib": med("get_agent_cpu_s_per_gib"),
+            "get_agent_io_cpu_s_per_gib": med("get_agent_io_cpu_s_per_gib"),
+            "get_agent_lane_cpu_s_per_gib": med("get_agent_lane_cpu_s_per_gib"),
             "get_worker_cpu_s_per_gib": med("get_worker_cpu_s_per_gib"),
+            "raw_cores": med("raw_cores"), "get_cores": med("get_cores"),
             "decrypt_hash_cpu_s_per_gib": _decrypt_hash_cpu_s_per_gib(nbytes),
             "loadavg_1m": os.getloadavg()[0], "cpus": os.cpu_count()}  # fmt: skip
 
@@ -621,8 +649,11 @@ def _print_ab(r: dict[str, Any]) -> None:
             f"rounds of {r['chunks']} x {r['chunk_bytes'] >> 20} MiB")  # fmt: skip
     c.print(
         f"CPU s/GiB of the agent's get: host {r['get_host_cpu_s_per_gib']}, agent "
-        f"{r['get_agent_cpu_s_per_gib']} (decrypt + hash, lanes), NIXL worker "
-        f"{r['get_worker_cpu_s_per_gib']}; raw NIXL both sides {r['raw_cpu_s_per_gib']}"
+        f"{r['get_agent_cpu_s_per_gib']} (decrypt + hash threads "
+        f"{r['get_agent_io_cpu_s_per_gib']}, lanes {r['get_agent_lane_cpu_s_per_gib']}), NIXL "
+        f"worker {r['get_worker_cpu_s_per_gib']}; raw NIXL both sides {r['raw_cpu_s_per_gib']}; "
+        f"decrypt + hash alone {r['decrypt_hash_cpu_s_per_gib']}; cores busy: raw "
+        f"{r['raw_cores']}, get {r['get_cores']}"
     )
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import concurrent.futures as cf
+import ctypes
 import functools
 import ipaddress
 import itertools
@@ -113,6 +114,19 @@ SESSIONS_MAX = 4096  # NIXL sessions (bounded by the control server's connection
 # Regions one session may hold: the host keeps at most NIXL_REGIONS_MAX registered and drops
 # before it adds; twice that leaves room for one call's additions before its drops land.
 SESSION_REGIONS_MAX = 2 * NIXL_REGIONS_MAX
+
+
+_PR_SET_NAME = 15  # prctl(2): the calling thread's name in the kernel
+
+
+def _os_thread_name(name: str) -> None:
+    """Name the calling thread in the kernel too (/proc/PID/task/TID/comm, `top -H`): Python
+    3.11 keeps thread names to itself. `dpuctl bench datapath --nixl-ab` splits the agent's CPU
+    by these names (decryption threads, lanes)."""
+    try:
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the names are cosmetic
+        pass
 
 
 def metadata_agent_name(metadata: bytes) -> str:
@@ -227,6 +241,7 @@ class _Link:
 
     def _watch(self) -> None:
         """Kill the worker when its loop stops answering while it has work."""
+        _os_thread_name("nixl-watchdog")
         ping: cf.Future[Any] | None = None
         sent = 0.0
         while self.alive and not self._closed:
@@ -253,6 +268,7 @@ class _Link:
                     return
 
     def _read(self) -> None:
+        _os_thread_name("nixl-link")
         while True:
             try:
                 kind, rid, value = self.conn.recv()
@@ -342,8 +358,18 @@ class NixlServer:
     def __init__(self, engine: Callable[[], Any], name: str) -> None:
         self._engine = engine  # the agent's engine (it starts after this object)
         self.name = name
-        self._thread = cf.ThreadPoolExecutor(NIXL_LANES, thread_name_prefix="nixl")
-        self._io = cf.ThreadPoolExecutor(NIXL_IO_WORKERS, thread_name_prefix="nixl-io")
+        self._thread = cf.ThreadPoolExecutor(
+            NIXL_LANES,
+            thread_name_prefix="nixl",
+            initializer=_os_thread_name,
+            initargs=("nixl-lane",),
+        )
+        self._io = cf.ThreadPoolExecutor(
+            NIXL_IO_WORKERS,
+            thread_name_prefix="nixl-io",
+            initializer=_os_thread_name,
+            initargs=("nixl-io",),
+        )
         self._lock = threading.Lock()  # sessions, names, the link
         self._link: _Link | None = None
         self._shm: tuple[int, mmap.mmap, np.ndarray] | None = None
