@@ -23,8 +23,9 @@ metadata before NIXL loads it), one session per name; a get or put may only targ
 regions its own session registered. NIXL itself also refuses addresses its remote metadata does
 not cover (NIXL_ERR_NOT_FOUND): a second line, not the one relied on.
 
-All NIXL calls run on one thread (the agent's NIXL agent is created without a progress thread,
-polled by that thread): sessions are served one transfer batch at a time.
+NIXL itself runs in a worker process (dpu_agent.nixl._worker) that maps the staging memory;
+NIXL_LANES calls are served at once, each on its own thread with its own staging slots, and
+their transfers go to the worker as commands (docs/TRANSPORT.md).
 """
 
 from __future__ import annotations
