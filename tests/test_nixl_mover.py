@@ -4,7 +4,6 @@ UCX runs in test_nixl_path.py hit only by chance. The real NIXL runs in test_nix
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures as cf
 import ctypes
 import itertools
@@ -246,39 +245,6 @@ def test_nixl_get_of_uneven_chunks_hashes_each_in_order(
     engine.release(TENANT, lease_id)
     assert (loaded, corrupt) == (len(keys), None)
     assert all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
-
-
-class _CountingAgent:
-    """Transfers that end after a set number of checks, each check counted (each is a UCX
-    progress round in the real worker)."""
-
-    def __init__(self, ends: dict[str, int]) -> None:
-        self.ends, self.checks = ends, 0
-
-    def check_xfer_state(self, h: str) -> str:
-        self.checks += 1
-        self.ends[h] -= 1
-        return "DONE" if self.ends[h] <= 0 else "PROC"
-
-    def release_xfer_handle(self, h: str) -> None:
-        pass
-
-
-def test_nixl_worker_checks_each_hosts_oldest_transfer_and_no_more() -> None:
-    """The worker's loop checks, per host, its transfers oldest first and stops at the first
-    still moving (one host's WRITEs end in order on its endpoint, and every check is a UCX
-    progress round: checking all 8 in flight each round cost 8 rounds for one's work); a
-    stopped host's transfer never holds another host's completions back."""
-    from dpu_agent.nixl._worker import _reap
-
-    agent = _CountingAgent({"a1": 3, "a2": 1, "a3": 1, "b1": 1, "b2": 50})
-    inflight = {"a": collections.deque([(1, "a1"), (2, "a2"), (3, "a3")]),
-                "b": collections.deque([(4, "b1"), (5, "b2")])}  # fmt: skip
-    assert _reap(agent, inflight) == [(4, "DONE")]  # a1 still moving: a2, a3 not checked
-    assert agent.checks == 3  # a1, then b1 (ended) and b2 (moving)
-    assert _reap(agent, inflight) == []
-    assert _reap(agent, inflight) == [(1, "DONE"), (2, "DONE"), (3, "DONE")]
-    assert list(inflight) == ["b"] and [rid for rid, _ in inflight["b"]] == [5]
 
 
 def test_nixl_threads_are_named_in_the_kernel() -> None:

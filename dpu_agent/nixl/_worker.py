@@ -29,7 +29,6 @@ import os
 import signal
 import socket
 import sys
-from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -44,8 +43,7 @@ PROGRESS_WAIT_S = 50e-6
 
 
 def _serve(conn: Connection, agent: Any, base: int) -> None:
-    # remote -> its transfers in flight, oldest first: (rid, handle)
-    inflight: dict[str, deque[tuple[int, Any]]] = {}
+    inflight: dict[int, tuple[Any, str]] = {}  # rid -> (handle, remote)
     while True:
         if not inflight or conn.poll(PROGRESS_WAIT_S):
             try:
@@ -54,45 +52,26 @@ def _serve(conn: Connection, agent: Any, base: int) -> None:
                 return
             _command(conn, agent, base, inflight, msg)
             continue
-        done = _reap(agent, inflight)
-        if done:  # one message for every transfer that ended in this round
-            conn.send(("done", 0, done))
-
-
-def _reap(agent: Any, inflight: dict[str, deque[tuple[int, Any]]]) -> list[tuple[int, str]]:
-    """(rid, "DONE" or "ERR") of the transfers that ended, checked oldest first per host and
-    only up to the first one still moving. One host's WRITEs share one UCX endpoint and end in
-    the order they were posted (a later one seen ended is only reported a round later if not),
-    and every check drives the whole UCX worker's progress (a poll of its sockets): checking all
-    8 transfers of a lane each round cost 8 of those where one does the same work."""
-    done = []
-    for remote in list(inflight):
-        queue = inflight[remote]
-        while queue:
-            rid, h = queue[0]
+        done = []
+        for rid, (h, _remote) in inflight.items():
             try:
                 st = str(agent.check_xfer_state(h))
             except Exception:  # its remote was removed under it: it ended
                 st = "ERR"
-            if st == "PROC":
-                break
-            queue.popleft()
+            if st != "PROC":
+                done.append((rid, h, "DONE" if st == "DONE" else "ERR"))
+        for rid, h, _st in done:
+            del inflight[rid]
             try:
                 agent.release_xfer_handle(h)
             except Exception:  # ended with its remote: nothing left to free
                 pass
-            done.append((rid, "DONE" if st == "DONE" else "ERR"))
-        if not queue:
-            del inflight[remote]
-    return done
+        if done:  # one message for every transfer that ended in this round
+            conn.send(("done", 0, [(rid, st) for rid, _h, st in done]))
 
 
 def _command(
-    conn: Connection,
-    agent: Any,
-    base: int,
-    inflight: dict[str, deque[tuple[int, Any]]],
-    msg: tuple,
+    conn: Connection, agent: Any, base: int, inflight: dict[int, tuple[Any, str]], msg: tuple
 ) -> None:
     kind, rid = msg[0], msg[1]
     try:
@@ -105,7 +84,7 @@ def _command(
                 agent.release_xfer_handle(h)
                 conn.send(("ok", rid, "ERR"))
             else:
-                inflight.setdefault(remote, deque()).append((rid, h))
+                inflight[rid] = (h, remote)
             return
         if kind == "ping":  # the agent's watchdog: this loop still turns
             value: Any = None
