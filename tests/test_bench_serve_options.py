@@ -8,7 +8,8 @@ import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import ClassVar
+from pathlib import Path
+from typing import Any, ClassVar
 
 import click
 import numpy as np
@@ -95,3 +96,87 @@ def test_stream_chat_without_usage_or_with_an_http_error_fails_clearly(
     handler.status = 500
     with pytest.raises(RequestFailed, match="HTTP 500"):
         stream_chat(port, [{"role": "user", "content": "x"}], 1, timeout_s=30)
+
+
+@pytest.mark.parametrize("text", ["0.5,x", "0,1", "1,2,3,4,5,6,7", "99"])
+def test_tier_sweep_out_of_bounds_or_not_numbers_is_refused_naming_the_option(text: str) -> None:
+    from dpu_agent.bench.serve import parse_sweep
+
+    with pytest.raises(click.BadParameter, match="--tier-sweep"):
+        parse_sweep(text)
+    assert parse_sweep("0.5, 1,2,4") == (0.5, 1.0, 2.0, 4.0)
+    assert parse_sweep("") == ()
+
+
+def _stored_bytes(agent: Any) -> int:
+    """What the agent says it holds for the default tenant (DRAM and NVMe), now."""
+    from host_shim.client import ControlChannel
+
+    with ControlChannel(agent.control_url, "default", agent.token) as ch:
+        ch.connect()
+        return int(ch.call("stats")["stats"]["used_bytes"])
+
+
+def test_a_later_configurations_agent_starts_empty_not_with_the_earlier_ones_chunks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tier` then `tier-nixl` in one run: both agents were started in the same data folder,
+    and an agent keeps its stored chunks across a restart, so the second configuration began
+    with the first one's chunks filling the memory both were given."""
+    import numpy as np
+
+    from dpu_agent.bench import serve
+    from host_shim.client import NodeClient
+    from kvproto.keys import ChunkLayout
+
+    monkeypatch.setattr(serve, "_nixl_path", lambda tmp: "")  # NIXL's probe needs vLLM's venv
+    tier_bytes = 8 << 20
+    first = serve.setup("tier", tmp_path, tier_bytes)
+    try:
+        layout = ChunkLayout("m", "float32", 2, 2, 64, chunk_tokens=256)  # 512 KiB chunks
+        nbytes = 2 * 2 * 2 * 64 * 4 * 256
+        chunks = [np.full(nbytes, i, dtype=np.uint8) for i in range(12)]  # 6 MiB: DRAM + NVMe
+        agent = first.agents[0]
+        with NodeClient(agent.control_url, "default", agent.token, layout, b"s" * 16) as c:
+            assert c.put(np.arange(12 * 256, dtype=np.uint32), chunks) == 12
+        assert _stored_bytes(agent) > 0
+    finally:
+        for stop in reversed(first.stops):
+            stop()
+    second = serve.setup("tier-nixl", tmp_path, tier_bytes)
+    try:
+        assert _stored_bytes(second.agents[0]) == 0
+    finally:
+        for stop in reversed(second.stops):
+            stop()
+
+
+def test_tier_nixl_runs_where_the_connector_can_load_nixl_not_only_where_the_meta_package_is(
+    tmp_path: Path,
+) -> None:
+    """The configuration was refused unless `import nixl` worked in vLLM's venv, but the
+    connector loads the `nixl_cu12` wheel (what `pip install --no-deps nixl-cu12` gives), and
+    the bench's own environment has it: vLLM's server gets it on its path, and loads it."""
+    import subprocess
+
+    from dpu_agent.bench import serve
+    from dpu_agent.bench.engines import engine_python
+    from host_shim.transport import nixl_status
+
+    python = engine_python("vllm")
+    if python is None:
+        pytest.skip("vLLM's venv (.venv-vllm) is missing: run `make test-engines`")
+    if not nixl_status()["available"]:
+        pytest.skip(f"NIXL does not load in the bench's environment: {nixl_status()['reason']}")
+    s = serve.setup("tier-nixl", tmp_path, 8 << 20)
+    try:
+        code = "from host_shim.transport import nixl_status as s; print(s()['available'])"
+        env = {**serve._base_env(), **s.env}
+        out = subprocess.run(
+            [str(python), "-c", code], env=env, capture_output=True, text=True, timeout=120,
+            check=True,
+        )  # fmt: skip
+        assert out.stdout.strip().splitlines()[-1] == "True", out.stderr[-2000:]
+    finally:
+        for stop in reversed(s.stops):
+            stop()
