@@ -5,6 +5,7 @@ real servers are in tests/test_engine_serve.py)."""
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -204,3 +205,49 @@ def test_refusal_names_vllms_root_cause_not_its_see_root_cause_above_line() -> N
     assert "CPU Offloading is currently only supported on CUDA-alike" in refusal_of(_NATIVE_LOG)
     # a log whose only error points back still gives that line rather than nothing
     assert "See root cause above" in refusal_of(_NATIVE_LOG.splitlines()[-1])
+
+
+@pytest.mark.skipif(shutil.which("serf") is None, reason="needs the serf binary")
+def test_tier_cluster_starts_when_its_memory_does_not_split_into_whole_blocks(
+    tmp_path: Path,
+) -> None:
+    """256 MiB x R=2 over 3 nodes is 178,956,970 bytes a node: the agents refused a DRAM tier
+    of 89,478,485 bytes (not whole 4 KiB blocks) and the run died with them."""
+    from dpu_agent.bench import serve
+
+    s = serve.setup("tier-cluster", tmp_path, 256 << 20)
+    try:
+        assert len(s.agents) == 3
+        assert all(a.alive() for a in s.agents)
+    finally:
+        for stop in reversed(s.stops):
+            stop()
+
+
+@pytest.mark.skipif(shutil.which("serf") is None, reason="needs the serf binary")
+def test_a_cluster_whose_members_never_agree_leaves_no_agent_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agents it had started were recorded on a Setup the caller never received, so a
+    refused `tier-cluster` left three agents and their Serf agents running."""
+    from dpu_agent import testing
+    from dpu_agent.bench import serve
+
+    started: list[Any] = []
+    spawn = testing.spawn_agent
+
+    def spawn_and_record(*args: Any, **kwargs: Any) -> Any:
+        started.append(spawn(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(testing, "spawn_agent", spawn_and_record)
+    monkeypatch.setattr(serve, "_cluster_serving", lambda agents, token, n: False)
+    monkeypatch.setattr(serve, "CLUSTER_WAIT_S_MAX", 0.5)
+    try:
+        with pytest.raises(serve.NotRunnable, match="did not agree"):
+            serve.setup("tier-cluster", tmp_path, 48 << 20)  # whole blocks a node
+        assert len(started) == 3
+        assert not any(a.alive() for a in started)
+    finally:
+        for a in started:
+            a.stop(timeout_s=20)

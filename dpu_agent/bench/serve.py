@@ -580,9 +580,7 @@ def _spawn_cluster(
             "DPUKV_CLUSTER_SERF_BIND": bind,
             "DPUKV_CLUSTER_SERF_RPC": f"127.0.0.1:{free_port()}",
             "DPUKV_CLUSTER_JOIN": ",".join(binds[:2]),
-            "DPUKV_CLUSTER_REPLICAS": str(CLUSTER_REPLICAS),
-            "DPUKV_STORAGE_DRAM_BYTES": str(per_node // 2),
-            "DPUKV_STORAGE_NVME_BYTES": str(per_node - per_node // 2),
+            "DPUKV_CLUSTER_REPLICAS": str(CLUSTER_REPLICAS), **_tier_env(per_node),
         }  # fmt: skip
         agent = spawn_agent(d / f"n{i}", env=env, config=cfg)
         agent.token = token
@@ -667,23 +665,41 @@ def _nixl_path(tmp: Path) -> str:
     return str(shim)
 
 
+AGENT_BLOCK_BYTES = 4096  # the agent takes each tier's size in whole blocks
+
+
+def _tier_env(tier_bytes: int) -> dict[str, str]:
+    """An agent's memory of `tier_bytes`: DRAM and the file-backed NVMe tier, half each (a
+    DPU's shape), each in whole blocks (the agent refuses to start otherwise)."""
+    dram = tier_bytes // 2 // AGENT_BLOCK_BYTES * AGENT_BLOCK_BYTES
+    nvme = (tier_bytes - dram) // AGENT_BLOCK_BYTES * AGENT_BLOCK_BYTES
+    return {"DPUKV_STORAGE_DRAM_BYTES": str(dram), "DPUKV_STORAGE_NVME_BYTES": str(nvme)}
+
+
 def _spawn_agents(d: Path, count: int, tier_bytes: int) -> list[Any]:
     """`count` agents with data folders under `d`, which must be the configuration's own: an
     agent keeps what it stored across a restart, so one started in an earlier configuration's
     folder would begin with that configuration's chunks filling its memory."""
     from dpu_agent.testing import spawn_agent
 
-    # the tier's memory: DRAM and the file-backed NVMe tier, half each (a DPU's shape)
-    env = {
-        "DPUKV_STORAGE_DRAM_BYTES": str(tier_bytes // 2),
-        "DPUKV_STORAGE_NVME_BYTES": str(tier_bytes - tier_bytes // 2),
-    }
-    return [spawn_agent(d / f"agent{i}", env=env) for i in range(count)]
+    return [spawn_agent(d / f"agent{i}", env=_tier_env(tier_bytes)) for i in range(count)]
 
 
 def setup(name: str, tmp: Path, tier_bytes: int) -> Setup:
-    """The configuration `name`: its agents or LMCache server started (stops recorded)."""
+    """The configuration `name`: its agents or LMCache server started (stops recorded); what
+    it started is stopped again when it fails part way (a cluster whose members never agree)."""
     s = Setup(name)
+    try:
+        return _configure(s, tmp, tier_bytes)
+    except BaseException:
+        for stop in reversed(s.stops):
+            with contextlib.suppress(Exception):
+                stop()
+        raise
+
+
+def _configure(s: Setup, tmp: Path, tier_bytes: int) -> Setup:
+    name = s.name
     tier_gb = tier_bytes / 1e9
     if name == "plain":
         return s
@@ -845,6 +861,9 @@ def run_config(
         )
         if s.agents:
             row["tier_used_bytes"] = sum(_agent_used(x) for x in s.agents)
+            # the NIXL data path's proof: the agents' sessions opened over NIXL (the connector
+            # falls back to NVMe/TCP with only a warning in the server's log)
+            row["nixl_sessions"] = sum(_nixl_sessions(x) for x in s.agents)
         row["outputs"] = {f"{r['conversation']}.{r['turn']}": r.get("text") for r in rows}
         row["ttfts_s"] = [round(r["ttft_s"], 4) for r in rows if "error" not in r]
         # the engine's prefill rate under this load: TTFT per computed (uncached) prompt token
@@ -934,6 +953,15 @@ def log_findings(logs: Sequence[Path]) -> dict[str, Any]:
     if fallbacks:
         out["data_path_fallbacks"] = sorted(set(fallbacks))
     return out
+
+
+def _nixl_sessions(agent: Any) -> int:
+    """Host sessions the agent opened over NIXL, from its log (`nixl_session` events)."""
+    try:
+        text = (agent.data_dir / "agent.log").read_text(errors="replace")
+    except OSError:
+        return 0
+    return text.count('"event": "nixl_session"')
 
 
 def _agent_used(agent: Any) -> int:
@@ -1035,8 +1063,8 @@ def run_serve(
                     s, wl, messages, python=python, model=model, blocks=engine_blocks,
                     tmp=d, after=second,
                 )  # fmt: skip
-            except NotRunnable as e:
-                row = {"configuration": name, "refused": str(e)}
+            except (NotRunnable, RuntimeError) as e:  # RuntimeError: an agent did not start
+                row = {"configuration": name, "refused": str(e)[:LOG_TAIL_CHARS]}
             finally:
                 for stop in reversed(s.stops):
                     with contextlib.suppress(Exception):
