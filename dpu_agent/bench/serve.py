@@ -1057,6 +1057,7 @@ def run_serve(
             d = Path(tmpdir) / label  # its own agents' data and servers' logs
             d.mkdir()
             s = Setup(name)
+            load0 = os.getloadavg()[0]
             try:
                 s = setup(name, d, tier_bytes)
                 row = run_config(
@@ -1070,6 +1071,9 @@ def run_serve(
                     with contextlib.suppress(Exception):
                         stop()
             row["configuration"] = label
+            # the machine's load as this row began and ended: rows of one run on a shared box
+            # can see very different loads, and TTFT follows it
+            row["loadavg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
             if name != "plain":
                 row["tier_bytes"] = tier_bytes
             rows[label] = row
