@@ -755,7 +755,7 @@ def _configure(s: Setup, tmp: Path, tier_bytes: int) -> Setup:
             "node_deadline_s": 2.0,
         }  # fmt: skip
         s.args = _connector("DpuKVConnector", extra)
-        s.note = f"{CLUSTER_NODES} agents, R={CLUSTER_REPLICAS}; each with the tier memory / R"
+        s.note = f"{CLUSTER_NODES} agents, R={CLUSTER_REPLICAS}; a node: tier memory x R / nodes"
         s.kill_agent = True
         return s
     raise click.BadParameter(f"unknown configuration {name!r}")
