@@ -1093,7 +1093,7 @@ def run_serve(
 TRANSFER_CHUNKS = 4  # chunks per round at this model's shape (256 tokens x 46,080 B: 11.8 MB)
 TRANSFER_ROUNDS = 3  # the median of 3 rounds: seconds in all, against minutes per server
 # Not measurable here (no RDMA device): the model's assumed inputs, printed with it.
-# BlueField-3's 200 Gb/s port is 25 GB/s; one-sided READ/WRITE reach about 90% of it
+# BlueField-3's 200 Gb/s port is 25 GB/s; assumed: one-sided READ/WRITE at about 90% of it
 RDMA_GBPS_ASSUMED = 22.0
 RDMA_HOST_CPU_S_PER_GIB_ASSUMED = 0.0  # the NIC moves the bytes; the host posts descriptors
 # A Llama-3-8B-shaped KV cache (32 layers x K/V x 8 KV heads x 128 dims x fp16), for scale
