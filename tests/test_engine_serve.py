@@ -46,3 +46,24 @@ def test_serve_tier_outputs_identical_to_plain_and_cached_tokens_come_from_the_t
     assert plain["second_server"]["cached_tokens"] < second["cached_tokens"]
     assert tier["tier_used_bytes"] > 0
     assert tier["repeat"]["same_output"] is True
+
+
+def test_serve_tier_nixl_moves_the_chunks_over_nixl_and_outputs_match_plain() -> None:
+    """`tier-nixl` runs where the connector can load NIXL (the bench's own nixl_cu12 linked
+    onto vLLM's path), and its chunks really take NIXL: the agent opened NIXL sessions and
+    the server logged no fallback to NVMe/TCP."""
+    from dpu_agent.bench.serve import Workload, run_serve
+    from host_shim.transport import nixl_status
+
+    if not nixl_status()["available"]:
+        pytest.skip(f"NIXL does not load here: {nixl_status()['reason']}")
+    wl = Workload(conversations=2, turns=2, turn_tokens=200, output_tokens=8, concurrency=2)
+    report = run_serve(wl, ["plain", "tier-nixl"], engine_blocks=8, tier_mib=128)
+    plain, tier = report["results"]
+    for row in (plain, tier):
+        assert "refused" not in row, row.get("refused")
+        assert row["failed"] == 0, row["errors"]
+    assert tier["identical_to_plain"] is True
+    assert tier["nixl_sessions"] > 0
+    assert "data_path_fallbacks" not in tier, tier["data_path_fallbacks"]
+    assert tier["second_server"]["connector_hit_tokens"] > 0

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import importlib
 import json
 import os
 import random
@@ -346,6 +347,28 @@ def _proc_tree_cpu_s(pid: int) -> float:
     return total
 
 
+# vLLM's last words when its engine core dies only point back at the cause ("Engine core
+# initialization failed. See root cause above."): such lines are not the refusal
+POINTS_BACK = ("root cause above",)
+TRACEBACK_LINES = ("Traceback", "raise ", "File ")
+
+
+def refusal_of(text: str) -> str:
+    """The most telling line of a server's log: the last error that is not a pointer back to
+    an earlier one, else the last error, else the log's tail."""
+    errors = [
+        msg
+        for line in text.splitlines()
+        if ("Error" in line or "error" in line)
+        and " WARNING " not in line  # vLLM warns of "errors" it recovers from (ulimit)
+        # a traceback's code lines name exceptions without saying anything
+        and not (msg := line.split("] ", 1)[-1].strip()).startswith(TRACEBACK_LINES)
+    ]
+    causes = [e for e in errors if not any(p in e for p in POINTS_BACK)]
+    best = causes or errors
+    return best[-1][:LOG_TAIL_CHARS] if best else text[-LOG_TAIL_CHARS:]
+
+
 class Server:
     """One `vllm serve` process group on a loopback ephemeral port."""
 
@@ -385,16 +408,7 @@ class Server:
         raise RuntimeError(f"vllm serve not ready within {timeout_s:.0f} s: {self.refusal()}")
 
     def refusal(self) -> str:
-        """The most telling line of the log: the last error, else its tail."""
-        text = self.log.read_text(errors="replace")
-        errors = [
-            line.split("] ", 1)[-1].strip()
-            for line in text.splitlines()
-            if ("Error" in line or "error" in line)
-            and "Traceback" not in line
-            and " WARNING " not in line  # vLLM warns of "errors" it recovers from (ulimit)
-        ]
-        return errors[-1][:LOG_TAIL_CHARS] if errors else text[-LOG_TAIL_CHARS:]
+        return refusal_of(self.log.read_text(errors="replace"))
 
     def metrics(self) -> dict[str, float]:
         """vLLM's counters, summed over labels: the prefix-cache and token counters."""
@@ -566,9 +580,7 @@ def _spawn_cluster(
             "DPUKV_CLUSTER_SERF_BIND": bind,
             "DPUKV_CLUSTER_SERF_RPC": f"127.0.0.1:{free_port()}",
             "DPUKV_CLUSTER_JOIN": ",".join(binds[:2]),
-            "DPUKV_CLUSTER_REPLICAS": str(CLUSTER_REPLICAS),
-            "DPUKV_STORAGE_DRAM_BYTES": str(per_node // 2),
-            "DPUKV_STORAGE_NVME_BYTES": str(per_node - per_node // 2),
+            "DPUKV_CLUSTER_REPLICAS": str(CLUSTER_REPLICAS), **_tier_env(per_node),
         }  # fmt: skip
         agent = spawn_agent(d / f"n{i}", env=env, config=cfg)
         agent.token = token
@@ -597,35 +609,97 @@ def _cluster_serving(agents: list[Any], token: str, n: int) -> bool:
     return True
 
 
-def _importable_in_vllm(module: str, what: str) -> None:
-    """NotRunnable unless `module` imports in vLLM's venv (a server start costs minutes)."""
+def _nixl_status_in_vllm(path: str) -> dict[str, Any]:
+    """What `host_shim.transport.nixl_status()` says inside vLLM's interpreter with `path`
+    first on its PYTHONPATH (the connector's own NIXL load, not a guess at the package name)."""
     from dpu_agent.bench.engines import engine_python
 
     python = engine_python("vllm")
     assert python is not None  # run_serve checked it
+    code = (
+        "import json; from host_shim.transport import nixl_status; print(json.dumps(nixl_status()))"
+    )
     proc = subprocess.run(
-        [str(python), "-c", f"import {module}"], capture_output=True, text=True, timeout=120,
-        check=False,
+        [str(python), "-c", code], capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (path, str(ROOT)) if p)},
     )  # fmt: skip
-    if proc.returncode != 0:
+    try:
+        return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+    except (IndexError, ValueError):
         tail = proc.stderr.strip().splitlines()[-1:] or ["?"]
-        raise NotRunnable(f"{what} needs {module} in vLLM's venv: {tail[0]}")
+        return {"available": False, "reason": f"the probe failed: {tail[0]}"}
 
 
-def _spawn_agents(tmp: Path, count: int, tier_bytes: int) -> list[Any]:
+def _nixl_path(tmp: Path) -> str:
+    """Where vLLM's server finds NIXL: "" when its venv loads it as it is; else a folder of
+    links to the NIXL wheel of the bench's own environment (the `nixl` extra), what `pip
+    install --no-deps nixl-cu12` into vLLM's venv would add, without modifying that venv.
+    NotRunnable, naming what is missing, when neither loads."""
+    from host_shim.transport import nixl_status
+
+    own = _nixl_status_in_vllm("")
+    if own.get("available"):
+        return ""
+    here = nixl_status()
+    if not here.get("available"):
+        raise NotRunnable(
+            f"NIXL loads neither in vLLM's venv ({own.get('reason')}) nor in the bench's "
+            f"({here.get('reason')})"
+        )
+    top = here["module"].split(".")[0]
+    package = Path(importlib.import_module(top).__file__ or "").parent
+    site = package.parent
+    shim = tmp / "nixl-path"
+    shim.mkdir(exist_ok=True)
+    # the package, the shared libraries auditwheel put beside it, its metadata
+    for entry in [package, *site.glob(f"{top}.libs"), *site.glob(f"{top}-*.dist-info")]:
+        link = shim / entry.name
+        if not link.exists():
+            link.symlink_to(entry)
+    linked = _nixl_status_in_vllm(str(shim))
+    if not linked.get("available"):
+        raise NotRunnable(
+            f"NIXL does not load in vLLM's venv ({own.get('reason')}), nor with {top} from "
+            f"{site} linked onto its path ({linked.get('reason')})"
+        )
+    return str(shim)
+
+
+AGENT_BLOCK_BYTES = 4096  # the agent takes each tier's size in whole blocks
+
+
+def _tier_env(tier_bytes: int) -> dict[str, str]:
+    """An agent's memory of `tier_bytes`: DRAM and the file-backed NVMe tier, half each (a
+    DPU's shape), each in whole blocks (the agent refuses to start otherwise)."""
+    dram = tier_bytes // 2 // AGENT_BLOCK_BYTES * AGENT_BLOCK_BYTES
+    nvme = (tier_bytes - dram) // AGENT_BLOCK_BYTES * AGENT_BLOCK_BYTES
+    return {"DPUKV_STORAGE_DRAM_BYTES": str(dram), "DPUKV_STORAGE_NVME_BYTES": str(nvme)}
+
+
+def _spawn_agents(d: Path, count: int, tier_bytes: int) -> list[Any]:
+    """`count` agents with data folders under `d`, which must be the configuration's own: an
+    agent keeps what it stored across a restart, so one started in an earlier configuration's
+    folder would begin with that configuration's chunks filling its memory."""
     from dpu_agent.testing import spawn_agent
 
-    # the tier's memory: DRAM and the file-backed NVMe tier, half each (a DPU's shape)
-    env = {
-        "DPUKV_STORAGE_DRAM_BYTES": str(tier_bytes // 2),
-        "DPUKV_STORAGE_NVME_BYTES": str(tier_bytes - tier_bytes // 2),
-    }
-    return [spawn_agent(tmp / f"agent{i}", env=env) for i in range(count)]
+    return [spawn_agent(d / f"agent{i}", env=_tier_env(tier_bytes)) for i in range(count)]
 
 
 def setup(name: str, tmp: Path, tier_bytes: int) -> Setup:
-    """The configuration `name`: its agents or LMCache server started (stops recorded)."""
+    """The configuration `name`: its agents or LMCache server started (stops recorded); what
+    it started is stopped again when it fails part way (a cluster whose members never agree)."""
     s = Setup(name)
+    try:
+        return _configure(s, tmp, tier_bytes)
+    except BaseException:
+        for stop in reversed(s.stops):
+            with contextlib.suppress(Exception):
+                stop()
+        raise
+
+
+def _configure(s: Setup, tmp: Path, tier_bytes: int) -> Setup:
+    name = s.name
     tier_gb = tier_bytes / 1e9
     if name == "plain":
         return s
@@ -654,9 +728,12 @@ def setup(name: str, tmp: Path, tier_bytes: int) -> Setup:
         s.args = _connector("LMCacheConnectorV1", {})
         return s
     if name == "tier-nixl":
-        _importable_in_vllm("nixl", "the NIXL data path (host_shim.transport)")
+        nixl_path = _nixl_path(tmp)
+        if nixl_path:
+            s.env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{nixl_path}"
+            s.note = "NIXL from the bench's environment linked onto vLLM's path"
     if name in ("tier", "tier-nixl"):
-        s.agents = _spawn_agents(tmp, 1, tier_bytes)
+        s.agents = _spawn_agents(tmp / name, 1, tier_bytes)
         s.stops += [a.stop for a in s.agents]
         extra = {
             "control": s.agents[0].control_url, "tenant": "default",
@@ -678,7 +755,7 @@ def setup(name: str, tmp: Path, tier_bytes: int) -> Setup:
             "node_deadline_s": 2.0,
         }  # fmt: skip
         s.args = _connector("DpuKVConnector", extra)
-        s.note = f"{CLUSTER_NODES} agents, R={CLUSTER_REPLICAS}; each with the tier memory / R"
+        s.note = f"{CLUSTER_NODES} agents, R={CLUSTER_REPLICAS}; a node: tier memory x R / nodes"
         s.kill_agent = True
         return s
     raise click.BadParameter(f"unknown configuration {name!r}")
@@ -784,8 +861,19 @@ def run_config(
         )
         if s.agents:
             row["tier_used_bytes"] = sum(_agent_used(x) for x in s.agents)
+            # the NIXL data path's proof: the agents' sessions opened over NIXL (the connector
+            # falls back to NVMe/TCP with only a warning in the server's log)
+            row["nixl_sessions"] = sum(_nixl_sessions(x) for x in s.agents)
         row["outputs"] = {f"{r['conversation']}.{r['turn']}": r.get("text") for r in rows}
         row["ttfts_s"] = [round(r["ttft_s"], 4) for r in rows if "error" not in r]
+        # the engine's prefill rate under this load: TTFT per computed (uncached) prompt token
+        per_token = [
+            r["ttft_s"] / max(r["prompt_tokens"] - r["cached_tokens"], 1)
+            for r in rows
+            if "error" not in r
+        ]
+        p = percentile(per_token, 50)
+        row["prefill_s_per_token_p50"] = None if p is None else round(p, 6)
         row["errors"] = [r["error"] for r in rows if "error" in r][:5]
         if after:
             b.wait_ready()
@@ -837,7 +925,43 @@ def run_config(
     finally:
         for srv in servers:
             srv.stop()
+    row.update(log_findings([srv.log for srv in servers]))
     return row
+
+
+# A connector that starts but then does nothing says so only in its server's log: LMCache
+# without a connector for the engine's device serves every request by recomputing it, and
+# KVClient falls back from NIXL to NVMe/TCP with a warning
+DEGRADED_MARKER = "operate in degraded mode"
+DATA_PATH_MARKER = "kvclient: data path "
+
+
+def log_findings(logs: Sequence[Path]) -> dict[str, Any]:
+    """From the servers' logs: `degraded` (the error that put a connector in its recompute-only
+    mode) and `data_path_fallbacks` (KVClient's NIXL-to-NVMe/TCP warnings), where any."""
+    out: dict[str, Any] = {}
+    fallbacks: list[str] = []
+    for log in logs:
+        with contextlib.suppress(OSError):
+            lines = log.read_text(errors="replace").splitlines()
+            for i, line in enumerate(lines):
+                if DEGRADED_MARKER in line and "degraded" not in out:
+                    cause = [x for x in lines[max(i - 20, 0) : i + 1] if "Error:" in x]
+                    out["degraded"] = (cause[-1] if cause else line).strip()[:LOG_TAIL_CHARS]
+                elif DATA_PATH_MARKER in line and "nvme-tcp" in line:
+                    fallbacks.append(line.split(DATA_PATH_MARKER, 1)[1].strip()[:300])
+    if fallbacks:
+        out["data_path_fallbacks"] = sorted(set(fallbacks))
+    return out
+
+
+def _nixl_sessions(agent: Any) -> int:
+    """Host sessions the agent opened over NIXL, from its log (`nixl_session` events)."""
+    try:
+        text = (agent.data_dir / "agent.log").read_text(errors="replace")
+    except OSError:
+        return 0
+    return text.count('"event": "nixl_session"')
 
 
 def _agent_used(agent: Any) -> int:
@@ -878,9 +1002,13 @@ def run_serve(
     engine_blocks: int = 32,
     tier_mib: int = 384,
     after: bool = True,
+    sweep: Sequence[float] = (),
+    transfer: bool = False,
     on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Every configuration on the same workload; the report (rows in `results`)."""
+    """Every configuration on the same workload, then `tier` at each `sweep` multiple of the
+    engine's KV memory (rows `tier@0.5x`, ...), then (`transfer`) the measured transfer rates
+    and the RDMA-vs-TCP model from them; the report (rows in `results`)."""
     from dpu_agent.bench.engines import engine_model, engine_python
 
     wl.check()
@@ -918,30 +1046,167 @@ def run_serve(
         "results": [],
     }
     rows: dict[str, dict[str, Any]] = {}
+    # the sweep: `tier` again, its memory a multiple of the engine's KV cache, no second server
+    runs = [(name, name, tier_mib << 20, after) for name in configurations] + [
+        ("tier", f"tier@{x:g}x", round(x * report["engine_kv_bytes"]), False) for x in sweep
+    ]
+    if sweep:
+        report["sweep_factors"] = list(sweep)
     with tempfile.TemporaryDirectory(prefix="dpukv-serve-") as tmpdir:
-        tmp = Path(tmpdir)
-        for name in configurations:
+        for name, label, tier_bytes, second in runs:
+            d = Path(tmpdir) / label  # its own agents' data and servers' logs
+            d.mkdir()
             s = Setup(name)
+            load0 = os.getloadavg()[0]
             try:
-                s = setup(name, tmp, tier_mib << 20)
+                s = setup(name, d, tier_bytes)
                 row = run_config(
                     s, wl, messages, python=python, model=model, blocks=engine_blocks,
-                    tmp=tmp, after=after,
+                    tmp=d, after=second,
                 )  # fmt: skip
-            except NotRunnable as e:
-                row = {"configuration": name, "refused": str(e)}
+            except (NotRunnable, RuntimeError) as e:  # RuntimeError: an agent did not start
+                row = {"configuration": name, "refused": str(e)[:LOG_TAIL_CHARS]}
             finally:
                 for stop in reversed(s.stops):
                     with contextlib.suppress(Exception):
                         stop()
-            rows[name] = row
+            row["configuration"] = label
+            # the machine's load as this row began and ended: rows of one run on a shared box
+            # can see very different loads, and TTFT follows it
+            row["loadavg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+            if name != "plain":
+                row["tier_bytes"] = tier_bytes
+            rows[label] = row
             if "plain" in rows:
                 row["identical_to_plain"] = _identical(row, rows["plain"])
             report["results"].append(row)
             if on_row is not None:
                 on_row(row)
+        if transfer:
+            report["transfer_model"] = transfer_model(report, Path(tmpdir) / "transfer")
     report["loadavg_1m_end"] = os.getloadavg()[0]
     return report
+
+
+# --- the RDMA-vs-TCP model -------------------------------------------------------------------
+
+TRANSFER_CHUNKS = 4  # chunks per round at this model's shape (256 tokens x 46,080 B: 11.8 MB)
+TRANSFER_ROUNDS = 3  # the median of 3 rounds: seconds in all, against minutes per server
+# Not measurable here (no RDMA device): the model's assumed inputs, printed with it.
+# BlueField-3's 200 Gb/s port is 25 GB/s; assumed: one-sided READ/WRITE at about 90% of it
+RDMA_GBPS_ASSUMED = 22.0
+RDMA_HOST_CPU_S_PER_GIB_ASSUMED = 0.0  # the NIC moves the bytes; the host posts descriptors
+# A Llama-3-8B-shaped KV cache (32 layers x K/V x 8 KV heads x 128 dims x fp16), for scale
+LLAMA3_8B_KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2
+
+
+def _measure_transfers(d: Path, tier_bytes: int) -> dict[str, Any]:
+    """Put/get GB/s and host CPU s/GiB of the tier's chunks through a fresh agent, over each
+    transport that loads in this process (NVMe/TCP; NIXL over UCX's TCP), chunks of this
+    model's shape; every get checked byte-exact."""
+    import numpy as np
+
+    from host_shim.client import NodeClient
+    from host_shim.transport import nixl_status
+    from kvproto.keys import ChunkLayout
+
+    layout = ChunkLayout("smollm2-135m", "float32", 30, 3, 64, chunk_tokens=CHUNK_TOKENS)
+    nbytes = CHUNK_TOKENS * KV_BYTES_PER_TOKEN
+    rng = np.random.default_rng(0)
+    data = [rng.integers(0, 255, nbytes, dtype=np.uint8) for _ in range(TRANSFER_CHUNKS)]
+    out = [np.empty(nbytes, dtype=np.uint8) for _ in range(TRANSFER_CHUNKS)]
+    transports = ["nvme-tcp"] + (["nixl"] if nixl_status()["available"] else [])
+    os.environ.setdefault("UCX_TLS", "tcp")  # a host and its DPU are two machines: no shm
+    agent = _spawn_agents(d, 1, max(tier_bytes, 4 * TRANSFER_CHUNKS * nbytes))[0]
+    result: dict[str, Any] = {"chunk_bytes": nbytes, "chunks": TRANSFER_CHUNKS}
+    try:
+        for transport in transports:
+            put_s, get_s, cpu_s = [], [], []
+            with NodeClient(
+                agent.control_url, "default", agent.token, layout, os.urandom(16),
+                transport=transport,
+            ) as client:  # fmt: skip
+                for rnd in range(TRANSFER_ROUNDS + 1):  # round 0 warms up, unmeasured
+                    tokens = np.arange(TRANSFER_CHUNKS * CHUNK_TOKENS, dtype=np.uint32) + rnd
+                    for o in out:
+                        o.fill(0)
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    stored = client.put(tokens, data)
+                    t1 = time.perf_counter()
+                    loaded = client.get(tokens, out)
+                    t2, c1 = time.perf_counter(), time.process_time()
+                    if (stored, loaded) != (TRANSFER_CHUNKS, TRANSFER_CHUNKS) or not all(
+                        np.array_equal(a, b) for a, b in zip(data, out, strict=True)
+                    ):
+                        raise RuntimeError(f"{transport}: stored {stored}, loaded {loaded}")
+                    client.delete(tokens)
+                    if rnd:
+                        put_s.append(t1 - t0)
+                        get_s.append(t2 - t1)
+                        cpu_s.append(c1 - c0)
+                used = client.transport
+            moved = TRANSFER_CHUNKS * nbytes
+            key = "tcp" if transport == "nvme-tcp" else "nixl_tcp"
+            result[key] = {
+                "transport": used,
+                "put_gbps": round(moved / 1e9 / (percentile(put_s, 50) or 1), 3),
+                "get_gbps": round(moved / 1e9 / (percentile(get_s, 50) or 1), 3),
+                "host_cpu_s_per_gib": round((percentile(cpu_s, 50) or 0) / (2 * moved / 2**30), 3),
+            }
+    finally:
+        agent.stop()
+    return result
+
+
+def transfer_model(report: dict[str, Any], d: Path) -> dict[str, Any]:
+    """What RDMA would change, from the transfer rates measured now and the run's own prefill
+    rate and hits: the load time of the tier row's average hit against recomputing it, over
+    TCP (measured) and RDMA (RDMA_GBPS_ASSUMED), and the prefill rate above which loading
+    over each path stops paying (bytes per token / GB/s), for this model and an 8B's KV."""
+    rows = {r["configuration"]: r for r in report["results"]}
+    plain, tier = rows.get("plain", {}), rows.get("tier", {})
+    try:
+        measured = _measure_transfers(d, report["tier_bytes"])
+    except (RuntimeError, OSError) as e:
+        return {"error": f"transfer measurement failed: {e}"}
+    prefill_s = plain.get("prefill_s_per_token_p50")
+    hits = tier.get("connector_hit_tokens", 0) / max(tier.get("requests", 0), 1)
+    paths: dict[str, tuple[float, float]] = {
+        key: (measured[key]["get_gbps"], measured[key]["host_cpu_s_per_gib"])
+        for key in ("tcp", "nixl_tcp")
+        if key in measured
+    }
+    paths["rdma"] = (RDMA_GBPS_ASSUMED, RDMA_HOST_CPU_S_PER_GIB_ASSUMED)
+    model: dict[str, Any] = {
+        "inputs": {
+            "measured": {
+                **measured,
+                "prefill_s_per_token": None if prefill_s is None else round(prefill_s, 6),
+                "tier_hit_tokens_per_request": round(hits, 1),
+                "kv_bytes_per_token": KV_BYTES_PER_TOKEN,
+            },
+            "assumed": {
+                "rdma_gbps": RDMA_GBPS_ASSUMED,
+                "rdma_host_cpu_s_per_gib": RDMA_HOST_CPU_S_PER_GIB_ASSUMED,
+                "llama3_8b_kv_bytes_per_token": LLAMA3_8B_KV_BYTES_PER_TOKEN,
+            },
+        },
+        "paths": {},
+    }
+    for path, (gbps, cpu_per_gib) in paths.items():
+        load_s = hits * KV_BYTES_PER_TOKEN / (gbps * 1e9)
+        entry: dict[str, Any] = {
+            "gbps": gbps,
+            "load_s_per_request": round(load_s, 5),
+            "host_cpu_s_per_request": round(hits * KV_BYTES_PER_TOKEN / 2**30 * cpu_per_gib, 5),
+            "breakeven_prefill_tokens_per_s": round(gbps * 1e9 / KV_BYTES_PER_TOKEN),
+            "breakeven_prefill_tokens_per_s_8b": round(gbps * 1e9 / LLAMA3_8B_KV_BYTES_PER_TOKEN),
+        }
+        if prefill_s is not None:
+            entry["recompute_s_per_request"] = round(hits * prefill_s, 5)
+            entry["saved_s_per_request"] = round(hits * prefill_s - load_s, 5)
+        model["paths"][path] = entry
+    return model
 
 
 # --- output ---------------------------------------------------------------------------------
@@ -981,6 +1246,14 @@ def table(report: dict[str, Any]) -> str:
             f"{r.get('identical_to_plain', '-')!s:>5} "
             f"{_fmt(second.get('ttft_p50_s'), '7.2f')} {r['failed']:>4}"
         )
+    for r in report["results"]:
+        if "degraded" in r:
+            lines.append(f"{r['configuration']}: the connector ran degraded: {r['degraded']}")
+        for fallback in r.get("data_path_fallbacks", ()):
+            lines.append(f"{r['configuration']}: data path fell back: {fallback}")
+    model = report.get("transfer_model")
+    if model:
+        lines += _model_lines(model)
     reps = [(r["configuration"], r["repeat"]) for r in report["results"] if "repeat" in r]
     for name, rep in reps:
         if "error" in rep:
@@ -992,6 +1265,25 @@ def table(report: dict[str, Any]) -> str:
                 f"{rep['repeat_ttft_s']:.2f}, {rep['repeat_cached_tokens']} cached)"
             )
     return "\n".join(lines)
+
+
+def _model_lines(model: dict[str, Any]) -> list[str]:
+    if "error" in model:
+        return [f"transfer model: {model['error']}"]
+    m, a = model["inputs"]["measured"], model["inputs"]["assumed"]
+    lines = [
+        f"transfer model inputs, measured: {json.dumps(m)}",
+        f"transfer model inputs, assumed: {json.dumps(a)}",
+    ]
+    for path, e in model["paths"].items():
+        lines.append(
+            f"  {path:<9} {e['gbps']:7.2f} GB/s: load {e['load_s_per_request']:.4f} s/request"
+            f" ({e['host_cpu_s_per_request']:.4f} host CPU s) vs recompute "
+            f"{_fmt(e.get('recompute_s_per_request'), '.4f')} s; pays while "
+            f"prefill < {e['breakeven_prefill_tokens_per_s']:,} tok/s (this model), "
+            f"{e['breakeven_prefill_tokens_per_s_8b']:,} tok/s (8B KV)"
+        )
+    return lines
 
 
 def write_cdf(report: dict[str, Any], path: Path) -> str:
@@ -1039,6 +1331,25 @@ def _command(wl: Workload, configurations: Sequence[str], blocks: int, tier_mib:
 
 
 DEFAULT_CONFIGURATIONS = CONFIGURATIONS
+SWEEP_POINTS_MAX = 6  # each point is one more server start and replay (minutes here)
+SWEEP_FACTOR_RANGE = (0.125, 16.0)
+
+
+def parse_sweep(text: str) -> tuple[float, ...]:
+    """`--tier-sweep 0.5,1,2,4`: the multiples, bounded in count and size; BadParameter
+    naming the option otherwise."""
+    if not text.strip():
+        return ()
+    try:
+        factors = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise click.BadParameter(f"--tier-sweep {text!r}: numbers separated by commas") from None
+    lo, hi = SWEEP_FACTOR_RANGE
+    if len(factors) > SWEEP_POINTS_MAX or not all(lo <= x <= hi for x in factors):
+        raise click.BadParameter(
+            f"--tier-sweep {text!r}: at most {SWEEP_POINTS_MAX} multiples in [{lo}, {hi}]"
+        )
+    return factors
 
 
 @click.command("serve")
@@ -1054,6 +1365,11 @@ DEFAULT_CONFIGURATIONS = CONFIGURATIONS
               help="vLLM's KV cache in 128-token blocks (--num-gpu-blocks-override).")  # fmt: skip
 @click.option("--tier-mib", default=384, show_default=True,
               help="Memory of every tier (agent DRAM+NVMe, LMCache's CPU cache).")  # fmt: skip
+@click.option("--tier-sweep", "sweep", callback=lambda _c, _p, v: parse_sweep(v), default="",
+              help="Also run `tier` with its memory at these multiples of the engine's KV "
+              "cache, e.g. 0.5,1,2,4 (rows tier@0.5x, ...).")  # fmt: skip
+@click.option("--transfer-model", is_flag=True,
+              help="Measure the tier's transfer rates and model RDMA against TCP.")  # fmt: skip
 @click.option("--configuration", "configurations", multiple=True,
               type=click.Choice(CONFIGURATIONS), help="Repeatable; default: all.")  # fmt: skip
 @click.option("--no-second-server", is_flag=True,
@@ -1063,8 +1379,8 @@ DEFAULT_CONFIGURATIONS = CONFIGURATIONS
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def serve_cmd(
     conversations: int, turns: int, turn_tokens: int, output_tokens: int, concurrency: int,
-    seed: int, engine_blocks: int, tier_mib: int, configurations: tuple[str, ...],
-    no_second_server: bool, plot: Path | None, as_json: bool,
+    seed: int, engine_blocks: int, tier_mib: int, sweep: tuple[float, ...], transfer_model: bool,
+    configurations: tuple[str, ...], no_second_server: bool, plot: Path | None, as_json: bool,
 ) -> None:  # fmt: skip
     """A multi-turn workload through real vLLM servers: plain, its alternatives, the tier."""
     wl = Workload(conversations, turns, turn_tokens, output_tokens, concurrency, seed)
@@ -1081,9 +1397,13 @@ def serve_cmd(
     click.echo(f"workload: {json.dumps(asdict(wl))}", err=True)
     report = run_serve(
         wl, configs, engine_blocks=engine_blocks, tier_mib=tier_mib,
-        after=not no_second_server, on_row=progress,
+        after=not no_second_server, sweep=sweep, transfer=transfer_model, on_row=progress,
     )  # fmt: skip
     report["command"] = _command(wl, configs, engine_blocks, tier_mib)
+    if sweep:
+        report["command"] += " --tier-sweep " + ",".join(f"{x:g}" for x in sweep)
+    if transfer_model:
+        report["command"] += " --transfer-model"
     if plot is not None:
         report["plot"] = write_cdf(report, plot)
     click.echo(json.dumps(report) if as_json else table(report))
