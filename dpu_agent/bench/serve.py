@@ -1068,6 +1068,14 @@ def table(report: dict[str, Any]) -> str:
             f"{r.get('identical_to_plain', '-')!s:>5} "
             f"{_fmt(second.get('ttft_p50_s'), '7.2f')} {r['failed']:>4}"
         )
+    for r in report["results"]:
+        if r.get("tier_decisions"):
+            d = r["tier_decisions"]
+            lines.append(
+                f"decisions {r['configuration']}: {d['load_decisions']} loaded "
+                f"({d['loaded_tokens']} tokens), {d['recompute_decisions']} recomputed "
+                f"({d['recomputed_tokens']} tokens)"
+            )
     reps = [(r["configuration"], r["repeat"]) for r in report["results"] if "repeat" in r]
     for name, rep in reps:
         if "error" in rep:
