@@ -511,6 +511,10 @@ def test_cost_samples_cross_processes_as_plain_lists_and_feed_the_scheduler_mode
     assert both["load_decisions"] == 1 and both["recompute_decisions"] == 2
     assert len(both["samples"]) == 4
     assert reduce_stats(both)["load_bytes"] == (10 << 20) + (1 << 20)
+    # the model's figures: the newest wins, and only a measured one is reported
+    newest = merge_stats(merge_stats({"bytes_per_s": 1.0}, {}), {"bytes_per_s": 2.0})
+    assert newest["bytes_per_s"] == 2.0 and "latency_s" not in newest
+    assert reduce_stats(newest)["bytes_per_s"] == 2.0
 
     model = TierCostModel()
     assert model.worth_loading(256, 10 << 20)  # nothing measured yet: load
@@ -518,6 +522,7 @@ def test_cost_samples_cross_processes_as_plain_lists_and_feed_the_scheduler_mode
     assert used == 4  # the three malformed samples were skipped, nothing raised
     assert model.prefill_tokens_per_s == 512.0
     assert model.bytes_per_s is not None and model.bytes_per_s > 10e6
+    assert model.snapshot() == {"bytes_per_s": model.bytes_per_s, "prefill_tokens_per_s": 512.0}
 
 
 def test_vllm_probe_measures_the_tier_before_any_match(agent: Any) -> None:

@@ -786,6 +786,22 @@ def _delta(after: dict[str, float], before: dict[str, float], name: str) -> floa
     return after.get(name, 0.0) - before.get(name, 0.0)
 
 
+def _decisions(after: dict[str, float], before: dict[str, float]) -> dict[str, Any]:
+    """DpuKVConnector's load-or-recompute decisions and transfers between two /metrics reads,
+    and its cost model's estimates at the second (vllm:dpukv_*)."""
+    out: dict[str, Any] = {
+        key: int(_delta(after, before, f"vllm:dpukv_{key}_total"))
+        for key in ("load_decisions", "recompute_decisions", "loaded_tokens",
+                    "recomputed_tokens", "load_bytes", "store_bytes")
+    }  # fmt: skip
+    for key in ("load_seconds", "store_seconds"):
+        out[key] = round(_delta(after, before, f"vllm:dpukv_{key}_total"), 3)
+    for key in ("model_latency_seconds", "model_tier_bytes_per_second",
+                "model_prefill_tokens_per_second"):  # fmt: skip
+        out[key] = after.get(f"vllm:dpukv_{key}")
+    return out
+
+
 def _storage_cpu_s(s: Setup) -> float:
     return sum(_proc_tree_cpu_s(a.proc.pid) for a in s.agents)
 
@@ -851,12 +867,8 @@ def run_config(
         n = max(len(rows), 1)
         local = _delta(m1, m0, "vllm:prefix_cache_hits_total")
         external = _delta(m1, m0, "vllm:external_prefix_cache_hits_total")
-        if s.agents:  # DpuKVConnector's load-or-recompute decisions (its /metrics counters)
-            row["tier_decisions"] = {
-                key: int(_delta(m1, m0, f"vllm:dpukv_{key}_total"))
-                for key in ("load_decisions", "recompute_decisions", "loaded_tokens",
-                            "recomputed_tokens", "load_bytes", "store_bytes")
-            }  # fmt: skip
+        if s.agents:
+            row["tier_decisions"] = _decisions(m1, m0)
         row.update(
             local_cache_hit_tokens=int(local),
             connector_hit_tokens=int(external),
@@ -895,6 +907,7 @@ def run_config(
                 ),
                 "ttfts_s": [r.get("ttft_s") for r in second],
                 "agent_killed": bool(killed),
+                **({"tier_decisions": _decisions(mb1, mb0)} if s.agents else {}),
                 "outputs": {f"{r['conversation']}.{wl.turns}": r.get("text") for r in second},
             }
             # the same-instance repeat: the last conversation's prompt again, on b

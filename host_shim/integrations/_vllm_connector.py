@@ -34,6 +34,7 @@ from host_shim.client import KVClient
 from host_shim.integrations._vllm_core import (
     PREFILL_TOKENS_MIN,
     STATS_COUNTERS,
+    STATS_GAUGES,
     AsyncSaver,
     ConnectorSettings,
     CostSamples,
@@ -86,7 +87,7 @@ class DpuKVStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not self.data.get("samples") and not any(
-            self.data.get(name) for name in STATS_COUNTERS
+            self.data.get(name) for name in (*STATS_COUNTERS, *STATS_GAUGES)
         )
 
 
@@ -106,6 +107,14 @@ PROM_COUNTERS = {
     "load_s": ("vllm:dpukv_load_seconds", "Seconds spent loading from the tier."),
     "store_bytes": ("vllm:dpukv_store_bytes", "Bytes stored to the tier."),
     "store_s": ("vllm:dpukv_store_seconds", "Seconds storing to the tier (off the forward)."),
+}
+PROM_GAUGES = {
+    "latency_s": ("vllm:dpukv_model_latency_seconds", "The cost model's tier round trip."),
+    "bytes_per_s": ("vllm:dpukv_model_tier_bytes_per_second", "The cost model's tier bandwidth."),
+    "prefill_tokens_per_s": (
+        "vllm:dpukv_model_prefill_tokens_per_second",
+        "The cost model's prefill rate of the engine.",
+    ),
 }
 
 
@@ -129,11 +138,18 @@ class DpuKVPromMetrics(KVConnectorPromMetrics):
         for key, (name, doc) in PROM_COUNTERS.items():
             counter = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
             self._counters[key] = create_metric_per_engine(counter, per_engine_labelvalues)
+        self._gauges = {}
+        for key, (name, doc) in PROM_GAUGES.items():
+            gauge = self._gauge_cls(name=name, documentation=doc, labelnames=labelnames,
+                                    multiprocess_mode="mostrecent")  # fmt: skip
+            self._gauges[key] = create_metric_per_engine(gauge, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in reduce_stats(transfer_stats_data).items():
             if value and key in self._counters:
                 self._counters[key][engine_idx].inc(value)
+            elif key in self._gauges:
+                self._gauges[key][engine_idx].set(value)
 
 
 @dataclass
@@ -335,8 +351,8 @@ class DpuKVConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         """The workers' timed loads, stores and forwards of the last step, into the model."""
         stats = getattr(connector_output, "kv_connector_stats", None)
-        if isinstance(stats, KVConnectorStats):
-            self._cost.feed(stats.data.get("samples", ()))
+        if isinstance(stats, KVConnectorStats) and self._cost.feed(stats.data.get("samples", ())):
+            self._decisions.data.update(self._cost.snapshot())  # reported with the next stats
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Scheduler: its decisions since the last call; worker: its samples since then."""

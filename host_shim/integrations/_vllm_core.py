@@ -298,6 +298,12 @@ class TierCostModel:
             used += 1
         return used
 
+    def snapshot(self) -> dict[str, float]:
+        """What the model has measured (STATS_GAUGES), for the connector's stats."""
+        with self._lock:
+            values = (self.latency_s, self.bytes_per_s, self.prefill_tokens_per_s)
+        return {k: v for k, v in zip(STATS_GAUGES, values, strict=True) if v is not None}
+
     def load_s(self, nbytes: int) -> float | None:
         with self._lock:
             if self.bytes_per_s is None:
@@ -368,6 +374,9 @@ class CostSamples:
 # The connector's stats (vLLM's KVConnectorStats.data): the worker's samples and the
 # scheduler's decisions. Counters add up when vLLM aggregates stats of steps or workers.
 STATS_COUNTERS = ("load_decisions", "recompute_decisions", "loaded_tokens", "recomputed_tokens")
+# The scheduler's model as it stood when it last changed (the newest wins when merged): what
+# it estimated from, beside what the transfers took, on vLLM's /metrics.
+STATS_GAUGES = ("latency_s", "bytes_per_s", "prefill_tokens_per_s")
 
 
 def merge_stats(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
@@ -378,6 +387,10 @@ def merge_stats(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
     }
     for name in STATS_COUNTERS:
         out[name] = int(a.get(name, 0)) + int(b.get(name, 0))
+    for name in STATS_GAUGES:
+        value = b.get(name, a.get(name))
+        if value is not None:
+            out[name] = float(value)
     return out
 
 
@@ -388,6 +401,9 @@ def reduce_stats(data: Mapping[str, Any]) -> dict[str, int | float]:
         picked = [s for s in data.get("samples", ()) if s[0] == kind]
         out[f"{kind}_bytes"] = sum(int(s[1]) for s in picked)
         out[f"{kind}_s"] = round(sum(float(s[2]) for s in picked), 4)
+    for name in STATS_GAUGES:
+        if data.get(name) is not None:
+            out[name] = float(data[name])
     return out
 
 
