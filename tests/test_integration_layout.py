@@ -539,3 +539,26 @@ def test_vllm_probe_measures_the_tier_before_any_match(agent: Any) -> None:
     kinds = [(s[0], s[1]) for s in samples.take()]
     assert kinds == [("store", LAYOUT.chunk_bytes), ("load", LAYOUT.chunk_bytes)]
     assert _agent_used(agent) == before  # the probe's chunk is gone again
+
+
+def test_connector_copies_run_on_one_thread_and_give_the_forward_its_threads_back() -> None:
+    """On a CPU engine the connector's gather/scatter share torch's OpenMP threads with the
+    forward; on busy cores every split copy waited for a thread (a chunk's gather took ~1 s
+    at load 15 on 2 cores, against 10 ms on one thread), on the request's path. They run on
+    the calling thread alone, and the forward's thread count is restored afterwards, also
+    when the copy raises."""
+    from host_shim.integrations._vllm_core import single_threaded
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with single_threaded(torch.device("cpu")):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError), single_threaded(torch.device("cpu")):
+            raise RuntimeError("a copy failed")
+        assert torch.get_num_threads() == 2
+        with single_threaded(torch.device("meta")):  # not CPU: the engine's threads untouched
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

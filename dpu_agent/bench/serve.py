@@ -16,7 +16,9 @@ Configurations (the issue's names): ``plain`` (vLLM, prefix caching on), ``tier`
 started here, `host_shim.integrations.vllm` over NVMe/TCP), ``lmcache-local``
 (`LMCacheConnectorV1`, LMCache's local CPU backend), ``lmcache-server`` (LMCache with its
 ``lm://`` server), ``vllm-native`` (``--kv-offloading-backend native``), ``tier-nixl``,
-``tier-cluster``. A configuration that cannot start keeps its row with the reason. Each tier
+``tier-cluster``, ``tier-throttled`` (``tier`` with the agent behind a link shaped by
+``tc tbf`` to ``--throttle-mbps``: the connector's load-or-recompute decision at work).
+A configuration that cannot start keeps its row with the reason. Each tier
 gets the same memory (`--tier-mib`). Scenarios beside the plain replay: ``restart`` (the server
 is restarted halfway; the TTFT of the turns after it, per configuration), ``share`` (two
 servers, a conversation's turns alternate between them), ``repeat`` (the same prompt twice in

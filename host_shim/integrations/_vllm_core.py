@@ -5,6 +5,7 @@ them and hands out the connector class (`_vllm_connector`) on first access."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import random
@@ -12,11 +13,12 @@ import ssl
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from host_shim.control import client_tls_context
@@ -49,6 +51,7 @@ __all__ = [
     "probe_tier",
     "reduce_stats",
     "save_request",
+    "single_threaded",
     "storable_chunks",
 ]
 
@@ -165,6 +168,26 @@ class ReqStore:
     first_chunk: int = 0
 
 
+@contextlib.contextmanager
+def single_threaded(device: torch.device) -> Iterator[None]:
+    """The connector's copies between KV blocks and chunks on one CPU thread. On a CPU engine
+    torch splits each of these small copies over its OpenMP threads, the forward's; with the
+    cores busy every split waits for a thread to be scheduled: a 256-token chunk of
+    SmolLM2-135M took 0.9-1.2 s to gather at load 15 on 2 cores (62 ms per layer's
+    index_select) against 10 ms on one thread, and that sat on the request's path (the
+    store's copy in wait_for_save, the load's scatter). OpenMP's thread count is per calling
+    thread, so only this thread's copies change; the forward gets its count back after."""
+    if device.type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def matched_tokens(
     hit_chunks: int, prompt_tokens: int, num_computed_tokens: int, chunk_tokens: int
 ) -> int:
@@ -198,7 +221,8 @@ def load_request(
     bufs = torch.empty(shape, dtype=torch_dtype(layout.dtype), device=device)
     # Chunks before first_chunk are vLLM's own (its prefix cache): neither read nor written.
     loaded = int(client.get_keys(keys, list(bufs.unbind(0))))
-    scatter_chunks(bufs[:loaded], kv_layers, paged, req.block_ids, req.first_chunk, layout)
+    with single_threaded(kv_layers[0].device):
+        scatter_chunks(bufs[:loaded], kv_layers, paged, req.block_ids, req.first_chunk, layout)
     return loaded
 
 
@@ -226,7 +250,8 @@ def save_request(
     n = layout.chunk_tokens
     keys = client.keys(list(req.token_ids[: count * n]))
     device = staging_device(client, kv_layers[0].device)  # NIXL: the GPU itself, no staging
-    chunks = gather_chunks(kv_layers, paged, req.block_ids, first, count - first, layout)
+    with single_threaded(kv_layers[0].device):
+        chunks = gather_chunks(kv_layers, paged, req.block_ids, first, count - first, layout)
     parents = [keys[first - 1] if first else None, *keys[first : count - 1]]
     held = int(client.put_keys(keys[first:count], list(chunks.to(device).unbind(0)), parents))
     return first + held
@@ -329,7 +354,14 @@ def probe_tier(client: Any, layout: ChunkLayout, samples: CostSamples, device: A
     rng = random.Random(os.urandom(16))
     keys = client.keys([rng.randrange(1 << 30) for _ in range(layout.chunk_tokens)])
     staging = staging_device(client, device)
-    chunk = torch.zeros(layout.chunk_shape, dtype=torch_dtype(layout.dtype), device=staging)
+    # zeroed pages from the allocator, not torch.zeros: a fill is split over the forward's
+    # threads from this thread too (see single_threaded)
+    chunk = (
+        torch.from_numpy(np.zeros(layout.chunk_bytes, dtype=np.uint8))
+        .view(torch_dtype(layout.dtype))
+        .reshape(layout.chunk_shape)
+        .to(staging)
+    )
     t0 = time.perf_counter()
     stored = int(client.put_keys(keys, [chunk]))
     t1 = time.perf_counter()
@@ -458,7 +490,10 @@ class AsyncSaver:
             self._queued_bytes += nbytes  # reserved before the copy: the cap holds while copying
         n = self._layout.chunk_tokens
         keys = self._client.keys(list(req.token_ids[: count * n]))
-        chunks = gather_chunks(kv_layers, paged, req.block_ids, first, count - first, self._layout)
+        with single_threaded(kv_layers[0].device):
+            chunks = gather_chunks(
+                kv_layers, paged, req.block_ids, first, count - first, self._layout
+            )
         parents = [keys[first - 1] if first else None, *keys[first : count - 1]]
         with self._cond:
             self._queue.append(_Queued(keys[first:count], parents, chunks, nbytes))
