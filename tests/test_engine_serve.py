@@ -67,3 +67,41 @@ def test_serve_tier_nixl_moves_the_chunks_over_nixl_and_outputs_match_plain() ->
     assert tier["nixl_sessions"] > 0
     assert "data_path_fallbacks" not in tier, tier["data_path_fallbacks"]
     assert tier["second_server"]["connector_hit_tokens"] > 0
+
+
+def test_serve_throttled_tier_is_recomputed_unthrottled_tier_is_loaded() -> None:
+    """Load or recompute under `vllm serve` (the CPU build forces the multiprocess executor:
+    the scheduler and the worker are different processes). The worker's timed transfers and
+    forwards reach the scheduler's cost model through vLLM's connector stats; the decisions
+    come back out as the connector's counters on vLLM's /metrics. The same workload against
+    the agent on loopback and against the agent behind a link shaped to THROTTLE_MBPS
+    (a netns and `tc tbf`): a chunk of 256 tokens (11.8 MB) then takes ~2.4 s to load, longer
+    than recomputing it, so every match is recomputed; on loopback every one loads."""
+    import os
+    import shutil
+
+    from dpu_agent.bench.serve import THROTTLE_MBPS_DEFAULT, Workload, run_serve
+
+    if os.geteuid() != 0 or shutil.which("tc") is None:
+        pytest.skip("tier-throttled needs root and tc (a network namespace and a tbf qdisc)")
+    throttle_mbps = THROTTLE_MBPS_DEFAULT
+    # 4 conversations of ~330 tokens (3 blocks each) in 9 usable blocks: the last evicts the
+    # first from vLLM's cache, so its second turn matches its first chunk in the tier only
+    wl = Workload(conversations=4, turns=2, turn_tokens=300, output_tokens=8, concurrency=2)
+    report = run_serve(
+        wl, ["tier", "tier-throttled"], engine_blocks=10, tier_mib=128, after=False,
+        throttle_mbps=throttle_mbps,
+    )  # fmt: skip
+    tier, throttled = report["results"]
+    for row in (tier, throttled):
+        assert "refused" not in row, row.get("refused")
+        assert row["failed"] == 0, row["errors"]
+    assert throttled["outputs"] == tier["outputs"]  # recomputing changes no token
+    fast, slow = tier["tier_decisions"], throttled["tier_decisions"]
+    print(f"decisions: loopback {fast}, {throttle_mbps} Mbit/s {slow}")
+    assert fast["load_decisions"] >= 1 and fast["recompute_decisions"] == 0, fast
+    assert tier["connector_hit_tokens"] == fast["loaded_tokens"] > 0
+    # the start-up probe measured the slow link before the first match: nothing was loaded
+    assert slow["recompute_decisions"] >= 1 and slow["load_decisions"] == 0, slow
+    assert throttled["connector_hit_tokens"] == 0
+    assert slow["store_bytes"] > 0  # the tier still got every new chunk, off the forward

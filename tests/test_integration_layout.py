@@ -478,3 +478,87 @@ def test_vllm_throttled_tier_is_recomputed_not_loaded(agent: Any) -> None:
         assert not cost.worth_loading(96, nbytes)
         load_s, recompute_s = cost.load_s(nbytes), cost.recompute_s(96)
         assert load_s is not None and recompute_s is not None and load_s > recompute_s
+
+
+def test_cost_samples_cross_processes_as_plain_lists_and_feed_the_scheduler_model() -> None:
+    """The worker's timed work reaches the scheduler's model only as vLLM's connector stats
+    (msgpack between processes): plain lists, bounded, merged across steps and workers, and
+    fed to a model that skips what it cannot read."""
+    from host_shim.integrations._vllm_core import (
+        COST_SAMPLES_MAX,
+        CostSamples,
+        TierCostModel,
+        merge_stats,
+        reduce_stats,
+    )
+
+    samples = CostSamples()
+    samples.add("load", 10 << 20, 0.5)
+    samples.add("store", 10 << 20, 0.5)
+    samples.add("prefill", 512, 1.0)
+    samples.add("load", 0, 1.0)  # nothing moved: not a sample
+    taken = samples.take()
+    assert taken == [["load", 10 << 20, 0.5], ["store", 10 << 20, 0.5], ["prefill", 512, 1.0]]
+    assert samples.take() == []  # taken once
+
+    for _ in range(COST_SAMPLES_MAX + 10):
+        samples.add("store", 1, 1.0)
+    assert len(samples.take()) == COST_SAMPLES_MAX  # a scheduler that never took: bounded
+
+    a = merge_stats({"samples": taken}, {"load_decisions": 1, "loaded_tokens": 256})
+    b = merge_stats({"samples": [["load", 1 << 20, 0.1]]}, {"recompute_decisions": 2})
+    both = merge_stats(a, b)
+    assert both["load_decisions"] == 1 and both["recompute_decisions"] == 2
+    assert len(both["samples"]) == 4
+    assert reduce_stats(both)["load_bytes"] == (10 << 20) + (1 << 20)
+    # the model's figures: the newest wins, and only a measured one is reported
+    newest = merge_stats(merge_stats({"bytes_per_s": 1.0}, {}), {"bytes_per_s": 2.0})
+    assert newest["bytes_per_s"] == 2.0 and "latency_s" not in newest
+    assert reduce_stats(newest)["bytes_per_s"] == 2.0
+
+    model = TierCostModel()
+    assert model.worth_loading(256, 10 << 20)  # nothing measured yet: load
+    used = model.feed([*both["samples"], ["warp", 1, 1.0], ["load", "x", 1.0], ["load"]])
+    assert used == 4  # the three malformed samples were skipped, nothing raised
+    assert model.prefill_tokens_per_s == 512.0
+    assert model.bytes_per_s is not None and model.bytes_per_s > 10e6
+    assert model.snapshot() == {"bytes_per_s": model.bytes_per_s, "prefill_tokens_per_s": 512.0}
+
+
+def test_vllm_probe_measures_the_tier_before_any_match(agent: Any) -> None:
+    """The worker times one chunk put and read back at start (and deletes it), so the
+    scheduler's first load-or-recompute decision has a measured tier."""
+    from dpu_agent.bench.serve import _agent_used
+    from host_shim.client import KVClient
+    from host_shim.integrations._vllm_core import CostSamples, probe_tier
+
+    samples = CostSamples()
+    before = _agent_used(agent)
+    with KVClient(agent.control_url, "default", agent.token, LAYOUT, os.urandom(32)) as kv:
+        assert probe_tier(kv, LAYOUT, samples, torch.device("cpu"))
+    kinds = [(s[0], s[1]) for s in samples.take()]
+    assert kinds == [("store", LAYOUT.chunk_bytes), ("load", LAYOUT.chunk_bytes)]
+    assert _agent_used(agent) == before  # the probe's chunk is gone again
+
+
+def test_connector_copies_run_on_one_thread_and_give_the_forward_its_threads_back() -> None:
+    """On a CPU engine the connector's gather/scatter share torch's OpenMP threads with the
+    forward; on busy cores every split copy waited for a thread (a chunk's gather took ~1 s
+    at load 15 on 2 cores, against 10 ms on one thread), on the request's path. They run on
+    the calling thread alone, and the forward's thread count is restored afterwards, also
+    when the copy raises."""
+    from host_shim.integrations._vllm_core import single_threaded
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with single_threaded(torch.device("cpu")):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError), single_threaded(torch.device("cpu")):
+            raise RuntimeError("a copy failed")
+        assert torch.get_num_threads() == 2
+        with single_threaded(torch.device("meta")):  # not CPU: the engine's threads untouched
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

