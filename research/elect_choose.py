@@ -68,14 +68,23 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--variant", action="append", default=[])
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--min-fraction", type=float, default=0.0, help="only cells at least this")
+    ap.add_argument("--long", action="store_true", help="only full-length, unrestarted traces")
     a = ap.parse_args()
-    cells = dev_cells()
+    all_cells = dev_cells()
+    keep = [
+        k
+        for k, (spec, frac) in enumerate(all_cells)
+        if frac >= a.min_fraction and (not a.long or (not spec.restart and spec.requests != 300))
+    ]
     with Pool(a.jobs) as pool:
         if CACHE.exists():
             fixed = pickle.loads(CACHE.read_bytes())
         else:
-            fixed = pool.map(_fixed, cells, chunksize=1)
+            fixed = pool.map(_fixed, all_cells, chunksize=1)
             CACHE.write_bytes(pickle.dumps(fixed))
+        cells = [all_cells[k] for k in keep]
+        fixed = [fixed[k] for k in keep]
         for v in a.variant or ["base:{}"]:
             label, _, js = v.partition(":")
             kwargs = json.loads(js or "{}")

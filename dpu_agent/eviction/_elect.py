@@ -61,7 +61,7 @@ SHADOW_ITEMS_MAX = 2048  # items per shadow at most: the shadows' memory does no
 SHADOW_ITEMS_MIN = 32
 SAMPLE_SHIFT_STEADY = 3  # R <= 1/8 once the cache is not young
 SAMPLE_SHIFT_MAX = 24  # the sample hash has 24 bits
-YOUNG_TURNOVERS = 4.0  # young: fewer operations than this many times the items held
+YOUNG_TURNOVERS = 2.0  # young: fewer operations than twice the items held (2, 4, 8 chose alike)
 # standard errors of the per-request lead, tested after every request: 2.0 switched on noise
 # (mix, restarting, at 5%), 3.0 switched too late (conv, restarting, at 10%)
 SWITCH_Z = 2.5
