@@ -202,3 +202,26 @@ def test_the_engine_gives_elects_simulated_hits(tmp_path: Path) -> None:
     got = replay_engine(trace, "elect", 60, data_dir=tmp_path)
     policy = ElectPolicy(60)
     assert got.hits == sum(replay_hits(trace, policy, 60))
+
+
+def test_parent_links_that_loop_do_not_hang_a_switch() -> None:
+    """A client puts A under B, B leaves, then B comes back under A: the parent links loop.
+    Finding a sampled ancestor and handing the tier to a new leader both still end."""
+    policy = ElectPolicy(8, shadow_items_max=1, shadow_items_min=1)
+    for i in range(100, 104):  # four items held: at most one per shadow, so R <= 1/4
+        policy.insert(i, None, 0.0)
+    assert policy.sample_rate <= 0.25
+    a = next(i for i in range(1000, 2000) if not policy.sampled(i))
+    b = next(i for i in range(2000, 3000) if not policy.sampled(i))
+    policy.insert(a, None, 1.0)
+    policy.insert(b, a, 1.0)
+    policy.remove(a)
+    policy.insert(a, b, 2.0)  # a under b, and b still under a
+    sampled = [i for i in range(3000, 4000) if policy.sampled(i)][:3]
+    for k, item in enumerate(sampled):  # each walks the loop looking for a sampled ancestor
+        policy.insert(item, a, 3.0 + k)
+        policy.remove(item)
+    assert len(policy) == 6
+    fresh = make_policy("prefix", 8)
+    fresh.adopt([(b, a, False), (a, b, False)], 10.0)
+    assert len(fresh) == 2 and a in fresh and b in fresh

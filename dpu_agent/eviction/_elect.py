@@ -70,6 +70,9 @@ HALF_LIFE_TURNOVERS = 8.0  # evidence halves every 8 shadow turnovers of sampled
 HALF_LIFE_REQUESTS = 512  # ... and no sooner than 512 scored requests: a small cache turns
 # over within a request or two, and a few requests are too little evidence to decide anything
 SWITCH_GAP_TURNOVERS = 1.0  # tier turnovers (operations / items held) between two switches
+# Ancestors walked to find a sampled one: 2^12 is 256 x the expected walk at the lowest
+# steady rate (1/8) and 2 MB of 512-token chunks of one prefix; a longer walk means a loop.
+ANCESTORS_MAX = 4096
 _HASH_MULTIPLIER = 0x9E3779B97F4A7C15  # Fibonacci hashing: the top bits mix every id bit
 _MASK64 = (1 << 64) - 1
 
@@ -211,9 +214,7 @@ class ElectPolicy(EvictionPolicy):
             self._grown = True
             self._resample(now)
         if self._sampled(item):
-            up = parent
-            while up is not None and not self._sampled(up):
-                up = parents.get(up)
+            up = self._nearest(item)
             self._up[item] = up
             self._reference(item, up, now)
 
@@ -332,10 +333,16 @@ class ElectPolicy(EvictionPolicy):
         self._now = None
 
     def _nearest(self, item: int) -> int | None:
-        up = self._parent[item]
-        while up is not None and not self._sampled(up):
-            up = self._parent.get(up)
-        return up
+        """The nearest sampled ancestor held, None if there is none. A parent link outlives a
+        parent that left and came back under another parent, so links can loop (a client
+        that puts A under B, then B under A): the walk gives up after `ANCESTORS_MAX` steps."""
+        parents = self._parent
+        up = parents[item]
+        for _ in range(ANCESTORS_MAX):
+            if up is None or self._sampled(up):
+                return up
+            up = parents.get(up)
+        return None
 
     def __repr__(self) -> str:  # the replay's --json and test failures name the leader
         return (

@@ -74,13 +74,16 @@ class EvictionPolicy(abc.ABC):
             t += step
             if item not in self:
                 chain = [item]  # its held ancestors not yet inserted, nearest first
-                up = parents.get(item)
-                while up is not None and up not in self and up in parents:
+                on_chain = {item}  # a link that loops back (a client that put A under B,
+                up = parents.get(item)  # then B under A) ends the chain
+                while up is not None and up not in self and up in parents and up not in on_chain:
                     chain.append(up)
+                    on_chain.add(up)
                     up = parents.get(up)
                 for i in reversed(chain):
-                    p = parents[i]
-                    self.insert(i, p if p is not None and p in self else None, t)
+                    if i not in self:
+                        p = parents[i]
+                        self.insert(i, p if p is not None and p in self else None, t)
             if used:
                 self.access(item, t)
 
