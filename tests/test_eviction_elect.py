@@ -11,9 +11,11 @@ import random
 from functools import partial
 from pathlib import Path
 
+import pytest
+
 from dpu_agent.bench.replay import Request, replay_hits, replay_request
 from dpu_agent.bench.replay_engine import replay_engine
-from dpu_agent.eviction import ElectPolicy, make_policy
+from dpu_agent.eviction import ElectPolicy, _registry, make_policy
 from dpu_agent.eviction._elect import SHADOW_ITEMS_MAX, SHADOW_ITEMS_MIN
 
 
@@ -196,12 +198,18 @@ def test_the_sample_follows_the_item_across_eviction_and_return() -> None:
         assert policy.sampled(i) == sampled[i]
 
 
-def test_the_engine_gives_elects_simulated_hits(tmp_path: Path) -> None:
-    """Through the real Engine, elect switches leader as in the simulator (the same hits)."""
+def test_the_engine_gives_elects_simulated_hits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the real Engine, elect switches leader and adopts the tier as in the simulator:
+    the same hits. (LRU and S3-FIFO as candidates: this short trace separates them.)"""
+    two = partial(ElectPolicy, candidates=("lru", "s3fifo"))
+    monkeypatch.setitem(_registry._FACTORIES, "elect", two)
     trace = _hot_and_scans(2500)
     got = replay_engine(trace, "elect", 60, data_dir=tmp_path)
-    policy = ElectPolicy(60)
+    policy = two(60)
     assert got.hits == sum(replay_hits(trace, policy, 60))
+    assert policy.switches >= 1 and policy.leader == "s3fifo"
 
 
 def test_parent_links_that_loop_do_not_hang_a_switch() -> None:
