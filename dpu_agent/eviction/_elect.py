@@ -8,8 +8,8 @@
   from the chunk's key, so a chunk evicted and put again is the same sample member. A sampled
   block hits in a shadow when it is cached there and its nearest sampled ancestor hit in the
   same request (prefix hits, as the tier counts them). The rate is 1 while the cache is young
-  (a cold tier decides on everything it sees), then at most `SAMPLE_RATE_STEADY` (what bounds
-  the shadows' CPU), lower still when a shadow would hold more than `SHADOW_ITEMS_MAX` (what
+  (a cold tier decides on everything it sees), then at most 2^-`SAMPLE_SHIFT_STEADY` (what
+  bounds the shadows' CPU), lower still when a shadow would hold more than `SHADOW_ITEMS_MAX` (what
   bounds their memory), never so low that a shadow holds fewer than `SHADOW_ITEMS_MIN` (below
   that the sample says nothing).
 - **The election** is a sequential paired test: per request, each shadow's hits; a challenger
@@ -17,12 +17,13 @@
   standard errors (the sum over the square root of the sum of squares) and at least
   `SWITCH_MARGIN` of the sampled references. Both are scale-free: no count of turnovers or
   requests, so a clear lead switches early on a young cache and a faint one never does. Sums
-  halve every `HALF_LIFE_TURNOVERS` shadow turnovers (a workload that changes shape is
-  followed); at a switch the evidence involving the new leader starts again from zero.
+  halve every `HALF_LIFE_TURNOVERS` shadow turnovers, no sooner than every
+  `HALF_LIFE_REQUESTS` scored requests (a workload that changes shape is followed); at a
+  switch the evidence involving the new leader starts again from zero.
 - **A switch flushes nothing**: a new instance of the winner adopts the tier's items
   (`EvictionPolicy.adopt`, in the old leader's eviction order), so the next victim is the new
-  leader's choice among the same items. Adoption is O(items held), so switches are at least
-  one turnover of the tier apart, which bounds its cost to O(1) per access.
+  leader's choice among the same items. Adoption is O(n log n) for n items held, so switches
+  are at least one turnover of the tier apart: O(log n) per access, amortised.
 
 Memory: the leader, a parent per item held (adoption needs the prefix tree whatever the
 leader was) and the shadows' fixed budget.
@@ -347,7 +348,7 @@ class ElectPolicy(EvictionPolicy):
             up = parents.get(up)
         return None
 
-    def __repr__(self) -> str:  # the replay's --json and test failures name the leader
+    def __repr__(self) -> str:  # test failures and debugging name the leader
         return (
             f"ElectPolicy(leader={self.leader}, switches={self.switches}, "
             f"rate=1/{1 << self._shift}, held={len(self)})"
