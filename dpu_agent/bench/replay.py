@@ -565,9 +565,10 @@ def _format_table(report: dict[str, Any]) -> str:
 @click.option(
     "--family-set",
     "family_sets",
-    type=click.Choice(["choose", "report", "held-out"]),
+    type=click.Choice(["choose", "report", "held-out", "none"]),
     multiple=True,
-    help="With --family: only these sets (repeatable; default: all three).",
+    help="With --family: only these sets (repeatable; default: all three; none: only the "
+    "--trace file).",
 )
 @click.option(
     "--head",
@@ -725,7 +726,7 @@ def _family_command(
 
     if synthetic is not None:
         raise click.UsageError("--family replays its own synthetic traces; drop --synthetic")
-    sets = {"choose": CHOOSE_SET, "report": REPORT_SET, "held-out": HELD_OUT_SET}
+    sets = {"choose": CHOOSE_SET, "report": REPORT_SET, "held-out": HELD_OUT_SET, "none": ()}
     traces = [t for name in family_sets or tuple(sets) for t in sets[name]]
     if trace_path is not None:
         traces.append(FamilyTrace(role="report", path=trace_path, requests=head or 0))

@@ -37,6 +37,9 @@ class LruPolicy(EvictionPolicy):
                 return item
         return None
 
+    def resident(self) -> list[tuple[int, bool]]:
+        return [(item, False) for item in self._order]  # LRU keeps no use counts
+
     def __len__(self) -> int:
         return len(self._order)
 

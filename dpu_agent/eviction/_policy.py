@@ -8,15 +8,20 @@ the policy's own aging state (a CLOCK hand, a FIFO promotion) but never forgets 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-__all__ = ["CAPACITY_ITEMS_MAX", "Evictable", "EvictionPolicy"]
+__all__ = ["CAPACITY_ITEMS_MAX", "Evictable", "EvictionPolicy", "Resident"]
 
 Evictable = Callable[[int], bool]
+# A held item handed from one policy to another: (item, parent or None, used since it came in)
+Resident = tuple[int, int | None, bool]
 
 # Tiers pass their block count (4 KiB blocks): 2**40 is a 4 PiB device. Capacity only sizes
 # ghost lists, which hold ids that were actually evicted, so a large value costs nothing.
 CAPACITY_ITEMS_MAX = 2**40
+# Adopted items get times this far apart, just before the adoption: far above a float's
+# resolution at any clock reading below 10^6 s, far below the time between two requests.
+ADOPT_TIME_STEP_S = 1e-7
 
 
 class EvictionPolicy(abc.ABC):
@@ -48,6 +53,39 @@ class EvictionPolicy(abc.ABC):
     @abc.abstractmethod
     def victim(self, evictable: Evictable) -> int | None:
         """The item to evict next among those with evictable(item) True; None if there is none."""
+
+    def resident(self) -> list[tuple[int, bool]]:
+        """The items held, the first to go first (oldest, least used), each with whether it
+        was used since it came in: what another policy needs to take the tier over without
+        flushing it (`adopt`). Only the policies an election can hand a tier from have it."""
+        raise NotImplementedError(f"{self.name} cannot hand its items to another policy")
+
+    def adopt(self, items: Sequence[Resident], now: float) -> None:
+        """Take over a tier's contents (this policy empty): `items` in `resident()`'s order.
+
+        Replays them as inserts (a parent before its children, so prefix structure holds) and
+        a use for each one that was used, at increasing times just before `now`, so the first
+        to go under the old policy is the oldest here too."""
+        assert len(self) == 0, len(self)
+        parents = {item: parent for item, parent, _ in items}
+        step = ADOPT_TIME_STEP_S
+        t = now - step * (len(items) + 1)
+        for item, _, used in items:
+            t += step
+            if item not in self:
+                chain = [item]  # its held ancestors not yet inserted, nearest first
+                on_chain = {item}  # a link that loops back (a client that put A under B,
+                up = parents.get(item)  # then B under A) ends the chain
+                while up is not None and up not in self and up in parents and up not in on_chain:
+                    chain.append(up)
+                    on_chain.add(up)
+                    up = parents.get(up)
+                for i in reversed(chain):
+                    if i not in self:
+                        p = parents[i]
+                        self.insert(i, p if p is not None and p in self else None, t)
+            if used:
+                self.access(item, t)
 
     @abc.abstractmethod
     def __len__(self) -> int: ...

@@ -127,6 +127,10 @@ class PrefixPolicy(EvictionPolicy):
                 return chosen
         return self._any_victim(evictable)
 
+    def resident(self) -> list[tuple[int, bool]]:
+        order = sorted(self._nodes.items(), key=lambda kv: (kv[1].last, -kv[1].depth, kv[1].seq))
+        return [(item, node.protected) for item, node in order]
+
     def _ghost_hit(self, item: int) -> bool:
         """ARC's adaptation on a miss; True if the item returns straight to protected."""
         b1, b2 = self._ghosts

@@ -19,6 +19,9 @@ ties still go to the deeper block as in `prefix`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from dpu_agent.eviction._policy import Resident
 from dpu_agent.eviction._prefix import PrefixPolicy
 
 __all__ = ["RunAwarePrefixPolicy"]
@@ -58,6 +61,15 @@ class RunAwarePrefixPolicy(PrefixPolicy):
         self._clock = 0.0  # self._ops when `now` last changed
         self._now: float | None = None
         self._seen = _SeenSketch()
+        self._adopting = False
+
+    def adopt(self, items: Sequence[Resident], now: float) -> None:
+        # Adopted items are not new: none enters already old for sitting deep in a run.
+        self._adopting = True
+        try:
+            super().adopt(items, now)
+        finally:
+            self._adopting = False
 
     def insert(self, item: int, parent: int | None, now: float) -> None:
         self._tick(now)
@@ -68,7 +80,7 @@ class RunAwarePrefixPolicy(PrefixPolicy):
         seen = self._seen.add(item, held)
         run = parent_run + 1
         last = self._clock
-        if not seen and run > self._run_blocks_max:
+        if not seen and run > self._run_blocks_max and not self._adopting:
             last -= self._run_penalty_turnovers * held
         super().insert(item, parent, last)
         self._nodes[item].run = run

@@ -6,13 +6,14 @@ from collections.abc import Callable
 
 from dpu_agent.eviction._arc import ArcPolicy
 from dpu_agent.eviction._clock import ClockPolicy
+from dpu_agent.eviction._elect import ElectPolicy
 from dpu_agent.eviction._lru import Lru2Policy, LruPolicy
 from dpu_agent.eviction._policy import CAPACITY_ITEMS_MAX, EvictionPolicy
 from dpu_agent.eviction._prefix import PrefixPolicy
 from dpu_agent.eviction._prefix_run import RunAwarePrefixPolicy
 from dpu_agent.eviction._s3fifo import S3FifoPolicy
 
-__all__ = ["DEFAULT_POLICY", "POLICY_NAMES", "make_policy"]
+__all__ = ["DEFAULT_POLICY", "FIXED_POLICY_NAMES", "POLICY_NAMES", "make_policy"]
 
 DEFAULT_POLICY = "prefix-run"  # chosen through the engine: docs/EVICTION.md, "The default"
 
@@ -24,8 +25,11 @@ _FACTORIES: dict[str, Callable[[int], EvictionPolicy]] = {
     "arc": ArcPolicy,
     "prefix": PrefixPolicy,
     "prefix-run": RunAwarePrefixPolicy,
+    "elect": ElectPolicy,
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
+# The policies that order by a rule of their own; `elect` follows one of them.
+FIXED_POLICY_NAMES: tuple[str, ...] = tuple(n for n in POLICY_NAMES if n != "elect")
 
 
 def make_policy(name: str, capacity: int) -> EvictionPolicy:

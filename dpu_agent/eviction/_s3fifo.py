@@ -79,6 +79,11 @@ class S3FifoPolicy(EvictionPolicy):
         # Unreachable by the bound above; a linear scan keeps the contract if it ever is not.
         return next((i for q in queues for i in q if evictable(i)), None)
 
+    def resident(self) -> list[tuple[int, bool]]:
+        # the small queue first (it is evicted from first), each queue head first; an item in
+        # the main queue got there by being used (or by coming back while remembered)
+        return [(i, f > 0) for i, f in self._small.items()] + [(i, True) for i in self._main]
+
     def __len__(self) -> int:
         return len(self._small) + len(self._main)
 

@@ -1,0 +1,129 @@
+"""Research, not packaged: choose `elect`'s parameters on the development traces only.
+
+The development traces are the choose set of the family (seed 0 of every shape, short and
+restarting variants) and the shared Mooncake synthetic trace. Every fixed policy's per-request
+hits are computed once per cell (simulator fast path, proven identical to the engine) and cached;
+each `elect` variant is then scored against them with the family's own rule (decided cells at
+z >= SEPARABLE_Z, within BAR_POINTS of the best fixed, never under LRU).
+
+    PYTHONPATH=$PWD python research/elect_choose.py --jobs 2 \
+        --variant 'base:{}' --variant 'z25:{"switch_z": 2.5}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+from multiprocessing import Pool
+from pathlib import Path
+from typing import Any
+
+from dpu_agent.bench.replay import DEFAULT_FRACTIONS, distinct_blocks, replay_hits
+from dpu_agent.bench.replay_family import (
+    BAR_POINTS,
+    CHOOSE_SET,
+    SEPARABLE_Z,
+    FamilyTrace,
+    _segments,
+    fixed_names,
+    separation_z,
+)
+from dpu_agent.eviction import ElectPolicy, make_policy
+
+MOONCAKE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
+CACHE = Path("/tmp/elect_choose_fixed.pkl")
+
+
+def dev_cells() -> list[tuple[FamilyTrace, float]]:
+    traces = [*CHOOSE_SET, FamilyTrace(role="choose", path=MOONCAKE)]
+    return [(t, f) for t in traces for f in DEFAULT_FRACTIONS]
+
+
+def _fixed(cell: tuple[FamilyTrace, float]) -> dict[str, Any]:
+    spec, fraction = cell
+    trace = spec.load()
+    capacity = max(1, round(fraction * distinct_blocks(trace)))
+    hits = {}
+    for name in fixed_names():
+        hits[name] = [
+            h
+            for part in _segments(spec, trace)
+            for h in replay_hits(part, make_policy(name, capacity), capacity)
+        ]
+    return {"capacity": capacity, "accesses": sum(len(r.hash_ids) for r in trace), "hits": hits}
+
+
+def _elect(args: tuple[tuple[FamilyTrace, float], int, dict[str, Any]]) -> list[int]:
+    (spec, _), capacity, kwargs = args
+    trace = spec.load()
+    out: list[int] = []
+    for part in _segments(spec, trace):
+        out += replay_hits(part, ElectPolicy(capacity, **kwargs), capacity)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--variant", action="append", default=[])
+    ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--min-fraction", type=float, default=0.0, help="only cells at least this")
+    ap.add_argument("--long", action="store_true", help="only full-length, unrestarted traces")
+    a = ap.parse_args()
+    all_cells = dev_cells()
+    keep = [
+        k
+        for k, (spec, frac) in enumerate(all_cells)
+        if frac >= a.min_fraction and (not a.long or (not spec.restart and spec.requests != 300))
+    ]
+    with Pool(a.jobs) as pool:
+        if CACHE.exists():
+            fixed = pickle.loads(CACHE.read_bytes())
+        else:
+            fixed = pool.map(_fixed, all_cells, chunksize=1)
+            CACHE.write_bytes(pickle.dumps(fixed))
+        cells = [all_cells[k] for k in keep]
+        fixed = [fixed[k] for k in keep]
+        for v in a.variant or ["base:{}"]:
+            label, _, js = v.partition(":")
+            kwargs = json.loads(js or "{}")
+            got = pool.map(
+                _elect,
+                [(c, f["capacity"], kwargs) for c, f in zip(cells, fixed, strict=True)],
+                chunksize=1,
+            )
+            within_d = decided = within_u = under = 0
+            gaps = []
+            for (spec, frac), f, e in zip(cells, fixed, got, strict=True):
+                acc = f["accesses"]
+                rates = {n: sum(h) / acc * 100 for n, h in f["hits"].items()}
+                best = max(rates, key=rates.__getitem__)
+                mine = sum(e) / acc * 100
+                gap = mine - rates[best]
+                sep = separation_z(f["hits"], acc)
+                dec = sep is not None and sep[0] >= SEPARABLE_Z
+                decided += dec
+                ok = gap >= -BAR_POINTS
+                within_d += dec and ok
+                within_u += (not dec) and ok
+                lru_gap = mine - rates["lru"]
+                under += lru_gap < 0
+                gaps.append(gap)
+                if a.verbose or (dec and not ok) or lru_gap < 0:
+                    print(
+                        f"  {label} {spec.name} {frac * 100:g}%: elect {mine:.2f} "
+                        f"prefix-run {rates['prefix-run']:.2f} best {best} {rates[best]:.2f} "
+                        f"gap {gap:+.2f} lru {lru_gap:+.2f} {'DECIDED' if dec else ''}"
+                    )
+            n = len(cells)
+            print(
+                f"{label}: decided within {within_d}/{decided}, undecided within "
+                f"{within_u}/{n - decided}, under LRU {under}/{n}, mean gap {sum(gaps) / n:+.3f}, "
+                f"worst {min(gaps):+.2f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
