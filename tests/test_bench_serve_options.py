@@ -35,6 +35,8 @@ def test_percentile_is_numpys_linear_interpolation() -> None:
         ("turn_tokens", 5, "--turn-tokens"),
         ("output_tokens", 10_000, "--output-tokens"),
         ("concurrency", 0, "--concurrency"),
+        ("think_s", 61.0, "--think-s"),
+        ("think_s", -1.0, "--think-s"),
     ],
 )
 def test_workload_out_of_bounds_is_refused_naming_the_option(
@@ -97,6 +99,35 @@ def test_stream_chat_without_usage_or_with_an_http_error_fails_clearly(
     handler.status = 500
     with pytest.raises(RequestFailed, match="HTTP 500"):
         stream_chat(port, [{"role": "user", "content": "x"}], 1, timeout_s=30)
+
+
+def test_a_conversations_next_turn_waits_its_think_time_after_the_reply(
+    sse: tuple[int, type[_Sse]],
+) -> None:
+    """`think_s`: each turn after the first starts no sooner than that long after its
+    conversation's previous reply ended (other conversations' turns go on meanwhile)."""
+    from dpu_agent.bench.serve import Replay, Workload
+
+    port, handler = sse
+    handler.events = [
+        {"choices": [{"delta": {"content": "ok"}}]},
+        {"choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": 1}},
+    ]
+    wl = Workload(conversations=2, turns=2, turn_tokens=32, output_tokens=1, concurrency=2,
+                  think_s=0.6)  # fmt: skip
+    replay = Replay(wl, [["a", "b"], ["c", "d"]])
+    replay.run(replay.order, lambda _c, _t: port)
+    rows = {(r["conversation"], r["turn"]): r for r in replay.results}
+    assert len(rows) == 4 and not any("error" in r for r in rows.values())
+    for c in range(2):
+        assert rows[(c, 1)]["start"] - rows[(c, 0)]["end"] >= 0.6 - 0.01
+    # with no think time the next turn follows at once
+    quick = Replay(
+        Workload(conversations=1, turns=2, turn_tokens=32, output_tokens=1), [["a", "b"]]
+    )
+    quick.run(quick.order, lambda _c, _t: port)
+    first, second = sorted(quick.results, key=lambda r: r["turn"])
+    assert second["start"] - first["end"] < 0.5
 
 
 @pytest.mark.parametrize("text", ["0.5,x", "0,1", "1,2,3,4,5,6,7", "99"])

@@ -87,7 +87,11 @@ def test_serve_throttled_tier_is_recomputed_unthrottled_tier_is_loaded() -> None
     throttle_mbps = THROTTLE_MBPS_DEFAULT
     # 4 conversations of ~330 tokens (3 blocks each) in 9 usable blocks: the last evicts the
     # first from vLLM's cache, so its second turn matches its first chunk in the tier only
-    wl = Workload(conversations=4, turns=2, turn_tokens=300, output_tokens=8, concurrency=2)
+    # think_s: a user's pause before the next turn, long enough for the four first-turn
+    # chunks (47 MB) to be stored over the slow link (~9.4 s); without it a quiet box's
+    # second turns come before their chunks are in the tier and nothing is matched to decide
+    wl = Workload(conversations=4, turns=2, turn_tokens=300, output_tokens=8, concurrency=2,
+                  think_s=14.0)  # fmt: skip
     report = run_serve(
         wl, ["tier", "tier-throttled"], engine_blocks=10, tier_mib=128, after=False,
         throttle_mbps=throttle_mbps,

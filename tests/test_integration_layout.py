@@ -526,8 +526,8 @@ def test_cost_samples_cross_processes_as_plain_lists_and_feed_the_scheduler_mode
 
 
 def test_vllm_probe_measures_the_tier_before_any_match(agent: Any) -> None:
-    """The worker times one chunk put and read back at start (and deletes it), so the
-    scheduler's first load-or-recompute decision has a measured tier."""
+    """The scheduler times one chunk put and read back at start (and deletes it), so its
+    first load-or-recompute decision has a measured tier."""
     from dpu_agent.bench.serve import _agent_used
     from host_shim.client import KVClient
     from host_shim.integrations._vllm_core import CostSamples, probe_tier

@@ -72,6 +72,9 @@ TURNS_MAX = 16
 TURN_TOKENS_RANGE = (32, 2048)
 OUTPUT_TOKENS_MAX = 256
 CONCURRENCY_MAX = 16
+# A user's pause between a reply and the next turn: a minute is a slow reader; more only
+# stretches a bounded run
+THINK_S_MAX = 60.0
 ENGINE_BLOCKS_MAX = 4096
 TIER_MIB_MAX = 16384
 STREAM_LINE_BYTES_MAX = 1 << 20  # one SSE line of one token's delta is < 1 KiB
@@ -92,6 +95,9 @@ class Workload:
     output_tokens: int = 24  # tokens of each reply (greedy, ignore_eos)
     concurrency: int = 2  # client sessions in flight at once
     seed: int = 0
+    # seconds a conversation's next turn waits after its previous reply (a user reading and
+    # typing; the time in which a tier's stores of that reply finish on a slow link)
+    think_s: float = 0.0
 
     def check(self) -> None:
         bounds = {
@@ -106,6 +112,8 @@ class Workload:
             if not lo <= value <= hi:
                 flag = "--" + name.replace("_", "-")
                 raise click.BadParameter(f"{flag} {value} outside [{lo}, {hi}]")
+        if not 0 <= self.think_s <= THINK_S_MAX:
+            raise click.BadParameter(f"--think-s {self.think_s} outside [0, {THINK_S_MAX:g}]")
 
 
 _SECTIONS = (
@@ -236,6 +244,7 @@ def stream_chat(
 class _Conversation:
     messages: list[dict[str, str]] = field(default_factory=list)
     done_turns: int = 0
+    done_at: float = 0.0  # time.monotonic() when its last turn ended
 
 
 def _turn_done(conv: _Conversation, turn: int) -> bool:
@@ -280,6 +289,8 @@ class Replay:
                     ready = self._cv.wait_for(partial(_turn_done, conv, t), REQUEST_S_MAX * 2)
                 if not ready:
                     raise RuntimeError(f"conversation {c} turn {t}: previous turn never done")
+                if t:  # the user reads the reply and types the next message
+                    time.sleep(max(0.0, conv.done_at + self.wl.think_s - time.monotonic()))
                 if on_start is not None:
                     on_start(i)
                 prompt = [*conv.messages, {"role": "user", "content": self.user[c][t]}]
@@ -295,6 +306,7 @@ class Replay:
                     # a failed turn still advances the conversation: the reply stays empty
                     conv.messages = [*prompt, {"role": "assistant", "content": row.get("text", "")}]
                     conv.done_turns = t + 1
+                    conv.done_at = time.monotonic()
                     self.results.append(row)
                     self._cv.notify_all()
 
@@ -1324,7 +1336,8 @@ def table(report: dict[str, Any]) -> str:
     lines = [
         f"workload: {wl['conversations']} conversations x {wl['turns']} turns of "
         f"{wl['turn_tokens']} tokens, {wl['output_tokens']} output tokens, "
-        f"{wl['concurrency']} sessions, seed {wl['seed']}; engine KV {report['engine_kv_tokens']}"
+        f"{wl['concurrency']} sessions, think {wl.get('think_s', 0):g} s, seed {wl['seed']}; "
+        f"engine KV {report['engine_kv_tokens']}"
         f" tokens ({report['engine_blocks']} blocks), working set about "
         f"{report['working_set_tokens_about']} tokens; tier memory "
         f"{report['tier_bytes'] / 2**20:.0f} MiB",
@@ -1473,6 +1486,8 @@ def parse_sweep(text: str) -> tuple[float, ...]:
 @click.option("--concurrency", default=Workload.concurrency, show_default=True,
               help="Client sessions in flight.")  # fmt: skip
 @click.option("--seed", default=Workload.seed, show_default=True)
+@click.option("--think-s", default=Workload.think_s, show_default=True,
+              help="Seconds between a reply and the conversation's next turn.")  # fmt: skip
 @click.option("--engine-blocks", default=32, show_default=True,
               help="vLLM's KV cache in 128-token blocks (--num-gpu-blocks-override).")  # fmt: skip
 @click.option("--tier-mib", default=384, show_default=True,
@@ -1493,12 +1508,12 @@ def parse_sweep(text: str) -> tuple[float, ...]:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def serve_cmd(
     conversations: int, turns: int, turn_tokens: int, output_tokens: int, concurrency: int,
-    seed: int, engine_blocks: int, tier_mib: int, sweep: tuple[float, ...], transfer_model: bool,
-    configurations: tuple[str, ...], throttle_mbps: int, no_second_server: bool, plot: Path | None,
-    as_json: bool,
+    seed: int, think_s: float, engine_blocks: int, tier_mib: int, sweep: tuple[float, ...],
+    transfer_model: bool, configurations: tuple[str, ...], throttle_mbps: int,
+    no_second_server: bool, plot: Path | None, as_json: bool,
 ) -> None:  # fmt: skip
     """A multi-turn workload through real vLLM servers: plain, its alternatives, the tier."""
-    wl = Workload(conversations, turns, turn_tokens, output_tokens, concurrency, seed)
+    wl = Workload(conversations, turns, turn_tokens, output_tokens, concurrency, seed, think_s)
     configs = tuple(configurations) or DEFAULT_CONFIGURATIONS
     if "plain" in configs:
         configs = ("plain", *(c for c in configs if c != "plain"))  # the reference runs first

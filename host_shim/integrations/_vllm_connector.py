@@ -228,6 +228,28 @@ class DpuKVConnector(KVConnectorBase_V1):
                                     transport=s.transport, node_deadline_s=s.node_deadline_s,
                                     ssl_context=s.tls_context())  # fmt: skip
             self._saver = AsyncSaver(store_client, self._layout, samples=self._samples)
+        else:  # off the start-up path: a slow or absent agent must not hold the engine's start
+            threading.Thread(target=self._probe, name="dpukv-probe", daemon=True).start()
+
+    def _probe(self) -> None:
+        """Scheduler: time one chunk to the tier and back at start, so that the first
+        load-or-recompute decision has a measured tier. The workers' measurements reach the
+        scheduler only with a step's output, and a step after an idle spell comes after the
+        decision it would have informed: a fresh server's first match, and every store that
+        ended while it was idle, came too late. Its own client, so a slow tier does not hold
+        the lookups; CPU staging, as the scheduler holds no KV."""
+        s = self._settings
+        samples = CostSamples()
+        try:
+            with KVClient(s.control, s.tenant, s.token, self._layout, s.salt,
+                          transport=s.transport, node_deadline_s=s.node_deadline_s,
+                          ssl_context=s.tls_context()) as client:  # fmt: skip
+                ok = probe_tier(client, self._layout, samples, torch.device("cpu"))
+            self._cost.feed(samples.take())
+            if not ok:
+                log.warning("dpukv: the tier did not answer the start-up probe")
+        except Exception:  # a measurement: log, never take the engine down
+            log.exception("dpukv: tier probe failed")
 
     # --- scheduler side -----------------------------------------------------------------------
     def get_num_new_matched_tokens(
@@ -406,15 +428,6 @@ class DpuKVConnector(KVConnectorBase_V1):
             paged.check(layer, lo.num_kv_heads, lo.head_dim)
         self._layers, self._paged = layers, paged
         log.info("dpukv: %d KV layers of %s, layout %r", len(layers), list(layers[0].shape), kind)
-        # off the start-up path: a slow or absent agent must not hold the engine's start
-        threading.Thread(target=self._probe, name="dpukv-probe", daemon=True).start()
-
-    def _probe(self) -> None:
-        try:
-            if not probe_tier(self._client, self._layout, self._samples, self._layers[0].device):
-                log.warning("dpukv: the tier did not answer the start-up probe")
-        except Exception:  # a measurement: log, never take the engine down
-            log.exception("dpukv: tier probe failed")
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Bound before each step's loads and forward: the forward's time starts here."""

@@ -34,9 +34,9 @@ that this module and its layout code import without vLLM) works like this:
   whose load failed in this step (their KV depends on the blocks that were not loaded);
 - load or recompute: the scheduler loads a match only when `TierCostModel` estimates the
   load (measured tier latency and bandwidth) faster than recomputing it (measured prefill
-  rate), so a slow or throttled tier costs at most the lease round trip. The worker times
-  its loads, its stores, its forwards (the prefill rate) and one probe chunk at start, and
-  returns them from `get_kv_connector_stats`; vLLM hands them to the scheduler's
+  rate), so a slow or throttled tier costs at most the lease round trip. The scheduler times
+  one probe chunk at start; the worker times its loads, its stores and its forwards (the
+  prefill rate) and returns them from `get_kv_connector_stats`; vLLM hands them to the scheduler's
   `update_connector_output` (in another process under `vllm serve` on the CPU build). The
   decisions are counters on vLLM's /metrics (``vllm:dpukv_load_decisions_total``,
   ``vllm:dpukv_recompute_decisions_total``, ...).
