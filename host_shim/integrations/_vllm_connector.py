@@ -199,9 +199,7 @@ class DpuKVConnector(KVConnectorBase_V1):
 
             tp_rank = get_tensor_model_parallel_rank()
         self._layout = _layout(vllm_config, s.chunk_tokens, tp_rank)
-        self._client = KVClient(s.control, s.tenant, s.token, self._layout, s.salt,
-                                transport=s.transport, node_deadline_s=s.node_deadline_s,
-                                ssl_context=s.tls_context())  # fmt: skip
+        self._client = self._new_client()
         # scheduler side
         self._cost = TierCostModel()  # fed by the worker's samples (update_connector_output)
         self._decisions = DpuKVStats()
@@ -224,12 +222,16 @@ class DpuKVConnector(KVConnectorBase_V1):
         self._bound_at = 0.0  # when this step's metadata was bound (before its forward)
         self._step_load_s = 0.0  # this step's loads (not part of its forward)
         if role == KVConnectorRole.WORKER:
-            store_client = KVClient(s.control, s.tenant, s.token, self._layout, s.salt,
-                                    transport=s.transport, node_deadline_s=s.node_deadline_s,
-                                    ssl_context=s.tls_context())  # fmt: skip
-            self._saver = AsyncSaver(store_client, self._layout, samples=self._samples)
+            self._saver = AsyncSaver(self._new_client(), self._layout, samples=self._samples)
         else:  # off the start-up path: a slow or absent agent must not hold the engine's start
             threading.Thread(target=self._probe, name="dpukv-probe", daemon=True).start()
+
+    def _new_client(self) -> KVClient:
+        """A client of the tier as configured: the lookups', the saver's, the probe's."""
+        s = self._settings
+        return KVClient(s.control, s.tenant, s.token, self._layout, s.salt,
+                        transport=s.transport, node_deadline_s=s.node_deadline_s,
+                        ssl_context=s.tls_context())  # fmt: skip
 
     def _probe(self) -> None:
         """Scheduler: time one chunk to the tier and back at start, so that the first
@@ -238,12 +240,9 @@ class DpuKVConnector(KVConnectorBase_V1):
         decision it would have informed: a fresh server's first match, and every store that
         ended while it was idle, came too late. Its own client, so a slow tier does not hold
         the lookups; CPU staging, as the scheduler holds no KV."""
-        s = self._settings
         samples = CostSamples()
         try:
-            with KVClient(s.control, s.tenant, s.token, self._layout, s.salt,
-                          transport=s.transport, node_deadline_s=s.node_deadline_s,
-                          ssl_context=s.tls_context()) as client:  # fmt: skip
+            with self._new_client() as client:
                 ok = probe_tier(client, self._layout, samples, torch.device("cpu"))
             self._cost.feed(samples.take())
             if not ok:
