@@ -562,3 +562,19 @@ def test_connector_copies_run_on_one_thread_and_give_the_forward_its_threads_bac
             assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_cost_model_skips_samples_that_would_poison_its_averages() -> None:
+    """A NaN or infinite duration, or a non-positive amount, from the stats channel is
+    skipped: one of them kept the tier's bandwidth at NaN for good (every match recomputed)."""
+    from host_shim.integrations._vllm_core import TierCostModel
+
+    cost = TierCostModel()
+    bad = [["load", 10**30, float("nan")], ["store", -5, 1.0], ["prefill", 100, float("inf")],
+           ["load", 10**400, 1.0], ["x"], None, ["load", "a", 1]]  # fmt: skip
+    assert cost.feed(bad) == 0
+    assert cost.snapshot() == {}
+    assert cost.feed([["load", 11_800_000, 2.0], ["prefill", 300, 0.3]]) == 2
+    snap = cost.snapshot()
+    assert snap["bytes_per_s"] == pytest.approx(5_900_000)
+    assert snap["prefill_tokens_per_s"] == pytest.approx(1000)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import math
 import os
 import random
 import ssl
@@ -312,7 +313,10 @@ class TierCostModel:
         for sample in samples:
             try:
                 kind, amount, seconds = str(sample[0]), int(sample[1]), float(sample[2])
-            except (TypeError, ValueError, IndexError):
+            except (TypeError, ValueError, IndexError, OverflowError):
+                continue
+            # one NaN or infinite sample would stay in the moving averages for good
+            if not 0 < amount < 1 << 63 or not 0 < seconds < math.inf:
                 continue
             if kind in ("load", "store"):
                 self.observe_transfer(amount, seconds)
