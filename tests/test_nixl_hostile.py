@@ -142,9 +142,13 @@ def _host_md(env_extra: dict[str, str] | None = None) -> Iterator[bytes]:
     """A live host agent's metadata: its UCX address answers while the block runs."""
     p = _peer("metadata", "-", "-", env_extra=env_extra)
     assert p.stdout is not None
-    line = p.stdout.readline()
-    while line and not line.startswith("{"):
-        line = p.stdout.readline()
+    seen = []  # NIXL logs to stdout too
+    while (line := p.stdout.readline()) and not line.startswith("{"):
+        seen.append(line)
+    if not line:  # the peer ended before its metadata: say how, not "Expecting value"
+        _, err = p.communicate(timeout=60)
+        pytest.fail(f"the NIXL host peer exited {p.returncode} before its metadata:\n"
+                    + "".join(seen[-20:]) + err[-3000:])  # fmt: skip
     yield bytes.fromhex(json.loads(line)["metadata"])
     p.communicate("\n", timeout=60)
 
