@@ -894,7 +894,8 @@ def _decisions(after: dict[str, float], before: dict[str, float]) -> dict[str, A
     out: dict[str, Any] = {
         key: int(_delta(after, before, f"vllm:dpukv_{key}_total"))
         for key in ("load_decisions", "recompute_decisions", "loaded_tokens",
-                    "recomputed_tokens", "load_bytes", "store_bytes")
+                    "recomputed_tokens", "load_bytes", "store_bytes", "lookups",
+                    "skipped_lookups")
     }  # fmt: skip
     for key in ("load_seconds", "store_seconds"):
         out[key] = round(_delta(after, before, f"vllm:dpukv_{key}_total"), 3)
@@ -1407,7 +1408,8 @@ def table(report: dict[str, Any]) -> str:
             lines.append(
                 f"decisions {r['configuration']}: {d['load_decisions']} loaded "
                 f"({d['loaded_tokens']} tokens), {d['recompute_decisions']} recomputed "
-                f"({d['recomputed_tokens']} tokens)"
+                f"({d['recomputed_tokens']} tokens); {d.get('lookups', 0)} lookups, "
+                f"{d.get('skipped_lookups', 0)} skipped"
             )
         if "degraded" in r:
             lines.append(f"{r['configuration']}: the connector ran degraded: {r['degraded']}")

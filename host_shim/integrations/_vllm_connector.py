@@ -53,6 +53,7 @@ from host_shim.integrations._vllm_core import (
     reduce_stats,
     storable_chunks,
 )
+from host_shim.integrations._vllm_lookup import SchedulerLookups
 from host_shim.integrations.layout import PagedLayout, check_chunk_tokens
 from kvproto.keys import ChunkLayout
 
@@ -110,6 +111,11 @@ PROM_COUNTERS = {
     "load_s": ("vllm:dpukv_load_seconds", "Seconds spent loading from the tier."),
     "store_bytes": ("vllm:dpukv_store_bytes", "Bytes stored to the tier."),
     "store_s": ("vllm:dpukv_store_seconds", "Seconds storing to the tier (off the forward)."),
+    "lookups": ("vllm:dpukv_lookups", "The scheduler's lookups (lease round trips)."),
+    "skipped_lookups": (
+        "vllm:dpukv_skipped_lookups",
+        "Prompts not looked up: the tier was measured slower per chunk than recomputing.",
+    ),
 }
 PROM_GAUGES = {
     "latency_s": ("vllm:dpukv_model_latency_seconds", "The cost model's tier round trip."),
@@ -220,9 +226,11 @@ class DpuKVConnector(KVConnectorBase_V1):
         self._cost = TierCostModel()  # fed by the worker's samples (update_connector_output)
         self._decisions = DpuKVStats()
         self._decisions.reset()  # load/recompute counters since vLLM last took them
+        self._lookups = SchedulerLookups(self._client, self._cost, self._layout)
+        self._lookups_reported = (0, 0)  # (lookups, skipped) already in the stats
         self._decided: dict[str, tuple[bool, int]] = {}  # req -> (loaded?, matched tokens)
         self._hits: dict[str, int] = {}  # req -> chunks the agent held at the match
-        self._leases: dict[str, int] = {}  # req -> lease on its matched chunks
+        self._leases: dict[str, int] = {}  # allocated req -> lease on the chunks it loads
         self._leases_by_step: deque[tuple[int, list[str]]] = deque()
         self._step = 0
         self._local_tokens: dict[str, int] = {}
@@ -273,17 +281,16 @@ class DpuKVConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         tokens = list(request.prompt_token_ids or [])
         req_id = request.request_id
-        self._release(req_id)  # asked again (e.g. no free blocks last time): lease anew
-        self._decided.pop(req_id, None)  # and decide anew
+        self._release(req_id)  # asked again after a preemption: its old load's lease
+        self._decided.pop(req_id, None)  # decide anew
         if len(tokens) <= self._layout.chunk_tokens:
             return 0, False
-        t0 = time.perf_counter()
-        hits, lease_id = self._client.lease(tokens)
-        rtt = time.perf_counter() - t0
+        hits, rtt = self._lookups.hits(req_id, tokens)
         n = self._layout.chunk_tokens
         matched = matched_tokens(hits, len(tokens), num_computed_tokens, n)
         if matched:
-            self._cost.observe_latency(rtt)
+            if rtt:
+                self._cost.observe_latency(rtt)
             # whole chunks move: a match that starts inside vLLM's own last block still loads
             # the chunk holding it (update_state_after_alloc's ReqLoad)
             chunks = (num_computed_tokens + matched) // n - num_computed_tokens // n
@@ -293,10 +300,6 @@ class DpuKVConnector(KVConnectorBase_V1):
                 matched = 0  # a slow or loaded tier: recomputing is faster, never worse
         self._hits[req_id] = hits
         self._local_tokens[req_id] = num_computed_tokens  # vLLM's own prefix hit
-        if matched and lease_id:
-            self._leases[req_id] = lease_id
-        else:
-            self._client.release_lease(lease_id)
         return matched, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -307,9 +310,13 @@ class DpuKVConnector(KVConnectorBase_V1):
             counts = self._decisions.data
             counts["load_decisions" if load else "recompute_decisions"] += 1
             counts["loaded_tokens" if load else "recomputed_tokens"] += tokens
+        lease_id = self._lookups.take(req_id)
         if num_external_tokens <= 0:
+            self._client.release_lease(lease_id)
             self._release(req_id)
             return
+        if lease_id:
+            self._leases[req_id] = lease_id  # released LEASE_STEPS_MAX steps after the load
         n = self._layout.chunk_tokens
         computed = self._local_tokens.pop(req_id, 0)
         self._pending_loads[req_id] = ReqLoad(
@@ -395,6 +402,10 @@ class DpuKVConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Scheduler: its decisions since the last call; worker: its samples since then."""
         if self._role == KVConnectorRole.SCHEDULER:
+            done = (self._lookups.lookups, self._lookups.skipped_lookups)
+            before, self._lookups_reported = self._lookups_reported, done
+            self._decisions.data["lookups"] += done[0] - before[0]
+            self._decisions.data["skipped_lookups"] += done[1] - before[1]
             stats, self._decisions = self._decisions, DpuKVStats()
             self._decisions.reset()
             return None if stats.is_empty() else stats
@@ -420,6 +431,7 @@ class DpuKVConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         req_id = request.request_id
         self._release(req_id)
+        self._lookups.forget(req_id)
         for state in (self._tracked, self._pending_loads, self._local_tokens, self._hits,
                       self._decided):  # fmt: skip
             state.pop(req_id, None)

@@ -399,6 +399,16 @@ class TierCostModel:
             rate = self.prefill_tokens_per_s
         return None if rate is None else tokens / rate
 
+    def loading_can_pay(self, chunk_tokens: int, chunk_bytes: int) -> bool:
+        """Whether loading any match could beat recomputing it: False once the model has
+        measured one chunk's bytes over the tier slower than computing its tokens (a load of
+        k chunks takes latency + k x that, so no k pays). True until both are measured."""
+        with self._lock:
+            bandwidth, rate = self.bytes_per_s, self.prefill_tokens_per_s
+        if bandwidth is None or rate is None:
+            return True
+        return chunk_bytes / bandwidth < chunk_tokens / rate
+
     def worth_loading(self, tokens: int, nbytes: int) -> bool:
         load, recompute = self.load_s(nbytes), self.recompute_s(tokens)
         if load is None or recompute is None:
@@ -464,7 +474,14 @@ class CostSamples:
 
 # The connector's stats (vLLM's KVConnectorStats.data): the worker's samples and the
 # scheduler's decisions. Counters add up when vLLM aggregates stats of steps or workers.
-STATS_COUNTERS = ("load_decisions", "recompute_decisions", "loaded_tokens", "recomputed_tokens")
+STATS_COUNTERS = (
+    "load_decisions",
+    "recompute_decisions",
+    "loaded_tokens",
+    "recomputed_tokens",
+    "lookups",  # the scheduler's lease round trips
+    "skipped_lookups",  # asks answered without one: loading was measured unable to pay
+)
 # The scheduler's model as it stood when it last changed (the newest wins when merged): what
 # it estimated from, beside what the transfers took, on vLLM's /metrics.
 STATS_GAUGES = ("latency_s", "bytes_per_s", "prefill_tokens_per_s")

@@ -1,0 +1,128 @@
+"""The vLLM connector scheduler's lookups (`SchedulerLookups`) against a real agent: no
+lookup once loading cannot pay, and lookups again when the tier is measured fast."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch", reason="needs the [inference] extra (torch)")
+import torch
+
+from host_shim.integrations.vllm import SchedulerLookups, TierCostModel
+from kvproto.keys import ChunkLayout
+
+LAYOUT = ChunkLayout(
+    model_id="test/lookups", dtype="float16", num_layers=3, num_kv_heads=2, head_dim=8,
+    chunk_tokens=32,
+)  # fmt: skip
+CHUNKS = 3
+TOKENS = tuple(range(7_000, 7_000 + CHUNKS * LAYOUT.chunk_tokens + 5))
+
+
+class CountingClient:
+    """A real KVClient whose lease round trips are counted (what a lookup costs)."""
+
+    def __init__(self, kv: Any) -> None:
+        self.kv = kv
+        self.leases = 0
+        self.released: list[int] = []
+
+    def lease(self, tokens: list[int]) -> tuple[int, int]:
+        self.leases += 1
+        hits, lease_id = self.kv.lease(tokens)
+        return int(hits), int(lease_id)
+
+    def release_lease(self, lease_id: int) -> None:
+        self.released.append(lease_id)
+        self.kv.release_lease(lease_id)
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from dpu_agent.testing import spawn_agent
+
+    proc = spawn_agent(tmp_path_factory.mktemp("agent"))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def client(agent: Any) -> Iterator[CountingClient]:
+    from host_shim.client import KVClient
+
+    with KVClient(agent.control_url, "default", agent.token, LAYOUT, os.urandom(32)) as kv:
+        chunk = torch.zeros(LAYOUT.chunk_shape, dtype=torch.float16)
+        keys = kv.keys(list(TOKENS[: CHUNKS * LAYOUT.chunk_tokens]))
+        assert kv.put_keys(keys, [chunk] * CHUNKS) == CHUNKS
+        yield CountingClient(kv)
+
+
+def _slow_tier(cost: TierCostModel, factor: float = 4.0) -> None:
+    """Feed the model the tier `factor` times slower per chunk than recomputing one."""
+    rate = cost.prefill_tokens_per_s
+    assert rate is not None
+    chunk_s = LAYOUT.chunk_tokens / rate * factor
+    for _ in range(40):  # the moving average forgets the fast samples
+        cost.feed([["store", LAYOUT.chunk_bytes, chunk_s]])
+
+
+def _fast_tier(cost: TierCostModel) -> None:
+    for _ in range(40):
+        cost.feed([["store", LAYOUT.chunk_bytes, 1e-4]])
+
+
+def test_loading_can_pay_compares_one_chunk_without_the_latency() -> None:
+    cost = TierCostModel()
+    assert cost.loading_can_pay(256, 10 << 20)  # nothing measured: it may
+    cost.observe_prefill(256, 1.0)  # 256 tokens/s: a 256-token chunk recomputes in 1 s
+    cost.observe_transfer(10 << 20, 0.5)  # 10 MiB in 0.5 s: loads in 0.5 s
+    cost.observe_latency(0.4)  # a round trip slower than the chunk itself: still pays per chunk
+    assert cost.loading_can_pay(256, 10 << 20)
+    for _ in range(40):
+        cost.observe_transfer(10 << 20, 2.0)
+    assert not cost.loading_can_pay(256, 10 << 20)
+    assert not cost.worth_loading(256 * 8, 8 * (10 << 20))  # no match length pays either
+
+
+def test_no_lookup_once_loading_cannot_pay_and_lookups_again_when_the_tier_is_fast(
+    client: CountingClient,
+) -> None:
+    cost = TierCostModel()
+    cost.observe_prefill(512, 1.0)
+    _fast_tier(cost)
+    lookups = SchedulerLookups(client, cost, LAYOUT)
+    hits, rtt = lookups.hits("r1", TOKENS)
+    assert (hits, client.leases, lookups.lookups) == (CHUNKS, 1, 1)
+    assert rtt > 0
+    lease = lookups.take("r1")
+    assert lease
+    client.release_lease(lease)
+
+    _slow_tier(cost)  # the saver's stores over a throttled link
+    for i in range(5):  # no lease round trip on the scheduler's path, the tier holds them all
+        assert lookups.hits(f"s{i}", TOKENS) == (0, 0.0)
+        assert lookups.take(f"s{i}") == 0
+    assert (client.leases, lookups.lookups, lookups.skipped_lookups) == (1, 1, 5)
+
+    _fast_tier(cost)  # the link is fast again: the stores measure it
+    assert lookups.hits("r2", TOKENS)[0] == CHUNKS
+    assert (client.leases, lookups.lookups, lookups.skipped_lookups) == (2, 2, 5)
+    lookups.forget("r2")  # the request finished before it was allocated: its lease goes
+    assert client.released[-1] != 0 and lookups.take("r2") == 0
+
+
+def test_a_forgotten_or_taken_answer_holds_no_lease(client: CountingClient) -> None:
+    cost = TierCostModel()
+    lookups = SchedulerLookups(client, cost, LAYOUT)
+    t0 = time.perf_counter()
+    assert lookups.hits("a", TOKENS)[0] == CHUNKS
+    assert time.perf_counter() - t0 < 5.0
+    lookups.forget("a")
+    lookups.forget("a")  # twice: released once
+    assert len(client.released) == 1
+    assert lookups.take("a") == 0
