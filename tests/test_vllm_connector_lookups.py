@@ -95,7 +95,7 @@ def test_no_lookup_once_loading_cannot_pay_and_lookups_again_when_the_tier_is_fa
     cost = TierCostModel()
     cost.observe_prefill(512, 1.0)
     _fast_tier(cost)
-    lookups = SchedulerLookups(client, cost, LAYOUT)
+    lookups = SchedulerLookups(client, cost, LAYOUT, probe_wait_s_max=0.0)
     hits, rtt = lookups.hits("r1", TOKENS)
     assert (hits, client.leases, lookups.lookups) == (CHUNKS, 1, 1)
     assert rtt > 0
@@ -118,7 +118,7 @@ def test_no_lookup_once_loading_cannot_pay_and_lookups_again_when_the_tier_is_fa
 
 def test_a_forgotten_or_taken_answer_holds_no_lease(client: CountingClient) -> None:
     cost = TierCostModel()
-    lookups = SchedulerLookups(client, cost, LAYOUT)
+    lookups = SchedulerLookups(client, cost, LAYOUT, probe_wait_s_max=0.0)
     t0 = time.perf_counter()
     assert lookups.hits("a", TOKENS)[0] == CHUNKS
     assert time.perf_counter() - t0 < 5.0
@@ -126,3 +126,43 @@ def test_a_forgotten_or_taken_answer_holds_no_lease(client: CountingClient) -> N
     lookups.forget("a")  # twice: released once
     assert len(client.released) == 1
     assert lookups.take("a") == 0
+
+
+def test_the_first_lookup_waits_for_the_start_up_probe(client: CountingClient) -> None:
+    """A lookup before the probe has measured the tier waits for it, so the first match is
+    decided on a measured tier: here the probe finds it throttled, and the waiting lookup
+    skips the lease round trip instead of leasing chunks that would load over it."""
+    import threading
+
+    cost = TierCostModel()
+    cost.observe_prefill(512, 1.0)
+    lookups = SchedulerLookups(client, cost, LAYOUT, probe_wait_s_max=20.0)
+
+    def probe() -> None:  # what the connector's probe thread does, over a slow link
+        time.sleep(0.5)
+        _slow_tier(cost)
+        lookups.probed.set()
+
+    thread = threading.Thread(target=probe)
+    t0 = time.monotonic()
+    thread.start()
+    assert lookups.hits("first", TOKENS) == (0, 0.0)
+    waited = time.monotonic() - t0
+    thread.join()
+    assert 0.4 < waited < 10.0
+    assert (client.leases, lookups.skipped_lookups) == (0, 1)
+
+
+def test_a_probe_that_never_ends_holds_the_lookups_at_most_the_wait_max(
+    client: CountingClient,
+) -> None:
+    cost = TierCostModel()
+    lookups = SchedulerLookups(client, cost, LAYOUT, probe_wait_s_max=0.5)
+    t0 = time.monotonic()
+    assert lookups.hits("a", TOKENS)[0] == CHUNKS  # unmeasured: it looks up after the wait
+    assert 0.4 < time.monotonic() - t0 < 5.0
+    t1 = time.monotonic()
+    assert lookups.hits("b", TOKENS)[0] == CHUNKS  # the wait is spent: no second one
+    assert time.monotonic() - t1 < 0.4
+    lookups.forget("a")
+    lookups.forget("b")

@@ -274,6 +274,8 @@ class DpuKVConnector(KVConnectorBase_V1):
                 log.warning("dpukv: the tier did not answer the start-up probe")
         except Exception:  # a measurement: log, never take the engine down
             log.exception("dpukv: tier probe failed")
+        finally:  # the lookups waiting for it go on, measured or not
+            self._lookups.probed.set()
 
     # --- scheduler side -----------------------------------------------------------------------
     def get_num_new_matched_tokens(
