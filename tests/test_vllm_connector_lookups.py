@@ -166,3 +166,55 @@ def test_a_probe_that_never_ends_holds_the_lookups_at_most_the_wait_max(
     assert time.monotonic() - t1 < 0.4
     lookups.forget("a")
     lookups.forget("b")
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_request_waiting_for_blocks_reuses_its_answer_and_lease(client: CountingClient) -> None:
+    """vLLM asks get_num_new_matched_tokens again every step while a request has no free
+    blocks (one replay: 53 lookups for 8 requests). The request's last answer and its lease
+    are reused for ANSWER_REUSE_S_MAX, then looked up anew; the lease outlives the reuse."""
+    from dpu_agent.config import StorageSection
+    from host_shim.integrations.vllm import ANSWER_REUSE_S_MAX
+
+    assert ANSWER_REUSE_S_MAX < StorageSection().lease_ttl_s  # a reused lease still holds
+    clock = FakeClock()
+    cost = TierCostModel()
+    lookups = SchedulerLookups(client, cost, LAYOUT, clock=clock, probe_wait_s_max=0.0)
+    requests = [f"w{i}" for i in range(8)]
+    for _step in range(7):  # 8 requests asked each step, 0.5 s apart, none allocated
+        for req_id in requests:
+            assert lookups.hits(req_id, TOKENS)[0] == CHUNKS
+        clock.now += 0.5
+    assert (client.leases, lookups.lookups, lookups.reused_answers) == (8, 8, 48)
+    assert client.released == []  # the leases are kept while reused
+
+    lease = lookups.take("w0")  # allocated: the lease is the connector's now
+    assert lease
+    client.release_lease(lease)
+    clock.now += ANSWER_REUSE_S_MAX  # the others' answers are stale: looked up anew
+    assert lookups.hits("w1", TOKENS)[0] == CHUNKS
+    assert client.leases == 9
+    # the stale answers' leases were released with that lookup, w1's old one too
+    assert len(client.released) == 1 + 7
+    for req_id in requests[2:]:
+        assert lookups.take(req_id) == 0
+    lookups.forget("w1")
+
+
+def test_a_skipped_lookup_is_reused_too(client: CountingClient) -> None:
+    clock = FakeClock()
+    cost = TierCostModel()
+    cost.observe_prefill(512, 1.0)
+    _slow_tier(cost)
+    lookups = SchedulerLookups(client, cost, LAYOUT, clock=clock, probe_wait_s_max=0.0)
+    for _ in range(5):
+        assert lookups.hits("s", TOKENS) == (0, 0.0)
+    assert (client.leases, lookups.skipped_lookups, lookups.reused_answers) == (0, 1, 4)
+    assert lookups.take("s") == 0

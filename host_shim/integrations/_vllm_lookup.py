@@ -1,27 +1,34 @@
 """The vLLM connector scheduler's lookups of a prompt's chunks on the tier (needs no vLLM):
-whether to look up at all, and waiting for the start-up probe."""
+whether to look up at all, waiting for the start-up probe, and reusing a request's answer
+while vLLM asks again for a request that waits for free blocks."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from host_shim.integrations._vllm_core import TierCostModel
 from kvproto.keys import ChunkLayout
 
-__all__ = ["PROBE_LOOKUP_WAIT_S_MAX", "SchedulerLookups"]
+__all__ = ["ANSWER_REUSE_S_MAX", "PROBE_LOOKUP_WAIT_S_MAX", "SchedulerLookups"]
 
 # How long the first lookups wait for the scheduler's start-up probe to have measured the
 # tier: a tier that answers at all moves one chunk in seconds even throttled (2.4 s at
 # 40 Mbit/s); one slower than this is decided on without it (it loads until measured).
 PROBE_LOOKUP_WAIT_S_MAX = 30.0
+# How long a request's answer (hits and their lease) is reused while vLLM asks again each
+# step for a request that has no free blocks: one replay made 53 lookups for 8 requests.
+# Well under the agent's lease TTL (`lease_ttl_s`, 30 s by default), so that the reused
+# lease still holds the chunks when the request is allocated and loads them.
+ANSWER_REUSE_S_MAX = 5.0
 
 
 @dataclass(slots=True)
 class _Answer:
+    at: float  # clock() when looked up
     hits: int  # leading chunks the agent held
     lease_id: int  # their lease (0: none), released by take()'s caller or here
 
@@ -36,8 +43,11 @@ class SchedulerLookups:
     - The first lookups wait for the start-up probe (`probed`, set by the probe's thread
       whether it succeeded or not), at most `probe_wait_s_max` after start, so the first
       match is decided on a measured tier.
-    - `take` hands a request's lease over when vLLM allocates the request, `forget`
-      releases it.
+    - A request asked again within `reuse_s_max` gets its last answer and keeps its lease
+      (`reused_answers`); `take` hands the lease over when vLLM allocates the request,
+      `forget` releases it. Answers older than `reuse_s_max` are dropped and their leases
+      released on the next lookup, so only the requests asked in the last `reuse_s_max`
+      hold one here.
     """
 
     def __init__(
@@ -46,30 +56,42 @@ class SchedulerLookups:
         cost: TierCostModel,
         layout: ChunkLayout,
         *,
+        clock: Callable[[], float] = time.monotonic,
         probe_wait_s_max: float = PROBE_LOOKUP_WAIT_S_MAX,
+        reuse_s_max: float = ANSWER_REUSE_S_MAX,
     ) -> None:
-        assert probe_wait_s_max >= 0
+        assert probe_wait_s_max >= 0 and reuse_s_max >= 0
         self._client, self._cost, self._layout = client, cost, layout
-        self._probe_deadline = time.monotonic() + probe_wait_s_max
+        self._clock, self._reuse_s_max = clock, reuse_s_max
+        self._probe_deadline = time.monotonic() + probe_wait_s_max  # Event.wait's clock
         self.probed = threading.Event()
-        self._answers: dict[str, _Answer] = {}
+        self._answers: dict[str, _Answer] = {}  # insertion order is lookup order
         self.lookups = 0  # lease round trips made
         self.skipped_lookups = 0  # asks answered 0 without one: loading could not pay
+        self.reused_answers = 0  # asks answered from the request's last lookup
 
     def hits(self, req_id: str, tokens: Sequence[int]) -> tuple[int, float]:
         """Leading chunks of the prompt the tier holds (leased until `take` or `forget`),
         and the lease round trip's seconds (0.0 when no lookup was made)."""
+        now = self._clock()
+        old = self._answers.get(req_id)
+        if old is not None and now - old.at <= self._reuse_s_max:
+            self.reused_answers += 1
+            return old.hits, 0.0
         self.forget(req_id)
+        self._expire(now)
         self._wait_for_probe()
         lo = self._layout
         if not self._cost.loading_can_pay(lo.chunk_tokens, lo.chunk_bytes):
             self.skipped_lookups += 1
+            self._answers[req_id] = _Answer(self._clock(), 0, 0)  # asked again: the same
             return 0, 0.0
         self.lookups += 1
         t0 = time.perf_counter()
         hits, lease_id = self._client.lease(list(tokens))
         rtt = time.perf_counter() - t0
-        self._answers[req_id] = _Answer(int(hits), int(lease_id or 0))
+        # from the agent's answer on (the probe's wait is not the answer's age)
+        self._answers[req_id] = _Answer(self._clock(), int(hits), int(lease_id or 0))
         return int(hits), rtt
 
     def take(self, req_id: str) -> int:
@@ -82,6 +104,13 @@ class SchedulerLookups:
         lease_id = self.take(req_id)
         if lease_id:
             self._client.release_lease(lease_id)
+
+    def _expire(self, now: float) -> None:
+        while self._answers:
+            req_id, answer = next(iter(self._answers.items()))
+            if now - answer.at <= self._reuse_s_max:
+                return
+            self.forget(req_id)
 
     def _wait_for_probe(self) -> None:
         left = self._probe_deadline - time.monotonic()
