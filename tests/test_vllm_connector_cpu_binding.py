@@ -24,18 +24,19 @@ CONNECTOR_ENV = {"OMP_NUM_THREADS": "2", "OMP_PLACES": "{0,1}", "OMP_PROC_BIND":
 PLAIN_ENV = {"OMP_NUM_THREADS": "1", "OMP_PLACES": "{0}", "OMP_PROC_BIND": "true"}
 ENGINE_CORE_CPUS = frozenset({0, 1})  # the engine core is not bound: every CPU of the box
 
-# The line vLLM prints (logger.info in OMPProcessManager._parse_omp_threads_bind_env), in a
-# server's log, with the connector and VLLM_CPU_NUM_OF_RESERVED_CPU=1
+# The lines vLLM printed (logger.info in OMPProcessManager._parse_omp_threads_bind_env) in a
+# `bench serve` server's log, plain vLLM with VLLM_CPU_NUM_OF_RESERVED_CPU=1: each line of
+# the message carries the log prefix, and all but the last end in a carriage return
+_P = "(EngineCore pid=8975) INFO 12-05 21:49:55 [ompmultiprocessing.py:185] "
 BINDING_LOG = (
-    "(EngineCore pid=4711) WARNING 12-05 22:01:02 [ompmultiprocessing.py:63] "
-    "VLLM_CPU_NUM_OF_RESERVED_CPU is less than the minimum requirement: 2 cores\n"
-    "(EngineCore pid=4711) INFO 12-05 22:01:02 [ompmultiprocessing.py:185] OpenMP thread "
-    "binding info: \n"
-    "\tVLLM_CPU_OMP_THREADS_BIND='auto', auto_setup=True, skip_setup=False\n"
-    "\tlocal_world_size=1, reserve_cpu_num=1\n"
-    "\tlocal_rank=0, core ids=[0]\n"
-    "\treserved_cpus=[1]\n"
-    "(EngineCore pid=4711) INFO 12-05 22:01:03 [cpu_worker.py:99] something else\n"
+    "(EngineCore pid=8975) INFO 12-05 21:49:55 [multiproc_executor.py:153] DP group leader: "
+    "node_rank=0, node_rank_within_dp=0, master_addr=127.0.0.1, world_size=1\n"
+    f"{_P}OpenMP thread binding info: \r\n"
+    f"{_P}\tVLLM_CPU_OMP_THREADS_BIND='auto', auto_setup=True, skip_setup=False\r\n"
+    f"{_P}\tlocal_world_size=1, reserve_cpu_num=1\r\n"
+    f"{_P}\tlocal_rank=0, core ids=[0]\r\n"
+    f"{_P}\treserved_cpus=[1]\n"
+    "Triton is installed, but doesn't include CPU backend. Disabling Triton.\n"
 )
 
 
