@@ -116,6 +116,10 @@ PROM_COUNTERS = {
         "vllm:dpukv_skipped_lookups",
         "Prompts not looked up: the tier was measured slower per chunk than recomputing.",
     ),
+    "probe_skipped_lookups": (
+        "vllm:dpukv_probe_skipped_lookups",
+        "Prompts not looked up: the start-up probe had not measured the tier yet.",
+    ),
 }
 PROM_GAUGES = {
     "latency_s": ("vllm:dpukv_model_latency_seconds", "The cost model's tier round trip."),
@@ -227,7 +231,7 @@ class DpuKVConnector(KVConnectorBase_V1):
         self._decisions = DpuKVStats()
         self._decisions.reset()  # load/recompute counters since vLLM last took them
         self._lookups = SchedulerLookups(self._client, self._cost, self._layout)
-        self._lookups_reported = (0, 0)  # (lookups, skipped) already in the stats
+        self._lookups_reported = self._lookups.counts()  # already in the stats
         self._decided: dict[str, tuple[bool, int]] = {}  # req -> (loaded?, matched tokens)
         self._hits: dict[str, int] = {}  # req -> chunks the agent held at the match
         self._leases: dict[str, int] = {}  # allocated req -> lease on the chunks it loads
@@ -404,10 +408,10 @@ class DpuKVConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Scheduler: its decisions since the last call; worker: its samples since then."""
         if self._role == KVConnectorRole.SCHEDULER:
-            done = (self._lookups.lookups, self._lookups.skipped_lookups)
+            done = self._lookups.counts()
             before, self._lookups_reported = self._lookups_reported, done
-            self._decisions.data["lookups"] += done[0] - before[0]
-            self._decisions.data["skipped_lookups"] += done[1] - before[1]
+            for name, count in done.items():
+                self._decisions.data[name] += count - before[name]
             stats, self._decisions = self._decisions, DpuKVStats()
             self._decisions.reset()
             return None if stats.is_empty() else stats

@@ -1,5 +1,6 @@
 """The vLLM connector scheduler's lookups of a prompt's chunks on the tier (needs no vLLM):
-whether to look up at all, waiting for the start-up probe, and reusing a request's answer
+whether to look up at all (not while the start-up probe moves its chunk), and reusing a
+request's answer
 while vLLM asks again for a request that waits for free blocks."""
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from kvproto.keys import ChunkLayout
 
 __all__ = ["ANSWER_REUSE_S_MAX", "PROBE_LOOKUP_WAIT_S_MAX", "SchedulerLookups"]
 
-# How long the first lookups wait for the scheduler's start-up probe to have measured the
-# tier: a tier that answers at all moves one chunk in seconds even throttled (2.4 s at
-# 40 Mbit/s); one slower than this is decided on without it (it loads until measured).
+# How long after start the scheduler answers without a lookup while its start-up probe has
+# not measured the tier: a tier that answers at all moves the probe's chunk there and back in
+# seconds even throttled (4.9 s at bench serve's 40 Mbit/s); past this the probe is taken for
+# stuck and lookups go on unmeasured (a match then loads until the tier is measured).
 PROBE_LOOKUP_WAIT_S_MAX = 30.0
 # How long a request's answer (hits and their lease) is reused while vLLM asks again each
 # step for a request that has no free blocks: one replay made 53 lookups for 8 requests.
@@ -40,9 +42,14 @@ class SchedulerLookups:
       (`TierCostModel.loading_can_pay`), no match could be loaded, so it does not look up at
       all (no lease round trip on the scheduler's path; `skipped_lookups`). The saver's
       stores keep measuring the tier, so lookups start again when it is measured fast.
-    - The first lookups wait for the start-up probe (`probed`, set by the probe's thread
-      whether it succeeded or not), at most `probe_wait_s_max` after start, so the first
-      match is decided on a measured tier.
+    - While the start-up probe moves its chunk (until `probed` is set by the probe's thread,
+      whether it succeeded or not, at most `probe_wait_s_max` after start) it answers 0
+      without a lookup, so no match is decided on an unmeasured tier. Not waiting for the
+      probe: a wait held the scheduler's loop, every request with it, for the rest of the
+      probe (first TTFTs of 3.5 and 4.1 s against plain's 0.7 and 1.4 s behind a 40 Mbit/s
+      link, where the probe takes 4.9 s), and a lease sent over a link the probe fills
+      waits behind its data (0.73 s). Recomputing those few first prompts is never worse
+      than no tier, and on a fast tier the probe takes milliseconds.
     - A request asked again within `reuse_s_max` gets its last answer and keeps its lease
       (`reused_answers`); `take` hands the lease over when vLLM allocates the request,
       `forget` releases it. Answers older than `reuse_s_max` are dropped and their leases
@@ -63,12 +70,13 @@ class SchedulerLookups:
         assert probe_wait_s_max >= 0 and reuse_s_max >= 0
         self._client, self._cost, self._layout = client, cost, layout
         self._clock, self._reuse_s_max = clock, reuse_s_max
-        self._probe_deadline = time.monotonic() + probe_wait_s_max  # Event.wait's clock
+        self._probe_deadline = time.monotonic() + probe_wait_s_max
         self.probed = threading.Event()
         self._answers: dict[str, _Answer] = {}  # insertion order is lookup order
         self.lookups = 0  # lease round trips made
         self.skipped_lookups = 0  # asks answered 0 without one: loading could not pay
         self.reused_answers = 0  # asks answered from the request's last lookup
+        self.probe_skipped_lookups = 0  # asks answered 0 while the start-up probe ran
 
     def hits(self, req_id: str, tokens: Sequence[int]) -> tuple[int, float]:
         """Leading chunks of the prompt the tier holds (leased until `take` or `forget`),
@@ -80,7 +88,9 @@ class SchedulerLookups:
             return old.hits, 0.0
         self.forget(req_id)
         self._expire(now)
-        self._wait_for_probe()
+        if self._probe_in_flight():
+            self.probe_skipped_lookups += 1
+            return 0, 0.0  # not kept: asked again, it looks up once the tier is measured
         lo = self._layout
         if not self._cost.loading_can_pay(lo.chunk_tokens, lo.chunk_bytes):
             self.skipped_lookups += 1
@@ -90,9 +100,16 @@ class SchedulerLookups:
         t0 = time.perf_counter()
         hits, lease_id = self._client.lease(list(tokens))
         rtt = time.perf_counter() - t0
-        # from the agent's answer on (the probe's wait is not the answer's age)
         self._answers[req_id] = _Answer(self._clock(), int(hits), int(lease_id or 0))
         return int(hits), rtt
+
+    def counts(self) -> dict[str, int]:
+        """The counters since start, named as in the connector's stats (STATS_COUNTERS)."""
+        return {
+            "lookups": self.lookups,
+            "skipped_lookups": self.skipped_lookups,
+            "probe_skipped_lookups": self.probe_skipped_lookups,
+        }
 
     def take(self, req_id: str) -> int:
         """The request's lease (0: none), now the caller's to release; its answer is gone."""
@@ -112,7 +129,5 @@ class SchedulerLookups:
                 return
             self.forget(req_id)
 
-    def _wait_for_probe(self) -> None:
-        left = self._probe_deadline - time.monotonic()
-        if left > 0 and not self.probed.is_set():
-            self.probed.wait(left)
+    def _probe_in_flight(self) -> bool:
+        return not self.probed.is_set() and time.monotonic() < self._probe_deadline
