@@ -97,3 +97,24 @@ def test_bench_serve_records_the_binding_from_the_server_log(tmp_path: Path) -> 
     log = tmp_path / "a.log"
     log.write_text(BINDING_LOG)
     assert log_findings([log])["omp_binding"]["core_ids"] == [[0]]
+
+
+def test_copies_leave_the_thread_count_alone_where_vllm_forbids_changing_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's CPU worker replaces torch.set_num_threads after binding the forward's threads
+    with a function that only logs a warning; the connector's copies then do not call it
+    (each call was two warning lines in the server's log, and changed nothing)."""
+    import torch
+
+    from host_shim.integrations.vllm import single_threaded
+
+    calls: list[int] = []
+
+    def skip_set_num_threads(x: int) -> None:  # what vllm/v1/worker/cpu_worker.py installs
+        calls.append(x)
+
+    monkeypatch.setattr(torch, "set_num_threads", skip_set_num_threads)
+    with single_threaded(torch.device("cpu")):
+        pass
+    assert calls == []

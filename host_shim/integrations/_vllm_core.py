@@ -180,8 +180,14 @@ def single_threaded(device: torch.device) -> Iterator[None]:
     SmolLM2-135M took 0.9-1.2 s to gather at load 15 on 2 cores (62 ms per layer's
     index_select) against 10 ms on one thread, and that sat on the request's path (the
     store's copy in wait_for_save, the load's scatter). OpenMP's thread count is per calling
-    thread, so only this thread's copies change; the forward gets its count back after."""
-    if device.type != "cpu":
+    thread, so only this thread's copies change; the forward gets its count back after.
+    Not in vLLM's CPU worker: it replaces `torch.set_num_threads` once it has bound the
+    forward's threads (vllm/v1/worker/cpu_worker.py, `init_device`) with a function that only
+    logs "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding"
+    (twice per copy here, 24 lines per replay), so there the copies run on the forward's
+    bound threads, which leave the engine core its own core when vLLM reserves one
+    (`forward_binding_warning`)."""
+    if device.type != "cpu" or torch.set_num_threads is not torch._C.set_num_threads:
         yield
         return
     before = torch.get_num_threads()
