@@ -118,3 +118,16 @@ def test_copies_leave_the_thread_count_alone_where_vllm_forbids_changing_it(
     with single_threaded(torch.device("cpu")):
         pass
     assert calls == []
+
+
+def test_bench_serve_can_leave_vllms_own_reservation_for_a_before_and_after() -> None:
+    from click.testing import CliRunner
+
+    from dpu_agent.bench.serve import Workload, _command, serve_cmd
+
+    assert "VLLM_CPU_NUM_OF_RESERVED_CPU" not in _base_env(-1)
+    assert _base_env(0)["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert "--vllm-reserved-cpus" not in _command(Workload(), ("plain",), 10, 256, 40)
+    assert _command(Workload(), ("plain",), 10, 256, 40, -1).endswith("--vllm-reserved-cpus -1")
+    refused = CliRunner().invoke(serve_cmd, ["--vllm-reserved-cpus", "-2"])
+    assert refused.exit_code == 2 and "--vllm-reserved-cpus" in refused.output

