@@ -216,3 +216,26 @@ def test_a_skipped_lookup_is_reused_too(client: CountingClient) -> None:
         assert lookups.hits("s", TOKENS) == (0, 0.0)
     assert (client.leases, lookups.skipped_lookups, lookups.reused_answers) == (0, 1, 4)
     assert lookups.take("s") == 0
+
+
+def test_a_fresh_server_does_not_load_over_a_slow_tier_before_its_first_prefill() -> None:
+    """A restarted or second server's first matches come before any long forward has
+    measured its prefill rate; with the probe's measure of the tier they are weighed
+    against PREFILL_TOKENS_PER_S_UNMEASURED: bench serve's 40 Mbit/s link (the probe's 4.9 s
+    for a chunk there and back) recomputes, loopback's rate loads."""
+    from host_shim.integrations.vllm import PREFILL_TOKENS_PER_S_UNMEASURED
+
+    chunk_bytes, chunk_tokens = 256 * 46_080, 256  # SmolLM2-135M, float32
+    throttled = TierCostModel()
+    throttled.feed([["store", chunk_bytes, 2.47], ["load", chunk_bytes, 2.46]])  # the probe
+    assert throttled.prefill_tokens_per_s is None
+    assert not throttled.worth_loading(2 * chunk_tokens, 2 * chunk_bytes)
+    loopback = TierCostModel()
+    loopback.feed([["store", chunk_bytes, 0.025], ["load", chunk_bytes, 0.02]])
+    assert loopback.worth_loading(2 * chunk_tokens, 2 * chunk_bytes)
+    assert loopback.worth_loading(chunk_tokens // 2, chunk_bytes)  # a match inside a chunk
+    assert TierCostModel().worth_loading(chunk_tokens, chunk_bytes)  # tier unmeasured: load
+    # once measured, the engine's own rate decides: slower than the prior, so loads win more
+    throttled.observe_prefill(512, 512 / 20.0)  # 20 tokens/s: 25 s for 512 tokens
+    assert throttled.worth_loading(2 * chunk_tokens, 2 * chunk_bytes)
+    assert PREFILL_TOKENS_PER_S_UNMEASURED > 600  # above every rate measured here

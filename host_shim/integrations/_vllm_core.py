@@ -38,6 +38,7 @@ from host_shim.integrations.layout import (
 from kvproto.keys import ChunkLayout
 
 __all__ = [
+    "PREFILL_TOKENS_PER_S_UNMEASURED",
     "STORE_QUEUE_BYTES_MAX",
     "AsyncSaver",
     "ConnectorSettings",
@@ -325,14 +326,23 @@ COST_EWMA_WEIGHT = 0.2
 # Smallest forward (tokens) that measures the engine's prefill rate: decode steps of a few
 # tokens measure per-step overhead, not prefill.
 PREFILL_TOKENS_MIN = 64
+# The prefill rate a match is weighed against before the engine's first long forward has
+# measured one: a fresh server's first matches come before any (a restarted server's first
+# requests all match), and loading them whatever the tier's speed put 512 tokens over a
+# 40 Mbit/s link (6.1 s) on a second server's first request. 5,000 tokens/s is ~10x what
+# the CPU engines here measure (150-600): before the first measurement a match loads only
+# over a tier that would beat a prefill that fast (a chunk of SmolLM2-135M's 46,080 B per
+# token needs 230 MB/s: loopback measures 400-970 MB/s, the 40 Mbit/s link 5 MB/s).
+PREFILL_TOKENS_PER_S_UNMEASURED = 5_000.0
 
 
 class TierCostModel:
     """Whether loading a matched prefix beats recomputing it, from what was measured: the tier's
     per-transfer latency and bandwidth (each load and store the connector makes) and the
     engine's prefill rate (tokens per second of its forwards). Estimate to load `b` bytes:
-    ``latency + b / bandwidth``; to recompute `t` tokens: ``t / prefill_rate``. Until both are
-    measured the answer is yes (the loads and stores are what measures the tier). The
+    ``latency + b / bandwidth``; to recompute `t` tokens: ``t / prefill_rate``. Until the
+    tier is measured the answer is yes (the loads and stores are what measures it); until
+    the prefill rate is, it is weighed against PREFILL_TOKENS_PER_S_UNMEASURED. The
     scheduler owns it; the worker's measurements reach it as `CostSamples` through vLLM's
     connector stats (`feed`), whether the worker is in the same process or not."""
 
@@ -417,8 +427,10 @@ class TierCostModel:
 
     def worth_loading(self, tokens: int, nbytes: int) -> bool:
         load, recompute = self.load_s(nbytes), self.recompute_s(tokens)
-        if load is None or recompute is None:
+        if load is None:
             return True
+        if recompute is None:
+            recompute = tokens / PREFILL_TOKENS_PER_S_UNMEASURED
         return load < recompute
 
 
