@@ -131,3 +131,18 @@ def test_bench_serve_can_leave_vllms_own_reservation_for_a_before_and_after() ->
     assert _command(Workload(), ("plain",), 10, 256, 40, -1).endswith("--vllm-reserved-cpus -1")
     refused = CliRunner().invoke(serve_cmd, ["--vllm-reserved-cpus", "-2"])
     assert refused.exit_code == 2 and "--vllm-reserved-cpus" in refused.output
+
+
+def test_bench_serve_keeps_the_connectors_warnings_from_the_server_logs(tmp_path: Path) -> None:
+    log = tmp_path / "b.log"
+    log.write_text(
+        BINDING_LOG + "dpukv: the start-up probe took 41.0 s: lookups went on after 30 s, "
+        "taking the tier for at least that slow\n"
+        "(Worker pid=1) INFO 12-05 22:01:03 [core.py:1] nothing of ours\n"
+    )
+    found = log_findings([log])
+    assert found["connector_warnings"] == [
+        "the start-up probe took 41.0 s: lookups went on after 30 s, taking the tier for at "
+        "least that slow"
+    ]
+    assert "connector_warnings" not in log_findings([tmp_path / "absent.log"])

@@ -154,16 +154,24 @@ def test_no_lookup_while_the_start_up_probe_moves_its_chunk(client: CountingClie
     lookups.forget("later")
 
 
-def test_a_probe_that_never_ends_holds_the_lookups_off_at_most_the_wait_max(
+def test_a_probe_that_outlasts_the_wait_max_is_taken_as_a_slow_tier(
     client: CountingClient,
 ) -> None:
     cost = TierCostModel()
     lookups = SchedulerLookups(client, cost, LAYOUT, probe_wait_s_max=0.5)
     assert lookups.hits("a", TOKENS) == (0, 0.0)
     time.sleep(0.6)
-    assert lookups.hits("a", TOKENS)[0] == CHUNKS  # unmeasured, the probe taken for stuck
+    assert cost.bytes_per_s is None
+    assert lookups.hits("a", TOKENS)[0] == CHUNKS  # the wait is over: it looks up
     assert (client.leases, lookups.probe_skipped_lookups) == (1, 1)
+    # a probe still moving its chunk after the wait is a measure: at least that slow, so a
+    # first match is not loaded as if the tier were unmeasured
+    assert cost.bytes_per_s == pytest.approx(2 * LAYOUT.chunk_bytes / 0.5)
+    assert not cost.worth_loading(LAYOUT.chunk_tokens, LAYOUT.chunk_bytes)
     lookups.forget("a")
+    assert lookups.hits("b", TOKENS)[0] == CHUNKS
+    assert cost.bytes_per_s == pytest.approx(2 * LAYOUT.chunk_bytes / 0.5)  # fed once
+    lookups.forget("b")
 
 
 class FakeClock:

@@ -1063,6 +1063,10 @@ def run_config(
 # KVClient falls back from NIXL to NVMe/TCP with a warning
 DEGRADED_MARKER = "operate in degraded mode"
 DATA_PATH_MARKER = "kvclient: data path "
+# DpuKVConnector's warnings (the probe, the binding, failed loads): the servers' logs are
+# gone with the run, these lines stay in the row; the first few of each row's servers
+CONNECTOR_MARKER = "dpukv: "
+CONNECTOR_WARNINGS_MAX = 20
 # vLLM's CPU executor prints the workers' OpenMP binding (vllm/utils/ompmultiprocessing.py)
 OMP_BINDING_MARKER = "OpenMP thread binding info"
 
@@ -1091,10 +1095,12 @@ def omp_binding(text: str) -> dict[str, Any] | None:
 
 def log_findings(logs: Sequence[Path]) -> dict[str, Any]:
     """From the servers' logs: `omp_binding` (the first server's, `omp_binding`), `degraded`
-    (the error that put a connector in its recompute-only mode) and `data_path_fallbacks`
-    (KVClient's NIXL-to-NVMe/TCP warnings), where any."""
+    (the error that put a connector in its recompute-only mode), `data_path_fallbacks`
+    (KVClient's NIXL-to-NVMe/TCP warnings) and `connector_warnings` (DpuKVConnector's), where
+    any."""
     out: dict[str, Any] = {}
     fallbacks: list[str] = []
+    warnings: list[str] = []
     for log in logs:
         with contextlib.suppress(OSError):
             text = log.read_text(errors="replace")
@@ -1108,8 +1114,12 @@ def log_findings(logs: Sequence[Path]) -> dict[str, Any]:
                     out["degraded"] = (cause[-1] if cause else line).strip()[:LOG_TAIL_CHARS]
                 elif DATA_PATH_MARKER in line and "nvme-tcp" in line:
                     fallbacks.append(line.split(DATA_PATH_MARKER, 1)[1].strip()[:300])
+                elif CONNECTOR_MARKER in line and len(warnings) < CONNECTOR_WARNINGS_MAX:
+                    warnings.append(line.split(CONNECTOR_MARKER, 1)[1].strip()[:300])
     if fallbacks:
         out["data_path_fallbacks"] = sorted(set(fallbacks))
+    if warnings:
+        out["connector_warnings"] = warnings
     return out
 
 

@@ -53,7 +53,7 @@ from host_shim.integrations._vllm_core import (
     reduce_stats,
     storable_chunks,
 )
-from host_shim.integrations._vllm_lookup import SchedulerLookups
+from host_shim.integrations._vllm_lookup import PROBE_LOOKUP_WAIT_S_MAX, SchedulerLookups
 from host_shim.integrations.layout import PagedLayout, check_chunk_tokens
 from kvproto.keys import ChunkLayout
 
@@ -270,12 +270,18 @@ class DpuKVConnector(KVConnectorBase_V1):
         ended while it was idle, came too late. Its own client, so a slow tier does not hold
         the lookups; CPU staging, as the scheduler holds no KV."""
         samples = CostSamples()
+        t0 = time.monotonic()
         try:
             with self._new_client() as client:
                 ok = probe_tier(client, self._layout, samples, torch.device("cpu"))
             self._cost.feed(samples.take())
+            took = time.monotonic() - t0
             if not ok:
                 log.warning("dpukv: the tier did not answer the start-up probe")
+            elif took > PROBE_LOOKUP_WAIT_S_MAX:
+                log.warning("dpukv: the start-up probe took %.1f s: lookups went on after "
+                            "%.0f s, taking the tier for at least that slow",
+                            took, PROBE_LOOKUP_WAIT_S_MAX)  # fmt: skip
         except Exception:  # a measurement: log, never take the engine down
             log.exception("dpukv: tier probe failed")
         finally:  # the lookups waiting for it go on, measured or not

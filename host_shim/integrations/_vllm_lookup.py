@@ -18,8 +18,8 @@ __all__ = ["ANSWER_REUSE_S_MAX", "PROBE_LOOKUP_WAIT_S_MAX", "SchedulerLookups"]
 
 # How long after start the scheduler answers without a lookup while its start-up probe has
 # not measured the tier: a tier that answers at all moves the probe's chunk there and back in
-# seconds even throttled (4.9 s at bench serve's 40 Mbit/s); past this the probe is taken for
-# stuck and lookups go on unmeasured (a match then loads until the tier is measured).
+# seconds even throttled (4.9 s at bench serve's 40 Mbit/s); past this lookups go on, with
+# the tier taken to be at least as slow as a probe still moving its chunk after this long.
 PROBE_LOOKUP_WAIT_S_MAX = 30.0
 # How long a request's answer (hits and their lease) is reused while vLLM asks again each
 # step for a request that has no free blocks: one replay made 53 lookups for 8 requests.
@@ -49,7 +49,11 @@ class SchedulerLookups:
       probe (first TTFTs of 3.5 and 4.1 s against plain's 0.7 and 1.4 s behind a 40 Mbit/s
       link, where the probe takes 4.9 s), and a lease sent over a link the probe fills
       waits behind its data (0.73 s). Recomputing those few first prompts is never worse
-      than no tier, and on a fast tier the probe takes milliseconds.
+      than no tier, and on a fast tier the probe takes milliseconds. A probe still running
+      after `probe_wait_s_max` is a measure too: the model is told its chunk took at least
+      that long there and back (a second server's probe behind the throttled link, sharing
+      it with the first server's stores, ran out the wait and its first match then loaded
+      over the link as if the tier were unmeasured).
     - A request asked again within `reuse_s_max` gets its last answer and keeps its lease
       (`reused_answers`); `take` hands the lease over when vLLM allocates the request,
       `forget` releases it. Answers older than `reuse_s_max` are dropped and their leases
@@ -72,6 +76,8 @@ class SchedulerLookups:
         self._clock, self._reuse_s_max = clock, reuse_s_max
         self._probe_deadline = time.monotonic() + probe_wait_s_max
         self.probed = threading.Event()
+        self._probe_wait_s_max = probe_wait_s_max
+        self._probe_outlasted = False  # the probe ran past the wait: its bound is in the model
         self._answers: dict[str, _Answer] = {}  # insertion order is lookup order
         self.lookups = 0  # lease round trips made
         self.skipped_lookups = 0  # asks answered 0 without one: loading could not pay
@@ -130,4 +136,11 @@ class SchedulerLookups:
             self.forget(req_id)
 
     def _probe_in_flight(self) -> bool:
-        return not self.probed.is_set() and time.monotonic() < self._probe_deadline
+        if self.probed.is_set():
+            return False
+        if time.monotonic() < self._probe_deadline:
+            return True
+        if not self._probe_outlasted:  # its chunk there and back took at least this long
+            self._probe_outlasted = True
+            self._cost.observe_transfer(2 * self._layout.chunk_bytes, self._probe_wait_s_max)
+        return False
