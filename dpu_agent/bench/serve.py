@@ -33,6 +33,7 @@ import importlib
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -853,14 +854,23 @@ def _configure(s: Setup, tmp: Path, tier_bytes: int, throttle_mbps: int) -> Setu
 # --- one configuration ----------------------------------------------------------------------
 
 
+# CPUs vLLM's CPU build keeps off the forward's OpenMP threads in every configuration: one,
+# for the engine core (what it reserves without a connector).
+RESERVED_CPUS = 1
+RESERVED_CPUS_MAX = 64  # --vllm-reserved-cpus: vLLM keeps none where that is every CPU
+
+
 def _engine_args(blocks: int) -> list[str]:
     # one block is vLLM's null block: (blocks - 1) * 128 tokens fit one request
     max_len = min((blocks - 1) * BLOCK_TOKENS, 8192)
     return ["--max-model-len", str(max_len), "--num-gpu-blocks-override", str(blocks)]
 
 
-def _base_env() -> dict[str, str]:
-    return {
+def _base_env(reserved_cpus: int | None = None) -> dict[str, str]:
+    """The servers' environment; `reserved_cpus` None: RESERVED_CPUS, below 0: vLLM's own
+    reservation (VLLM_CPU_NUM_OF_RESERVED_CPU unset, as before the bench set it)."""
+    reserved = RESERVED_CPUS if reserved_cpus is None else reserved_cpus
+    env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
         "PYTHONPATH": str(ROOT),  # host_shim for the tier's connector
@@ -868,8 +878,17 @@ def _base_env() -> dict[str, str]:
         # the CPU build sizes its cache from this (GiB) unless the block count is overridden;
         # 1 keeps its start-up memory check small (the override sets the real size)
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_LOGGING_LEVEL": "WARNING",
+        # vllm-cpu 0.32 reserves a core for the engine core's busy loop, and one more when a KV
+        # connector is configured; on 2 cores that reserves none, so the connector's forward
+        # ran on both cores, one shared with the engine core, while plain's left it a core.
+        # The same reservation for every configuration, so that rows compare (`omp_binding`)
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved),
+        # INFO: vLLM prints the workers' OpenMP binding at INFO only
+        "VLLM_LOGGING_LEVEL": "INFO",
     }
+    if reserved < 0:
+        del env["VLLM_CPU_NUM_OF_RESERVED_CPU"]
+    return env
 
 
 def _delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
@@ -882,7 +901,8 @@ def _decisions(after: dict[str, float], before: dict[str, float]) -> dict[str, A
     out: dict[str, Any] = {
         key: int(_delta(after, before, f"vllm:dpukv_{key}_total"))
         for key in ("load_decisions", "recompute_decisions", "loaded_tokens",
-                    "recomputed_tokens", "load_bytes", "store_bytes")
+                    "recomputed_tokens", "load_bytes", "store_bytes", "lookups",
+                    "skipped_lookups", "probe_skipped_lookups")
     }  # fmt: skip
     for key in ("load_seconds", "store_seconds"):
         out[key] = round(_delta(after, before, f"vllm:dpukv_{key}_total"), 3)
@@ -931,12 +951,13 @@ def run_config(
     blocks: int,
     tmp: Path,
     after: bool,
+    reserved_cpus: int | None = None,
 ) -> dict[str, Any]:
     """The main replay on one server, then (`after`) the next turn of every conversation on a
     fresh second server while the first still runs (a restart and a second server at once:
     neither has the first's cache), and the last of those prompts again on that server (the
     same-instance repeat)."""
-    env = {**_base_env(), **s.env}
+    env = {**_base_env(reserved_cpus), **s.env}
     args = [*_engine_args(blocks), *s.args]
     row: dict[str, Any] = {"configuration": s.name, "note": s.note}
     servers: list[Server] = []
@@ -1042,24 +1063,63 @@ def run_config(
 # KVClient falls back from NIXL to NVMe/TCP with a warning
 DEGRADED_MARKER = "operate in degraded mode"
 DATA_PATH_MARKER = "kvclient: data path "
+# DpuKVConnector's warnings (the probe, the binding, failed loads): the servers' logs are
+# gone with the run, these lines stay in the row; the first few of each row's servers
+CONNECTOR_MARKER = "dpukv: "
+CONNECTOR_WARNINGS_MAX = 20
+# vLLM's CPU executor prints the workers' OpenMP binding (vllm/utils/ompmultiprocessing.py)
+OMP_BINDING_MARKER = "OpenMP thread binding info"
+
+
+def omp_binding(text: str) -> dict[str, Any] | None:
+    """The OpenMP binding vLLM's CPU executor printed first in a server's log: the cores it
+    reserved (`reserve_cpu_num`, `reserved_cpus`) and each worker's forward cores
+    (`core_ids`, one list per local rank); None when it printed none."""
+    at = text.find(OMP_BINDING_MARKER)
+    if at < 0:
+        return None
+    block = text[at : at + 1000]
+    reserve = re.search(r"reserve_cpu_num=(\d+)", block)
+    reserved = re.search(r"reserved_cpus=\[([\d, ]*)\]", block)
+    ranks = re.findall(r"local_rank=\d+, core ids=\[([\d, ]*)\]", block)
+
+    def ids(x: str) -> list[int]:
+        return [int(v) for v in x.replace(",", " ").split()]
+
+    return {
+        "reserve_cpu_num": int(reserve.group(1)) if reserve else None,
+        "core_ids": [ids(r) for r in ranks],
+        "reserved_cpus": ids(reserved.group(1)) if reserved else None,
+    }
 
 
 def log_findings(logs: Sequence[Path]) -> dict[str, Any]:
-    """From the servers' logs: `degraded` (the error that put a connector in its recompute-only
-    mode) and `data_path_fallbacks` (KVClient's NIXL-to-NVMe/TCP warnings), where any."""
+    """From the servers' logs: `omp_binding` (the first server's, `omp_binding`), `degraded`
+    (the error that put a connector in its recompute-only mode), `data_path_fallbacks`
+    (KVClient's NIXL-to-NVMe/TCP warnings) and `connector_warnings` (DpuKVConnector's), where
+    any."""
     out: dict[str, Any] = {}
     fallbacks: list[str] = []
+    warnings: list[str] = []
     for log in logs:
         with contextlib.suppress(OSError):
-            lines = log.read_text(errors="replace").splitlines()
+            text = log.read_text(errors="replace")
+            binding = omp_binding(text)
+            if binding is not None and "omp_binding" not in out:
+                out["omp_binding"] = binding
+            lines = text.splitlines()
             for i, line in enumerate(lines):
                 if DEGRADED_MARKER in line and "degraded" not in out:
                     cause = [x for x in lines[max(i - 20, 0) : i + 1] if "Error:" in x]
                     out["degraded"] = (cause[-1] if cause else line).strip()[:LOG_TAIL_CHARS]
                 elif DATA_PATH_MARKER in line and "nvme-tcp" in line:
                     fallbacks.append(line.split(DATA_PATH_MARKER, 1)[1].strip()[:300])
+                elif CONNECTOR_MARKER in line and len(warnings) < CONNECTOR_WARNINGS_MAX:
+                    warnings.append(line.split(CONNECTOR_MARKER, 1)[1].strip()[:300])
     if fallbacks:
         out["data_path_fallbacks"] = sorted(set(fallbacks))
+    if warnings:
+        out["connector_warnings"] = warnings
     return out
 
 
@@ -1114,6 +1174,7 @@ def run_serve(
     transfer: bool = False,
     on_row: Callable[[dict[str, Any]], None] | None = None,
     throttle_mbps: int = THROTTLE_MBPS_DEFAULT,
+    reserved_cpus: int = RESERVED_CPUS,
 ) -> dict[str, Any]:
     """Every configuration on the same workload, then `tier` at each `sweep` multiple of the
     engine's KV memory (rows `tier@0.5x`, ...), then (`transfer`) the measured transfer rates
@@ -1153,6 +1214,8 @@ def run_serve(
         "tier_bytes": tier_mib << 20,
         "chunk_tokens": CHUNK_TOKENS,
         "throttle_mbps": throttle_mbps if "tier-throttled" in configurations else None,
+        # VLLM_CPU_NUM_OF_RESERVED_CPU of every server; None: unset (vLLM's own reservation)
+        "vllm_reserved_cpus": reserved_cpus if reserved_cpus >= 0 else None,
         "model": "SmolLM2-135M-Instruct, float32 (vllm-cpu 0.32)",
         "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "loadavg_1m_start": os.getloadavg()[0],
@@ -1175,7 +1238,7 @@ def run_serve(
                 s = setup(name, d, tier_bytes, throttle_mbps)
                 row = run_config(
                     s, wl, messages, python=python, model=model, blocks=engine_blocks,
-                    tmp=d, after=second,
+                    tmp=d, after=second, reserved_cpus=reserved_cpus,
                 )  # fmt: skip
             except (NotRunnable, RuntimeError) as e:  # RuntimeError: an agent did not start
                 row = {"configuration": name, "refused": str(e)[:LOG_TAIL_CHARS]}
@@ -1366,7 +1429,9 @@ def table(report: dict[str, Any]) -> str:
             lines.append(
                 f"decisions {r['configuration']}: {d['load_decisions']} loaded "
                 f"({d['loaded_tokens']} tokens), {d['recompute_decisions']} recomputed "
-                f"({d['recomputed_tokens']} tokens)"
+                f"({d['recomputed_tokens']} tokens); {d.get('lookups', 0)} lookups, "
+                f"{d.get('skipped_lookups', 0)} skipped, "
+                f"{d.get('probe_skipped_lookups', 0)} during the probe"
             )
         if "degraded" in r:
             lines.append(f"{r['configuration']}: the connector ran degraded: {r['degraded']}")
@@ -1437,7 +1502,12 @@ def write_cdf(report: dict[str, Any], path: Path) -> str:
 
 
 def _command(
-    wl: Workload, configurations: Sequence[str], blocks: int, tier_mib: int, mbps: int
+    wl: Workload,
+    configurations: Sequence[str],
+    blocks: int,
+    tier_mib: int,
+    mbps: int,
+    reserved_cpus: int = RESERVED_CPUS,
 ) -> str:
     d = Workload()
     parts = ["dpuctl bench serve"]
@@ -1452,6 +1522,8 @@ def _command(
         parts.append(f"--tier-mib {tier_mib}")
     if mbps != THROTTLE_MBPS_DEFAULT:
         parts.append(f"--throttle-mbps {mbps}")
+    if reserved_cpus != RESERVED_CPUS:
+        parts.append(f"--vllm-reserved-cpus {reserved_cpus}")
     return " ".join(parts)
 
 
@@ -1501,6 +1573,11 @@ def parse_sweep(text: str) -> tuple[float, ...]:
               type=click.Choice(CONFIGURATIONS), help="Repeatable; default: all.")  # fmt: skip
 @click.option("--throttle-mbps", default=THROTTLE_MBPS_DEFAULT, show_default=True,
               help="tier-throttled: the agent's link rate each way, Mbit/s.")  # fmt: skip
+@click.option("--vllm-reserved-cpus", "reserved_cpus", default=RESERVED_CPUS, show_default=True,
+              type=click.IntRange(min=-1, max=RESERVED_CPUS_MAX),
+              help="VLLM_CPU_NUM_OF_RESERVED_CPU of every server: CPUs kept off the forward's "
+              "threads for the engine core; -1 leaves vLLM's own reservation (one more with "
+              "a KV connector, none where that is every CPU).")  # fmt: skip
 @click.option("--no-second-server", is_flag=True,
               help="Skip the second-server/restart phase and the repeat.")  # fmt: skip
 @click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -1510,7 +1587,7 @@ def serve_cmd(
     conversations: int, turns: int, turn_tokens: int, output_tokens: int, concurrency: int,
     seed: int, think_s: float, engine_blocks: int, tier_mib: int, sweep: tuple[float, ...],
     transfer_model: bool, configurations: tuple[str, ...], throttle_mbps: int,
-    no_second_server: bool, plot: Path | None, as_json: bool,
+    reserved_cpus: int, no_second_server: bool, plot: Path | None, as_json: bool,
 ) -> None:  # fmt: skip
     """A multi-turn workload through real vLLM servers: plain, its alternatives, the tier."""
     wl = Workload(conversations, turns, turn_tokens, output_tokens, concurrency, seed, think_s)
@@ -1528,9 +1605,9 @@ def serve_cmd(
     report = run_serve(
         wl, configs, engine_blocks=engine_blocks, tier_mib=tier_mib,
         after=not no_second_server, sweep=sweep, transfer=transfer_model, on_row=progress,
-        throttle_mbps=throttle_mbps,
+        throttle_mbps=throttle_mbps, reserved_cpus=reserved_cpus,
     )  # fmt: skip
-    report["command"] = _command(wl, configs, engine_blocks, tier_mib, throttle_mbps)
+    report["command"] = _command(wl, configs, engine_blocks, tier_mib, throttle_mbps, reserved_cpus)
     if sweep:
         report["command"] += " --tier-sweep " + ",".join(f"{x:g}" for x in sweep)
     if transfer_model:

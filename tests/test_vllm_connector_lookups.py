@@ -1,0 +1,249 @@
+"""The vLLM connector scheduler's lookups (`SchedulerLookups`) against a real agent: no
+lookup once loading cannot pay, and lookups again when the tier is measured fast."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch", reason="needs the [inference] extra (torch)")
+import torch
+
+from host_shim.integrations.vllm import SchedulerLookups, TierCostModel
+from kvproto.keys import ChunkLayout
+
+LAYOUT = ChunkLayout(
+    model_id="test/lookups", dtype="float16", num_layers=3, num_kv_heads=2, head_dim=8,
+    chunk_tokens=32,
+)  # fmt: skip
+CHUNKS = 3
+TOKENS = tuple(range(7_000, 7_000 + CHUNKS * LAYOUT.chunk_tokens + 5))
+
+
+class CountingClient:
+    """A real KVClient whose lease round trips are counted (what a lookup costs)."""
+
+    def __init__(self, kv: Any) -> None:
+        self.kv = kv
+        self.leases = 0
+        self.released: list[int] = []
+
+    def lease(self, tokens: list[int]) -> tuple[int, int]:
+        self.leases += 1
+        hits, lease_id = self.kv.lease(tokens)
+        return int(hits), int(lease_id)
+
+    def release_lease(self, lease_id: int) -> None:
+        self.released.append(lease_id)
+        self.kv.release_lease(lease_id)
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from dpu_agent.testing import spawn_agent
+
+    proc = spawn_agent(tmp_path_factory.mktemp("agent"))
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def client(agent: Any) -> Iterator[CountingClient]:
+    from host_shim.client import KVClient
+
+    with KVClient(agent.control_url, "default", agent.token, LAYOUT, os.urandom(32)) as kv:
+        chunk = torch.zeros(LAYOUT.chunk_shape, dtype=torch.float16)
+        keys = kv.keys(list(TOKENS[: CHUNKS * LAYOUT.chunk_tokens]))
+        assert kv.put_keys(keys, [chunk] * CHUNKS) == CHUNKS
+        yield CountingClient(kv)
+
+
+def _slow_tier(cost: TierCostModel, factor: float = 4.0) -> None:
+    """Feed the model the tier `factor` times slower per chunk than recomputing one."""
+    rate = cost.prefill_tokens_per_s
+    assert rate is not None
+    chunk_s = LAYOUT.chunk_tokens / rate * factor
+    for _ in range(40):  # the moving average forgets the fast samples
+        cost.feed([["store", LAYOUT.chunk_bytes, chunk_s]])
+
+
+def _fast_tier(cost: TierCostModel) -> None:
+    for _ in range(40):
+        cost.feed([["store", LAYOUT.chunk_bytes, 1e-4]])
+
+
+def test_loading_can_pay_compares_one_chunk_without_the_latency() -> None:
+    cost = TierCostModel()
+    assert cost.loading_can_pay(256, 10 << 20)  # nothing measured: it may
+    cost.observe_prefill(256, 1.0)  # 256 tokens/s: a 256-token chunk recomputes in 1 s
+    cost.observe_transfer(10 << 20, 0.5)  # 10 MiB in 0.5 s: loads in 0.5 s
+    cost.observe_latency(0.4)  # a round trip slower than the chunk itself: still pays per chunk
+    assert cost.loading_can_pay(256, 10 << 20)
+    for _ in range(40):
+        cost.observe_transfer(10 << 20, 2.0)
+    assert not cost.loading_can_pay(256, 10 << 20)
+    assert not cost.worth_loading(256 * 8, 8 * (10 << 20))  # no match length pays either
+
+
+def test_no_lookup_once_loading_cannot_pay_and_lookups_again_when_the_tier_is_fast(
+    client: CountingClient,
+) -> None:
+    cost = TierCostModel()
+    cost.observe_prefill(512, 1.0)
+    _fast_tier(cost)
+    lookups = SchedulerLookups(client, cost, LAYOUT, probe_wait_s_max=0.0)
+    hits, rtt = lookups.hits("r1", TOKENS)
+    assert (hits, client.leases, lookups.lookups) == (CHUNKS, 1, 1)
+    assert rtt > 0
+    lease = lookups.take("r1")
+    assert lease
+    client.release_lease(lease)
+
+    _slow_tier(cost)  # the saver's stores over a throttled link
+    for i in range(5):  # no lease round trip on the scheduler's path, the tier holds them all
+        assert lookups.hits(f"s{i}", TOKENS) == (0, 0.0)
+        assert lookups.take(f"s{i}") == 0
+    assert (client.leases, lookups.lookups, lookups.skipped_lookups) == (1, 1, 5)
+
+    _fast_tier(cost)  # the link is fast again: the stores measure it
+    assert lookups.hits("r2", TOKENS)[0] == CHUNKS
+    assert (client.leases, lookups.lookups, lookups.skipped_lookups) == (2, 2, 5)
+    lookups.forget("r2")  # the request finished before it was allocated: its lease goes
+    assert client.released[-1] != 0 and lookups.take("r2") == 0
+
+
+def test_a_forgotten_or_taken_answer_holds_no_lease(client: CountingClient) -> None:
+    cost = TierCostModel()
+    lookups = SchedulerLookups(client, cost, LAYOUT, probe_wait_s_max=0.0)
+    t0 = time.perf_counter()
+    assert lookups.hits("a", TOKENS)[0] == CHUNKS
+    assert time.perf_counter() - t0 < 5.0
+    lookups.forget("a")
+    lookups.forget("a")  # twice: released once
+    assert len(client.released) == 1
+    assert lookups.take("a") == 0
+
+
+def test_no_lookup_while_the_start_up_probe_moves_its_chunk(client: CountingClient) -> None:
+    """Before the probe has measured the tier the scheduler answers 0 without a lookup (no
+    match decided on an unmeasured tier, no lease queued behind the probe's data, no wait
+    on the scheduler's loop); once the probe is done it looks up, decided on the measure:
+    here the probe found the tier throttled, so it skips the lookup for that reason."""
+    cost = TierCostModel()
+    cost.observe_prefill(512, 1.0)
+    lookups = SchedulerLookups(client, cost, LAYOUT, probe_wait_s_max=20.0)
+    t0 = time.monotonic()
+    for i in range(3):
+        assert lookups.hits(f"early{i}", TOKENS) == (0, 0.0)
+    assert time.monotonic() - t0 < 1.0  # answered at once, not after the probe
+    assert (client.leases, lookups.probe_skipped_lookups) == (0, 3)
+    assert lookups.take("early0") == 0  # nothing kept: asked again, it looks up
+
+    _slow_tier(cost)  # what the probe measured, over a slow link
+    lookups.probed.set()
+    assert lookups.hits("early0", TOKENS) == (0, 0.0)
+    assert (client.leases, lookups.skipped_lookups) == (0, 1)
+    _fast_tier(cost)
+    assert lookups.hits("later", TOKENS)[0] == CHUNKS
+    assert client.leases == 1
+    assert lookups.counts() == {"lookups": 1, "skipped_lookups": 1, "probe_skipped_lookups": 3}
+    lookups.forget("later")
+
+
+def test_a_probe_that_outlasts_the_wait_max_is_taken_as_a_slow_tier(
+    client: CountingClient,
+) -> None:
+    cost = TierCostModel()
+    lookups = SchedulerLookups(client, cost, LAYOUT, probe_wait_s_max=0.5)
+    assert lookups.hits("a", TOKENS) == (0, 0.0)
+    time.sleep(0.6)
+    assert cost.bytes_per_s is None
+    assert lookups.hits("a", TOKENS)[0] == CHUNKS  # the wait is over: it looks up
+    assert (client.leases, lookups.probe_skipped_lookups) == (1, 1)
+    # a probe still moving its chunk after the wait is a measure: at least that slow, so a
+    # first match is not loaded as if the tier were unmeasured
+    assert cost.bytes_per_s == pytest.approx(2 * LAYOUT.chunk_bytes / 0.5)
+    assert not cost.worth_loading(LAYOUT.chunk_tokens, LAYOUT.chunk_bytes)
+    lookups.forget("a")
+    assert lookups.hits("b", TOKENS)[0] == CHUNKS
+    assert cost.bytes_per_s == pytest.approx(2 * LAYOUT.chunk_bytes / 0.5)  # fed once
+    lookups.forget("b")
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_request_waiting_for_blocks_reuses_its_answer_and_lease(client: CountingClient) -> None:
+    """vLLM asks get_num_new_matched_tokens again every step while a request has no free
+    blocks (one replay: 53 lookups for 8 requests). The request's last answer and its lease
+    are reused for ANSWER_REUSE_S_MAX, then looked up anew; the lease outlives the reuse."""
+    from dpu_agent.config import StorageSection
+    from host_shim.integrations.vllm import ANSWER_REUSE_S_MAX
+
+    assert ANSWER_REUSE_S_MAX < StorageSection().lease_ttl_s  # a reused lease still holds
+    clock = FakeClock()
+    cost = TierCostModel()
+    lookups = SchedulerLookups(client, cost, LAYOUT, clock=clock, probe_wait_s_max=0.0)
+    requests = [f"w{i}" for i in range(8)]
+    for _step in range(7):  # 8 requests asked each step, 0.5 s apart, none allocated
+        for req_id in requests:
+            assert lookups.hits(req_id, TOKENS)[0] == CHUNKS
+        clock.now += 0.5
+    assert (client.leases, lookups.lookups, lookups.reused_answers) == (8, 8, 48)
+    assert client.released == []  # the leases are kept while reused
+
+    lease = lookups.take("w0")  # allocated: the lease is the connector's now
+    assert lease
+    client.release_lease(lease)
+    clock.now += ANSWER_REUSE_S_MAX  # the others' answers are stale: looked up anew
+    assert lookups.hits("w1", TOKENS)[0] == CHUNKS
+    assert client.leases == 9
+    # the stale answers' leases were released with that lookup, w1's old one too
+    assert len(client.released) == 1 + 7
+    for req_id in requests[2:]:
+        assert lookups.take(req_id) == 0
+    lookups.forget("w1")
+
+
+def test_a_skipped_lookup_is_reused_too(client: CountingClient) -> None:
+    clock = FakeClock()
+    cost = TierCostModel()
+    cost.observe_prefill(512, 1.0)
+    _slow_tier(cost)
+    lookups = SchedulerLookups(client, cost, LAYOUT, clock=clock, probe_wait_s_max=0.0)
+    for _ in range(5):
+        assert lookups.hits("s", TOKENS) == (0, 0.0)
+    assert (client.leases, lookups.skipped_lookups, lookups.reused_answers) == (0, 1, 4)
+    assert lookups.take("s") == 0
+
+
+def test_a_fresh_server_does_not_load_over_a_slow_tier_before_its_first_prefill() -> None:
+    """A restarted or second server's first matches come before any long forward has
+    measured its prefill rate; with the probe's measure of the tier they are weighed
+    against PREFILL_TOKENS_PER_S_UNMEASURED: bench serve's 40 Mbit/s link (the probe's 4.9 s
+    for a chunk there and back) recomputes, loopback's rate loads."""
+    from host_shim.integrations.vllm import PREFILL_TOKENS_PER_S_UNMEASURED
+
+    chunk_bytes, chunk_tokens = 256 * 46_080, 256  # SmolLM2-135M, float32
+    throttled = TierCostModel()
+    throttled.feed([["store", chunk_bytes, 2.47], ["load", chunk_bytes, 2.46]])  # the probe
+    assert throttled.prefill_tokens_per_s is None
+    assert not throttled.worth_loading(2 * chunk_tokens, 2 * chunk_bytes)
+    loopback = TierCostModel()
+    loopback.feed([["store", chunk_bytes, 0.025], ["load", chunk_bytes, 0.02]])
+    assert loopback.worth_loading(2 * chunk_tokens, 2 * chunk_bytes)
+    assert loopback.worth_loading(chunk_tokens // 2, chunk_bytes)  # a match inside a chunk
+    assert TierCostModel().worth_loading(chunk_tokens, chunk_bytes)  # tier unmeasured: load
+    # once measured, the engine's own rate decides: slower than the prior, so loads win more
+    throttled.observe_prefill(512, 512 / 20.0)  # 20 tokens/s: 25 s for 512 tokens
+    assert throttled.worth_loading(2 * chunk_tokens, 2 * chunk_bytes)
+    assert PREFILL_TOKENS_PER_S_UNMEASURED > 600  # above every rate measured here
