@@ -35,7 +35,7 @@ import operator
 from collections.abc import Callable, Sequence
 from functools import partial
 
-from dpu_agent.eviction._lru import LruPolicy
+from dpu_agent.eviction._lru import Lru2Policy, LruPolicy
 from dpu_agent.eviction._policy import Evictable, EvictionPolicy
 from dpu_agent.eviction._prefix import PrefixPolicy
 from dpu_agent.eviction._prefix_run import RunAwarePrefixPolicy
@@ -49,6 +49,7 @@ _CANDIDATE_FACTORIES: dict[str, Callable[[int], EvictionPolicy]] = {
     "prefix": PrefixPolicy,
     "s3fifo": S3FifoPolicy,
     "lru": LruPolicy,
+    "lru2": Lru2Policy,
 }
 # The default candidates, the first the starting leader. `prefix-run` is the best fixed policy
 # or near it on most cells; `prefix` (no run penalty) wins large caches of conversations, whose
