@@ -1,7 +1,8 @@
 """Research, not packaged: choose `elect`'s parameters on the development traces only.
 
-The development traces are the choose set of the family (seed 0 of every shape, short and
-restarting variants) and the shared Mooncake synthetic trace. Every fixed policy's per-request
+The development traces are the family's sets of seeds 0 (choose), 1 (report) and 726997 (the
+earlier held-out seed, seen since), every shape with its short and restarting variants, and the
+shared Mooncake synthetic trace; `--seed` narrows them. Every fixed policy's per-request
 hits are computed once per cell (simulator fast path, proven identical to the engine) and cached;
 each `elect` variant is then scored against them with the family's own rule (decided cells at
 z >= SEPARABLE_Z, within BAR_POINTS of the best fixed, never under LRU).
@@ -22,22 +23,30 @@ from typing import Any
 from dpu_agent.bench.replay import DEFAULT_FRACTIONS, distinct_blocks, replay_hits
 from dpu_agent.bench.replay_family import (
     BAR_POINTS,
-    CHOOSE_SET,
     SEPARABLE_Z,
     FamilyTrace,
     _segments,
+    _set,
     fixed_names,
     separation_z,
 )
 from dpu_agent.eviction import ElectPolicy, make_policy
 
 MOONCAKE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
-CACHE = Path("/tmp/elect_choose_fixed.pkl")
+DEV_SEEDS = (0, 1, 726997)  # never a held-out seed drawn after the choice
 
 
-def dev_cells() -> list[tuple[FamilyTrace, float]]:
-    traces = [*CHOOSE_SET, FamilyTrace(role="choose", path=MOONCAKE)]
+def dev_cells(seeds: tuple[int, ...] = DEV_SEEDS) -> list[tuple[FamilyTrace, float]]:
+    traces = [t for s in seeds for t in _set("choose", s, 1500)]
+    traces.append(FamilyTrace(role="choose", path=MOONCAKE))
     return [(t, f) for t in traces for f in DEFAULT_FRACTIONS]
+
+
+CACHE = Path("/tmp/elect_choose_fixed.pkl")  # (trace name, fraction) -> the fixed policies'
+
+
+def _key(cell: tuple[FamilyTrace, float]) -> tuple[str, float]:
+    return cell[0].name, cell[1]
 
 
 def _fixed(cell: tuple[FamilyTrace, float]) -> dict[str, Any]:
@@ -70,21 +79,25 @@ def main() -> None:
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--min-fraction", type=float, default=0.0, help="only cells at least this")
     ap.add_argument("--long", action="store_true", help="only full-length, unrestarted traces")
+    ap.add_argument("--seed", type=int, action="append", help="family seeds (default: DEV_SEEDS)")
+    ap.add_argument("--fixed-only", action="store_true", help="cache the fixed policies and stop")
     a = ap.parse_args()
-    all_cells = dev_cells()
-    keep = [
-        k
-        for k, (spec, frac) in enumerate(all_cells)
+    seeds = tuple(a.seed or DEV_SEEDS)
+    assert set(seeds) <= set(DEV_SEEDS), f"{seeds}: choose on the development seeds only"
+    cells = [
+        (spec, frac)
+        for spec, frac in dev_cells(seeds)
         if frac >= a.min_fraction and (not a.long or (not spec.restart and spec.requests != 300))
     ]
     with Pool(a.jobs) as pool:
-        if CACHE.exists():
-            fixed = pickle.loads(CACHE.read_bytes())
-        else:
-            fixed = pool.map(_fixed, all_cells, chunksize=1)
-            CACHE.write_bytes(pickle.dumps(fixed))
-        cells = [all_cells[k] for k in keep]
-        fixed = [fixed[k] for k in keep]
+        cached = pickle.loads(CACHE.read_bytes()) if CACHE.exists() else {}
+        todo = [c for c in cells if _key(c) not in cached]
+        for c, f in zip(todo, pool.imap(_fixed, todo, chunksize=1), strict=True):
+            cached[_key(c)] = f
+            CACHE.write_bytes(pickle.dumps(cached))  # each cell kept as it comes
+        fixed = [cached[_key(c)] for c in cells]
+        if a.fixed_only:
+            return
         for v in a.variant or ["base:{}"]:
             label, _, js = v.partition(":")
             kwargs = json.loads(js or "{}")

@@ -36,6 +36,24 @@ def _hot_and_scans(requests: int, seed: int = 7) -> list[Request]:
     return out
 
 
+def _hot_and_scans_slow(requests: int, seed: int = 5) -> list[Request]:
+    """One-block requests a second apart: a hot set of 30 blocks used every fourth request,
+    between scans of never-seen blocks. LRU-2 ranks a block by its second-to-last use, so the
+    hot set outlives the scans; LRU lets them push it out. (A second apart: LRU-2 takes uses
+    within 1 s of each other as one.)"""
+    rng = random.Random(seed)
+    out: list[Request] = []
+    fresh = 1_000_000
+    for k in range(requests):
+        if k % 4 == 0:
+            block = rng.randrange(30)
+        else:
+            fresh += 1
+            block = fresh
+        out.append(Request(timestamp_ms=1000.0 * k, hash_ids=(block,)))
+    return out
+
+
 def _tracked_replay(policy: ElectPolicy, trace: list[Request], capacity: int) -> set[int]:
     """Replay `trace`, checking after every request that the policy holds exactly what was
     inserted and not removed, and that its leader's order covers exactly those items."""
@@ -233,3 +251,44 @@ def test_parent_links_that_loop_do_not_hang_a_switch() -> None:
     fresh = make_policy("prefix", 8)
     fresh.adopt([(b, a, False), (a, b, False)], 10.0)
     assert len(fresh) == 2 and a in fresh and b in fresh
+
+
+def test_lru2_hands_its_tier_over_and_takes_one_in_order() -> None:
+    """`resident()` lists LRU-2's items in the order it evicts them; a new LRU-2 that adopts
+    them evicts in that order (used ones after every one used once), and the first real use
+    after the handover counts as a second reference."""
+    lru2 = make_policy("lru2", 100)
+    for i in range(10):
+        lru2.insert(i, None, float(i))
+    for i in (7, 2, 5):
+        lru2.access(i, 20.0 + i)
+    handed = lru2.resident()
+    assert [u for _, u in handed] == [False] * 7 + [True] * 3
+    order = []
+    while (v := lru2.victim(lambda _: True)) is not None:
+        order.append(v)
+        lru2.remove(v)
+    assert order == [i for i, _ in handed] == [0, 1, 3, 4, 6, 8, 9, 2, 5, 7]
+    new = make_policy("lru2", 100)
+    new.adopt([(i, None, u) for i, u in handed], 100.0)
+    assert new.resident() == handed
+    new.access(0, 100.1)  # within a second of the adoption, yet a second reference
+    assert new.victim(lambda _: True) == 1
+    from_lru = make_policy("lru", 100)
+    for i in range(5):
+        from_lru.insert(i, None, float(i))
+    from_lru.access(1, 9.0)
+    taken = make_policy("lru2", 100)
+    taken.adopt([(i, None, u) for i, u in from_lru.resident()], 10.0)
+    assert [i for i, _ in taken.resident()] == [0, 2, 3, 4, 1]
+
+
+def test_a_clear_lead_of_lru2_switches_to_it_without_a_flush() -> None:
+    trace = _hot_and_scans_slow(6000)
+    capacity = 50
+    own = {n: sum(replay_hits(trace, make_policy(n, capacity), capacity)) for n in ("lru", "lru2")}
+    assert own["lru2"] > 2 * own["lru"]  # the workload separates them clearly
+    policy = ElectPolicy(capacity, candidates=("lru", "lru2"))
+    held = _tracked_replay(policy, trace, capacity)
+    assert policy.leader == "lru2" and policy.switches >= 1
+    assert len(held) == capacity

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Sequence
 
-from dpu_agent.eviction._policy import Evictable, EvictionPolicy
+from dpu_agent.eviction._policy import ADOPT_TIME_STEP_S, Evictable, EvictionPolicy, Resident
 
 __all__ = ["Lru2Policy", "LruPolicy"]
 
@@ -115,6 +116,24 @@ class Lru2Policy(EvictionPolicy):
         for top in skipped:
             heapq.heappush(self._heap, top)
         return chosen
+
+    def resident(self) -> list[tuple[int, bool]]:
+        order = sorted(self._items.items(), key=lambda kv: (kv[1][1], kv[1][0], kv[0]))
+        return [(item, entry[1] != NEG_INF) for item, entry in order]
+
+    def adopt(self, items: Sequence[Resident], now: float) -> None:
+        """Items in the old order at increasing times just before `now`; a used item gets a
+        second reference at its time too, so it goes after every item used once, as in
+        LRU-2. No adopted time counts as a last access: the first real access after the
+        handover is a new reference, not part of a correlated burst."""
+        assert not self._items, len(self._items)
+        t = now - ADOPT_TIME_STEP_S * (len(items) + 1)
+        for item, _, used in items:
+            t += ADOPT_TIME_STEP_S
+            assert item not in self._items, item
+            entry = [t, t if used else NEG_INF, NEG_INF]
+            self._items[item] = entry
+            self._push(item, entry)
 
     def _push(self, item: int, entry: list[float]) -> None:
         heapq.heappush(self._heap, (entry[1], entry[0], item))
