@@ -128,30 +128,27 @@ def test_a_forgotten_or_taken_answer_holds_no_lease(client: CountingClient) -> N
     assert lookups.take("a") == 0
 
 
-def test_no_lookup_while_the_start_up_probe_moves_its_chunk(client: CountingClient) -> None:
-    """Before the probe has measured the tier the scheduler answers 0 without a lookup (no
-    match decided on an unmeasured tier, no lease queued behind the probe's data, no wait
-    on the scheduler's loop); once the probe is done it looks up, decided on the measure:
-    here the probe found the tier throttled, so it skips the lookup for that reason."""
+def test_a_match_is_deferred_while_the_start_up_probe_moves_its_chunk(
+    client: CountingClient,
+) -> None:
+    """Before the probe has measured the tier a match is not decided: the connector answers
+    vLLM "ask again" (no wait on the scheduler's loop; prompts without a match go on), and
+    the answer and its lease are reused when asked again; once the probe is done the match
+    is decided on the measure."""
     cost = TierCostModel()
-    cost.observe_prefill(512, 1.0)
     lookups = SchedulerLookups(client, cost, LAYOUT, probe_wait_s_max=20.0)
     t0 = time.monotonic()
-    for i in range(3):
-        assert lookups.hits(f"early{i}", TOKENS) == (0, 0.0)
+    assert lookups.hits("early", TOKENS)[0] == CHUNKS
+    for _ in range(3):  # vLLM asks again each step
+        assert lookups.defer_for_probe()
+        assert lookups.hits("early", TOKENS)[0] == CHUNKS
     assert time.monotonic() - t0 < 1.0  # answered at once, not after the probe
-    assert (client.leases, lookups.probe_skipped_lookups) == (0, 3)
-    assert lookups.take("early0") == 0  # nothing kept: asked again, it looks up
+    assert (client.leases, lookups.probe_deferred_asks, lookups.reused_answers) == (1, 3, 3)
 
-    _slow_tier(cost)  # what the probe measured, over a slow link
-    lookups.probed.set()
-    assert lookups.hits("early0", TOKENS) == (0, 0.0)
-    assert (client.leases, lookups.skipped_lookups) == (0, 1)
-    _fast_tier(cost)
-    assert lookups.hits("later", TOKENS)[0] == CHUNKS
-    assert client.leases == 1
-    assert lookups.counts() == {"lookups": 1, "skipped_lookups": 1, "probe_skipped_lookups": 3}
-    lookups.forget("later")
+    lookups.probed.set()  # the probe measured the tier
+    assert not lookups.defer_for_probe()
+    assert lookups.take("early")  # allocated: its lease, from the first lookup
+    assert lookups.counts() == {"lookups": 1, "skipped_lookups": 0, "probe_deferred_asks": 3}
 
 
 def test_a_probe_that_outlasts_the_wait_max_is_taken_as_a_slow_tier(
@@ -159,19 +156,19 @@ def test_a_probe_that_outlasts_the_wait_max_is_taken_as_a_slow_tier(
 ) -> None:
     cost = TierCostModel()
     lookups = SchedulerLookups(client, cost, LAYOUT, probe_wait_s_max=0.5)
-    assert lookups.hits("a", TOKENS) == (0, 0.0)
+    assert lookups.hits("a", TOKENS)[0] == CHUNKS
+    assert lookups.defer_for_probe()
     time.sleep(0.6)
     assert cost.bytes_per_s is None
-    assert lookups.hits("a", TOKENS)[0] == CHUNKS  # the wait is over: it looks up
-    assert (client.leases, lookups.probe_skipped_lookups) == (1, 1)
+    assert not lookups.defer_for_probe()  # the wait is over: the match is decided
+    assert (client.leases, lookups.probe_deferred_asks) == (1, 1)
     # a probe still moving its chunk after the wait is a measure: at least that slow, so a
     # first match is not loaded as if the tier were unmeasured
     assert cost.bytes_per_s == pytest.approx(2 * LAYOUT.chunk_bytes / 0.5)
     assert not cost.worth_loading(LAYOUT.chunk_tokens, LAYOUT.chunk_bytes)
-    lookups.forget("a")
-    assert lookups.hits("b", TOKENS)[0] == CHUNKS
+    assert not lookups.defer_for_probe()
     assert cost.bytes_per_s == pytest.approx(2 * LAYOUT.chunk_bytes / 0.5)  # fed once
-    lookups.forget("b")
+    lookups.forget("a")
 
 
 class FakeClock:

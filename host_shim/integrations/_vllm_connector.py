@@ -116,9 +116,9 @@ PROM_COUNTERS = {
         "vllm:dpukv_skipped_lookups",
         "Prompts not looked up: the tier was measured slower per chunk than recomputing.",
     ),
-    "probe_skipped_lookups": (
-        "vllm:dpukv_probe_skipped_lookups",
-        "Prompts not looked up: the start-up probe had not measured the tier yet.",
+    "probe_deferred_asks": (
+        "vllm:dpukv_probe_deferred_asks",
+        "Matches answered 'ask again': the start-up probe had not measured the tier yet.",
     ),
 }
 PROM_GAUGES = {
@@ -300,6 +300,8 @@ class DpuKVConnector(KVConnectorBase_V1):
         hits, rtt = self._lookups.hits(req_id, tokens)
         n = self._layout.chunk_tokens
         matched = matched_tokens(hits, len(tokens), num_computed_tokens, n)
+        if matched and self._lookups.defer_for_probe():
+            return None, False  # vLLM asks again next step; the answer and lease are kept
         if matched:
             if rtt:
                 self._cost.observe_latency(rtt)

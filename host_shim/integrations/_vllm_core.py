@@ -499,7 +499,7 @@ STATS_COUNTERS = (
     "recomputed_tokens",
     "lookups",  # the scheduler's lease round trips
     "skipped_lookups",  # asks answered without one: loading was measured unable to pay
-    "probe_skipped_lookups",  # asks answered without one while the start-up probe ran
+    "probe_deferred_asks",  # matches answered "ask again" while the start-up probe ran
 )
 # The scheduler's model as it stood when it last changed (the newest wins when merged): what
 # it estimated from, beside what the transfers took, on vLLM's /metrics.
