@@ -235,12 +235,14 @@ def test_a_fresh_server_does_not_load_over_a_slow_tier_before_its_first_prefill(
     throttled.feed([["store", chunk_bytes, 2.47], ["load", chunk_bytes, 2.46]])  # the probe
     assert throttled.prefill_tokens_per_s is None
     assert not throttled.worth_loading(2 * chunk_tokens, 2 * chunk_bytes)
-    loopback = TierCostModel()
-    loopback.feed([["store", chunk_bytes, 0.025], ["load", chunk_bytes, 0.02]])
+    loopback = TierCostModel()  # the probe's chunk at 150 MB/s, loopback on a busy box
+    loopback.feed([["store", chunk_bytes, chunk_bytes / 150e6], ["load", chunk_bytes, 0.078]])
     assert loopback.worth_loading(2 * chunk_tokens, 2 * chunk_bytes)
     assert loopback.worth_loading(chunk_tokens // 2, chunk_bytes)  # a match inside a chunk
     assert TierCostModel().worth_loading(chunk_tokens, chunk_bytes)  # tier unmeasured: load
     # once measured, the engine's own rate decides: slower than the prior, so loads win more
     throttled.observe_prefill(512, 512 / 20.0)  # 20 tokens/s: 25 s for 512 tokens
     assert throttled.worth_loading(2 * chunk_tokens, 2 * chunk_bytes)
-    assert PREFILL_TOKENS_PER_S_UNMEASURED > 600  # above every rate measured here
+    assert PREFILL_TOKENS_PER_S_UNMEASURED > 683  # above every rate measured here
+    # 9 chunks of a fresh vLLM instance's first request (test_engine_vllm): loaded
+    assert loopback.worth_loading(9 * chunk_tokens, 9 * chunk_bytes)
