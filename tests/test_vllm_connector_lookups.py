@@ -246,3 +246,15 @@ def test_a_fresh_server_does_not_load_over_a_slow_tier_before_its_first_prefill(
     assert PREFILL_TOKENS_PER_S_UNMEASURED > 683  # above every rate measured here
     # 9 chunks of a fresh vLLM instance's first request (test_engine_vllm): loaded
     assert loopback.worth_loading(9 * chunk_tokens, 9 * chunk_bytes)
+
+
+def test_after_a_failed_probe_matches_are_recomputed_until_a_transfer_measures_the_tier() -> None:
+    """A second server's probe over a link busy with the first server's stores got no
+    answer in the client's timeouts; the tier counted as unmeasured, and its first match
+    loaded 512 tokens over the 40 Mbit/s link (5.1 s, serve-throttled-11)."""
+    chunk_bytes, chunk_tokens = 256 * 46_080, 256
+    cost = TierCostModel()
+    cost.probe_failed = True
+    assert not cost.worth_loading(2 * chunk_tokens, 2 * chunk_bytes)
+    cost.feed([["store", chunk_bytes, 0.02]])  # the saver's store measured it fast
+    assert cost.worth_loading(2 * chunk_tokens, 2 * chunk_bytes)

@@ -277,12 +277,15 @@ class DpuKVConnector(KVConnectorBase_V1):
             self._cost.feed(samples.take())
             took = time.monotonic() - t0
             if not ok:
-                log.warning("dpukv: the tier did not answer the start-up probe")
+                self._cost.probe_failed = True  # a second server's first match once loaded
+                log.warning("dpukv: the tier did not answer the start-up probe: matches are "
+                            "recomputed until a transfer measures it")  # fmt: skip
             elif took > PROBE_LOOKUP_WAIT_S_MAX:
                 log.warning("dpukv: the start-up probe took %.1f s: lookups went on after "
                             "%.0f s, taking the tier for at least that slow",
                             took, PROBE_LOOKUP_WAIT_S_MAX)  # fmt: skip
         except Exception:  # a measurement: log, never take the engine down
+            self._cost.probe_failed = True
             log.exception("dpukv: tier probe failed")
         finally:  # the lookups waiting for it go on, measured or not
             self._lookups.probed.set()

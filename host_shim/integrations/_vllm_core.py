@@ -354,6 +354,9 @@ class TierCostModel:
         self.latency_s: float | None = None
         self.bytes_per_s: float | None = None
         self.prefill_tokens_per_s: float | None = None
+        # the start-up probe failed (no answer in the client's timeouts, e.g. a link so busy
+        # that its put timed out): until a transfer measures the tier, recompute
+        self.probe_failed = False
 
     @staticmethod
     def _ewma(old: float | None, new: float) -> float:
@@ -431,7 +434,7 @@ class TierCostModel:
     def worth_loading(self, tokens: int, nbytes: int) -> bool:
         load, recompute = self.load_s(nbytes), self.recompute_s(tokens)
         if load is None:
-            return True
+            return not self.probe_failed
         if recompute is None:
             recompute = tokens / PREFILL_TOKENS_PER_S_UNMEASURED
         return load < recompute
