@@ -902,7 +902,7 @@ def _decisions(after: dict[str, float], before: dict[str, float]) -> dict[str, A
         key: int(_delta(after, before, f"vllm:dpukv_{key}_total"))
         for key in ("load_decisions", "recompute_decisions", "loaded_tokens",
                     "recomputed_tokens", "load_bytes", "store_bytes", "lookups",
-                    "skipped_lookups", "probe_skipped_lookups")
+                    "skipped_lookups", "probe_deferred_asks")
     }  # fmt: skip
     for key in ("load_seconds", "store_seconds"):
         out[key] = round(_delta(after, before, f"vllm:dpukv_{key}_total"), 3)
@@ -1431,7 +1431,7 @@ def table(report: dict[str, Any]) -> str:
                 f"({d['loaded_tokens']} tokens), {d['recompute_decisions']} recomputed "
                 f"({d['recomputed_tokens']} tokens); {d.get('lookups', 0)} lookups, "
                 f"{d.get('skipped_lookups', 0)} skipped, "
-                f"{d.get('probe_skipped_lookups', 0)} during the probe"
+                f"{d.get('probe_deferred_asks', 0)} deferred for the probe"
             )
         if "degraded" in r:
             lines.append(f"{r['configuration']}: the connector ran degraded: {r['degraded']}")

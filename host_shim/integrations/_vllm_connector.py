@@ -116,9 +116,9 @@ PROM_COUNTERS = {
         "vllm:dpukv_skipped_lookups",
         "Prompts not looked up: the tier was measured slower per chunk than recomputing.",
     ),
-    "probe_skipped_lookups": (
-        "vllm:dpukv_probe_skipped_lookups",
-        "Prompts not looked up: the start-up probe had not measured the tier yet.",
+    "probe_deferred_asks": (
+        "vllm:dpukv_probe_deferred_asks",
+        "Matches answered 'ask again': the start-up probe had not measured the tier yet.",
     ),
 }
 PROM_GAUGES = {
@@ -277,12 +277,15 @@ class DpuKVConnector(KVConnectorBase_V1):
             self._cost.feed(samples.take())
             took = time.monotonic() - t0
             if not ok:
-                log.warning("dpukv: the tier did not answer the start-up probe")
+                self._cost.probe_failed = True  # a second server's first match once loaded
+                log.warning("dpukv: the tier did not answer the start-up probe: matches are "
+                            "recomputed until a transfer measures it")  # fmt: skip
             elif took > PROBE_LOOKUP_WAIT_S_MAX:
                 log.warning("dpukv: the start-up probe took %.1f s: lookups went on after "
                             "%.0f s, taking the tier for at least that slow",
                             took, PROBE_LOOKUP_WAIT_S_MAX)  # fmt: skip
         except Exception:  # a measurement: log, never take the engine down
+            self._cost.probe_failed = True
             log.exception("dpukv: tier probe failed")
         finally:  # the lookups waiting for it go on, measured or not
             self._lookups.probed.set()
@@ -300,6 +303,8 @@ class DpuKVConnector(KVConnectorBase_V1):
         hits, rtt = self._lookups.hits(req_id, tokens)
         n = self._layout.chunk_tokens
         matched = matched_tokens(hits, len(tokens), num_computed_tokens, n)
+        if matched and self._lookups.defer_for_probe():
+            return None, False  # vLLM asks again next step; the answer and lease are kept
         if matched:
             if rtt:
                 self._cost.observe_latency(rtt)

@@ -329,11 +329,14 @@ PREFILL_TOKENS_MIN = 64
 # The prefill rate a match is weighed against before the engine's first long forward has
 # measured one: a fresh server's first matches come before any (a restarted server's first
 # requests all match), and loading them whatever the tier's speed put 512 tokens over a
-# 40 Mbit/s link (6.1 s) on a second server's first request. 5,000 tokens/s is ~10x what
-# the CPU engines here measure (150-600): before the first measurement a match loads only
-# over a tier that would beat a prefill that fast (a chunk of SmolLM2-135M's 46,080 B per
-# token needs 230 MB/s: loopback measures 400-970 MB/s, the 40 Mbit/s link 5 MB/s).
-PREFILL_TOKENS_PER_S_UNMEASURED = 5_000.0
+# 40 Mbit/s link (6.1 s) on a second server's first request. 1,000 tokens/s is above the
+# fastest prefill the CPU engines here measure (150-680): before the first measurement a
+# match loads over a tier that beats such an engine (46 MB/s for SmolLM2-135M's 46,080 B per
+# token: the start-up probe measures loopback at 150-970 MB/s, the 40 Mbit/s link at 5).
+# 5,000 was tried: the probe's one chunk measured loopback at 150 MB/s under load, below
+# the 230 MB/s that needs, and a fresh instance recomputed a prefix the tier held. A GPU's
+# prefill is faster: its first long forward replaces this.
+PREFILL_TOKENS_PER_S_UNMEASURED = 1_000.0
 
 
 class TierCostModel:
@@ -351,6 +354,9 @@ class TierCostModel:
         self.latency_s: float | None = None
         self.bytes_per_s: float | None = None
         self.prefill_tokens_per_s: float | None = None
+        # the start-up probe failed (no answer in the client's timeouts, e.g. a link so busy
+        # that its put timed out): until a transfer measures the tier, recompute
+        self.probe_failed = False
 
     @staticmethod
     def _ewma(old: float | None, new: float) -> float:
@@ -428,7 +434,7 @@ class TierCostModel:
     def worth_loading(self, tokens: int, nbytes: int) -> bool:
         load, recompute = self.load_s(nbytes), self.recompute_s(tokens)
         if load is None:
-            return True
+            return not self.probe_failed
         if recompute is None:
             recompute = tokens / PREFILL_TOKENS_PER_S_UNMEASURED
         return load < recompute
@@ -499,7 +505,7 @@ STATS_COUNTERS = (
     "recomputed_tokens",
     "lookups",  # the scheduler's lease round trips
     "skipped_lookups",  # asks answered without one: loading was measured unable to pay
-    "probe_skipped_lookups",  # asks answered without one while the start-up probe ran
+    "probe_deferred_asks",  # matches answered "ask again" while the start-up probe ran
 )
 # The scheduler's model as it stood when it last changed (the newest wins when merged): what
 # it estimated from, beside what the transfers took, on vLLM's /metrics.

@@ -1,6 +1,6 @@
 """The vLLM connector scheduler's lookups of a prompt's chunks on the tier (needs no vLLM):
-whether to look up at all (not while the start-up probe moves its chunk), and reusing a
-request's answer
+whether to look up at all, deferring a match while the start-up probe moves its chunk, and
+reusing a request's answer
 while vLLM asks again for a request that waits for free blocks."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from kvproto.keys import ChunkLayout
 
 __all__ = ["ANSWER_REUSE_S_MAX", "PROBE_LOOKUP_WAIT_S_MAX", "SchedulerLookups"]
 
-# How long after start the scheduler answers without a lookup while its start-up probe has
-# not measured the tier: a tier that answers at all moves the probe's chunk there and back in
+# How long after start a match is deferred while the start-up probe has not measured the
+# tier: a tier that answers at all moves the probe's chunk there and back in
 # seconds even throttled (4.9 s at bench serve's 40 Mbit/s); past this lookups go on, with
 # the tier taken to be at least as slow as a probe still moving its chunk after this long.
 PROBE_LOOKUP_WAIT_S_MAX = 30.0
@@ -43,13 +43,15 @@ class SchedulerLookups:
       all (no lease round trip on the scheduler's path; `skipped_lookups`). The saver's
       stores keep measuring the tier, so lookups start again when it is measured fast.
     - While the start-up probe moves its chunk (until `probed` is set by the probe's thread,
-      whether it succeeded or not, at most `probe_wait_s_max` after start) it answers 0
-      without a lookup, so no match is decided on an unmeasured tier. Not waiting for the
-      probe: a wait held the scheduler's loop, every request with it, for the rest of the
+      whether it succeeded or not, at most `probe_wait_s_max` after start) a match is not
+      decided: `defer_for_probe` says so, and the connector answers vLLM "not yet, ask
+      again" (its answer and lease kept for the next ask), so no match is decided on an
+      unmeasured tier and the scheduler's loop goes on with the other requests. Not a wait
+      in the scheduler: that held the loop, every request with it, for the rest of the
       probe (first TTFTs of 3.5 and 4.1 s against plain's 0.7 and 1.4 s behind a 40 Mbit/s
-      link, where the probe takes 4.9 s), and a lease sent over a link the probe fills
-      waits behind its data (0.73 s). Recomputing those few first prompts is never worse
-      than no tier, and on a fast tier the probe takes milliseconds. A probe still running
+      link, where the probe takes 4.9 s, though those first prompts matched nothing). Not
+      an answer of 0 either: a fresh instance's first request, sent as soon as it started,
+      then recomputed a prefix a fast tier held. A probe still running
       after `probe_wait_s_max` is a measure too: the model is told its chunk took at least
       that long there and back (a second server's probe behind the throttled link, sharing
       it with the first server's stores, ran out the wait and its first match then loaded
@@ -82,7 +84,7 @@ class SchedulerLookups:
         self.lookups = 0  # lease round trips made
         self.skipped_lookups = 0  # asks answered 0 without one: loading could not pay
         self.reused_answers = 0  # asks answered from the request's last lookup
-        self.probe_skipped_lookups = 0  # asks answered 0 while the start-up probe ran
+        self.probe_deferred_asks = 0  # matches deferred while the start-up probe ran
 
     def hits(self, req_id: str, tokens: Sequence[int]) -> tuple[int, float]:
         """Leading chunks of the prompt the tier holds (leased until `take` or `forget`),
@@ -94,9 +96,6 @@ class SchedulerLookups:
             return old.hits, 0.0
         self.forget(req_id)
         self._expire(now)
-        if self._probe_in_flight():
-            self.probe_skipped_lookups += 1
-            return 0, 0.0  # not kept: asked again, it looks up once the tier is measured
         lo = self._layout
         if not self._cost.loading_can_pay(lo.chunk_tokens, lo.chunk_bytes):
             self.skipped_lookups += 1
@@ -114,8 +113,15 @@ class SchedulerLookups:
         return {
             "lookups": self.lookups,
             "skipped_lookups": self.skipped_lookups,
-            "probe_skipped_lookups": self.probe_skipped_lookups,
+            "probe_deferred_asks": self.probe_deferred_asks,
         }
+
+    def defer_for_probe(self) -> bool:
+        """Whether a match must wait for the start-up probe (counted)."""
+        if self._probe_in_flight():
+            self.probe_deferred_asks += 1
+            return True
+        return False
 
     def take(self, req_id: str) -> int:
         """The request's lease (0: none), now the caller's to release; its answer is gone."""
