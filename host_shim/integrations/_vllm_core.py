@@ -329,14 +329,14 @@ PREFILL_TOKENS_MIN = 64
 # The prefill rate a match is weighed against before the engine's first long forward has
 # measured one: a fresh server's first matches come before any (a restarted server's first
 # requests all match), and loading them whatever the tier's speed put 512 tokens over a
-# 40 Mbit/s link (6.1 s) on a second server's first request. 1,000 tokens/s is above the
-# fastest prefill the CPU engines here measure (150-680): before the first measurement a
-# match loads over a tier that beats such an engine (46 MB/s for SmolLM2-135M's 46,080 B per
-# token: the start-up probe measures loopback at 150-970 MB/s, the 40 Mbit/s link at 5).
-# 5,000 was tried: the probe's one chunk measured loopback at 150 MB/s under load, below
-# the 230 MB/s that needs, and a fresh instance recomputed a prefix the tier held. A GPU's
-# prefill is faster: its first long forward replaces this.
-PREFILL_TOKENS_PER_S_UNMEASURED = 1_000.0
+# 40 Mbit/s link (6.1 s) on a second server's first request. 250 tokens/s is the slow end of
+# what the CPU engines here measure (150-680): a match loads over a tier faster than 11.5 MB/s
+# for SmolLM2-135M's 46,080 B per token. The start-up probe runs while vLLM itself starts on
+# the same cores, so its one chunk measures loopback anywhere from 21 to 970 MB/s; the
+# 40 Mbit/s link measures 5. 5,000 and then 1,000 were tried: with the probe's loopback at
+# 21-35 MB/s (vLLM's start-up beside it, on an idle box) a fresh instance recomputed the
+# 2,304 tokens the tier held. A GPU's prefill is faster: its first long forward replaces this.
+PREFILL_TOKENS_PER_S_UNMEASURED = 250.0
 
 
 class TierCostModel:
