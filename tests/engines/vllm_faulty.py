@@ -54,12 +54,15 @@ class FaultyDpuKVConnector(DpuKVConnector):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         path = self._extra("fault_file")
-        if os.path.exists(path):
+        # only a step that loads: vLLM also calls this in steps that schedule nothing (a
+        # request deferred while the start-up probe runs), and such a step consumed the fault
+        loads = self._get_connector_metadata().loads  # type: ignore[attr-defined]
+        if loads and os.path.exists(path):
             with open(path) as f:
                 chunk = int(f.read())
             os.unlink(path)
             n = self._layout.chunk_tokens
-            for load in self._get_connector_metadata().loads:  # type: ignore[attr-defined]
+            for load in loads:
                 key = self._client.keys(list(load.token_ids[: (chunk + 1) * n]))[chunk]
                 self._client.channel.call("delete", key=key)
         self._kill_point()
