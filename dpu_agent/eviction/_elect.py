@@ -66,7 +66,7 @@ SAMPLE_SHIFT_MAX = 24  # the sample hash has 24 bits
 # young: fewer operations than four times the items held. On the development data (seeds 0, 1,
 # 726997 and Mooncake, 256 cells) 4 left 4 cells under LRU, 2 and 3 left 5 (the `conv` cells at
 # 10%, where the steady sample misses `prefix`'s and LRU's lead); a young tier samples at up to
-# 1/2, and the cost bench's DRAM tier, young throughout, costs 1.84x `prefix-run`'s CPU
+# 1/2, and the cost bench's DRAM tier, young throughout, costs 1.84-1.88x `prefix-run`'s CPU
 # (docs/EVICTION.md, "Youth and a fourth candidate")
 YOUNG_TURNOVERS = 4.0
 # standard errors of the per-request lead, tested after every request: 2.0 switched on noise
