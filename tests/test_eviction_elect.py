@@ -19,39 +19,30 @@ from dpu_agent.eviction import ElectPolicy, _registry, make_policy
 from dpu_agent.eviction._elect import SHADOW_ITEMS_MAX, SHADOW_ITEMS_MIN
 
 
-def _hot_and_scans(requests: int, seed: int = 7) -> list[Request]:
-    """One-block requests: a hot set of 40 blocks used over and over, interleaved with scans
-    of never-seen blocks. S3-FIFO keeps the hot set (scans leave from its small queue); LRU
-    lets every scan push it out."""
+def _hot_and_scans(
+    requests: int, *, hot: int = 40, every: int = 3, gap_ms: float = 1.0, seed: int = 7
+) -> list[Request]:
+    """One-block requests `gap_ms` apart: a hot set of `hot` blocks, one of them every `every`th
+    request, between scans of never-seen blocks. By default (40, every third, 1 ms) S3-FIFO keeps
+    the hot set (scans leave from its small queue) and LRU lets every scan push it out."""
     rng = random.Random(seed)
     out: list[Request] = []
     fresh = 1_000_000
     for k in range(requests):
-        if k % 3 == 0:
-            block = rng.randrange(40)
+        if k % every == 0:
+            block = rng.randrange(hot)
         else:
             fresh += 1
             block = fresh
-        out.append(Request(timestamp_ms=float(k), hash_ids=(block,)))
+        out.append(Request(timestamp_ms=gap_ms * k, hash_ids=(block,)))
     return out
 
 
-def _hot_and_scans_slow(requests: int, seed: int = 5) -> list[Request]:
-    """One-block requests a second apart: a hot set of 30 blocks used every fourth request,
-    between scans of never-seen blocks. LRU-2 ranks a block by its second-to-last use, so the
-    hot set outlives the scans; LRU lets them push it out. (A second apart: LRU-2 takes uses
-    within 1 s of each other as one.)"""
-    rng = random.Random(seed)
-    out: list[Request] = []
-    fresh = 1_000_000
-    for k in range(requests):
-        if k % 4 == 0:
-            block = rng.randrange(30)
-        else:
-            fresh += 1
-            block = fresh
-        out.append(Request(timestamp_ms=1000.0 * k, hash_ids=(block,)))
-    return out
+def _hot_and_scans_slow(requests: int) -> list[Request]:
+    """30 hot blocks, every fourth request, a second apart: LRU-2 ranks a block by its
+    second-to-last use, so the hot set outlives the scans; LRU lets them push it out. (A
+    second apart: LRU-2 takes uses within 1 s of each other as one.)"""
+    return _hot_and_scans(requests, hot=30, every=4, gap_ms=1000.0, seed=5)
 
 
 def _tracked_replay(policy: ElectPolicy, trace: list[Request], capacity: int) -> set[int]:
