@@ -37,6 +37,7 @@ from dpu_agent.cluster import (
     EtcdError,
     Membership,
     PeerAuth,
+    ReceiveLimiter,
     TenantRecord,
     TenantSource,
     TenantSync,
@@ -135,6 +136,7 @@ class Agent:
         self._tick_task: asyncio.Task[None] | None = None
         self._admin_lock = asyncio.Lock()
         self.cluster: Membership | None = None  # [cluster] enabled: Serf membership
+        self.cluster_receiver: ReceiveLimiter | None = None  # set before Serf publishes us
         # the cluster key: proves this agent to its peers and theirs to it (cluster/_peer.py)
         self.peer_auth = (
             PeerAuth(cfg.agent.node_name, cfg.peer_keys, peer_client_context(cfg))

@@ -20,7 +20,7 @@ from dpu_agent.cluster import PeerAuth, Rebalancer, free_port, open_peer, tenant
 from dpu_agent.cluster._peer import PEER_REFUSED
 from dpu_agent.engine import Engine, EngineConfig
 from dpu_agent.testing import AgentProcess, spawn_agent
-from host_shim.client import AgentUnreachable, KVClient
+from host_shim.client import AgentUnreachable, ControlError, KVClient
 from kvproto.control import (
     NEED_DATA,
     FrameDecoder,
@@ -265,3 +265,62 @@ def test_agent_refuses_a_peer_hello_without_the_cluster_key(target: AgentProcess
     impostor = open_peer(Node(name="someone", control=target.control_url), "default", me())
     with pytest.raises(AgentUnreachable, match="did not prove"):
         impostor._ensure()  # the key is right but the name is not the member we meant
+
+
+def test_a_refused_grant_sends_nothing_and_the_pass_retries(
+    target: AgentProcess, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (CI: a joiner received 53 chunks in 9.2 s at a 16 KiB/s receive rate, 12 s of
+    grants): a receiver that could not answer `cluster_grant` yet (Serf had published it before
+    its rebalancer existed) was written to at the sender's rate alone. Now no grant, no write."""
+    for i in range(12):
+        engine.put_chunk("default", key(i), data(i))
+    other = Node(name="other", control=target.control_url)
+    leaving = Placement([Node(name="me", state="leaving"), other])
+    r = Rebalancer(engine=engine, node="me", placement=lambda: leaving,
+                   tenants=lambda: {"default": ("", 1)}, bytes_per_s=1e9,
+                   peer_auth=me())  # fmt: skip
+    real_peer = r._peer
+    refuse = {"on": True}
+
+    def peer(tenant: str, token: str, node: Node) -> object:
+        c = real_peer(tenant, token, node)
+        real_call = c.channel.call
+
+        def call(op: str, **fields: object) -> dict[str, object]:
+            if op == "cluster_grant" and refuse["on"]:  # the real agent, before it can answer
+                raise ControlError("invalid", "cluster_grant: this agent is not in a cluster")
+            return real_call(op, **fields)
+
+        monkeypatch.setattr(c.channel, "call", call)
+        return c
+
+    monkeypatch.setattr(r, "_peer", peer)
+    p = r.run_pass()
+    assert p.moved_chunks == 0 and p.failed == 12
+    with KVClient(target.control_url, "default", target.token, LAYOUT, b"any-salt-1234567") as c:
+        assert c.lookup_keys([key(i) for i in range(12)]) == 0  # nothing reached it
+    refuse["on"] = False
+    p = r.run_pass()
+    assert p.pending == 0 and p.failed == 0 and p.moved_chunks == 12
+    with KVClient(target.control_url, "default", target.token, LAYOUT, b"any-salt-1234567") as c:
+        assert c.lookup_keys([key(i) for i in range(12)]) == 12
+    r.stop()
+
+
+def test_grants_are_answered_before_membership_is_up() -> None:
+    """The receive rate exists before Serf publishes the node: a grant asked in that window is
+    answered from it (not refused, which made senders write at their own rate)."""
+    from types import SimpleNamespace
+
+    from dpu_agent.cluster import ReceiveLimiter, agent_cluster_op
+
+    starting = SimpleNamespace(cluster=None, cluster_receiver=ReceiveLimiter(1000.0))
+    waits = [agent_cluster_op(starting, "default", "cluster_grant", {"bytes": 1500})["wait_s"]
+             for _ in range(2)]  # fmt: skip
+    assert waits[1] > waits[0] >= 0.4  # one bucket, paid for by waiting
+    with pytest.raises(ValueError, match="not in a cluster"):
+        agent_cluster_op(SimpleNamespace(cluster=None, cluster_receiver=None), "default",
+                         "cluster_grant", {"bytes": 1})  # fmt: skip
+    with pytest.raises(ValueError, match="not in a cluster"):
+        agent_cluster_op(starting, "default", "cluster_hot", {"keys": []})

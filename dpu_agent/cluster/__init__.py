@@ -23,7 +23,12 @@ from dpu_agent.cluster._membership import (
 )
 from dpu_agent.cluster._peer import PeerAuth, open_peer
 from dpu_agent.cluster._plan import OwnerTable, plan
-from dpu_agent.cluster._rebalance import RebalanceProgress, Rebalancer, tenant_keys
+from dpu_agent.cluster._rebalance import (
+    RebalanceProgress,
+    Rebalancer,
+    ReceiveLimiter,
+    tenant_keys,
+)
 from dpu_agent.cluster._serf_client import (
     RECORDS_MAX,
     KeyringReply,
@@ -58,6 +63,7 @@ __all__ = [
     "PeerAuth",
     "RebalanceProgress",
     "Rebalancer",
+    "ReceiveLimiter",
     "SerfClient",
     "SerfProcess",
     "SerfUnreachable",

@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 from dpu_agent.cluster._membership import Membership, MembershipOptions
 from dpu_agent.cluster._reach import Reachability
-from dpu_agent.cluster._rebalance import Rebalancer
+from dpu_agent.cluster._rebalance import Rebalancer, ReceiveLimiter
 from dpu_agent.cluster._views import ViewHistory
 
 __all__ = [
@@ -48,6 +48,10 @@ def start_membership(agent: Any) -> Membership:
         nvme=_advertised(addr["nvmf"], c.advertise_host) if addr["nvmf"] else "",
         capacity_bytes=max(1, cfg.storage.dram_bytes + cfg.storage.nvme_bytes),
     )
+    # The receive-side rate answers `cluster_grant` before this node is seen: the others start
+    # sending the moment Serf publishes it, before start() returns (a refused grant sends nothing)
+    receiver = ReceiveLimiter(c.rebalance_receive_bytes_per_s or c.rebalance_bytes_per_s)
+    agent.cluster_receiver = receiver
     m.start()
 
     def tenants() -> dict[str, tuple[str, int]]:
@@ -58,7 +62,7 @@ def start_membership(agent: Any) -> Membership:
     m.rebalancer = Rebalancer(
         engine=agent.engine, node=m.node, placement=lambda: m.placement, tenants=tenants,
         bytes_per_s=c.rebalance_bytes_per_s, peer_auth=agent.peer_auth,
-        receive_bytes_per_s=c.rebalance_receive_bytes_per_s,
+        receiver=receiver,
         interval_s=c.anti_entropy_interval_s,
     )  # fmt: skip
     m.rebalancer.start()
@@ -121,12 +125,15 @@ def agent_cluster_op(agent: Any, tenant: str, op: str, fields: dict[str, Any]) -
     """Agent-to-agent ops of the rebalancer: `cluster_grant` (the receive-side rate),
     `cluster_digest` (anti-entropy), `cluster_hot` (which copies beyond R are still hot).
     ValueError outside a cluster."""
+    if op == "cluster_grant":  # answered from the moment Serf may publish this node
+        receiver: ReceiveLimiter | None = agent.cluster_receiver
+        if receiver is None:
+            raise ValueError(f"{op}: this agent is not in a cluster")
+        return {"wait_s": receiver.grant(int(fields["bytes"]))}
     m: Membership | None = agent.cluster
     if m is None or m.rebalancer is None:
         raise ValueError(f"{op}: this agent is not in a cluster")
     r: Rebalancer = m.rebalancer
-    if op == "cluster_grant":
-        return {"wait_s": r.receiver.grant(int(fields["bytes"]))}
     if op == "cluster_hot":
         return {"hot": r.hot_indexes(tenant, list(fields["keys"]))}
     assert op == "cluster_digest", op

@@ -236,7 +236,7 @@ class Rebalancer:
         tenants: Callable[[], dict[str, tuple[str, int]]],  # tenant -> (token, replicas)
         bytes_per_s: float,
         peer_auth: PeerAuth | None,
-        receive_bytes_per_s: float = 0.0,  # 0: bytes_per_s
+        receiver: ReceiveLimiter | None = None,  # this node's receive rate; None: bytes_per_s
         interval_s: float = ANTI_ENTROPY_INTERVAL_S,
     ) -> None:
         assert bytes_per_s > 0, bytes_per_s
@@ -244,7 +244,7 @@ class Rebalancer:
         self.engine, self.node = engine, node
         self._placement, self._tenants = placement, tenants
         self.bytes_per_s = bytes_per_s
-        self.receiver = ReceiveLimiter(receive_bytes_per_s or bytes_per_s)
+        self.receiver = receiver or ReceiveLimiter(bytes_per_s)
         self.interval_s = interval_s
         self.progress = RebalanceProgress()
         self._wake = threading.Event()
@@ -565,10 +565,11 @@ class Rebalancer:
         self._throttle(nbytes)
         try:
             c = self._peer(tenant, token, node)
-            with contextlib.suppress(ControlError):  # an agent without grants: our rate only
-                wait_s = float(c.channel.call("cluster_grant", bytes=nbytes)["wait_s"])
-                if wait_s > 0:
-                    self._stop.wait(wait_s)
+            # no grant, no write: a receiver that cannot answer yet (still starting) is retried
+            # with the pass, never sent to at this sender's rate alone (N senders' rates)
+            wait_s = float(c.channel.call("cluster_grant", bytes=nbytes)["wait_s"])
+            if wait_s > 0:
+                self._stop.wait(wait_s)
             return c.put_keys(keys, blobs, [None] * len(keys), chunk_bytes=length)
         except (ControlError, OSError):
             return 0
