@@ -282,3 +282,15 @@ def test_a_cluster_whose_members_never_agree_leaves_no_agent_running(
     finally:
         for a in started:
             a.stop(timeout_s=20)
+
+
+def test_the_kill_phase_reports_a_recovery_curve_in_start_order() -> None:
+    from dpu_agent.bench.serve import _after_kill
+
+    rows = [
+        {"conversation": 0, "start": 100.0, "ttft_s": 0.5},
+        {"conversation": 2, "start": 103.5, "error": "agent gone", "ttft_s": None},
+        {"conversation": 1, "start": 101.2, "ttft_s": 0.9},
+    ]
+    assert _after_kill(rows, 101.0) == [[-1.0, 0.5, False], [0.2, 0.9, False],
+                                        [2.5, None, True]]  # fmt: skip

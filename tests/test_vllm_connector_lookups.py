@@ -3,9 +3,12 @@ lookup once loading cannot pay, and lookups again when the tier is measured fast
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +24,7 @@ LAYOUT = ChunkLayout(
     chunk_tokens=32,
 )  # fmt: skip
 CHUNKS = 3
+SYNC = 30.0  # a step budget no loopback lookup outlasts: each ask is answered at once
 TOKENS = tuple(range(7_000, 7_000 + CHUNKS * LAYOUT.chunk_tokens + 5))
 
 
@@ -62,6 +66,15 @@ def client(agent: Any) -> Iterator[CountingClient]:
         yield CountingClient(kv)
 
 
+def released(client: CountingClient, n: int) -> list[int]:
+    """The leases released once `n` were (releases run on the lookups' thread)."""
+    deadline = time.monotonic() + 10
+    while len(client.released) < n and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.05)  # and no more than n
+    return client.released
+
+
 def _slow_tier(cost: TierCostModel, factor: float = 4.0) -> None:
     """Feed the model the tier `factor` times slower per chunk than recomputing one."""
     rate = cost.prefill_tokens_per_s
@@ -95,7 +108,7 @@ def test_no_lookup_once_loading_cannot_pay_and_lookups_again_when_the_tier_is_fa
     cost = TierCostModel()
     cost.observe_prefill(512, 1.0)
     _fast_tier(cost)
-    lookups = SchedulerLookups(client, cost, LAYOUT, probe_wait_s_max=0.0)
+    lookups = SchedulerLookups(client, cost, LAYOUT, probe_wait_s_max=0.0, step_wait_s=SYNC)
     hits, rtt = lookups.hits("r1", TOKENS)
     assert (hits, client.leases, lookups.lookups) == (CHUNKS, 1, 1)
     assert rtt > 0
@@ -113,18 +126,18 @@ def test_no_lookup_once_loading_cannot_pay_and_lookups_again_when_the_tier_is_fa
     assert lookups.hits("r2", TOKENS)[0] == CHUNKS
     assert (client.leases, lookups.lookups, lookups.skipped_lookups) == (2, 2, 5)
     lookups.forget("r2")  # the request finished before it was allocated: its lease goes
-    assert client.released[-1] != 0 and lookups.take("r2") == 0
+    assert released(client, 2)[-1] != 0 and lookups.take("r2") == 0
 
 
 def test_a_forgotten_or_taken_answer_holds_no_lease(client: CountingClient) -> None:
     cost = TierCostModel()
-    lookups = SchedulerLookups(client, cost, LAYOUT, probe_wait_s_max=0.0)
+    lookups = SchedulerLookups(client, cost, LAYOUT, probe_wait_s_max=0.0, step_wait_s=SYNC)
     t0 = time.perf_counter()
     assert lookups.hits("a", TOKENS)[0] == CHUNKS
     assert time.perf_counter() - t0 < 5.0
     lookups.forget("a")
     lookups.forget("a")  # twice: released once
-    assert len(client.released) == 1
+    assert len(released(client, 1)) == 1
     assert lookups.take("a") == 0
 
 
@@ -136,7 +149,7 @@ def test_a_match_is_deferred_while_the_start_up_probe_moves_its_chunk(
     the answer and its lease are reused when asked again; once the probe is done the match
     is decided on the measure."""
     cost = TierCostModel()
-    lookups = SchedulerLookups(client, cost, LAYOUT, probe_wait_s_max=20.0)
+    lookups = SchedulerLookups(client, cost, LAYOUT, probe_wait_s_max=20.0, step_wait_s=SYNC)
     t0 = time.monotonic()
     assert lookups.hits("early", TOKENS)[0] == CHUNKS
     for _ in range(3):  # vLLM asks again each step
@@ -148,14 +161,15 @@ def test_a_match_is_deferred_while_the_start_up_probe_moves_its_chunk(
     lookups.probed.set()  # the probe measured the tier
     assert not lookups.defer_for_probe()
     assert lookups.take("early")  # allocated: its lease, from the first lookup
-    assert lookups.counts() == {"lookups": 1, "skipped_lookups": 0, "probe_deferred_asks": 3}
+    assert lookups.counts() == {"lookups": 1, "skipped_lookups": 0, "probe_deferred_asks": 3,
+                                "pending_asks": 0, "abandoned_lookups": 0}  # fmt: skip
 
 
 def test_a_probe_that_outlasts_the_wait_max_is_taken_as_a_slow_tier(
     client: CountingClient,
 ) -> None:
     cost = TierCostModel()
-    lookups = SchedulerLookups(client, cost, LAYOUT, probe_wait_s_max=0.5)
+    lookups = SchedulerLookups(client, cost, LAYOUT, probe_wait_s_max=0.5, step_wait_s=SYNC)
     assert lookups.hits("a", TOKENS)[0] == CHUNKS
     assert lookups.defer_for_probe()
     time.sleep(0.6)
@@ -189,7 +203,8 @@ def test_a_request_waiting_for_blocks_reuses_its_answer_and_lease(client: Counti
     assert ANSWER_REUSE_S_MAX < StorageSection().lease_ttl_s  # a reused lease still holds
     clock = FakeClock()
     cost = TierCostModel()
-    lookups = SchedulerLookups(client, cost, LAYOUT, clock=clock, probe_wait_s_max=0.0)
+    lookups = SchedulerLookups(client, cost, LAYOUT, clock=clock, probe_wait_s_max=0.0,
+                               step_wait_s=SYNC)  # fmt: skip
     requests = [f"w{i}" for i in range(8)]
     for _step in range(7):  # 8 requests asked each step, 0.5 s apart, none allocated
         for req_id in requests:
@@ -205,7 +220,7 @@ def test_a_request_waiting_for_blocks_reuses_its_answer_and_lease(client: Counti
     assert lookups.hits("w1", TOKENS)[0] == CHUNKS
     assert client.leases == 9
     # the stale answers' leases were released with that lookup, w1's old one too
-    assert len(client.released) == 1 + 7
+    assert len(released(client, 1 + 7)) == 1 + 7
     for req_id in requests[2:]:
         assert lookups.take(req_id) == 0
     lookups.forget("w1")
@@ -216,7 +231,8 @@ def test_a_skipped_lookup_is_reused_too(client: CountingClient) -> None:
     cost = TierCostModel()
     cost.observe_prefill(512, 1.0)
     _slow_tier(cost)
-    lookups = SchedulerLookups(client, cost, LAYOUT, clock=clock, probe_wait_s_max=0.0)
+    lookups = SchedulerLookups(client, cost, LAYOUT, clock=clock, probe_wait_s_max=0.0,
+                               step_wait_s=SYNC)  # fmt: skip
     for _ in range(5):
         assert lookups.hits("s", TOKENS) == (0, 0.0)
     assert (client.leases, lookups.skipped_lookups, lookups.reused_answers) == (0, 1, 4)
@@ -261,3 +277,99 @@ def test_after_a_failed_probe_matches_are_recomputed_until_a_transfer_measures_t
     assert not cost.worth_loading(2 * chunk_tokens, 2 * chunk_bytes)
     cost.feed([["store", chunk_bytes, 0.02]])  # the saver's store measured it fast
     assert cost.worth_loading(2 * chunk_tokens, 2 * chunk_bytes)
+
+
+@pytest.fixture
+def stoppable(tmp_path: Path) -> Iterator[Any]:
+    """An agent of its own, to black-hole (SIGSTOP: its socket still accepts, nothing answers)."""
+    from dpu_agent.testing import spawn_agent
+
+    proc = spawn_agent(tmp_path / "agent")
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.proc.pid, signal.SIGCONT)
+        proc.stop()
+
+
+def test_a_black_holed_agent_never_holds_the_scheduler_and_a_late_lease_is_released(
+    stoppable: Any,
+) -> None:
+    """Regression: the lease round trip ran on vLLM's scheduler loop, so a black-holed agent
+    held every request, decodes included, for the client's deadline (5 s). Now each ask
+    waits at most the step's budget and answers "ask again"; a lookup not answered within the
+    time recomputing the prompt takes is answered 0; its lease, arriving later, is released."""
+    from host_shim.client import KVClient
+
+    with KVClient(stoppable.control_url, "default", stoppable.token, LAYOUT,
+                  os.urandom(32)) as kv:  # fmt: skip
+        chunk = torch.zeros(LAYOUT.chunk_shape, dtype=torch.float16)
+        keys = kv.keys(list(TOKENS[: CHUNKS * LAYOUT.chunk_tokens]))
+        assert kv.put_keys(keys, [chunk] * CHUNKS) == CHUNKS
+        client = CountingClient(kv)
+        cost = TierCostModel()
+        cost.observe_prefill(len(TOKENS), 0.3)  # recomputing this prompt: 0.3 s
+        lookups = SchedulerLookups(client, cost, LAYOUT, probe_wait_s_max=0.0)
+        assert lookups.hits("warm", TOKENS) is not None or _answered(lookups, "warm")
+        lookups.forget("warm")
+
+        os.kill(stoppable.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        asks, slowest, got = 0, 0.0, None
+        while got is None and time.monotonic() - t0 < 5.0:
+            lookups.new_step()  # vLLM's next step
+            a0 = time.monotonic()
+            got = lookups.hits("r", TOKENS)
+            slowest = max(slowest, time.monotonic() - a0)
+            asks += 1
+            time.sleep(0.01)  # the step's other work
+        took = time.monotonic() - t0
+        assert got == (0, 0.0)  # recomputed: the answer would come too late to pay
+        assert slowest < 0.1, slowest  # each ask: the step's budget at most (0.02 s)
+        assert 0.3 <= took < 1.5, took
+        assert lookups.abandoned_lookups == 1 and lookups.pending_asks == asks - 1 > 5
+        assert lookups.hits("r", TOKENS) == (0, 0.0)  # asked again: the same answer
+        assert lookups.take("r") == 0
+        a0 = time.monotonic()  # while that lookup is stuck, the next prompts are not looked up
+        assert lookups.hits("r2", TOKENS) == (0, 0.0) and time.monotonic() - a0 < 0.1
+        assert lookups.skipped_lookups == 1 and lookups.lookups == 2
+
+        os.kill(stoppable.proc.pid, signal.SIGCONT)  # the late answer arrives: its lease goes
+        deadline = time.monotonic() + 10
+        while len(client.released) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.leases == 2 and len(client.released) == 2 and client.released[-1] != 0
+        lookups.close()
+
+
+def _answered(lookups: SchedulerLookups, req_id: str) -> bool:
+    for _ in range(500):
+        lookups.new_step()
+        if lookups.hits(req_id, TOKENS) is not None:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_an_in_flight_lookup_of_a_finished_request_releases_its_lease(stoppable: Any) -> None:
+    """vLLM may finish (abort) a request whose lookup is in flight: nothing is left leased."""
+    from host_shim.client import KVClient
+
+    with KVClient(stoppable.control_url, "default", stoppable.token, LAYOUT,
+                  os.urandom(32)) as kv:  # fmt: skip
+        chunk = torch.zeros(LAYOUT.chunk_shape, dtype=torch.float16)
+        keys = kv.keys(list(TOKENS[: CHUNKS * LAYOUT.chunk_tokens]))
+        assert kv.put_keys(keys, [chunk] * CHUNKS) == CHUNKS
+        client = CountingClient(kv)
+        lookups = SchedulerLookups(client, TierCostModel(), LAYOUT, probe_wait_s_max=0.0)
+        os.kill(stoppable.proc.pid, signal.SIGSTOP)
+        assert lookups.hits("gone", TOKENS) is None  # in flight
+        lookups.forget("gone")  # request_finished
+        assert lookups.take("gone") == 0
+        os.kill(stoppable.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while not client.released and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.leases == 1 and len(client.released) == 1 and client.released[0] != 0
+        lookups.close()

@@ -902,7 +902,8 @@ def _decisions(after: dict[str, float], before: dict[str, float]) -> dict[str, A
         key: int(_delta(after, before, f"vllm:dpukv_{key}_total"))
         for key in ("load_decisions", "recompute_decisions", "loaded_tokens",
                     "recomputed_tokens", "load_bytes", "store_bytes", "lookups",
-                    "skipped_lookups", "probe_deferred_asks")
+                    "skipped_lookups", "probe_deferred_asks", "pending_asks",
+                    "abandoned_lookups")
     }  # fmt: skip
     for key in ("load_seconds", "store_seconds"):
         out[key] = round(_delta(after, before, f"vllm:dpukv_{key}_total"), 3)
@@ -1029,6 +1030,7 @@ def run_config(
                 ),
                 "ttfts_s": [r.get("ttft_s") for r in second],
                 "agent_killed": bool(killed),
+                **({"after_kill": _after_kill(second, killed[0])} if killed else {}),
                 **({"tier_decisions": _decisions(mb1, mb0)} if s.agents else {}),
                 "outputs": {f"{r['conversation']}.{wl.turns}": r.get("text") for r in second},
             }
@@ -1056,6 +1058,15 @@ def run_config(
             srv.stop()
     row.update(log_findings([srv.log for srv in servers]))
     return row
+
+
+def _after_kill(rows: list[dict[str, Any]], killed_at: float) -> list[list[Any]]:
+    """The recovery curve: per request, in the order they started, its start after the
+    kill -9 (s, negative: before it), its TTFT (None: failed) and whether it failed."""
+    return [
+        [round(r["start"] - killed_at, 3), r.get("ttft_s"), "error" in r]
+        for r in sorted(rows, key=lambda r: r["start"])
+    ]
 
 
 # A connector that starts but then does nothing says so only in its server's log: LMCache
@@ -1431,8 +1442,17 @@ def table(report: dict[str, Any]) -> str:
                 f"({d['loaded_tokens']} tokens), {d['recompute_decisions']} recomputed "
                 f"({d['recomputed_tokens']} tokens); {d.get('lookups', 0)} lookups, "
                 f"{d.get('skipped_lookups', 0)} skipped, "
-                f"{d.get('probe_deferred_asks', 0)} deferred for the probe"
+                f"{d.get('probe_deferred_asks', 0)} deferred for the probe, "
+                f"{d.get('pending_asks', 0)} asks while a lookup was in flight, "
+                f"{d.get('abandoned_lookups', 0)} lookups given up"
             )
+        curve = (r.get("second_server") or {}).get("after_kill")
+        if curve:
+            points = ", ".join(
+                f"{t:+.1f} s: {'failed' if failed else _fmt(ttft, '.2f')}"
+                for t, ttft, failed in curve
+            )
+            lines.append(f"kill -9 {r['configuration']} (start after the kill: TTFT): {points}")
         if "degraded" in r:
             lines.append(f"{r['configuration']}: the connector ran degraded: {r['degraded']}")
         for fallback in r.get("data_path_fallbacks", ()):

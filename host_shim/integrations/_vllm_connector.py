@@ -120,6 +120,14 @@ PROM_COUNTERS = {
         "vllm:dpukv_probe_deferred_asks",
         "Matches answered 'ask again': the start-up probe had not measured the tier yet.",
     ),
+    "pending_asks": (
+        "vllm:dpukv_pending_asks",
+        "Asks answered 'ask again': the lookup was still in flight on its own thread.",
+    ),
+    "abandoned_lookups": (
+        "vllm:dpukv_abandoned_lookups",
+        "Lookups answered 0: no answer within the time recomputing the prompt takes.",
+    ),
 }
 PROM_GAUGES = {
     "latency_s": ("vllm:dpukv_model_latency_seconds", "The cost model's tier round trip."),
@@ -300,7 +308,10 @@ class DpuKVConnector(KVConnectorBase_V1):
         self._decided.pop(req_id, None)  # decide anew
         if len(tokens) <= self._layout.chunk_tokens:
             return 0, False
-        hits, rtt = self._lookups.hits(req_id, tokens)
+        got = self._lookups.hits(req_id, tokens, num_computed_tokens)
+        if got is None:
+            return None, False  # the lookup is in flight (its own thread): vLLM asks again
+        hits, rtt = got
         n = self._layout.chunk_tokens
         matched = matched_tokens(hits, len(tokens), num_computed_tokens, n)
         if matched and self._lookups.defer_for_probe():
@@ -329,7 +340,7 @@ class DpuKVConnector(KVConnectorBase_V1):
             counts["loaded_tokens" if load else "recomputed_tokens"] += tokens
         lease_id = self._lookups.take(req_id)
         if num_external_tokens <= 0:
-            self._client.release_lease(lease_id)
+            self._lookups.release(lease_id)
             self._release(req_id)
             return
         if lease_id:
@@ -349,6 +360,7 @@ class DpuKVConnector(KVConnectorBase_V1):
             step_tokens=int(getattr(scheduler_output, "total_num_scheduled_tokens", 0))
         )
         self._step += 1
+        self._lookups.new_step()
         self._expire_leases()
         loaded: list[str] = []
         for new in scheduler_output.scheduled_new_reqs:
@@ -408,7 +420,7 @@ class DpuKVConnector(KVConnectorBase_V1):
     def _release(self, req_id: str) -> None:
         lease_id = self._leases.pop(req_id, 0)
         if lease_id:
-            self._client.release_lease(lease_id)
+            self._lookups.release(lease_id)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """The workers' timed loads, stores and forwards of the last step, into the model."""
@@ -532,6 +544,7 @@ class DpuKVConnector(KVConnectorBase_V1):
         self._failed_reqs.clear()
 
     def shutdown(self) -> None:
+        self._lookups.close()
         if self._saver is not None:
             self._saver.close()
         self._client.close()

@@ -506,6 +506,8 @@ STATS_COUNTERS = (
     "lookups",  # the scheduler's lease round trips
     "skipped_lookups",  # asks answered without one: loading was measured unable to pay
     "probe_deferred_asks",  # matches answered "ask again" while the start-up probe ran
+    "pending_asks",  # asks answered "ask again": the lookup was in flight on its thread
+    "abandoned_lookups",  # lookups answered 0: recomputing was sooner than their answer
 )
 # The scheduler's model as it stood when it last changed (the newest wins when merged): what
 # it estimated from, beside what the transfers took, on vLLM's /metrics.
