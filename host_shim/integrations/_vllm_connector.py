@@ -289,9 +289,9 @@ class DpuKVConnector(KVConnectorBase_V1):
                 log.warning("dpukv: the tier did not answer the start-up probe: matches are "
                             "recomputed until a transfer measures it")  # fmt: skip
             elif took > PROBE_LOOKUP_WAIT_S_MAX:
-                log.warning("dpukv: the start-up probe took %.1f s: lookups went on after "
-                            "%.0f s, taking the tier for at least that slow",
-                            took, PROBE_LOOKUP_WAIT_S_MAX)  # fmt: skip
+                log.warning("dpukv: the start-up probe took %.1f s: matches were decided "
+                            "before it ended, taking the tier for at least that slow",
+                            took)  # fmt: skip
         except Exception:  # a measurement: log, never take the engine down
             self._cost.probe_failed = True
             log.exception("dpukv: tier probe failed")

@@ -424,12 +424,13 @@ class TierCostModel:
     def loading_can_pay(self, chunk_tokens: int, chunk_bytes: int) -> bool:
         """Whether loading any match could beat recomputing it: False once the model has
         measured one chunk's bytes over the tier slower than computing its tokens (a load of
-        k chunks takes latency + k x that, so no k pays). True until both are measured."""
+        k chunks takes latency + k x that, so no k pays). True until the tier is measured;
+        an unmeasured prefill rate is PREFILL_TOKENS_PER_S_UNMEASURED, as in worth_loading."""
         with self._lock:
             bandwidth, rate = self.bytes_per_s, self.prefill_tokens_per_s
-        if bandwidth is None or rate is None:
+        if bandwidth is None:
             return True
-        return chunk_bytes / bandwidth < chunk_tokens / rate
+        return chunk_bytes / bandwidth < chunk_tokens / (rate or PREFILL_TOKENS_PER_S_UNMEASURED)
 
     def worth_loading(self, tokens: int, nbytes: int) -> bool:
         load, recompute = self.load_s(nbytes), self.recompute_s(tokens)

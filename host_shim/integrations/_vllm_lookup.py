@@ -6,6 +6,7 @@ for a request that waits for free blocks."""
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -94,9 +95,13 @@ class SchedulerLookups:
       decided: `defer_for_probe` says so, and the connector answers vLLM "ask again" (its
       answer and lease kept for the next ask), so no match is decided on an unmeasured tier.
       Not an answer of 0: a fresh instance's first request, sent as soon as it started,
-      then recomputed a prefix a fast tier held. A probe still running after
-      `probe_wait_s_max` is a measure too: the model is told its chunk took at least that
-      long there and back.
+      then recomputed a prefix a fast tier held. A probe still running is a measure too:
+      once it has run twice as long as recomputing one chunk takes (the model's prefill
+      rate, or its prior; `probe_wait_s_max` at most), a chunk there and back took at least
+      that long, so loading one cannot pay: the model is told so, and the lookups, those in
+      flight included, are answered 0 from then on until a transfer measures the tier fast.
+      Before, behind a 40 Mbit/s link (a 4.9 s probe), a fresh server's first request
+      waited for its lookup behind the probe's data (4.6 s against plain's 1.6).
     - A request asked again within `reuse_s_max` gets its last answer and keeps its lease
       (`reused_answers`); `take` hands the lease over when vLLM allocates the request,
       `forget` releases it. Answers older than `reuse_s_max` are dropped and their leases
@@ -119,7 +124,7 @@ class SchedulerLookups:
         assert probe_wait_s_max >= 0 and reuse_s_max >= 0 and step_wait_s >= 0
         self._client, self._cost, self._layout = client, cost, layout
         self._clock, self._reuse_s_max = clock, reuse_s_max
-        self._probe_deadline = time.monotonic() + probe_wait_s_max
+        self._probe_started = time.monotonic()
         self.probed = threading.Event()
         self._probe_wait_s_max = probe_wait_s_max
         self._probe_outlasted = False  # the probe ran past the wait: its bound is in the model
@@ -158,14 +163,20 @@ class SchedulerLookups:
             return old.hits, 0.0
         job = self._pending.get(req_id)
         wait_s = LOOKUP_POLL_S
+        lo = self._layout
+        self._probe_in_flight()  # a probe that has run too long is a measure: into the model
+        can_pay = self._cost.loading_can_pay(lo.chunk_tokens, lo.chunk_bytes)
+        if job is not None and not can_pay:  # its answer could not be loaded: do not wait
+            del self._pending[req_id]
+            self._abandon(job)
+            self.abandoned_lookups += 1
+            self._answers[req_id] = _Answer(now, 0, 0)
+            return 0, 0.0
         if job is None:
             self.forget(req_id)
             self._expire(now)
-            lo = self._layout
             stalled = self._current  # a lookup given up on and still in flight: no answer
-            if (stalled is not None and stalled.abandoned) or not self._cost.loading_can_pay(
-                lo.chunk_tokens, lo.chunk_bytes
-            ):
+            if (stalled is not None and stalled.abandoned) or not can_pay:
                 self.skipped_lookups += 1
                 self._answers[req_id] = _Answer(now, 0, 0)  # asked again: the same
                 return 0, 0.0
@@ -307,11 +318,21 @@ class SchedulerLookups:
             self.forget(req_id)
 
     def _probe_in_flight(self) -> bool:
-        if self.probed.is_set():
+        if self.probed.is_set() or self._probe_outlasted:
             return False
-        if time.monotonic() < self._probe_deadline:
+        lo = self._layout
+        recompute = self._cost.recompute_s(lo.chunk_tokens)
+        if recompute is None:
+            recompute = lo.chunk_tokens / PREFILL_TOKENS_PER_S_UNMEASURED
+        wait_s = min(self._probe_wait_s_max, 2 * recompute)
+        ran_s = time.monotonic() - self._probe_started
+        if ran_s < wait_s:
             return True
-        if not self._probe_outlasted:  # its chunk there and back took at least this long
-            self._probe_outlasted = True
-            self._cost.observe_transfer(2 * self._layout.chunk_bytes, self._probe_wait_s_max)
+        # its chunk there and back took at least this long: one chunk's load, at least
+        # half of it, is no faster than recomputing the chunk (a bound: never a faster tier
+        # than the model has; none with no wait at all)
+        self._probe_outlasted = True
+        bound = 2 * lo.chunk_bytes / ran_s if wait_s > 0 else None
+        if bound is not None and (self._cost.bytes_per_s or math.inf) > bound:
+            self._cost.observe_transfer(2 * lo.chunk_bytes, ran_s)
         return False
