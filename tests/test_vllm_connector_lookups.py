@@ -294,13 +294,9 @@ def stoppable(tmp_path: Path) -> Iterator[Any]:
         proc.stop()
 
 
-def test_a_black_holed_agent_never_holds_the_scheduler_and_a_late_lease_is_released(
-    stoppable: Any,
-) -> None:
-    """Regression: the lease round trip ran on vLLM's scheduler loop, so a black-holed agent
-    held every request, decodes included, for the client's deadline (5 s). Now each ask
-    waits at most the step's budget and answers "ask again"; a lookup not answered within the
-    time recomputing the prompt takes is answered 0; its lease, arriving later, is released."""
+@pytest.fixture
+def held(stoppable: Any) -> Iterator[tuple[Any, CountingClient]]:
+    """The stoppable agent and a counting client of it, the prompt's chunks stored there."""
     from host_shim.client import KVClient
 
     with KVClient(stoppable.control_url, "default", stoppable.token, LAYOUT,
@@ -308,40 +304,50 @@ def test_a_black_holed_agent_never_holds_the_scheduler_and_a_late_lease_is_relea
         chunk = torch.zeros(LAYOUT.chunk_shape, dtype=torch.float16)
         keys = kv.keys(list(TOKENS[: CHUNKS * LAYOUT.chunk_tokens]))
         assert kv.put_keys(keys, [chunk] * CHUNKS) == CHUNKS
-        client = CountingClient(kv)
-        cost = TierCostModel()
-        cost.observe_prefill(len(TOKENS), 0.3)  # recomputing this prompt: 0.3 s
-        lookups = SchedulerLookups(client, cost, LAYOUT, probe_wait_s_max=0.0)
-        assert lookups.hits("warm", TOKENS) is not None or _answered(lookups, "warm")
-        lookups.forget("warm")
+        yield stoppable, CountingClient(kv)
 
-        os.kill(stoppable.proc.pid, signal.SIGSTOP)
-        t0 = time.monotonic()
-        asks, slowest, got = 0, 0.0, None
-        while got is None and time.monotonic() - t0 < 5.0:
-            lookups.new_step()  # vLLM's next step
-            a0 = time.monotonic()
-            got = lookups.hits("r", TOKENS)
-            slowest = max(slowest, time.monotonic() - a0)
-            asks += 1
-            time.sleep(0.01)  # the step's other work
-        took = time.monotonic() - t0
-        assert got == (0, 0.0)  # recomputed: the answer would come too late to pay
-        assert slowest < 0.1, slowest  # each ask: the step's budget at most (0.02 s)
-        assert 0.3 <= took < 1.5, took
-        assert lookups.abandoned_lookups == 1 and lookups.pending_asks == asks - 1 > 5
-        assert lookups.hits("r", TOKENS) == (0, 0.0)  # asked again: the same answer
-        assert lookups.take("r") == 0
-        a0 = time.monotonic()  # while that lookup is stuck, the next prompts are not looked up
-        assert lookups.hits("r2", TOKENS) == (0, 0.0) and time.monotonic() - a0 < 0.1
-        assert lookups.skipped_lookups == 1 and lookups.lookups == 2
 
-        os.kill(stoppable.proc.pid, signal.SIGCONT)  # the late answer arrives: its lease goes
-        deadline = time.monotonic() + 10
-        while len(client.released) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert client.leases == 2 and len(client.released) == 2 and client.released[-1] != 0
-        lookups.close()
+def test_a_black_holed_agent_never_holds_the_scheduler_and_a_late_lease_is_released(
+    held: tuple[Any, CountingClient],
+) -> None:
+    """Regression: the lease round trip ran on vLLM's scheduler loop, so a black-holed agent
+    held every request, decodes included, for the client's deadline (5 s). Now each ask
+    waits at most the step's budget and answers "ask again"; a lookup not answered within the
+    time recomputing the prompt takes is answered 0; its lease, arriving later, is released."""
+    stoppable, client = held
+    cost = TierCostModel()
+    cost.observe_prefill(len(TOKENS), 0.3)  # recomputing this prompt: 0.3 s
+    lookups = SchedulerLookups(client, cost, LAYOUT, probe_wait_s_max=0.0)
+    assert lookups.hits("warm", TOKENS) is not None or _answered(lookups, "warm")
+    lookups.forget("warm")
+
+    os.kill(stoppable.proc.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    asks, slowest, got = 0, 0.0, None
+    while got is None and time.monotonic() - t0 < 5.0:
+        lookups.new_step()  # vLLM's next step
+        a0 = time.monotonic()
+        got = lookups.hits("r", TOKENS)
+        slowest = max(slowest, time.monotonic() - a0)
+        asks += 1
+        time.sleep(0.01)  # the step's other work
+    took = time.monotonic() - t0
+    assert got == (0, 0.0)  # recomputed: the answer would come too late to pay
+    assert slowest < 0.1, slowest  # each ask: the step's budget at most (0.02 s)
+    assert 0.3 <= took < 1.5, took
+    assert lookups.abandoned_lookups == 1 and lookups.pending_asks == asks - 1 > 5
+    assert lookups.hits("r", TOKENS) == (0, 0.0)  # asked again: the same answer
+    assert lookups.take("r") == 0
+    a0 = time.monotonic()  # while that lookup is stuck, the next prompts are not looked up
+    assert lookups.hits("r2", TOKENS) == (0, 0.0) and time.monotonic() - a0 < 0.1
+    assert lookups.skipped_lookups == 1 and lookups.lookups == 2
+
+    os.kill(stoppable.proc.pid, signal.SIGCONT)  # the late answer arrives: its lease goes
+    deadline = time.monotonic() + 10
+    while len(client.released) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert client.leases == 2 and len(client.released) == 2 and client.released[-1] != 0
+    lookups.close()
 
 
 def _answered(lookups: SchedulerLookups, req_id: str) -> bool:
@@ -353,57 +359,48 @@ def _answered(lookups: SchedulerLookups, req_id: str) -> bool:
     return False
 
 
-def test_an_in_flight_lookup_of_a_finished_request_releases_its_lease(stoppable: Any) -> None:
+def test_an_in_flight_lookup_of_a_finished_request_releases_its_lease(
+    held: tuple[Any, CountingClient],
+) -> None:
     """vLLM may finish (abort) a request whose lookup is in flight: nothing is left leased."""
-    from host_shim.client import KVClient
-
-    with KVClient(stoppable.control_url, "default", stoppable.token, LAYOUT,
-                  os.urandom(32)) as kv:  # fmt: skip
-        chunk = torch.zeros(LAYOUT.chunk_shape, dtype=torch.float16)
-        keys = kv.keys(list(TOKENS[: CHUNKS * LAYOUT.chunk_tokens]))
-        assert kv.put_keys(keys, [chunk] * CHUNKS) == CHUNKS
-        client = CountingClient(kv)
-        lookups = SchedulerLookups(client, TierCostModel(), LAYOUT, probe_wait_s_max=0.0)
-        os.kill(stoppable.proc.pid, signal.SIGSTOP)
-        assert lookups.hits("gone", TOKENS) is None  # in flight
-        lookups.forget("gone")  # request_finished
-        assert lookups.take("gone") == 0
-        os.kill(stoppable.proc.pid, signal.SIGCONT)
-        deadline = time.monotonic() + 10
-        while not client.released and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert client.leases == 1 and len(client.released) == 1 and client.released[0] != 0
-        lookups.close()
+    stoppable, client = held
+    lookups = SchedulerLookups(client, TierCostModel(), LAYOUT, probe_wait_s_max=0.0)
+    os.kill(stoppable.proc.pid, signal.SIGSTOP)
+    assert lookups.hits("gone", TOKENS) is None  # in flight
+    lookups.forget("gone")  # request_finished
+    assert lookups.take("gone") == 0
+    os.kill(stoppable.proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while not client.released and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert client.leases == 1 and len(client.released) == 1 and client.released[0] != 0
+    lookups.close()
 
 
 def test_a_probe_slower_than_recomputing_a_chunk_ends_the_wait_for_lookups(
-    stoppable: Any,
+    held: tuple[Any, CountingClient],
 ) -> None:
     """Regression (serve-throttled-13: a fresh second server's first request waited 4.6 s,
     against plain's 1.6, for a lookup queued behind the start-up probe's data on a 40 Mbit/s
     link). A probe still running after twice the time recomputing a chunk takes says loading
     a chunk cannot pay: the lookup in flight is answered 0 then, not when it arrives."""
-    from host_shim.client import KVClient
-
-    with KVClient(stoppable.control_url, "default", stoppable.token, LAYOUT,
-                  os.urandom(32)) as kv:  # fmt: skip
-        client = CountingClient(kv)
-        cost = TierCostModel()
-        cost.observe_prefill(512, 512 / 1000)  # a chunk recomputes in 32 ms
-        lookups = SchedulerLookups(client, cost, LAYOUT, probe_wait_s_max=30.0)
-        os.kill(stoppable.proc.pid, signal.SIGSTOP)  # the lookup waits, as behind the probe
-        assert lookups.hits("first", TOKENS) is None
-        time.sleep(0.15)  # the probe has not ended: its chunk takes > 75 ms each way
-        lookups.new_step()
-        t0 = time.monotonic()
-        assert lookups.hits("first", TOKENS) == (0, 0.0)  # answered: recompute
-        assert lookups.hits("next", TOKENS) == (0, 0.0)  # and no lookup for the next prompt
-        assert time.monotonic() - t0 < 0.1
-        assert not cost.loading_can_pay(LAYOUT.chunk_tokens, LAYOUT.chunk_bytes)
-        assert not lookups.defer_for_probe()  # no match waits for that probe either
-        assert (lookups.lookups, lookups.abandoned_lookups, lookups.skipped_lookups) == (1, 1, 1)
-        os.kill(stoppable.proc.pid, signal.SIGCONT)
-        lookups.close()
+    stoppable, client = held
+    cost = TierCostModel()
+    cost.observe_prefill(512, 512 / 1000)  # a chunk recomputes in 32 ms
+    lookups = SchedulerLookups(client, cost, LAYOUT, probe_wait_s_max=30.0)
+    os.kill(stoppable.proc.pid, signal.SIGSTOP)  # the lookup waits, as behind the probe
+    assert lookups.hits("first", TOKENS) is None
+    time.sleep(0.15)  # the probe has not ended: its chunk takes > 75 ms each way
+    lookups.new_step()
+    t0 = time.monotonic()
+    assert lookups.hits("first", TOKENS) == (0, 0.0)  # answered: recompute
+    assert lookups.hits("next", TOKENS) == (0, 0.0)  # and no lookup for the next prompt
+    assert time.monotonic() - t0 < 0.1
+    assert not cost.loading_can_pay(LAYOUT.chunk_tokens, LAYOUT.chunk_bytes)
+    assert not lookups.defer_for_probe()  # no match waits for that probe either
+    assert (lookups.lookups, lookups.abandoned_lookups, lookups.skipped_lookups) == (1, 1, 1)
+    os.kill(stoppable.proc.pid, signal.SIGCONT)
+    lookups.close()
 
 
 def test_an_unmeasured_prefill_rate_is_the_prior_in_loading_can_pay() -> None:
