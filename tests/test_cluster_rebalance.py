@@ -324,3 +324,23 @@ def test_grants_are_answered_before_membership_is_up() -> None:
                          "cluster_grant", {"bytes": 1})  # fmt: skip
     with pytest.raises(ValueError, match="not in a cluster"):
         agent_cluster_op(starting, "default", "cluster_hot", {"keys": []})
+
+
+def test_a_grant_is_a_size_in_range_and_its_answer_a_bounded_wait() -> None:
+    """A peer's grant request and answer are input: a negative or huge size would hand the
+    asker the receiver's rate (a negative one refills its bucket), and an answer that is not
+    a number, NaN or enormous must neither raise in the pass nor park it."""
+    from types import SimpleNamespace
+
+    from dpu_agent.cluster import ReceiveLimiter, agent_cluster_op
+    from dpu_agent.cluster._rebalance import GRANT_BYTES_MAX, GRANT_WAIT_S_MAX, grant_wait
+
+    agent = SimpleNamespace(cluster=None, cluster_receiver=ReceiveLimiter(1000.0))
+    for bad in (-(10**12), 0, GRANT_BYTES_MAX + 1, "1000", 1.5, True, None):
+        with pytest.raises(ValueError, match="bytes must be a whole number"):
+            agent_cluster_op(agent, "default", "cluster_grant", {"bytes": bad})
+    assert agent_cluster_op(agent, "default", "cluster_grant", {"bytes": 500})["wait_s"] >= 0
+    assert grant_wait({"wait_s": 1.5}) == 1.5
+    assert grant_wait({"wait_s": 1e18}) == GRANT_WAIT_S_MAX
+    for bad_answer in ({}, {"wait_s": "soon"}, {"wait_s": float("nan")}, {"wait_s": -1}, None):
+        assert grant_wait(bad_answer) is None

@@ -52,6 +52,8 @@ from kvproto.placement import REPLICAS_MAX, Node, Placement
 
 __all__ = [
     "AE_BUCKETS",
+    "GRANT_BYTES_MAX",
+    "GRANT_WAIT_S_MAX",
     "HOT_EXTRA_REPLICAS",
     "HOT_READS_PER_S",
     "HOT_TTL_S",
@@ -61,6 +63,7 @@ __all__ = [
     "ReceiveLimiter",
     "TenantRows",
     "digest",
+    "grant_wait",
     "tenant_keys",
     "tenant_rows",
 ]
@@ -69,6 +72,10 @@ log = get_logger("dpu_agent.cluster")
 
 REBALANCE_BATCH_KEYS = 256  # keys acted on between checks for a newer view
 WRITE_BATCH_KEYS = 32  # chunks per write call (and per receive grant) to one node
+# A grant's size at most (a negative or huge one would hand the asker the receiver's rate),
+# and the longest a sender waits on one answer (a peer's answer must not park the pass)
+GRANT_BYTES_MAX = 1 << 40
+GRANT_WAIT_S_MAX = 300.0
 PEER_CLIENTS_MAX = 1024  # one client per (tenant, owner) at most; a 1,024-node cluster
 RETRY_S = 1.0  # a pass that left chunks pending runs again after this, doubling while stuck
 RETRY_MAX_S = 30.0
@@ -222,6 +229,18 @@ class ReceiveLimiter:
             self._at = now
             self._budget -= nbytes
             return max(0.0, -self._budget / self.bytes_per_s)
+
+
+def grant_wait(answer: Any) -> float | None:
+    """The wait a `cluster_grant` answer asks for, at most GRANT_WAIT_S_MAX; None when the
+    answer is not a grant (no `wait_s`, not a number, NaN, negative)."""
+    try:
+        wait_s = float(answer["wait_s"])
+    except (TypeError, ValueError, KeyError, OverflowError):
+        return None
+    if not wait_s >= 0:  # NaN too
+        return None
+    return min(wait_s, GRANT_WAIT_S_MAX)
 
 
 class Rebalancer:
@@ -567,7 +586,9 @@ class Rebalancer:
             c = self._peer(tenant, token, node)
             # no grant, no write: a receiver that cannot answer yet (still starting) is retried
             # with the pass, never sent to at this sender's rate alone (N senders' rates)
-            wait_s = float(c.channel.call("cluster_grant", bytes=nbytes)["wait_s"])
+            wait_s = grant_wait(c.channel.call("cluster_grant", bytes=nbytes))
+            if wait_s is None:  # a malformed answer is no grant
+                return 0
             if wait_s > 0:
                 self._stop.wait(wait_s)
             return c.put_keys(keys, blobs, [None] * len(keys), chunk_bytes=length)
