@@ -50,8 +50,9 @@ def start_membership(agent: Any) -> Membership:
     )
     # The receive-side rate answers `cluster_grant` before this node is seen: the others start
     # sending the moment Serf publishes it, before start() returns (a refused grant sends nothing)
-    receiver = ReceiveLimiter(c.rebalance_receive_bytes_per_s or c.rebalance_bytes_per_s)
-    agent.cluster_receiver = receiver
+    agent.cluster_receiver = ReceiveLimiter(
+        c.rebalance_receive_bytes_per_s or c.rebalance_bytes_per_s
+    )
     m.start()
 
     def tenants() -> dict[str, tuple[str, int]]:
@@ -62,7 +63,6 @@ def start_membership(agent: Any) -> Membership:
     m.rebalancer = Rebalancer(
         engine=agent.engine, node=m.node, placement=lambda: m.placement, tenants=tenants,
         bytes_per_s=c.rebalance_bytes_per_s, peer_auth=agent.peer_auth,
-        receiver=receiver,
         interval_s=c.anti_entropy_interval_s,
     )  # fmt: skip
     m.rebalancer.start()

@@ -255,7 +255,6 @@ class Rebalancer:
         tenants: Callable[[], dict[str, tuple[str, int]]],  # tenant -> (token, replicas)
         bytes_per_s: float,
         peer_auth: PeerAuth | None,
-        receiver: ReceiveLimiter | None = None,  # this node's receive rate; None: bytes_per_s
         interval_s: float = ANTI_ENTROPY_INTERVAL_S,
     ) -> None:
         assert bytes_per_s > 0, bytes_per_s
@@ -263,7 +262,6 @@ class Rebalancer:
         self.engine, self.node = engine, node
         self._placement, self._tenants = placement, tenants
         self.bytes_per_s = bytes_per_s
-        self.receiver = receiver or ReceiveLimiter(bytes_per_s)
         self.interval_s = interval_s
         self.progress = RebalanceProgress()
         self._wake = threading.Event()

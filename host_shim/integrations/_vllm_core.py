@@ -416,10 +416,12 @@ class TierCostModel:
                 return None
             return (self.latency_s or 0.0) + nbytes / self.bytes_per_s
 
-    def recompute_s(self, tokens: int) -> float | None:
+    def recompute_s(self, tokens: int) -> float:
+        """Seconds to recompute `tokens`: at the measured prefill rate, or at
+        PREFILL_TOKENS_PER_S_UNMEASURED before a forward has measured one."""
         with self._lock:
             rate = self.prefill_tokens_per_s
-        return None if rate is None else tokens / rate
+        return tokens / (rate or PREFILL_TOKENS_PER_S_UNMEASURED)
 
     def loading_can_pay(self, chunk_tokens: int, chunk_bytes: int) -> bool:
         """Whether loading any match could beat recomputing it: False once the model has
@@ -427,18 +429,14 @@ class TierCostModel:
         k chunks takes latency + k x that, so no k pays). True until the tier is measured;
         an unmeasured prefill rate is PREFILL_TOKENS_PER_S_UNMEASURED, as in worth_loading."""
         with self._lock:
-            bandwidth, rate = self.bytes_per_s, self.prefill_tokens_per_s
-        if bandwidth is None:
-            return True
-        return chunk_bytes / bandwidth < chunk_tokens / (rate or PREFILL_TOKENS_PER_S_UNMEASURED)
+            bandwidth = self.bytes_per_s
+        return bandwidth is None or chunk_bytes / bandwidth < self.recompute_s(chunk_tokens)
 
     def worth_loading(self, tokens: int, nbytes: int) -> bool:
-        load, recompute = self.load_s(nbytes), self.recompute_s(tokens)
+        load = self.load_s(nbytes)
         if load is None:
             return not self.probe_failed
-        if recompute is None:
-            recompute = tokens / PREFILL_TOKENS_PER_S_UNMEASURED
-        return load < recompute
+        return load < self.recompute_s(tokens)
 
 
 def probe_tier(client: Any, layout: ChunkLayout, samples: CostSamples, device: Any) -> bool:

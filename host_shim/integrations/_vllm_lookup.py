@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from host_shim.integrations._vllm_core import PREFILL_TOKENS_PER_S_UNMEASURED, TierCostModel
+from host_shim.integrations._vllm_core import TierCostModel
 from kvproto.keys import ChunkLayout
 
 __all__ = [
@@ -144,7 +144,6 @@ class SchedulerLookups:
         self.probe_deferred_asks = 0  # matches deferred while the start-up probe ran
         self.pending_asks = 0  # asks answered "ask again": the lookup was still in flight
         self.abandoned_lookups = 0  # answered 0: recomputing was sooner than the answer
-        self.dropped_releases = 0  # releases left to the agent's lease TTL
 
     def new_step(self) -> None:
         """A scheduler step begins: its budget for waiting on lookups is full again."""
@@ -161,17 +160,10 @@ class SchedulerLookups:
         if old is not None and now - old.at <= self._reuse_s_max:
             self.reused_answers += 1
             return old.hits, 0.0
-        job = self._pending.get(req_id)
-        wait_s = LOOKUP_POLL_S
         lo = self._layout
         self._probe_in_flight()  # a probe that has run too long is a measure: into the model
         can_pay = self._cost.loading_can_pay(lo.chunk_tokens, lo.chunk_bytes)
-        if job is not None and not can_pay:  # its answer could not be loaded: do not wait
-            del self._pending[req_id]
-            self._abandon(job)
-            self.abandoned_lookups += 1
-            self._answers[req_id] = _Answer(now, 0, 0)
-            return 0, 0.0
+        job = self._pending.get(req_id)
         if job is None:
             self.forget(req_id)
             self._expire(now)
@@ -180,36 +172,36 @@ class SchedulerLookups:
                 self.skipped_lookups += 1
                 self._answers[req_id] = _Answer(now, 0, 0)  # asked again: the same
                 return 0, 0.0
-            job = _Lookup(list(tokens), now, self._give_up_s(len(tokens) - computed_tokens))
+            # an answer later than recomputing the prompt (beyond vLLM's own hit) cannot pay
+            give_up_s = self._cost.recompute_s(max(0, len(tokens) - computed_tokens))
+            job = _Lookup(list(tokens), now, give_up_s)
             self._pending[req_id] = job
             self.lookups += 1
             self._put(job)
             wait_s = self._step_wait_s
-        wait_s = min(wait_s, self._wait_left_s)
+        elif not can_pay:  # its answer could not be loaded: do not wait for it
+            return self._give_up(req_id, job, now)
+        else:
+            wait_s = LOOKUP_POLL_S
         t0 = time.monotonic()
-        answered = job.done.wait(wait_s) if wait_s > 0 else job.done.is_set()
+        job.done.wait(min(wait_s, self._wait_left_s))
         self._wait_left_s = max(0.0, self._wait_left_s - (time.monotonic() - t0))
-        if not answered:
-            with job.lock:
-                if not job.done.is_set():
-                    if self._clock() - job.at < job.give_up_s:
-                        self.pending_asks += 1
-                        return None
-                    job.abandoned = True  # its lease goes when it arrives
-            if job.abandoned:
-                del self._pending[req_id]
-                self.abandoned_lookups += 1
-                self._answers[req_id] = _Answer(self._clock(), 0, 0)
-                return 0, 0.0
+        if not job.done.is_set():
+            if self._clock() - job.at < job.give_up_s:
+                self.pending_asks += 1
+                return None
+            return self._give_up(req_id, job, self._clock())
         del self._pending[req_id]
         self._answers[req_id] = _Answer(self._clock(), job.hits, job.lease_id)
         return job.hits, job.rtt
 
-    def _give_up_s(self, tokens: int) -> float:
-        """How long an answer may take: recomputing `tokens` (the prompt beyond vLLM's own
-        prefix hit), at the measured prefill rate or the prior."""
-        recompute = self._cost.recompute_s(max(0, tokens))
-        return recompute if recompute is not None else tokens / PREFILL_TOKENS_PER_S_UNMEASURED
+    def _give_up(self, req_id: str, job: _Lookup, now: float) -> tuple[int, float]:
+        """Answer 0 for a lookup still in flight; its lease is released when it arrives."""
+        del self._pending[req_id]
+        self._abandon(job)
+        self.abandoned_lookups += 1
+        self._answers[req_id] = _Answer(now, 0, 0)
+        return 0, 0.0
 
     def counts(self) -> dict[str, int]:
         """The counters since start, named as in the connector's stats (STATS_COUNTERS)."""
@@ -250,7 +242,6 @@ class SchedulerLookups:
             return
         with self._jobs_lock:
             if self._queued_releases >= RELEASES_QUEUED_MAX:
-                self.dropped_releases += 1
                 return
             self._queued_releases += 1
         self._put(lease_id)
@@ -321,10 +312,7 @@ class SchedulerLookups:
         if self.probed.is_set() or self._probe_outlasted:
             return False
         lo = self._layout
-        recompute = self._cost.recompute_s(lo.chunk_tokens)
-        if recompute is None:
-            recompute = lo.chunk_tokens / PREFILL_TOKENS_PER_S_UNMEASURED
-        wait_s = min(self._probe_wait_s_max, 2 * recompute)
+        wait_s = min(self._probe_wait_s_max, 2 * self._cost.recompute_s(lo.chunk_tokens))
         ran_s = time.monotonic() - self._probe_started
         if ran_s < wait_s:
             return True
