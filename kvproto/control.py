@@ -72,6 +72,7 @@ __all__ = [
     "ADMIN_OPS",
     "ADMIN_TENANT",
     "CONTROL_FRAME_BYTES_MAX",
+    "GRANT_BYTES_MAX",
     "KEY_BYTES",
     "LOOKUP_KEYS_MAX",
     "NEED_DATA",
@@ -95,6 +96,7 @@ __all__ = [
     "encode_frame",
     "encode_reply",
     "encode_request",
+    "grant_bytes_problem",
     "next_session_state",
     "parse_reply",
     "parse_request",
@@ -194,6 +196,17 @@ def _int(v: Any) -> str | None:
 
 def _posint(v: Any) -> str | None:
     return "a positive integer" if _int(v) or v == 0 else None
+
+
+# A rebalance grant's size at most: a peer's huge grant would put the receiver's shared bucket
+# in debt for days, and every other sender with it
+GRANT_BYTES_MAX = 1 << 40
+
+
+def grant_bytes_problem(v: Any) -> str | None:
+    """Why `v` is not a `cluster_grant` size (None: it is one)."""
+    ok = isinstance(v, int) and not isinstance(v, bool) and 0 < v <= GRANT_BYTES_MAX
+    return None if ok else f"a whole number in 1..{GRANT_BYTES_MAX}"
 
 
 def _str(v: Any) -> str | None:
@@ -356,7 +369,7 @@ OPS: Final[dict[str, _Schema]] = {
     "chunk_inspect": {"tenant": (_tenant, True), "key": (_key, True)},
     # agent to agent (dpu_agent.cluster): the receiver's rebalance rate, replica digests,
     # which copies beyond R their first owner still marks hot
-    "cluster_grant": {"bytes": (_posint, True)},
+    "cluster_grant": {"bytes": (grant_bytes_problem, True)},
     "cluster_hot": {"keys": (_keys, True)},
     "cluster_digest": {
         "coordinator": (_str, True),

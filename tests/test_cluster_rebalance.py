@@ -333,7 +333,8 @@ def test_a_grant_is_a_size_in_range_and_its_answer_a_bounded_wait() -> None:
     from types import SimpleNamespace
 
     from dpu_agent.cluster import ReceiveLimiter, agent_cluster_op
-    from dpu_agent.cluster._rebalance import GRANT_BYTES_MAX, GRANT_WAIT_S_MAX, grant_wait
+    from dpu_agent.cluster._rebalance import GRANT_WAIT_S_MAX, grant_wait
+    from kvproto.control import GRANT_BYTES_MAX
 
     agent = SimpleNamespace(cluster=None, cluster_receiver=ReceiveLimiter(1000.0))
     for bad in (-(10**12), 0, GRANT_BYTES_MAX + 1, "1000", 1.5, True, None):

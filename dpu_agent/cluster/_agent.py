@@ -8,8 +8,9 @@ from urllib.parse import urlsplit
 
 from dpu_agent.cluster._membership import Membership, MembershipOptions
 from dpu_agent.cluster._reach import Reachability
-from dpu_agent.cluster._rebalance import GRANT_BYTES_MAX, Rebalancer, ReceiveLimiter
+from dpu_agent.cluster._rebalance import Rebalancer, ReceiveLimiter
 from dpu_agent.cluster._views import ViewHistory
+from kvproto.control import grant_bytes_problem
 
 __all__ = [
     "agent_cluster_op",
@@ -129,9 +130,10 @@ def agent_cluster_op(agent: Any, tenant: str, op: str, fields: dict[str, Any]) -
         receiver: ReceiveLimiter | None = agent.cluster_receiver
         if receiver is None:
             raise ValueError(f"{op}: this agent is not in a cluster")
-        nbytes = fields.get("bytes")
-        if type(nbytes) is not int or not 0 < nbytes <= GRANT_BYTES_MAX:  # bool is no size
-            raise ValueError(f"{op}: bytes must be a whole number in 1..{GRANT_BYTES_MAX}")
+        nbytes: Any = fields.get("bytes")
+        problem = grant_bytes_problem(nbytes)  # the wire's own check (kvproto.control)
+        if problem:
+            raise ValueError(f"{op}: bytes must be {problem}")
         return {"wait_s": receiver.grant(nbytes)}
     m: Membership | None = agent.cluster
     if m is None or m.rebalancer is None:

@@ -52,7 +52,6 @@ from kvproto.placement import REPLICAS_MAX, Node, Placement
 
 __all__ = [
     "AE_BUCKETS",
-    "GRANT_BYTES_MAX",
     "GRANT_WAIT_S_MAX",
     "HOT_EXTRA_REPLICAS",
     "HOT_READS_PER_S",
@@ -72,9 +71,8 @@ log = get_logger("dpu_agent.cluster")
 
 REBALANCE_BATCH_KEYS = 256  # keys acted on between checks for a newer view
 WRITE_BATCH_KEYS = 32  # chunks per write call (and per receive grant) to one node
-# A grant's size at most (a negative or huge one would hand the asker the receiver's rate),
-# and the longest a sender waits on one answer (a peer's answer must not park the pass)
-GRANT_BYTES_MAX = 1 << 40
+# The longest a sender waits on one grant's answer (a peer's answer must not park the pass);
+# a grant's size is bounded by the wire (kvproto.control.GRANT_BYTES_MAX)
 GRANT_WAIT_S_MAX = 300.0
 PEER_CLIENTS_MAX = 1024  # one client per (tenant, owner) at most; a 1,024-node cluster
 RETRY_S = 1.0  # a pass that left chunks pending runs again after this, doubling while stuck
