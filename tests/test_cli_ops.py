@@ -82,31 +82,43 @@ def test_doctor_json_reports_every_probe() -> None:
     assert r.exit_code == (1 if any(x["status"] == "missing" for x in rows) else 0)
 
 
+def _ok(agent: AgentProcess, r: subprocess.CompletedProcess[str], code: int = 0) -> None:
+    """`r` exited with `code`; else its whole output and the agent's log tail (a CI failure
+    that printed only a truncated repr could not be diagnosed)."""
+    if r.returncode != code:
+        log = (agent.data_dir / "agent.log").read_text(errors="replace")[-4000:]
+        pytest.fail(f"dpuctl {r.args[3:]} exited {r.returncode} (wanted {code}); agent "
+                    f"exit {agent.proc.poll()}\nstdout: {r.stdout}\nstderr: {r.stderr}\n"
+                    f"agent.log tail:\n{log}")  # fmt: skip
+
+
 def test_status_stats_tenants_checkpoint_backup(agent: AgentProcess, tmp_path: Path) -> None:
     d = agent.data_dir
     r = dpuctl(d, "status", "--json")
-    assert r.returncode == 0, r.stderr
+    _ok(agent, r)
     assert json.loads(r.stdout)["members"][0]["control"] == agent.control_url
     r = dpuctl(d, "stats", "--json")
-    assert r.returncode == 0 and "default" in json.loads(r.stdout)["stats"]["tenants"]
+    _ok(agent, r)
+    assert "default" in json.loads(r.stdout)["stats"]["tenants"]
     r = dpuctl(d, "tenants", "add", "acme", "--json")
-    assert r.returncode == 0, r.stderr
+    _ok(agent, r)
     assert json.loads(r.stdout)["token"] == (d / "tenant-acme.token").read_text().strip()
-    assert dpuctl(d, "tenants", "add", "acme", "--json").returncode == 1  # exists
-    names = [
-        t["name"] for t in json.loads(dpuctl(d, "tenants", "list", "--json").stdout)["tenants"]
-    ]
-    assert names == ["acme", "default"]
-    assert dpuctl(d, "evict", "--tenant", "acme", "4096", "--json").returncode == 0
-    assert dpuctl(d, "evict", "--tenant", "nobody", "4096", "--json").returncode == 1
-    assert dpuctl(d, "tenants", "remove", "acme", "--yes", "--json").returncode == 0
-    assert dpuctl(d, "checkpoint", "--json").returncode == 0
+    _ok(agent, dpuctl(d, "tenants", "add", "acme", "--json"), 1)  # exists
+    r = dpuctl(d, "tenants", "list", "--json")
+    _ok(agent, r)
+    assert [t["name"] for t in json.loads(r.stdout)["tenants"]] == ["acme", "default"]
+    _ok(agent, dpuctl(d, "evict", "--tenant", "acme", "4096", "--json"))
+    _ok(agent, dpuctl(d, "evict", "--tenant", "nobody", "4096", "--json"), 1)
+    _ok(agent, dpuctl(d, "tenants", "remove", "acme", "--yes", "--json"))
+    _ok(agent, dpuctl(d, "checkpoint", "--json"))
     r = dpuctl(d, "backup", "create", str(tmp_path / "b1"), "--json")
-    assert r.returncode == 0, r.stderr
+    _ok(agent, r)
     assert (tmp_path / "b1" / "manifest.json").exists()
     r = dpuctl(d, "status")  # the human table, piped: not cut to 80 columns
-    assert r.returncode == 0 and f"dpukv agent {agent.state['node']}" in r.stdout
+    _ok(agent, r)
+    assert f"dpukv agent {agent.state['node']}" in r.stdout
     assert "…" not in r.stdout and agent.control_url.removeprefix("tcp://") in r.stdout
+    assert agent.proc.poll() is None  # every command above left the agent serving
 
 
 def test_stale_state_file_of_a_killed_agent_is_ignored(tmp_path: Path) -> None:
