@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import random
+import tracemalloc
 from collections.abc import Callable
 
 import pytest
 
-from dpu_agent.bench.replay import generate_trace
+from dpu_agent.bench.replay import Request, generate_trace, replay_hits
 from dpu_agent.eviction import (
     DEFAULT_POLICY,
     POLICY_NAMES,
@@ -372,6 +374,70 @@ def test_prefix_run_a_hit_makes_a_penalised_block_ordinary() -> None:
     for item in range(10, 16):
         policy.access(item, 2.0)  # the document is read again: protected, fresh
     assert policy.victim(always) == 2
+
+
+def _conversations(rounds: int = 300, first: int = 12, gap: int = 5) -> list[Request]:
+    """Each round opens a conversation with a long new first turn (deep in a run: penalised)
+    and continues the one opened `gap` rounds before (its first turn plus two new blocks)."""
+    ids = itertools.count(1)
+    opened: dict[int, list[int]] = {}
+    out = []
+    for r in range(rounds):
+        opened[r] = [next(ids) for _ in range(first)]
+        out.append(Request(float(2 * r), tuple(opened[r])))
+        if r - gap in opened:
+            turn = [*opened.pop(r - gap), next(ids), next(ids)]
+            out.append(Request(float(2 * r + 1), tuple(turn)))
+    return out
+
+
+def _one_off_documents(rounds: int = 300, doc: int = 12, prompts: int = 6) -> list[Request]:
+    """Each round a one-off document (never read again) and a question behind one of a few
+    short system prompts, which come back every `prompts` rounds."""
+    ids = itertools.count(1_000_000)
+    systems = [[next(ids) for _ in range(3)] for _ in range(prompts)]
+    out = []
+    for r in range(rounds):
+        out.append(Request(float(2 * r), tuple(next(ids) for _ in range(doc))))
+        out.append(Request(float(2 * r + 1), (*systems[r % prompts], next(ids))))
+    return out
+
+
+def test_prefix_run_learns_to_drop_its_penalty_when_penalised_blocks_come_back() -> None:
+    """First turns that come back within what the cache can hold: the penalty's weight falls
+    (ARC's rule on its own ghost list) and the cache keeps them, as `prefix` does."""
+    trace = _conversations()
+    policy = RunAwarePrefixPolicy(200)
+    assert policy.penalty_weight == 1.0  # a cold tier starts with the whole penalty
+    hits = sum(replay_hits(trace, policy, 200))
+    plain = sum(replay_hits(trace, PrefixPolicy(200), 200))
+    assert policy.penalty_weight < 0.5
+    assert hits >= 0.95 * plain > 0  # with the whole penalty throughout: 1,605 of 3,479
+
+
+def test_prefix_run_keeps_its_penalty_when_penalised_blocks_never_come_back() -> None:
+    trace = _one_off_documents()
+    policy = RunAwarePrefixPolicy(60)
+    hits = sum(replay_hits(trace, policy, 60))
+    plain = sum(replay_hits(trace, PrefixPolicy(60), 60))
+    assert policy.penalty_weight == 1.0
+    assert hits > 1.5 * plain  # the one-offs leave first; `prefix` loses the prompts to them
+
+
+def test_prefix_run_memory_of_penalised_blocks_is_bounded() -> None:
+    """The penalised blocks' ghost list holds at most the items held: a stream of one-off
+    documents does not grow the policy."""
+    trace = _one_off_documents(rounds=4000)
+    policy = RunAwarePrefixPolicy(60)
+    tracemalloc.start()
+    try:
+        replay_hits(trace[:1000], policy, 60)
+        before = tracemalloc.get_traced_memory()[0]
+        replay_hits(trace[1000:], policy, 60)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 256 * 1024, grown  # unbounded: ~30,000 ids more
 
 
 def test_prefix_run_honours_evictable_and_remove() -> None:

@@ -33,7 +33,10 @@ _Entry = tuple[float, int, int, int]  # (last access, -depth, seq, item)
 
 
 class _Node:
-    __slots__ = ("children", "depth", "last", "parent", "parent_node", "protected", "run", "seq")
+    __slots__ = (
+        "children", "depth", "last", "parent", "parent_node", "penalised", "protected", "run",
+        "seq",
+    )  # fmt: skip
 
     def __init__(
         self, parent: int | None, parent_node: _Node | None, now: float, protected: bool
@@ -48,6 +51,7 @@ class _Node:
         self.children = 0
         self.seq = 0
         self.run = 0  # RunAwarePrefixPolicy: blocks missed in a row up to this one
+        self.penalised = False  # RunAwarePrefixPolicy: entered already old
 
 
 class PrefixPolicy(EvictionPolicy):

@@ -11,6 +11,17 @@ a run enters probation as if it had been last used `run_penalty_turnovers` cache
 and a later hit makes it an ordinary protected item. A new prompt's first `run_blocks_max`
 blocks are unaffected, so a document read twice in a row still hits.
 
+How much the penalty weighs is learnt, as ARC learns its split (Megiddo and Modha): a penalised
+block evicted before any hit goes to a ghost list of its own. If it comes back while that
+ghost list still remembers it, the penalty cost a hit the cache could have had, and the weight
+falls; when a block evicted without the penalty (ARC's ghost lists) comes back, the cache
+lacked room that penalised blocks took, and the weight rises. The steps are ARC's (one over the
+items held, scaled by the ratio of the ghost lists' sizes), so the rule has no parameter of its
+own. Conversations whose long first turn comes back after a gap the cache can span (a large
+cache of the `conv` shape) drive the weight to 0, which is `prefix`; one-off documents that
+never come back leave it at 1, the fixed penalty. It starts at 1 (a cold tier is `prefix-run`
+as it was chosen).
+
 Recency is measured in operations (inserts plus accesses), not in seconds: the penalty is a
 number of turnovers, which an operation count measures whatever the request rate. Operations
 that share `now` (the blocks of one request) share the clock reading of the first of them, so
@@ -19,6 +30,7 @@ ties still go to the deeper block as in `prefix`.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from dpu_agent.eviction._policy import Resident
@@ -27,7 +39,7 @@ from dpu_agent.eviction._prefix import PrefixPolicy
 __all__ = ["RunAwarePrefixPolicy"]
 
 RUN_BLOCKS_MAX = 4  # a conversation turn or agent step adds a few blocks; documents add tens
-RUN_PENALTY_TURNOVERS = 4.0  # ahead of any fresh tail; 0.25-4 measured within 0.5 points
+RUN_PENALTY_TURNOVERS = 4.0  # ahead of any fresh tail, at full weight (the weight is learnt)
 SKETCH_ROWS = 4
 SKETCH_COUNTERS_PER_ITEM = 16
 SKETCH_AGING_FACTOR = 10
@@ -62,6 +74,14 @@ class RunAwarePrefixPolicy(PrefixPolicy):
         self._now: float | None = None
         self._seen = _SeenSketch()
         self._adopting = False
+        self._weight = 1.0  # of the penalty, in 0..1: learnt from the ghost lists (above)
+        # penalised blocks evicted before any hit, at most as many as the items held
+        self._cold_ghosts: OrderedDict[int, None] = OrderedDict()
+
+    @property
+    def penalty_weight(self) -> float:
+        """How much of the run penalty new blocks get now (1: all of it, 0: none: `prefix`)."""
+        return self._weight
 
     def adopt(self, items: Sequence[Resident], now: float) -> None:
         # Adopted items are not new: none enters already old for sitting deep in a run.
@@ -73,6 +93,7 @@ class RunAwarePrefixPolicy(PrefixPolicy):
 
     def insert(self, item: int, parent: int | None, now: float) -> None:
         self._tick(now)
+        self._learn(item)  # before the insert below consumes the ghost entry
         pnode = self._nodes.get(parent) if parent is not None else None
         # A parent still in probation was missed in this request too (a hit protects it).
         parent_run = pnode.run if pnode is not None and not pnode.protected else 0
@@ -80,10 +101,36 @@ class RunAwarePrefixPolicy(PrefixPolicy):
         seen = self._seen.add(item, held)
         run = parent_run + 1
         last = self._clock
-        if not seen and run > self._run_blocks_max and not self._adopting:
-            last -= self._run_penalty_turnovers * held
+        penalised = not seen and run > self._run_blocks_max and not self._adopting
+        if penalised:
+            last -= self._weight * self._run_penalty_turnovers * held
         super().insert(item, parent, last)
-        self._nodes[item].run = run
+        node = self._nodes[item]
+        node.run = run
+        node.penalised = penalised
+
+    def remove(self, item: int) -> None:
+        node = self._nodes[item]
+        cold = node.penalised and not node.protected  # penalised, and never hit since
+        super().remove(item)
+        if cold:
+            ghosts = self._cold_ghosts
+            ghosts[item] = None
+            held = max(1, min(len(self._nodes), self.capacity))
+            while len(ghosts) > held:
+                ghosts.popitem(last=False)
+
+    def _learn(self, item: int) -> None:
+        """ARC's adaptation, applied to the penalty's weight, on a miss of `item`."""
+        b1, b2 = self._ghosts
+        held = max(1, min(len(self._nodes), self.capacity))
+        if item in self._cold_ghosts:  # the penalty cost this hit
+            del self._cold_ghosts[item]
+            ratio = max(1.0, (len(b1) + len(b2)) / max(1, len(self._cold_ghosts)))
+            self._weight = max(0.0, self._weight - ratio / held)
+        elif item in b1 or item in b2:  # room that penalised blocks held would have kept it
+            ratio = max(1.0, len(self._cold_ghosts) / max(1, len(b1) + len(b2)))
+            self._weight = min(1.0, self._weight + ratio / held)
 
     def access(self, item: int, now: float) -> None:
         self._tick(now)
