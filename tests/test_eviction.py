@@ -40,7 +40,7 @@ def filled(name: str, items: list[int], capacity: int = 100) -> EvictionPolicy:
 
 def test_make_policy_names_and_default() -> None:
     assert set(POLICY_NAMES) >= {"lru", "lru2", "clock", "s3fifo", "arc", "prefix", "prefix-run"}
-    assert DEFAULT_POLICY == "prefix-run"
+    assert DEFAULT_POLICY == "elect"
     for name in POLICY_NAMES:
         assert make_policy(name, 10).name == name
 

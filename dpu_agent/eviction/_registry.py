@@ -15,7 +15,7 @@ from dpu_agent.eviction._s3fifo import S3FifoPolicy
 
 __all__ = ["DEFAULT_POLICY", "FIXED_POLICY_NAMES", "POLICY_NAMES", "make_policy"]
 
-DEFAULT_POLICY = "prefix-run"  # chosen through the engine: docs/EVICTION.md, "The default"
+DEFAULT_POLICY = "elect"  # docs/EVICTION.md, "The default": better on the bar on data not chosen on
 
 _FACTORIES: dict[str, Callable[[int], EvictionPolicy]] = {
     "lru": LruPolicy,
