@@ -9,6 +9,9 @@ z >= SEPARABLE_Z, within BAR_POINTS of the best fixed, never under LRU).
 
     PYTHONPATH=$PWD python research/elect_choose.py --jobs 2 \
         --variant 'base:{}' --variant 'z25:{"switch_z": 2.5}'
+    PYTHONPATH=$PWD python research/elect_choose.py --jobs 2 --policy prefix-run
+
+`--policy NAME` scores another policy the same way (the variants' arguments are `elect`'s).
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ def _fixed(cell: tuple[FamilyTrace, float]) -> dict[str, Any]:
     return {"capacity": capacity, "accesses": sum(len(r.hash_ids) for r in trace), "hits": hits}
 
 
-def _elect(args: tuple[tuple[FamilyTrace, float], int, dict[str, Any], str]) -> list[int]:
+def _score(args: tuple[tuple[FamilyTrace, float], int, dict[str, Any], str]) -> list[int]:
     (spec, _), capacity, kwargs, policy = args
     trace = spec.load()
     out: list[int] = []
@@ -106,7 +109,7 @@ def main() -> None:
             label, _, js = v.partition(":")
             kwargs = json.loads(js or "{}")
             got = pool.map(
-                _elect,
+                _score,
                 [(c, f["capacity"], kwargs, a.policy) for c, f in zip(cells, fixed, strict=True)],
                 chunksize=1,
             )
