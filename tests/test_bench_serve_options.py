@@ -294,3 +294,46 @@ def test_the_kill_phase_reports_a_recovery_curve_in_start_order() -> None:
     ]
     assert _after_kill(rows, 101.0) == [[-1.0, 0.5, False], [0.2, 0.9, False],
                                         [2.5, None, True]]  # fmt: skip
+
+
+def test_a_server_stop_waits_for_its_whole_process_group_not_only_the_api_server(
+    tmp_path: Path,
+) -> None:
+    """vLLM's worker drains its connector's queued stores when SIGTERM ends it, after the API
+    server (the group's leader) has exited; a stop that SIGKILLed the group as soon as the
+    leader was gone cut those puts short (the tier-nixl row's second server found nothing)."""
+    import subprocess
+    import sys
+    import time
+
+    from dpu_agent.bench.serve import Server, _group_alive
+
+    done = tmp_path / "drained"
+    # the leader exits at SIGTERM at once; its child takes 1 s to "drain", then writes `done`
+    child = (
+        "import signal, sys, time\n"
+        "def bye(*_):\n"
+        "    time.sleep(1.0)\n"
+        f"    open({str(done)!r}, 'w').write('ok')\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, bye)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    leader = (
+        "import subprocess, sys, time\n"
+        f"c = subprocess.Popen([sys.executable, '-c', {child!r}], stdout=subprocess.PIPE)\n"
+        "c.stdout.readline()\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    srv = Server.__new__(Server)  # the stop of a real server's process group, without vLLM
+    srv.proc = subprocess.Popen(
+        [sys.executable, "-c", leader], stdout=subprocess.PIPE, start_new_session=True
+    )
+    assert srv.proc.stdout is not None and srv.proc.stdout.readline() == b"ready\n"
+    t0 = time.monotonic()
+    srv.stop()
+    assert done.read_text() == "ok", "the group was killed before its worker finished"
+    assert not _group_alive(srv.proc.pid)
+    assert time.monotonic() - t0 < 15  # waited for the group, not the whole SERVER_STOP_S

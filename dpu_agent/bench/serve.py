@@ -384,6 +384,11 @@ def refusal_of(text: str) -> str:
     return best[-1][:LOG_TAIL_CHARS] if best else text[-LOG_TAIL_CHARS:]
 
 
+# How long a server's process group gets to exit after SIGTERM: the worker's store drain
+# (STORE_DRAIN_S_MAX, 10 s) and vLLM's own shutdown fit in it
+SERVER_STOP_S = 20.0
+
+
 class Server:
     """One `vllm serve` process group on a loopback ephemeral port."""
 
@@ -446,18 +451,32 @@ class Server:
         return _proc_tree_cpu_s(self.proc.pid)
 
     def stop(self) -> None:
-        """SIGTERM to its process group, SIGKILL after 20 s: nothing it started survives."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                pass
+        """SIGTERM to its process group, SIGKILL to what is left of it after SERVER_STOP_S:
+        nothing it started survives. The whole group is waited for, not only the API server:
+        the worker drains its connector's queued stores as it exits (AsyncSaver), and a
+        SIGKILL as soon as the API server is gone cut those puts short."""
+        pgid = self.proc.pid
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # engine core and workers too
+            os.killpg(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + SERVER_STOP_S
+        while time.monotonic() < deadline and (self.proc.poll() is None or _group_alive(pgid)):
+            time.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)  # engine core and workers too
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(20)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (zombies, awaiting their reaper, do not)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
 
 
 # --- configurations -------------------------------------------------------------------------
@@ -955,9 +974,9 @@ def run_config(
     reserved_cpus: int | None = None,
 ) -> dict[str, Any]:
     """The main replay on one server, then (`after`) the next turn of every conversation on a
-    fresh second server while the first still runs (a restart and a second server at once:
-    neither has the first's cache), and the last of those prompts again on that server (the
-    same-instance repeat)."""
+    fresh second server, started beside the first and serving once the first has stopped (a
+    restart, or a second server: it has none of the first's cache), and the last of those
+    prompts again on that server (the same-instance repeat)."""
     env = {**_base_env(reserved_cpus), **s.env}
     args = [*_engine_args(blocks), *s.args]
     row: dict[str, Any] = {"configuration": s.name, "note": s.note}
@@ -988,11 +1007,12 @@ def run_config(
             host_cpu_s_per_request=round((host1 - host0) / n, 3),
             storage_cpu_s_per_request=round((agent1 - agent0) / n, 3) if s.agents else None,
         )
+        # a's stores run on its connector's own thread after each response (AsyncSaver): a
+        # stops (SIGTERM drains that queue) before the tier is read, or the read races the
+        # last puts, and the first NIXL connect (the agent starts its worker) with them
+        a.stop()
         if s.agents:
             row["tier_used_bytes"] = sum(_agent_used(x) for x in s.agents)
-            # the NIXL data path's proof: the agents' sessions opened over NIXL (the connector
-            # falls back to NVMe/TCP with only a warning in the server's log)
-            row["nixl_sessions"] = sum(_nixl_sessions(x) for x in s.agents)
         row["outputs"] = {f"{r['conversation']}.{r['turn']}": r.get("text") for r in rows}
         row["ttfts_s"] = [round(r["ttft_s"], 4) for r in rows if "error" not in r]
         # the engine's prefill rate under this load: TTFT per computed (uncached) prompt token
@@ -1056,6 +1076,10 @@ def run_config(
     finally:
         for srv in servers:
             srv.stop()
+    if s.agents:
+        # the NIXL data path's proof, over both servers: the agents' sessions opened over NIXL
+        # (the connector falls back to NVMe/TCP with only a warning in the server's log)
+        row["nixl_sessions"] = sum(_nixl_sessions(x) for x in s.agents)
     row.update(log_findings([srv.log for srv in servers]))
     return row
 
