@@ -46,8 +46,9 @@ def dev_cells(seeds: tuple[int, ...] = DEV_SEEDS) -> list[tuple[FamilyTrace, flo
 
 
 # v2: `prefix-run` with the learnt penalty weight (the figures in docs/EVICTION.md, "The
-# default", were scored against v1's fixed policies, `prefix-run` with the fixed penalty)
-CACHE = Path("/tmp/elect_choose_fixed-v2.pkl")  # (trace name, fraction) -> the fixed policies'
+# default", were scored against v1's fixed policies, `prefix-run` with the fixed penalty);
+# v3: `prefix` starting probation at 25% ("Probation's starting share")
+CACHE = Path("/tmp/elect_choose_fixed-v3.pkl")  # (trace name, fraction) -> the fixed policies'
 
 
 def _key(cell: tuple[FamilyTrace, float]) -> tuple[str, float]:

@@ -449,3 +449,28 @@ def test_prefix_run_honours_evictable_and_remove() -> None:
     assert policy.victim(always) == 18
     assert policy.victim(lambda i: i in {10, 11}) == 11  # no leaf evictable: deepest parent
     assert 19 not in policy and len(policy) == 11
+
+
+def test_prefix_keeps_a_quarter_of_a_young_cache_for_new_blocks() -> None:
+    """Probation starts at a quarter of the items held (PROBATION_START): a cache that has
+    turned over only a few times (ARC's step has barely moved the split) keeps the newest
+    blocks, a conversation's latest turn, over older reused ones. With S3-FIFO's 10%, 2 new
+    blocks of 8 were already over probation's share and went first: `prefix` fell under LRU
+    on large caches of conversations (docs/EVICTION.md, "Probation's starting share")."""
+    policy = PrefixPolicy(8)
+    for item in range(6):
+        policy.insert(item, None, float(item))
+        policy.access(item, float(item) + 0.5)  # reused: protected
+    policy.insert(6, None, 10.0)  # the newest turn: probation
+    policy.insert(7, None, 11.0)
+    assert policy.victim(always) == 0  # the least recently used protected leaf
+    policy.insert(8, None, 12.0)  # 3 of 9 now: over a quarter, the oldest new block goes
+    assert policy.victim(always) == 6
+    # `prefix-run` keeps S3-FIFO's 10% (its penalty already clears deep runs from probation)
+    run = RunAwarePrefixPolicy(8)
+    for item in range(6):
+        run.insert(item, None, float(item))
+        run.access(item, float(item) + 0.5)
+    run.insert(6, None, 10.0)
+    run.insert(7, None, 11.0)
+    assert run.victim(always) == 6

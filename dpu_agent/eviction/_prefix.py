@@ -29,6 +29,12 @@ from dpu_agent.eviction._policy import Evictable, EvictionPolicy
 __all__ = ["PrefixPolicy"]
 
 HEAP_SLACK_FACTOR = 4  # stale heap entries allowed per live item before the heaps are rebuilt
+# Probation's starting share of the items held; ARC's step moves it by about one item per ghost
+# hit, so a cache that turns over only a few times keeps close to where it started. S3-FIFO's
+# 10% left `prefix` under LRU on large caches of conversations (each turn's new blocks wait in
+# probation for the next turn); on the development data 25% had none under LRU and more cells
+# within the bar (docs/EVICTION.md, "Probation's starting share"). `prefix-run` keeps 10%.
+PROBATION_START = 0.25
 _Entry = tuple[float, int, int, int]  # (last access, -depth, seq, item)
 
 
@@ -57,7 +63,7 @@ class _Node:
 class PrefixPolicy(EvictionPolicy):
     """Leaf-first eviction; probation vs protected split adapted by ghost hits (ARC).
 
-    `probation_fraction` is the starting share of probation (S3-FIFO's 10%); `adaptive=False`
+    `probation_fraction` is the starting share of probation (PROBATION_START); `adaptive=False`
     keeps it fixed. Ghost lists hold `ghost_factor` times the items held (ARC: 1).
     """
 
@@ -68,7 +74,7 @@ class PrefixPolicy(EvictionPolicy):
         capacity: int,
         *,
         adaptive: bool = True,
-        probation_fraction: float = 0.1,
+        probation_fraction: float = PROBATION_START,
         ghost_factor: float = 1.0,
     ) -> None:
         super().__init__(capacity)
