@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import functools
 from multiprocessing import Pool
+from pathlib import Path
 from typing import Any
 
 from dpu_agent.bench.replay import DEFAULT_FRACTIONS, distinct_blocks, replay_hits
@@ -28,7 +29,7 @@ from dpu_agent.bench.replay_family import (
 from dpu_agent.eviction import _elect, make_policy
 from dpu_agent.eviction._prefix import PrefixPolicy
 
-MOONCAKE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
+MOONCAKE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
 SHARES = (0.1, 0.25)  # before, after
 
 
