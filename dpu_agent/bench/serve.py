@@ -340,17 +340,26 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _proc_stats() -> dict[int, list[str]]:
+    """Every process's /proc/PID/stat fields after its name: [0] state, [1] ppid, [2] process
+    group, [11] utime, [12] stime (in clock ticks); processes gone meanwhile are left out."""
+    out: dict[int, list[str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError):
+            raw = Path(f"/proc/{entry}/stat").read_text()
+            out[int(entry)] = raw[raw.rindex(")") + 2 :].split()
+    return out
+
+
 def _proc_tree_cpu_s(pid: int) -> float:
     """User + system CPU seconds of `pid` and its live descendants (/proc; 0 where gone)."""
     tick = os.sysconf("SC_CLK_TCK")
     stats: dict[int, tuple[int, float]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            raw = Path(f"/proc/{entry}/stat").read_text()
-            fields = raw[raw.rindex(")") + 2 :].split()
-            stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    for p, fields in _proc_stats().items():
+        with contextlib.suppress(ValueError, IndexError):
+            stats[p] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
     total, todo, seen = 0.0, [pid], set()
     while todo:
         p = todo.pop()
@@ -459,7 +468,8 @@ class Server:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGTERM)
         deadline = time.monotonic() + SERVER_STOP_S
-        while time.monotonic() < deadline and (self.proc.poll() is None or _group_alive(pgid)):
+        # an exited leader not reaped yet is a zombie: only live processes hold the wait
+        while time.monotonic() < deadline and _group_alive(pgid):
             time.sleep(0.1)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)  # engine core and workers too
@@ -469,14 +479,8 @@ class Server:
 
 def _group_alive(pgid: int) -> bool:
     """Whether a process of group `pgid` still runs (zombies, awaiting their reaper, do not)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # gone meanwhile
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
-            return True
-    return False
+    group = str(pgid)
+    return any(f[2:3] == [group] and f[:1] != ["Z"] for f in _proc_stats().values())
 
 
 # --- configurations -------------------------------------------------------------------------
