@@ -146,6 +146,15 @@ class StorageSection:
 
 
 @dataclass(slots=True, kw_only=True)
+class NixlSection:
+    """The NIXL data path (docs/TRANSPORT.md). The agent's NIXL agent runs in a worker process
+    that starts in 1-5 s here; `prestart` starts it with the agent, so that the first hosts'
+    connects do not wait on it inside their 5 s call (false: on the first host that asks)."""
+
+    prestart: bool = False
+
+
+@dataclass(slots=True, kw_only=True)
 class ClusterSection:
     """One tier across many agents (docs/CLUSTER.md). Off: the agent is a cluster of one."""
 
@@ -208,6 +217,7 @@ _SECTIONS: dict[str, type] = {
     "metrics": MetricsSection,
     "storage": StorageSection,
     "cluster": ClusterSection,
+    "nixl": NixlSection,
 }
 
 
@@ -219,6 +229,7 @@ class AgentConfig:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     storage: StorageSection = field(default_factory=StorageSection)
     cluster: ClusterSection = field(default_factory=ClusterSection)
+    nixl: NixlSection = field(default_factory=NixlSection)
     tenants: dict[str, TenantConfig] = field(default_factory=dict)
     admin_token: str = field(default="", repr=False)
     # cluster mode, loaded by prepare(): Serf's RPC key and the cluster peer keys

@@ -144,7 +144,8 @@ class Agent:
             else None
         )
         self.started_at = time.time()
-        # the NIXL data path (dpu_agent.nixl): its NIXL agent starts on a host's first use
+        # the NIXL data path (dpu_agent.nixl): its NIXL agent starts with the agent ([nixl]
+        # prestart) or on a host's first use
         self.nixl_server = NixlServer(lambda: self.engine, f"dpukv-agent.{os.getpid()}")
 
     @property
@@ -159,6 +160,8 @@ class Agent:
         self._engine = await self.dataplane.open_engine(self._engine_config())
         await self.dataplane.start()
         await self._tenants_at_start()
+        if cfg.nixl.prestart:  # in the background, ready before the first host asks
+            self.nixl_server.prestart()
         self.control = ControlServer(
             self,
             self.registry,

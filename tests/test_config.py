@@ -83,3 +83,13 @@ def test_group_readable_token_refused(tmp_path: Path) -> None:
     cfg2 = load_config(environ={"DPUKV_AGENT_DATA_DIR": str(tmp_path)})
     with pytest.raises(ConfigError, match="chmod 600"):
         cfg2.prepare()
+
+
+def test_nixl_prestart_is_off_by_default_and_set_by_file_or_environment(tmp_path: Path) -> None:
+    assert load_config(environ={}).nixl.prestart is False
+    f = tmp_path / "agent.toml"
+    f.write_text("[nixl]\nprestart = true\n")
+    assert load_config(f, environ={}).nixl.prestart is True
+    assert load_config(f, environ={"DPUKV_NIXL_PRESTART": "false"}).nixl.prestart is False
+    with pytest.raises(ConfigError, match="prestart"):
+        load_config(environ={"DPUKV_NIXL_PRESTART": "sometimes"})

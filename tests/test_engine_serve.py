@@ -10,6 +10,8 @@ agent. `make test-engines` builds the venvs.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from dpu_agent.bench.engines import engine_model, engine_python
@@ -65,9 +67,12 @@ def test_serve_tier_nixl_moves_the_chunks_over_nixl_and_outputs_match_plain() ->
         assert row["failed"] == 0, row["errors"]
     assert tier["identical_to_plain"] is True
     # what the servers' logs said about the data path, printed with any failure below
-    keys = ("data_path_fallbacks", "degraded", "connector_warnings", "tier_used_bytes",
-            "nixl_sessions", "second_server")  # fmt: skip
-    why = {k: tier.get(k) for k in keys}
+    keys = ("data_path_fallbacks", "degraded", "connector_warnings", "agent_warnings",
+            "tier_used_bytes", "nixl_sessions", "second_server")  # fmt: skip
+    # printed (pytest shows a failed test's output whole) and a string (a dict's repr in the
+    # assertion is cut at 240 characters)
+    why = json.dumps({k: tier.get(k) for k in keys}, default=str)
+    print("tier-nixl:", why)
     assert "data_path_fallbacks" not in tier, why
     assert tier["nixl_sessions"] > 0, why
     assert tier["second_server"]["connector_hit_tokens"] > 0, why

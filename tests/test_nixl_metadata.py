@@ -186,3 +186,40 @@ def test_ucx_endpoints_must_be_the_sessions_peer(
     with pytest.raises(RemoteProtocolError, match="UCX address points at") as e:
         server._check_endpoints(md, peer)
     assert e.value.code == "forbidden"
+
+
+def test_a_connect_whose_session_closed_meanwhile_registers_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A host that gives up on its nixl_connect while the agent waits for its NIXL worker to
+    start (seconds under load, the client's call gives up after 5 s) closes its session before
+    the connect ends: the connect must not register it afterwards, or the host's NIXL agent
+    name stays held by a dead session (its next session is refused NIXL) and the session
+    table fills up."""
+    import threading
+
+    server = NixlServer(lambda: None, "dpukv-agent.test")
+    loading, go_on = threading.Event(), threading.Event()
+
+    def slow_load(tenant: str, md: object, metadata: bytes) -> None:
+        loading.set()
+        assert go_on.wait(10)
+
+    monkeypatch.setattr(server, "_load", slow_load)
+    failed: list[BaseException] = []
+
+    def connect() -> None:
+        try:
+            server._nixl_connect(7, "t", {"metadata": _aimed("127.0.0.1")}, peer_host="")
+        except BaseException as e:  # what the control session would have answered
+            failed.append(e)
+
+    t = threading.Thread(target=connect)
+    t.start()
+    assert loading.wait(10)
+    server.session_closed(7)  # the control connection went away mid-connect
+    go_on.set()
+    t.join(10)
+    assert len(failed) == 1 and isinstance(failed[0], RemoteProtocolError), failed
+    assert "closed" in str(failed[0])
+    assert server._sessions == {} and server._names == {} and server._connecting == {}

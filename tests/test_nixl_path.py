@@ -77,3 +77,29 @@ def test_nixl_agent_killed_mid_transfer_is_a_miss_not_garbage(agent: AgentProces
     assert r["transport"] == "nixl" and r["stored"] == 24
     assert r["loaded"] == 0, r  # nothing counted as loaded: the caller recomputes, never reads junk
     assert r["next_get"] == 0  # the agent is gone: a miss, not an exception
+
+
+def test_prestart_starts_the_nixl_worker_with_the_agent_and_the_first_host_uses_it(
+    tmp_path: Path,
+) -> None:
+    """[nixl] prestart: the worker is up before any host connects (a host's first connect no
+    longer waits for its start inside a call the client gives up on after 5 s), and the first
+    host's transfers go through that worker, not a second one."""
+    import time
+
+    a = spawn_agent(tmp_path / "var", env={**UCX_ENV, "DPUKV_METRICS_ENABLED": "false",
+                                           "DPUKV_NIXL_PRESTART": "true"})  # fmt: skip
+    try:
+        log = a.data_dir / "agent.log"
+        deadline = time.monotonic() + 60
+        while '"event": "nixl_started"' not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        before = log.read_text()
+        assert '"event": "nixl_started"' in before, before[-3000:]
+        assert '"event": "control_session"' not in before  # no host has asked
+        r = _result(_peer("roundtrip", a.control_url, a.token))
+        assert r["transport"] == "nixl"
+        assert (r["stored"], r["loaded"], r["exact"]) == (6, 6, True)
+        assert log.read_text().count('"event": "nixl_started"') == 1
+    finally:
+        a.stop()

@@ -6,6 +6,7 @@ and `bench serve` reserves one core for every configuration and records the bind
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -139,10 +140,42 @@ def test_bench_serve_keeps_the_connectors_warnings_from_the_server_logs(tmp_path
         BINDING_LOG + "dpukv: the start-up probe took 41.0 s: lookups went on after 30 s, "
         "taking the tier for at least that slow\n"
         "(Worker pid=1) INFO 12-05 22:01:03 [core.py:1] nothing of ours\n"
+        "kvclient: agent lost (tcp://127.0.0.1:1: timed out); serving misses until it is back\n"
     )
     found = log_findings([log])
     assert found["connector_warnings"] == [
-        "the start-up probe took 41.0 s: lookups went on after 30 s, taking the tier for at "
-        "least that slow"
+        "dpukv: the start-up probe took 41.0 s: lookups went on after 30 s, taking the tier "
+        "for at least that slow",
+        "kvclient: agent lost (tcp://127.0.0.1:1: timed out); serving misses until it is back",
     ]
     assert "connector_warnings" not in log_findings([tmp_path / "absent.log"])
+
+
+def test_bench_serve_keeps_the_agents_warnings_and_its_nixl_workers_errors(tmp_path: Path) -> None:
+    from dpu_agent.bench.serve import AGENT_WARNINGS_MAX, agent_warnings
+
+    log = tmp_path / "agent.log"
+    events = [
+        {"event": "nixl_session", "level": "info", "tenant": "default"},
+        {
+            "event": "nixl_transfer_timeout",
+            "level": "warning",
+            "timeout_s": 3.0,
+            "timestamp": "2026-12-06T09:52:10Z",
+        },
+    ]
+    log.write_text(
+        "\n".join(json.dumps(e) for e in events) + "\n"
+        "[1796550730.156594] [vm:10206:0]  sock.c:355  UCX  ERROR   connect(fd=17) failed\n"
+        "E1206 09:52:10.156653   10206 nixl_agent.cpp:1661] loadRemoteMD: error\n"
+        "Every line of a banner\n"
+        "not json {\n"
+    )
+    assert agent_warnings(log) == [
+        "2026-12-06T09:52:10Z nixl_transfer_timeout timeout_s=3.0",
+        "[1796550730.156594] [vm:10206:0]  sock.c:355  UCX  ERROR   connect(fd=17) failed",
+        "E1206 09:52:10.156653   10206 nixl_agent.cpp:1661] loadRemoteMD: error",
+    ]
+    log.write_text(json.dumps(events[1]) + "\n" + "E1206 x\n" * (2 * AGENT_WARNINGS_MAX))
+    assert len(agent_warnings(log)) == AGENT_WARNINGS_MAX  # bounded, whatever the log holds
+    assert agent_warnings(tmp_path / "absent.log") == []

@@ -714,13 +714,16 @@ def _tier_env(tier_bytes: int) -> dict[str, str]:
     return {"DPUKV_STORAGE_DRAM_BYTES": str(dram), "DPUKV_STORAGE_NVME_BYTES": str(nvme)}
 
 
-def _spawn_agents(d: Path, count: int, tier_bytes: int) -> list[Any]:
+def _spawn_agents(
+    d: Path, count: int, tier_bytes: int, env: dict[str, str] | None = None
+) -> list[Any]:
     """`count` agents with data folders under `d`, which must be the configuration's own: an
     agent keeps what it stored across a restart, so one started in an earlier configuration's
     folder would begin with that configuration's chunks filling its memory."""
     from dpu_agent.testing import spawn_agent
 
-    return [spawn_agent(d / f"agent{i}", env=_tier_env(tier_bytes)) for i in range(count)]
+    env = {**_tier_env(tier_bytes), **(env or {})}
+    return [spawn_agent(d / f"agent{i}", env=env) for i in range(count)]
 
 
 # --- tier-throttled: the agent behind a rate-limited link ----------------------------------
@@ -829,7 +832,11 @@ def _configure(s: Setup, tmp: Path, tier_bytes: int, throttle_mbps: int) -> Setu
             s.env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{nixl_path}"
             s.note = "NIXL from the bench's environment linked onto vLLM's path"
     if name in ("tier", "tier-nixl"):
-        s.agents = _spawn_agents(tmp / name, 1, tier_bytes)
+        # a DPU serving NIXL hosts starts its NIXL worker with the agent (docs/TRANSPORT.md):
+        # started by the first host, the start (seconds on a loaded box) outlasted the first
+        # server's whole replay in CI, every store of it timed out and the tier stayed empty
+        nixl = {"DPUKV_NIXL_PRESTART": "true"} if name == "tier-nixl" else {}
+        s.agents = _spawn_agents(tmp / name, 1, tier_bytes, nixl)
         s.stops += [a.stop for a in s.agents]
         extra = {
             "control": s.agents[0].control_url, "tenant": "default",
@@ -1016,7 +1023,7 @@ def run_config(
         # last puts, and the first NIXL connect (the agent starts its worker) with them
         a.stop()
         if s.agents:
-            row["tier_used_bytes"] = sum(_agent_used(x) for x in s.agents)
+            row["tier_used_bytes"] = _tier_used(s.agents)
         row["outputs"] = {f"{r['conversation']}.{r['turn']}": r.get("text") for r in rows}
         row["ttfts_s"] = [round(r["ttft_s"], 4) for r in rows if "error" not in r]
         # the engine's prefill rate under this load: TTFT per computed (uncached) prompt token
@@ -1084,6 +1091,9 @@ def run_config(
         # the NIXL data path's proof, over both servers: the agents' sessions opened over NIXL
         # (the connector falls back to NVMe/TCP with only a warning in the server's log)
         row["nixl_sessions"] = sum(_nixl_sessions(x) for x in s.agents)
+        warned = [w for x in s.agents for w in agent_warnings(x.data_dir / "agent.log")]
+        if warned:
+            row["agent_warnings"] = warned[:AGENT_WARNINGS_MAX]
     row.update(log_findings([srv.log for srv in servers]))
     return row
 
@@ -1102,9 +1112,10 @@ def _after_kill(rows: list[dict[str, Any]], killed_at: float) -> list[list[Any]]
 # KVClient falls back from NIXL to NVMe/TCP with a warning
 DEGRADED_MARKER = "operate in degraded mode"
 DATA_PATH_MARKER = "kvclient: data path "
-# DpuKVConnector's warnings (the probe, the binding, failed loads): the servers' logs are
-# gone with the run, these lines stay in the row; the first few of each row's servers
-CONNECTOR_MARKER = "dpukv: "
+# DpuKVConnector's warnings (the probe, the binding, failed loads) and its KVClients' (an agent
+# lost and back): the servers' logs are gone with the run, these lines stay in the row; the
+# first few of each row's servers
+CONNECTOR_MARKERS = ("dpukv: ", "kvclient: ")
 CONNECTOR_WARNINGS_MAX = 20
 # vLLM's CPU executor prints the workers' OpenMP binding (vllm/utils/ompmultiprocessing.py)
 OMP_BINDING_MARKER = "OpenMP thread binding info"
@@ -1135,8 +1146,8 @@ def omp_binding(text: str) -> dict[str, Any] | None:
 def log_findings(logs: Sequence[Path]) -> dict[str, Any]:
     """From the servers' logs: `omp_binding` (the first server's, `omp_binding`), `degraded`
     (the error that put a connector in its recompute-only mode), `data_path_fallbacks`
-    (KVClient's NIXL-to-NVMe/TCP warnings) and `connector_warnings` (DpuKVConnector's), where
-    any."""
+    (KVClient's NIXL-to-NVMe/TCP warnings) and `connector_warnings` (DpuKVConnector's and its
+    KVClients' other warnings, each with its prefix), where any."""
     out: dict[str, Any] = {}
     fallbacks: list[str] = []
     warnings: list[str] = []
@@ -1153,8 +1164,11 @@ def log_findings(logs: Sequence[Path]) -> dict[str, Any]:
                     out["degraded"] = (cause[-1] if cause else line).strip()[:LOG_TAIL_CHARS]
                 elif DATA_PATH_MARKER in line and "nvme-tcp" in line:
                     fallbacks.append(line.split(DATA_PATH_MARKER, 1)[1].strip()[:300])
-                elif CONNECTOR_MARKER in line and len(warnings) < CONNECTOR_WARNINGS_MAX:
-                    warnings.append(line.split(CONNECTOR_MARKER, 1)[1].strip()[:300])
+                elif len(warnings) < CONNECTOR_WARNINGS_MAX:
+                    for marker in CONNECTOR_MARKERS:
+                        if marker in line:
+                            warnings.append(marker + line.split(marker, 1)[1].strip()[:300])
+                            break
     if fallbacks:
         out["data_path_fallbacks"] = sorted(set(fallbacks))
     if warnings:
@@ -1169,6 +1183,54 @@ def _nixl_sessions(agent: Any) -> int:
     except OSError:
         return 0
     return text.count('"event": "nixl_session"')
+
+
+# The agents' own warnings and errors (a NIXL worker stuck or replaced, a transfer past its
+# deadline, UCX's errors) stay in the row beside the servers': the first few of each row's agents
+AGENT_WARNINGS_MAX = 20
+WARNING_LEVELS = ("warning", "error", "critical")
+
+
+def agent_warnings(log: Path) -> list[str]:
+    """An agent's log lines at warning level or above: its structured events (event name and
+    fields), and the lines its NIXL worker's libraries printed as errors."""
+    out: list[str] = []
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        if len(out) >= AGENT_WARNINGS_MAX:
+            break
+        try:
+            event = json.loads(line)
+        except ValueError:
+            if " ERROR " in line or re.match(r"[EF]\d{4} ", line):  # UCX's, and glog's E1206
+                out.append(line.strip()[:300])
+            continue
+        if not isinstance(event, dict) or event.get("level") not in WARNING_LEVELS:
+            continue
+        fields = " ".join(
+            f"{k}={v}" for k, v in event.items() if k not in ("event", "level", "timestamp")
+        )
+        out.append(f"{event.get('timestamp', '')} {event.get('event')} {fields}".strip()[:300])
+    return out
+
+
+# The agents' used-bytes gauge is set by the engine's tick (every 0.5 s, later on a loaded box):
+# read right after the first server's last store, it can still say 0 for a tier that holds it
+TIER_READ_WAIT_S = 3.0
+
+
+def _tier_used(agents: Sequence[Any]) -> int:
+    """The agents' stored bytes, once a tick has counted the last stores (or TIER_READ_WAIT_S
+    passed: an empty tier is empty)."""
+    deadline = time.monotonic() + TIER_READ_WAIT_S
+    while True:
+        used = sum(_agent_used(x) for x in agents)
+        if used or time.monotonic() >= deadline:
+            return used
+        time.sleep(0.25)
 
 
 def _agent_used(agent: Any) -> int:

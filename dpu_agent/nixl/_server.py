@@ -380,12 +380,32 @@ class NixlServer:
         self._lane_ids = itertools.count()
         self._gates: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}
         self._penalty: dict[str, float] = {}  # tenant -> monotonic time its penalty ends
+        # sessions whose nixl_connect runs -> whether their control session closed meanwhile
+        # (a host that gave up on a connect waiting for the worker to start)
+        self._connecting: dict[int, bool] = {}
         self._closing = False
         self._restarts: deque[float] = deque()  # when the worker was restarted by itself
 
     def status(self) -> dict[str, Any]:
         """What hello says: whether hosts may use NIXL with this agent, and why not."""
         return nixl_status()
+
+    def prestart(self) -> None:
+        """Start the worker now, in the background, where NIXL loads ([nixl] prestart): a
+        host's first nixl_connect otherwise waits for the start (1-5 s here, longer under load)
+        inside a call its client gives up on after 5 s, and every host connecting meanwhile
+        is served misses and stores nothing until it has started."""
+        if not nixl_status()["available"]:
+            log.info("nixl_prestart_skipped", reason=nixl_status()["reason"])
+            return
+
+        def start() -> None:
+            try:
+                self._worker()
+            except (RemoteProtocolError, WorkerLost) as e:  # the first host's call tries again
+                log.warning("nixl_prestart_failed", error=str(e))
+
+        threading.Thread(target=start, name="nixl-prestart", daemon=True).start()
 
     async def handle(
         self, session_id: int, tenant: str, op: str, fields: Mapping[str, Any], peer_host: str = ""
@@ -414,6 +434,9 @@ class NixlServer:
                 del self._gates[tenant]
 
     def session_closed(self, session_id: int) -> None:
+        with self._lock:
+            if session_id in self._connecting:  # its connect registers nothing when it ends
+                self._connecting[session_id] = True
         if session_id in self._sessions:
             self._thread.submit(self._forget, session_id)
 
@@ -605,18 +628,43 @@ class NixlServer:
         old = self._sessions.get(sid)
         if old is None and len(self._sessions) >= SESSIONS_MAX:
             raise engine_errors.LimitExceeded(f"{SESSIONS_MAX} NIXL sessions; retry later")
-        md = self._check(sid, tenant, f["metadata"], peer_host)
-        if old is not None and old.remote != md.name:
-            self._forget(sid)
-        self._load(tenant, md, f["metadata"])
+        with self._lock:
+            self._connecting[sid] = False
+        try:  # the worker may start in here (seconds): the host may give up meanwhile
+            md = self._check(sid, tenant, f["metadata"], peer_host)
+            if old is not None and old.remote != md.name:
+                self._forget(sid)
+            self._load(tenant, md, f["metadata"])
+        finally:
+            with self._lock:
+                closed = self._connecting.pop(sid, False)
+        if closed:  # registered now, it would hold the host's name for good: that host's next
+            self._unload(md.name)  # session would be refused NIXL, and SESSIONS_MAX fill up
+            raise RemoteProtocolError("nixl_connect: the session closed before it was answered")
+        return self._register(sid, tenant, md, f["metadata"], peer_host)
+
+    def _unload(self, remote: str) -> None:
+        """Remove a host's metadata that no session holds from the worker (best effort)."""
+        with self._lock:
+            link, held = self._link, remote in self._names
+        if held or link is None or not link.alive:
+            return
+        try:
+            link.run("remove", remote)
+        except (RemoteProtocolError, WorkerLost) as e:
+            log.info("nixl_remove_remote_failed", remote=remote, error=str(e))
+
+    def _register(
+        self, sid: int, tenant: str, md: NixlMetadata, metadata: bytes, peer_host: str
+    ) -> dict[str, Any]:
         with self._lock:
             s = self._sessions.get(sid)
             if s is None:
                 s = _Session(sid=sid, tenant=tenant, remote=md.name, peer=peer_host,
-                             metadata=f["metadata"])  # fmt: skip
+                             metadata=metadata)  # fmt: skip
                 self._sessions[sid] = s
             else:
-                s.metadata = f["metadata"]
+                s.metadata = metadata
             self._names[md.name] = sid
             link = self._link
         assert link is not None
