@@ -71,11 +71,24 @@ def _fixed(cell: tuple[FamilyTrace, float]) -> dict[str, Any]:
 
 def _score(args: tuple[tuple[FamilyTrace, float], int, dict[str, Any], str]) -> list[int]:
     (spec, _), capacity, kwargs, policy = args
+    kwargs = dict(kwargs)
+    carry = kwargs.pop("carry", False)  # a restart begins with the leader it had (not the prior)
     trace = spec.load()
     out: list[int] = []
+    leader = None
     for part in _segments(spec, trace):
-        p = ElectPolicy(capacity, **kwargs) if policy == "elect" else make_policy(policy, capacity)
+        if policy == "elect":
+            args_ = dict(kwargs)
+            if carry and leader is not None:
+                names = list(
+                    args_.get("candidates", ElectPolicy.__init__.__kwdefaults__["candidates"])
+                )
+                args_["candidates"] = [leader, *[n for n in names if n != leader]]
+            p = ElectPolicy(capacity, **args_)
+        else:
+            p = make_policy(policy, capacity)
         out += replay_hits(part, p, capacity)
+        leader = getattr(p, "leader", None)
     return out
 
 
@@ -87,6 +100,7 @@ def main() -> None:
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--min-fraction", type=float, default=0.0, help="only cells at least this")
     ap.add_argument("--long", action="store_true", help="only full-length, unrestarted traces")
+    ap.add_argument("--restart", action="store_true", help="only the restarting traces")
     ap.add_argument("--seed", type=int, action="append", help="family seeds (default: DEV_SEEDS)")
     ap.add_argument("--fixed-only", action="store_true", help="cache the fixed policies and stop")
     a = ap.parse_args()
@@ -95,7 +109,9 @@ def main() -> None:
     cells = [
         (spec, frac)
         for spec, frac in dev_cells(seeds)
-        if frac >= a.min_fraction and (not a.long or (not spec.restart and spec.requests != 300))
+        if frac >= a.min_fraction
+        and (not a.long or (not spec.restart and spec.requests != 300))
+        and (not a.restart or spec.restart)
     ]
     with Pool(a.jobs) as pool:
         cached = pickle.loads(CACHE.read_bytes()) if CACHE.exists() else {}
