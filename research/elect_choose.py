@@ -72,23 +72,17 @@ def _fixed(cell: tuple[FamilyTrace, float]) -> dict[str, Any]:
 def _score(args: tuple[tuple[FamilyTrace, float], int, dict[str, Any], str]) -> list[int]:
     (spec, _), capacity, kwargs, policy = args
     kwargs = dict(kwargs)
-    carry = kwargs.pop("carry", False)  # a restart begins with the leader it had (not the prior)
+    # a restart begins with the leader it had, as the engine does (False: with the prior)
+    carry = kwargs.pop("carry", True)
     trace = spec.load()
     out: list[int] = []
-    leader = None
+    state: dict[str, Any] = {}
     for part in _segments(spec, trace):
-        if policy == "elect":
-            args_ = dict(kwargs)
-            if carry and leader is not None:
-                names = list(
-                    args_.get("candidates", ElectPolicy.__init__.__kwdefaults__["candidates"])
-                )
-                args_["candidates"] = [leader, *[n for n in names if n != leader]]
-            p = ElectPolicy(capacity, **args_)
-        else:
-            p = make_policy(policy, capacity)
+        p = ElectPolicy(capacity, **kwargs) if policy == "elect" else make_policy(policy, capacity)
+        if carry and state:
+            p.restore(state, 0.0)
         out += replay_hits(part, p, capacity)
-        leader = getattr(p, "leader", None)
+        state = p.state()
     return out
 
 

@@ -118,3 +118,44 @@ def test_key_rotation_does_not_strand_existing_nvme_chunks(tmp_path: Path) -> No
             assert eng.get_chunk("acme", chunk(i)[0]) == chunk(i, blocks)[1]
     finally:
         eng.close()
+
+
+def test_a_restart_begins_each_tiers_election_with_the_leader_it_had(tmp_path: Path) -> None:
+    """`elect`'s leader is written beside the checkpoint and given back at the next start,
+    for each tenant and tier. A damaged or
+    hostile file costs the restart its leader, never the start."""
+    import dataclasses
+    import json
+
+    from dpu_agent.engine.engine import POLICY_STATE
+
+    elect = dataclasses.replace(cfg(tmp_path), eviction_policy="elect")
+    eng = Engine(elect)
+    assert eng.policy_state() == {
+        "acme": {"dram": {"leader": "prefix-run"}, "nvme": {"leader": "prefix-run"}}
+    }
+    eng.put_chunk("acme", *chunk(1))
+    assert eng.restore_policies({"acme": {"nvme": {"leader": "s3fifo"}}, "ghost": {}}) == 1
+    eng.close()
+    state = json.loads((elect.journal_path / POLICY_STATE).read_text())
+    assert state["acme"]["nvme"] == {"leader": "s3fifo"}
+    eng = Engine(elect)
+    try:
+        assert eng.policy_state()["acme"] == {
+            "dram": {"leader": "prefix-run"}, "nvme": {"leader": "s3fifo"},
+        }  # fmt: skip
+        assert eng.get_chunk("acme", chunk(1)[0]) == chunk(1)[1]
+    finally:
+        eng.close()
+    for damaged in (
+        b"{not json",
+        b"[1, 2]",
+        b'{"acme": {"nvme": {"leader": 7}}}',
+        b"x" * (2 << 20),
+    ):
+        (elect.journal_path / POLICY_STATE).write_bytes(damaged)
+        eng = Engine(elect)
+        try:
+            assert eng.policy_state()["acme"]["nvme"] == {"leader": "prefix-run"}
+        finally:
+            eng.close()

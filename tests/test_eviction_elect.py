@@ -283,3 +283,49 @@ def test_a_clear_lead_of_lru2_switches_to_it_without_a_flush() -> None:
     held = _tracked_replay(policy, trace, capacity)
     assert policy.leader == "lru2" and policy.switches >= 1
     assert len(held) == capacity
+
+
+def test_a_restart_begins_with_the_leader_the_tier_had() -> None:
+    """`state()` names the leader; a new instance given it (`restore`) leads with that
+    candidate from its first call, and one holding items hands them over as at a switch
+    (nothing flushed). An unknown or malformed state changes nothing."""
+    two = partial(ElectPolicy, candidates=("lru", "s3fifo"))
+    first = two(60)
+    replay_hits(_hot_and_scans(2500), first, 60)
+    assert first.leader == "s3fifo" and first.state() == {"leader": "s3fifo"}
+    fresh = two(60)
+    fresh.restore(first.state(), 0.0)
+    assert fresh.leader == "s3fifo" and fresh.switches == 0
+    held = two(10)
+    for i in range(10):
+        held.insert(i, i - 1 if i else None, float(i))
+    held.restore({"leader": "s3fifo"}, 20.0)
+    assert held.leader == "s3fifo" and len(held) == 10
+    assert sorted(i for i, _ in held.resident()) == list(range(10))
+    for bad in ({}, {"leader": "belady"}, {"leader": 3}, {"leader": ["lru"]}):
+        other = two(60)
+        other.restore(bad, 0.0)
+        assert other.leader == "lru"
+
+
+def test_the_engine_replay_carries_the_leader_across_a_restart_as_the_simulator_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trace whose cache restarts empty halfway, through the real Engine and through its fast
+    path: the same hits, and the second half begins with the first half's leader (the engine
+    hands it over as `policy_state`, what it writes beside its checkpoint)."""
+    from dpu_agent.bench.replay_engine import policy_hits
+
+    two = partial(ElectPolicy, candidates=("lru", "s3fifo"))
+    monkeypatch.setitem(_registry._FACTORIES, "elect", two)
+    trace = _hot_and_scans(2500)
+    parts = [trace, trace[:400]]
+    engine, _ = policy_hits(parts, "elect", 60, engine=True, data_dir=tmp_path)
+    fast, _ = policy_hits(parts, "elect", 60, engine=False)
+    assert engine == fast
+    first = replay_engine(trace, "elect", 60, data_dir=tmp_path)
+    assert first.policy_state["replay"]["nvme"] == {"leader": "s3fifo"}
+    carried = two(60)
+    carried.restore({"leader": "s3fifo"}, 0.0)
+    assert fast[len(trace) :] == replay_hits(trace[:400], carried, 60)
+    assert fast[len(trace) :] != replay_hits(trace[:400], two(60), 60)  # the prior differs

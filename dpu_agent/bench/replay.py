@@ -457,7 +457,7 @@ def replay(
         rates, by_tier = {}, {}
         for n in names:
             per_request, by_tier[n] = policy_hits(
-                trace, n, capacity, engine=engine, data_dir=data_dir
+                [trace], n, capacity, engine=engine, data_dir=data_dir
             )
             rates[n] = sum(per_request) / accesses
         opt = replay_belady(trace, capacity) / accesses

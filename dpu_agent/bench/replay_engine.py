@@ -16,9 +16,10 @@ the two give the same hits on every policy.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dpu_agent.bench.replay import Request, replay_hits
 from dpu_agent.engine import Engine, EngineConfig
@@ -48,6 +49,8 @@ class EngineReplay:
     accesses: int  # blocks requested
     hits_by_tier: dict[str, int]  # of `hits`, per tier that served them
     per_request: list[int]  # prefix hits of each request, in trace order
+    # what a restart of this engine would begin from (Engine.policy_state, at the end)
+    policy_state: dict[str, Any] = field(default_factory=dict)
 
 
 def _key(block: int) -> bytes:
@@ -55,10 +58,16 @@ def _key(block: int) -> bytes:
 
 
 def replay_engine(
-    trace: Sequence[Request], policy: str, capacity: int, *, data_dir: Path | None = None
+    trace: Sequence[Request],
+    policy: str,
+    capacity: int,
+    *,
+    data_dir: Path | None = None,
+    policy_state: Mapping[str, Any] | None = None,
 ) -> EngineReplay:
     """Prefix hits of `trace` replayed through a real Engine whose NVMe tier holds `capacity`
-    one-block chunks and runs `policy`."""
+    one-block chunks and runs `policy`. `policy_state`: an earlier run's `policy_state`, which
+    this engine begins from (a restart whose tiers came back empty)."""
     if capacity < 1:
         raise ValueError(f"capacity must be at least one block, got {capacity}")
     clock = _TraceClock()
@@ -71,6 +80,8 @@ def replay_engine(
             tenants={TENANT: 0},
         )
         eng = Engine(cfg, clock=clock)
+        if policy_state:
+            eng.restore_policies(policy_state)
         data = bytes(CHUNK_BYTES)
         per_request: list[int] = []
         accesses = 0
@@ -93,26 +104,45 @@ def replay_engine(
                         except TierFull:
                             break  # only the parent is held and it is kept: store what fits
                     parent = key
+            state = eng.policy_state()
         finally:
             eng.close()
     names = {1: "dram", 2: "nvme"}
     by_tier = {names[n]: c for n, c in sorted(by_nsid.items())}
-    return EngineReplay(sum(per_request), accesses, by_tier, per_request)
+    return EngineReplay(sum(per_request), accesses, by_tier, per_request, state)
 
 
 def policy_hits(
-    trace: Sequence[Request],
+    parts: Sequence[Sequence[Request]],
     policy: str,
     capacity: int,
     *,
     engine: bool = True,
     data_dir: Path | None = None,
 ) -> tuple[list[int], dict[str, int]]:
-    """(each request's prefix hits, hits per tier): through the real Engine, or with
-    `engine=False` through its fast path, the standalone simulator (the same hits, proven by
-    tests/test_replay_engine.py on every policy; the simulator knows one tier only)."""
-    if engine:
-        got = replay_engine(trace, policy, capacity, data_dir=data_dir)
-        return got.per_request, got.hits_by_tier
-    per_request = replay_hits(trace, make_policy(policy, capacity), capacity)
-    return per_request, {"nvme": sum(per_request)}
+    """(each request's prefix hits, hits per tier) over `parts`, a trace cut where its cache
+    restarts empty (one part: no restart): through the real Engine, or with `engine=False`
+    through its fast path, the standalone simulator (the same hits, proven by
+    tests/test_replay_engine.py on every policy; the simulator knows one tier only). Each
+    restart begins from what the policy kept of the part before (`Engine.policy_state`, which
+    the engine writes beside its checkpoint: `elect`'s leader)."""
+    per_request: list[int] = []
+    by_tier: dict[str, int] = {}
+    state: dict[str, Any] = {}
+    for part in parts:
+        if engine:
+            got = replay_engine(part, policy, capacity, data_dir=data_dir, policy_state=state)
+            per_request += got.per_request
+            for tier, n in got.hits_by_tier.items():
+                by_tier[tier] = by_tier.get(tier, 0) + n
+            state = got.policy_state
+            continue
+        p = make_policy(policy, capacity)
+        kept = state.get(TENANT, {}).get("nvme")
+        if kept:
+            p.restore(kept, 0.0)
+        hits = replay_hits(part, p, capacity)
+        per_request += hits
+        by_tier["nvme"] = by_tier.get("nvme", 0) + sum(hits)
+        state = {TENANT: {"nvme": p.state()}}
+    return per_request, by_tier

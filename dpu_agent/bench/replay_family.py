@@ -151,9 +151,8 @@ def _cell(args: tuple[FamilyTrace, float, str, bool]) -> dict[str, Any]:
     capacity = max(1, round(fraction * distinct_blocks(trace)))
     hits: dict[str, list[int]] = {}
     for name in dict.fromkeys([*fixed_names(), default]):
-        hits[name] = []
-        for part in _segments(spec, trace):  # a restart: a new, empty cache
-            hits[name] += policy_hits(part, name, capacity, engine=engine)[0]
+        # a restart: a new, empty cache, begun from what the policy kept (elect's leader)
+        hits[name] = policy_hits(_segments(spec, trace), name, capacity, engine=engine)[0]
     rates = {n: sum(h) / accesses for n, h in hits.items()}
     fixed = {n: rates[n] for n in fixed_names()}
     best = max(fixed, key=lambda n: fixed[n])

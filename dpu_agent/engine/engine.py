@@ -31,9 +31,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import json
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,12 @@ log = get_logger(__name__)
 # in the journal directory: written when close() finished, removed at start, so its absence at
 # start means the previous run was killed (doctor and status say so)
 CLEAN_STOP = "clean-stop"
+
+# in the journal directory: each tier's eviction state a restart begins from (`elect`'s leader),
+# written with every checkpoint, read at start; not part of the records (losing it costs a
+# restart its leader, nothing else)
+POLICY_STATE = "policy-state.json"
+POLICY_STATE_BYTES_MAX = 1 << 20
 
 CHUNK_BYTES_MAX = 1 << 30  # one chunk; a 1 GiB KV chunk is far above any real layout
 
@@ -186,6 +193,7 @@ class Engine:
         if self.restore_interrupted is not None:
             log.error("engine.restore_interrupted", **self.restore_interrupted,
                       fix="dpuctl backup restore --resume, or --rollback")  # fmt: skip
+        self.restore_policies(self._read_policy_state())
         # agents older than the file, or a start after damage: the ids as recovered
         self._commit.save_tenant_ids(self._tenants.names_by_id(), soft=True)
         r = self.recovery_report
@@ -647,6 +655,7 @@ class Engine:
                 with self._lock:
                     self._commit.set_fence(e)
                 raise self._commit.unavailable(e) from e
+            self._write_policy_state()
             seconds = time.perf_counter() - t0
             log.info(
                 "engine.checkpoint", records=len(columns["k0"]), bytes=size, s=round(seconds, 3)
@@ -657,6 +666,61 @@ class Engine:
                 "seconds": seconds,
                 "segment": meta["segment"],
             }
+
+    # --- eviction state across a restart ---------------------------------------------------
+
+    def policy_state(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """tenant -> tier -> what its eviction policy begins from after a restart
+        (`EvictionPolicy.state`); tiers whose policy keeps nothing are left out."""
+        with self._lock:
+            out: dict[str, dict[str, dict[str, Any]]] = {}
+            for ts in self._tenants.values():
+                tiers = {t.spec.name: t.policy.state() for t in ts.tiers}
+                kept = {name: st for name, st in tiers.items() if st}
+                if kept:
+                    out[ts.name] = kept
+            return out
+
+    def restore_policies(self, state: Mapping[str, Any]) -> int:
+        """Begin each tier's policy from `state` (`policy_state()` of an earlier run); entries
+        naming no tenant or tier of this engine, or malformed, are skipped. Returns how many
+        tiers were given theirs."""
+        given = 0
+        with self._lock:
+            now = self._clock()
+            for ts in self._tenants.values():
+                tiers = state.get(ts.name)
+                if not isinstance(tiers, Mapping):
+                    continue
+                for tier in ts.tiers:
+                    st = tiers.get(tier.spec.name)
+                    if isinstance(st, Mapping):
+                        tier.policy.restore(st, now)
+                        given += 1
+        return given
+
+    def _read_policy_state(self) -> dict[str, Any]:
+        path = self._commit.journal.dir / POLICY_STATE
+        try:
+            with path.open("rb") as f:
+                raw = f.read(POLICY_STATE_BYTES_MAX + 1)
+            state = json.loads(raw) if len(raw) <= POLICY_STATE_BYTES_MAX else None
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:  # unreadable: the policies start from their prior
+            log.warning("engine.policy_state_unreadable", path=str(path), error=str(e))
+            return {}
+        if not isinstance(state, dict):
+            log.warning("engine.policy_state_unreadable", path=str(path), error="not an object")
+            return {}
+        return state
+
+    def _write_policy_state(self) -> None:
+        data = json.dumps(self.policy_state(), sort_keys=True).encode()
+        try:
+            jr.replace_file(self._commit.journal.dir / POLICY_STATE, data)
+        except OSError as e:  # the next checkpoint tries again; a restart would use the prior
+            log.warning("engine.policy_state_not_written", error=str(e))
 
     def _rewrite_journal(self) -> None:
         """The live segment lost what was appended to it: checkpoint the index from memory

@@ -32,8 +32,9 @@ leader was) and the shadows' fixed budget.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
+from typing import Any
 
 from dpu_agent.eviction._lru import Lru2Policy, LruPolicy
 from dpu_agent.eviction._policy import Evictable, EvictionPolicy
@@ -247,6 +248,27 @@ class ElectPolicy(EvictionPolicy):
 
     def resident(self) -> list[tuple[int, bool]]:
         return self._policy.resident()
+
+    def state(self) -> dict[str, Any]:
+        """The leader: a restarted tier begins with it rather than with the prior."""
+        return {"leader": self.leader}
+
+    def restore(self, state: Mapping[str, Any], now: float) -> None:
+        """Lead with the candidate an earlier run of this tier had elected (its items, if
+        recovery brought any back, adopted as at a switch); the shadows and the evidence start
+        empty, so it is challenged like any leader. An unknown name changes nothing."""
+        name = state.get("leader")
+        if not isinstance(name, str) or name not in self._names:
+            return
+        leader = self._names.index(name)
+        if leader == self._leader:
+            return
+        new = _CANDIDATE_FACTORIES[name](self.capacity)
+        if len(self._parent):
+            parents = self._parent
+            new.adopt([(i, parents[i], used) for i, used in self._policy.resident()], now)
+        self._policy = new
+        self._leader = leader
 
     # --- the shadows and the election ------------------------------------------------------
 

@@ -8,7 +8,8 @@ the policy's own aging state (a CLOCK hand, a FIFO promotion) but never forgets 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 __all__ = ["CAPACITY_ITEMS_MAX", "Evictable", "EvictionPolicy", "Resident"]
 
@@ -59,6 +60,16 @@ class EvictionPolicy(abc.ABC):
         was used since it came in: what another policy needs to take the tier over without
         flushing it (`adopt`). Only the policies an election can hand a tier from have it."""
         raise NotImplementedError(f"{self.name} cannot hand its items to another policy")
+
+    def state(self) -> dict[str, Any]:
+        """What a restarted tier's policy begins from (`restore`), as JSON: the engine keeps
+        it beside its checkpoint. Most policies keep nothing across a restart."""
+        return {}
+
+    def restore(self, state: Mapping[str, Any], now: float) -> None:
+        """Begin from what `state()` returned in an earlier run of this tier (the engine calls
+        it at open, after recovery). Anything it does not recognise is ignored."""
+        return None  # nothing kept, nothing to begin from
 
     def adopt(self, items: Sequence[Resident], now: float) -> None:
         """Take over a tier's contents (this policy empty): `items` in `resident()`'s order.
