@@ -66,7 +66,7 @@ def test_mix_changes_shape_halfway() -> None:
 def test_family_sets_are_disjoint_and_cover_every_shape_short_and_restarting() -> None:
     sets = {"choose": CHOOSE_SET, "report": REPORT_SET, "held-out": HELD_OUT_SET}
     seeds = {role: {t.seed for t in traces} for role, traces in sets.items()}
-    assert seeds == {"choose": {0}, "report": {1}, "held-out": {286992}}
+    assert seeds == {"choose": {0}, "report": {1}, "held-out": {167840}}
     for role, traces in sets.items():
         assert {t.role for t in traces} == {role}
         assert {t.shape for t in traces} == set(SYNTHETIC_SHAPES)

@@ -109,12 +109,12 @@ def _set(role: str, seed: int, requests: int) -> tuple[FamilyTrace, ...]:
 # ten CPU-minutes on the fast path; through the engine, several times that.
 CHOOSE_SET = _set("choose", 0, 1500)
 REPORT_SET = _set("report", 1, 1500)
-# Drawn at random (2026-12-06T07:46:20Z) only after the default (`elect`, `prefix` starting
-# probation at 25%) was committed (docs/EVICTION.md, "Evaluation"). Seeds already seen judge
-# nothing: 262167 (it decided `prefix`'s starting share), 514295, 376429 (it decided between
-# `elect` and `prefix-run`), 31 and 404198 (earlier held-out sets), 726997 (development
-# since), 340071.
-HELD_OUT_SET = _set("held-out", 286992, 1500)
+# Drawn at random (2026-12-06T10:24:22Z) only after the default (`elect`, a restart beginning
+# with its leader) was committed (docs/EVICTION.md, "Evaluation"). Seeds already seen judge
+# nothing: 718791 (it decided the restart's leader), 286992 (the judging set before), 262167
+# (it decided `prefix`'s starting share), 514295, 376429 (it decided between `elect` and
+# `prefix-run`), 31 and 404198 (earlier held-out sets), 726997 (development since), 340071.
+HELD_OUT_SET = _set("held-out", 167840, 1500)
 
 
 def fixed_names() -> list[str]:
