@@ -34,6 +34,7 @@ from dpu_agent.bench.replay_family import (
     separation_z,
 )
 from dpu_agent.eviction import ElectPolicy, make_policy
+from dpu_agent.eviction._elect import CANDIDATES
 
 MOONCAKE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
 DEV_SEEDS = (0, 1, 726997)  # never a held-out seed drawn after the choice
@@ -74,6 +75,9 @@ def _score(args: tuple[tuple[FamilyTrace, float], int, dict[str, Any], str]) -> 
     kwargs = dict(kwargs)
     # a restart begins with the leader it had, as the engine does (False: with the prior)
     carry = kwargs.pop("carry", True)
+    tiny = kwargs.pop("tiny_extra", None)  # [blocks, name]: a candidate added in tiers that small
+    if tiny is not None and capacity <= tiny[0]:
+        kwargs["candidates"] = [*kwargs.get("candidates", CANDIDATES), tiny[1]]
     trace = spec.load()
     out: list[int] = []
     state: dict[str, Any] = {}
