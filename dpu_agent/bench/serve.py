@@ -1023,7 +1023,7 @@ def run_config(
         # last puts, and the first NIXL connect (the agent starts its worker) with them
         a.stop()
         if s.agents:
-            row["tier_used_bytes"] = _tier_used(s.agents)
+            row["tier_used_bytes"] = sum(_agent_used(x) for x in s.agents)
         row["outputs"] = {f"{r['conversation']}.{r['turn']}": r.get("text") for r in rows}
         row["ttfts_s"] = [round(r["ttft_s"], 4) for r in rows if "error" not in r]
         # the engine's prefill rate under this load: TTFT per computed (uncached) prompt token
@@ -1217,38 +1217,17 @@ def agent_warnings(log: Path) -> list[str]:
     return out
 
 
-# The agents' used-bytes gauge is set by the engine's tick (every 0.5 s, later on a loaded box):
-# read right after the first server's last store, it can still say 0 for a tier that holds it
-TIER_READ_WAIT_S = 3.0
-
-
-def _tier_used(agents: Sequence[Any]) -> int:
-    """The agents' stored bytes, once a tick has counted the last stores (or TIER_READ_WAIT_S
-    passed: an empty tier is empty)."""
-    deadline = time.monotonic() + TIER_READ_WAIT_S
-    while True:
-        used = sum(_agent_used(x) for x in agents)
-        if used or time.monotonic() >= deadline:
-            return used
-        time.sleep(0.25)
-
-
 def _agent_used(agent: Any) -> int:
-    """The agent's stored bytes (DRAM + NVMe tiers) from its /metrics."""
-    from urllib.request import urlopen
+    """The agent's stored bytes now (every tenant's DRAM + NVMe), from its admin `stats`: the
+    engine's own count at the call, not the metrics gauge its tick sets every 0.5 s (read right
+    after a server's last store, the gauge could still say 0 for a tier that held it)."""
+    from host_shim.client import ControlError
 
     try:
-        with urlopen(agent.metrics_url, timeout=10) as resp:
-            text = resp.read().decode()
-    except OSError:
+        tenants = agent.admin("stats")["stats"]["tenants"]
+        return sum(int(t["used_bytes"]) for t in tenants.values())
+    except (ControlError, OSError, KeyError, TypeError, ValueError):
         return 0
-    return int(
-        sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("kvtier_engine_tier_used_bytes{")
-        )
-    )
 
 
 # --- the run --------------------------------------------------------------------------------
