@@ -159,3 +159,27 @@ def test_a_restart_begins_each_tiers_election_with_the_leader_it_had(tmp_path: P
             assert eng.policy_state()["acme"]["nvme"] == {"leader": "prefix-run"}
         finally:
             eng.close()
+
+
+def test_the_policy_state_is_rewritten_only_when_a_leader_changed(tmp_path: Path) -> None:
+    """A checkpoint comes often and the file costs two fsyncs: it is replaced only when what it
+    holds changed."""
+    import dataclasses
+    import json
+
+    from dpu_agent.engine.engine import POLICY_STATE
+
+    elect = dataclasses.replace(cfg(tmp_path), eviction_policy="elect")
+    eng = Engine(elect)
+    try:
+        path = elect.journal_path / POLICY_STATE
+        eng.checkpoint()
+        first = path.stat().st_ino
+        eng.checkpoint()
+        assert path.stat().st_ino == first  # unchanged: not replaced
+        eng.restore_policies({"acme": {"nvme": {"leader": "s3fifo"}}})
+        eng.checkpoint()
+        assert path.stat().st_ino != first
+        assert json.loads(path.read_text())["acme"]["nvme"] == {"leader": "s3fifo"}
+    finally:
+        eng.close()

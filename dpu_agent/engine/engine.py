@@ -157,6 +157,7 @@ class Engine:
             )
         self._last_sync = clock()  # the tick's group-commit schedule
         self._closed = False
+        self._policy_state_written: bytes | None = None  # what _write_policy_state last wrote
         self._index = RecordIndex()
         self._tenants = Tenants(config, device_factory)
         self._commit = CommitLog(config.journal_path)
@@ -716,11 +717,17 @@ class Engine:
         return state
 
     def _write_policy_state(self) -> None:
+        """The file, where it changed since this engine last wrote it (a leader changes seldom;
+        a checkpoint comes often, and each write is two fsyncs)."""
         data = json.dumps(self.policy_state(), sort_keys=True).encode()
+        if data == self._policy_state_written:
+            return
         try:
             jr.replace_file(self._commit.journal.dir / POLICY_STATE, data)
         except OSError as e:  # the next checkpoint tries again; a restart would use the prior
             log.warning("engine.policy_state_not_written", error=str(e))
+            return
+        self._policy_state_written = data
 
     def _rewrite_journal(self) -> None:
         """The live segment lost what was appended to it: checkpoint the index from memory

@@ -261,14 +261,8 @@ class ElectPolicy(EvictionPolicy):
         if not isinstance(name, str) or name not in self._names:
             return
         leader = self._names.index(name)
-        if leader == self._leader:
-            return
-        new = _CANDIDATE_FACTORIES[name](self.capacity)
-        if len(self._parent):
-            parents = self._parent
-            new.adopt([(i, parents[i], used) for i, used in self._policy.resident()], now)
-        self._policy = new
-        self._leader = leader
+        if leader != self._leader:
+            self._lead_with(leader, now)
 
     # --- the shadows and the election ------------------------------------------------------
 
@@ -327,14 +321,18 @@ class ElectPolicy(EvictionPolicy):
         if margin * margin >= self._z2 * self._lead_sq[best][lead]:
             self._switch_to(best)
 
-    def _switch_to(self, leader: int) -> None:
-        assert self._now is not None
-        old = self._policy
+    def _lead_with(self, leader: int, now: float) -> None:
+        """A new instance of candidate `leader` takes the tier over: it adopts the items held,
+        in the old leader's order (nothing flushed)."""
         new = _CANDIDATE_FACTORIES[self._names[leader]](self.capacity)
         parents = self._parent
-        new.adopt([(i, parents[i], used) for i, used in old.resident()], self._now)
+        new.adopt([(i, parents[i], used) for i, used in self._policy.resident()], now)
         self._policy = new
         self._leader = leader
+
+    def _switch_to(self, leader: int) -> None:
+        assert self._now is not None
+        self._lead_with(leader, self._now)
         self._switched_at = self._ops
         self.switches += 1
         for rows in (self._lead, self._lead_sq):  # the new leader's evidence starts again
