@@ -23,7 +23,8 @@ from multiprocessing import Pool
 from pathlib import Path
 from typing import Any
 
-from dpu_agent.bench.replay import DEFAULT_FRACTIONS, distinct_blocks, replay_hits
+from dpu_agent.bench.replay import DEFAULT_FRACTIONS, distinct_blocks
+from dpu_agent.bench.replay_engine import restarted_hits
 from dpu_agent.bench.replay_family import (
     BAR_POINTS,
     SEPARABLE_Z,
@@ -33,7 +34,7 @@ from dpu_agent.bench.replay_family import (
     fixed_names,
     separation_z,
 )
-from dpu_agent.eviction import ElectPolicy, make_policy
+from dpu_agent.eviction import ElectPolicy, EvictionPolicy, make_policy
 from dpu_agent.eviction._elect import CANDIDATES
 
 MOONCAKE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
@@ -60,13 +61,11 @@ def _fixed(cell: tuple[FamilyTrace, float]) -> dict[str, Any]:
     spec, fraction = cell
     trace = spec.load()
     capacity = max(1, round(fraction * distinct_blocks(trace)))
-    hits = {}
-    for name in fixed_names():
-        hits[name] = [
-            h
-            for part in _segments(spec, trace)
-            for h in replay_hits(part, make_policy(name, capacity), capacity)
-        ]
+    parts = _segments(spec, trace)
+    hits = {
+        name: restarted_hits(parts, lambda name=name: make_policy(name, capacity), capacity)
+        for name in fixed_names()
+    }
     return {"capacity": capacity, "accesses": sum(len(r.hash_ids) for r in trace), "hits": hits}
 
 
@@ -78,16 +77,13 @@ def _score(args: tuple[tuple[FamilyTrace, float], int, dict[str, Any], str]) -> 
     tiny = kwargs.pop("tiny_extra", None)  # [blocks, name]: a candidate added in tiers that small
     if tiny is not None and capacity <= tiny[0]:
         kwargs["candidates"] = [*kwargs.get("candidates", CANDIDATES), tiny[1]]
-    trace = spec.load()
-    out: list[int] = []
-    state: dict[str, Any] = {}
-    for part in _segments(spec, trace):
-        p = ElectPolicy(capacity, **kwargs) if policy == "elect" else make_policy(policy, capacity)
-        if carry and state:
-            p.restore(state, 0.0)
-        out += replay_hits(part, p, capacity)
-        state = p.state()
-    return out
+
+    def new() -> EvictionPolicy:
+        return (
+            ElectPolicy(capacity, **kwargs) if policy == "elect" else make_policy(policy, capacity)
+        )
+
+    return restarted_hits(_segments(spec, spec.load()), new, capacity, carry=carry)
 
 
 def main() -> None:

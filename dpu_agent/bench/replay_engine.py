@@ -16,7 +16,7 @@ the two give the same hits on every policy.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,9 +24,9 @@ from typing import Any
 from dpu_agent.bench.replay import Request, replay_hits
 from dpu_agent.engine import Engine, EngineConfig
 from dpu_agent.engine.errors import TierFull
-from dpu_agent.eviction import make_policy
+from dpu_agent.eviction import EvictionPolicy, make_policy
 
-__all__ = ["EngineReplay", "policy_hits", "replay_engine"]
+__all__ = ["EngineReplay", "policy_hits", "replay_engine", "restarted_hits"]
 
 BS = 4096
 CHUNK_BYTES = BS - 64  # one block each (the engine adds no header to the block count)
@@ -126,23 +126,37 @@ def policy_hits(
     tests/test_replay_engine.py on every policy; the simulator knows one tier only). Each
     restart begins from what the policy kept of the part before (`Engine.policy_state`, which
     the engine writes beside its checkpoint: `elect`'s leader)."""
+    if not engine:
+        fast = restarted_hits(parts, lambda: make_policy(policy, capacity), capacity)
+        return fast, {"nvme": sum(fast)}
     per_request: list[int] = []
     by_tier: dict[str, int] = {}
     state: dict[str, Any] = {}
     for part in parts:
-        if engine:
-            got = replay_engine(part, policy, capacity, data_dir=data_dir, policy_state=state)
-            per_request += got.per_request
-            for tier, n in got.hits_by_tier.items():
-                by_tier[tier] = by_tier.get(tier, 0) + n
-            state = got.policy_state
-            continue
-        p = make_policy(policy, capacity)
-        kept = state.get(TENANT, {}).get("nvme")
-        if kept:
-            p.restore(kept, 0.0)
-        hits = replay_hits(part, p, capacity)
-        per_request += hits
-        by_tier["nvme"] = by_tier.get("nvme", 0) + sum(hits)
-        state = {TENANT: {"nvme": p.state()}}
+        got = replay_engine(part, policy, capacity, data_dir=data_dir, policy_state=state)
+        per_request += got.per_request
+        for tier, n in got.hits_by_tier.items():
+            by_tier[tier] = by_tier.get(tier, 0) + n
+        state = got.policy_state
     return per_request, by_tier
+
+
+def restarted_hits(
+    parts: Sequence[Sequence[Request]],
+    new_policy: Callable[[], EvictionPolicy],
+    capacity: int,
+    *,
+    carry: bool = True,
+) -> list[int]:
+    """The simulator over `parts` (the engine replay's fast path): a new policy from
+    `new_policy()` for each part, begun from what the one before kept (`carry`, as the engine
+    does from its `policy_state`; False: from nothing)."""
+    per_request: list[int] = []
+    kept: dict[str, Any] = {}
+    for part in parts:
+        p = new_policy()
+        if carry and kept:
+            p.restore(kept, 0.0)
+        per_request += replay_hits(part, p, capacity)
+        kept = p.state()
+    return per_request
