@@ -86,6 +86,49 @@ def _score(args: tuple[tuple[FamilyTrace, float], int, dict[str, Any], str]) -> 
     return restarted_hits(_segments(spec, spec.load()), new, capacity, carry=carry)
 
 
+def report(
+    label: str,
+    cells: list[tuple[FamilyTrace, float]],
+    fixed: list[dict[str, Any]],
+    got: list[list[int]],
+    *,
+    verbose: bool = False,
+) -> None:
+    """Print each variant's figures by the family's rule: decided cells within BAR_POINTS of
+    the best fixed policy, undecided ones, cells under LRU, misses (decided cells outside plus
+    cells under LRU), mean and worst gap; and the cells it misses (every cell: `verbose`)."""
+    within_d = decided = within_u = under = 0
+    gaps = []
+    for (spec, frac), f, e in zip(cells, fixed, got, strict=True):
+        acc = f["accesses"]
+        rates = {n: sum(h) / acc * 100 for n, h in f["hits"].items()}
+        best = max(rates, key=rates.__getitem__)
+        mine = sum(e) / acc * 100
+        gap = mine - rates[best]
+        sep = separation_z(f["hits"], acc)
+        dec = sep is not None and sep[0] >= SEPARABLE_Z
+        decided += dec
+        ok = gap >= -BAR_POINTS
+        within_d += dec and ok
+        within_u += (not dec) and ok
+        lru_gap = mine - rates["lru"]
+        under += lru_gap < 0
+        gaps.append(gap)
+        if verbose or (dec and not ok) or lru_gap < 0:
+            print(
+                f"  {label} {spec.name} {frac * 100:g}%: elect {mine:.2f} "
+                f"prefix-run {rates['prefix-run']:.2f} best {best} {rates[best]:.2f} "
+                f"gap {gap:+.2f} lru {lru_gap:+.2f} {'DECIDED' if dec else ''}"
+            )
+    n = len(cells)
+    print(
+        f"{label}: decided within {within_d}/{decided}, undecided within "
+        f"{within_u}/{n - decided}, under LRU {under}/{n}, misses {decided - within_d + under}, "
+        f"mean gap {sum(gaps) / n:+.3f}, worst {min(gaps):+.2f}",
+        flush=True,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=2)
@@ -124,36 +167,7 @@ def main() -> None:
                 [(c, f["capacity"], kwargs, a.policy) for c, f in zip(cells, fixed, strict=True)],
                 chunksize=1,
             )
-            within_d = decided = within_u = under = 0
-            gaps = []
-            for (spec, frac), f, e in zip(cells, fixed, got, strict=True):
-                acc = f["accesses"]
-                rates = {n: sum(h) / acc * 100 for n, h in f["hits"].items()}
-                best = max(rates, key=rates.__getitem__)
-                mine = sum(e) / acc * 100
-                gap = mine - rates[best]
-                sep = separation_z(f["hits"], acc)
-                dec = sep is not None and sep[0] >= SEPARABLE_Z
-                decided += dec
-                ok = gap >= -BAR_POINTS
-                within_d += dec and ok
-                within_u += (not dec) and ok
-                lru_gap = mine - rates["lru"]
-                under += lru_gap < 0
-                gaps.append(gap)
-                if a.verbose or (dec and not ok) or lru_gap < 0:
-                    print(
-                        f"  {label} {spec.name} {frac * 100:g}%: elect {mine:.2f} "
-                        f"prefix-run {rates['prefix-run']:.2f} best {best} {rates[best]:.2f} "
-                        f"gap {gap:+.2f} lru {lru_gap:+.2f} {'DECIDED' if dec else ''}"
-                    )
-            n = len(cells)
-            print(
-                f"{label}: decided within {within_d}/{decided}, undecided within "
-                f"{within_u}/{n - decided}, under LRU {under}/{n}, mean gap {sum(gaps) / n:+.3f}, "
-                f"worst {min(gaps):+.2f}",
-                flush=True,
-            )
+            report(label, cells, fixed, got, verbose=a.verbose)
 
 
 if __name__ == "__main__":

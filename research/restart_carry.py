@@ -16,8 +16,8 @@ import json
 from multiprocessing import Pool
 
 from dpu_agent.bench.replay import DEFAULT_FRACTIONS
-from dpu_agent.bench.replay_family import BAR_POINTS, SEPARABLE_Z, _set, separation_z
-from research.elect_choose import _fixed, _score
+from dpu_agent.bench.replay_family import _set
+from research.elect_choose import _fixed, _score, report
 
 
 def main() -> None:
@@ -37,27 +37,7 @@ def main() -> None:
         for label, kwargs in variants:
             args = [(c, f["capacity"], kwargs, "elect") for c, f in zip(cells, fixed, strict=True)]
             got = pool.map(_score, args, chunksize=1)
-            decided = within = under = 0
-            gaps = []
-            for (spec, frac), f, e in zip(cells, fixed, got, strict=True):
-                acc = f["accesses"]
-                rates = {n: sum(h) / acc * 100 for n, h in f["hits"].items()}
-                best = max(rates, key=rates.__getitem__)
-                gap = sum(e) / acc * 100 - rates[best]
-                sep = separation_z(f["hits"], acc)
-                dec = sep is not None and sep[0] >= SEPARABLE_Z
-                decided += dec
-                within += dec and gap >= -BAR_POINTS
-                lru = sum(e) / acc * 100 - rates["lru"]
-                under += lru < 0
-                gaps.append(gap)
-                if (dec and gap < -BAR_POINTS) or lru < 0:
-                    print(f"  {label} {spec.name} {frac * 100:g}%: gap {gap:+.2f} lru {lru:+.2f}"
-                          f" best {best} {'DECIDED' if dec else ''}")  # fmt: skip
-            misses = decided - within + under
-            print(f"{label}: decided within {within}/{decided}, under LRU {under}/{len(cells)}, "
-                  f"misses {misses}, mean gap {sum(gaps) / len(gaps):+.3f}, worst {min(gaps):+.2f}",
-                  flush=True)  # fmt: skip
+            report(label, cells, fixed, got)
 
 
 if __name__ == "__main__":

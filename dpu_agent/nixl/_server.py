@@ -395,8 +395,9 @@ class NixlServer:
         host's first nixl_connect otherwise waits for the start (1-5 s here, longer under load)
         inside a call its client gives up on after 5 s, and every host connecting meanwhile
         is served misses and stores nothing until it has started."""
-        if not nixl_status()["available"]:
-            log.info("nixl_prestart_skipped", reason=nixl_status()["reason"])
+        status = nixl_status()
+        if not status["available"]:
+            log.info("nixl_prestart_skipped", reason=status["reason"])
             return
 
         def start() -> None:
