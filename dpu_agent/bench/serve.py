@@ -1023,7 +1023,13 @@ def run_config(
         # last puts, and the first NIXL connect (the agent starts its worker) with them
         a.stop()
         if s.agents:
-            row["tier_used_bytes"] = sum(_agent_used(x) for x in s.agents)
+            from host_shim.client import ControlError
+
+            try:
+                row["tier_used_bytes"] = sum(_agent_used(x) for x in s.agents)
+            except (ControlError, OSError, KeyError, TypeError, ValueError) as e:
+                row["tier_used_bytes"] = None  # unknown, not 0: the row says why
+                row["tier_used_error"] = f"{type(e).__name__}: {e}"
         row["outputs"] = {f"{r['conversation']}.{r['turn']}": r.get("text") for r in rows}
         row["ttfts_s"] = [round(r["ttft_s"], 4) for r in rows if "error" not in r]
         # the engine's prefill rate under this load: TTFT per computed (uncached) prompt token
@@ -1220,14 +1226,10 @@ def agent_warnings(log: Path) -> list[str]:
 def _agent_used(agent: Any) -> int:
     """The agent's stored bytes now (every tenant's DRAM + NVMe), from its admin `stats`: the
     engine's own count at the call, not the metrics gauge its tick sets every 0.5 s (read right
-    after a server's last store, the gauge could still say 0 for a tier that held it)."""
-    from host_shim.client import ControlError
-
-    try:
-        tenants = agent.admin("stats")["stats"]["tenants"]
-        return sum(int(t["used_bytes"]) for t in tenants.values())
-    except (ControlError, OSError, KeyError, TypeError, ValueError):
-        return 0
+    after a server's last store, the gauge could still say 0 for a tier that held it). Raises
+    what the call raised: a failed read is not an empty tier."""
+    tenants = agent.admin("stats")["stats"]["tenants"]
+    return sum(int(t["used_bytes"]) for t in tenants.values())
 
 
 # --- the run --------------------------------------------------------------------------------
