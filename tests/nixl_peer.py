@@ -279,6 +279,44 @@ def worker_killed(url: str, token: str) -> dict[str, Any]:
     return out
 
 
+PAUSED_ROUNDS_MAX = 200  # the loop ends by itself if the stop file never appears
+
+
+def agent_paused(url: str, token: str, stop_file: str) -> dict[str, Any]:
+    """Put 6 x 32 MiB under new keys and get them back, round after round, until `stop_file`
+    exists; meanwhile the parent stops the agent (SIGSTOP) for longer than its transfer
+    deadline and continues it, so one of these calls is in flight across the pause. This host
+    did nothing wrong: every call must end whole, over NIXL."""
+    src = [np.full(FROZEN_CHUNK_BYTES, 0x40 + i, np.uint8) for i in range(KILLED_CHUNKS)]
+    dst = np.zeros((KILLED_CHUNKS, FROZEN_CHUNK_BYTES), np.uint8)
+    out: dict[str, Any] = {"rounds": 0, "bad": [], "longest_s": 0.0, "transports": []}
+    with KVClient(url, "default", token, LAYOUT, SALT, transport="nixl", timeout_s=120) as c:
+        c.put_keys([b"\xbf" * 16], src[:1], chunk_bytes=FROZEN_CHUNK_BYTES)  # NIXL connected
+        print("LOOPING", flush=True)  # the parent stops the agent during the loop
+        end = time.monotonic() + LEGIT_RUN_MAX_S
+        while (not os.path.exists(stop_file) and out["rounds"] < PAUSED_ROUNDS_MAX
+               and time.monotonic() < end):  # fmt: skip
+            r = out["rounds"] = out["rounds"] + 1
+            keys = [bytes([r % 256, i]) * 8 for i in range(KILLED_CHUNKS)]
+            dst.fill(0)
+            t0 = time.monotonic()
+            try:
+                stored = c.put_keys(keys, src, chunk_bytes=FROZEN_CHUNK_BYTES)
+                t1 = time.monotonic()
+                loaded = c.get_keys(keys, list(dst), chunk_bytes=FROZEN_CHUNK_BYTES)
+            except ControlError as e:
+                out["bad"].append([r, f"{e.code}: {e.message}"])
+                continue
+            t2 = time.monotonic()
+            out["longest_s"] = max(out["longest_s"], t1 - t0, t2 - t1)
+            exact = all(np.array_equal(a, b) for a, b in zip(src, dst, strict=True))
+            if c.transport not in out["transports"]:
+                out["transports"].append(c.transport)
+            if stored != KILLED_CHUNKS or loaded != KILLED_CHUNKS or not exact:
+                out["bad"].append([r, stored, loaded, exact])
+    return out
+
+
 def _unchecked(ch: ControlChannel, op: str, **fields: Any) -> str:
     """A call sent without the client's own field checks, as a hostile client would."""
     import host_shim.control as hc
@@ -349,6 +387,8 @@ def main() -> None:
         out = huge(url, token)
     elif scenario == "worker_killed":
         out = worker_killed(url, token)
+    elif scenario == "agent_paused":
+        out = agent_paused(url, token, sys.argv[4])
     elif scenario == "metadata":
         out = metadata()
     else:

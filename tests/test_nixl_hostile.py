@@ -399,6 +399,42 @@ def test_nixl_frozen_client_does_not_stall_other_tenants(
     _bounded(agent)
 
 
+# Each pause longer than the transfer deadline (NIXL_XFER_TIMEOUT_S) and the watchdog's (3 s);
+# several, because what the old code did on waking depended on which thread woke first
+AGENT_PAUSE_S, AGENT_PAUSES = 3.5, 5
+
+
+@pytest.mark.slow
+def test_an_agent_paused_mid_transfer_blames_no_tenant(agent: AgentProcess, tmp_path: Path) -> None:
+    """The agent stopped (SIGSTOP; a VM pause or starved cores do the same) for longer than its
+    transfer deadline while a host puts and gets over NIXL in a loop, then continued. Its
+    deadlines count only time it ran (dpu_agent/runclock.py): every call ends whole over NIXL,
+    the worker is not replaced, the tenant is not refused NIXL. Before, the agent could find
+    its own transfer "late" on waking, replace its worker and refuse the tenant NIXL for 60 s
+    (seen in about half the runs: it depends on which of its threads wakes first)."""
+    stop_file = tmp_path / "stop"
+    p = _peer("agent_paused", agent.control_url, agent.token, str(stop_file))
+    _wait_line(p, "LOOPING")
+    w = _worker(agent)
+    for _ in range(AGENT_PAUSES):
+        time.sleep(0.3)  # a few rounds in: a call is in flight whenever the loop runs
+        os.kill(agent.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(AGENT_PAUSE_S)
+        finally:
+            os.kill(agent.proc.pid, signal.SIGCONT)
+    time.sleep(1.0)  # rounds after the pauses: the session still has NIXL
+    stop_file.touch()
+    r = _result(p)
+    assert r["longest_s"] >= AGENT_PAUSE_S * 0.9, r  # a call was in flight across a pause
+    assert r["bad"] == [] and r["transports"] == ["nixl"], r
+    assert _worker(agent) == w, "the worker was replaced"
+    log = (agent.data_dir / "agent.log").read_text(errors="replace")
+    assert "nixl_transfer_timeout" not in log and "nixl_worker_stuck" not in log
+    assert "agent_did_not_run" in log  # the pause is in the log: it explains slow calls
+    _bounded(agent)
+
+
 @pytest.mark.slow
 def test_nixl_worker_killed_fails_only_calls_in_flight(agent: AgentProcess, tmp_path: Path) -> None:
     """NIXL's process dying (an abort in NIXL or UCX) costs the calls in flight: the agent

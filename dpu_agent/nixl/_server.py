@@ -60,6 +60,7 @@ from dpu_agent.crypto.xts import Xxh3
 from dpu_agent.engine import errors as engine_errors
 from dpu_agent.log import get_logger
 from dpu_agent.nixl._metadata import NixlMetadata, parse_metadata
+from dpu_agent.runclock import run_clock
 from host_shim.transport import NixlUnavailable, load_nixl, nixl_status
 from kvproto.control import NIXL_REGIONS_MAX, RemoteProtocolError
 
@@ -248,7 +249,7 @@ class _Link:
         while self.alive and not self._closed:
             time.sleep(NIXL_WORKER_PING_S)
             if ping is not None and not ping.done():
-                if time.monotonic() - sent < NIXL_WORKER_HANG_S:
+                if run_clock() - sent < NIXL_WORKER_HANG_S:
                     continue
                 log.warning("nixl_worker_stuck", pid=self.proc.pid, silent_s=NIXL_WORKER_HANG_S,
                             calls_pending=len(self._pending))  # fmt: skip
@@ -264,7 +265,7 @@ class _Link:
                 busy = bool(self._pending)
             if busy:
                 try:
-                    ping, sent = self.call("ping"), time.monotonic()
+                    ping, sent = self.call("ping"), run_clock()
                 except WorkerLost:
                     return
 
@@ -790,7 +791,7 @@ class _Mover:
         return self.view[i * NIXL_SEGMENT_BYTES : i * NIXL_SEGMENT_BYTES + nbytes]
 
     def post(self, op: str, slot: int, span: _Span, off: int, n: int) -> _Xfer:
-        deadline = time.monotonic() + NIXL_XFER_TIMEOUT_S
+        deadline = run_clock() + NIXL_XFER_TIMEOUT_S
         try:
             fut = self.link.call(
                 "xfer", op, slot * NIXL_SEGMENT_BYTES, n, span[0] + off, span[2], span[3],
@@ -813,7 +814,7 @@ class _Mover:
             if st == "ERR":
                 log.warning("nixl_transfer_failed", remote=self.remote)
             return st
-        if time.monotonic() <= x.deadline:
+        if run_clock() <= x.deadline:
             return "PROC"
         log.warning("nixl_transfer_timeout", remote=self.remote, timeout_s=NIXL_XFER_TIMEOUT_S)
         x.fut.add_done_callback(self.returner(slot))
@@ -840,8 +841,8 @@ class _Mover:
         waits = [x.fut for x in xs if x.fut is not None] + futs
         if not waits:
             return
-        timeout = max(0.0, min((x.deadline for x in xs), default=time.monotonic() + 1)
-                      - time.monotonic()) + 0.001  # fmt: skip
+        now = run_clock()  # run time: at most as fast as real time, so never waits too long
+        timeout = max(0.0, min((x.deadline for x in xs), default=now + 1) - now) + 0.001
         cf.wait(waits, timeout=timeout, return_when=cf.FIRST_COMPLETED)
 
     @staticmethod
@@ -878,7 +879,10 @@ class _Mover:
         """Decrypt a segment into `slot` and feed its `n` bytes of plaintext to its chunk's
         `hasher`, once the chunk's previous segment `prev` has fed its own."""
         if prev is not None:  # submitted earlier to the same FIFO pool: running or done
-            prev.result(timeout=NIXL_XFER_TIMEOUT_S)  # raises if it failed: the chunk is lost
+            deadline = run_clock() + NIXL_XFER_TIMEOUT_S  # the agent's own pauses not counted
+            while not prev.done() and run_clock() < deadline:
+                cf.wait([prev], timeout=0.1)
+            prev.result(timeout=0)  # raises if it failed or is late: the chunk is lost
         nblk = -(-n // BLOCK_SIZE)
         view, dev = self.slot(slot, nblk * BLOCK_SIZE), self.devs[nsid]
         if isinstance(dev, CryptoBlockDevice):
@@ -942,8 +946,8 @@ class _Mover:
                 elif not any(j[0] < failed for j in jobs):
                     return failed, corrupt
                 elif not self.free:  # every slot waits on a transfer to a host that stopped
-                    stuck_since = stuck_since or time.monotonic()
-                    if time.monotonic() - stuck_since > NIXL_XFER_TIMEOUT_S:
+                    stuck_since = stuck_since or run_clock()
+                    if run_clock() - stuck_since > NIXL_XFER_TIMEOUT_S:
                         log.warning("nixl_lane_no_slot", remote=self.remote)
                         return failed if failed < usable else min(j[0] for j in jobs), corrupt
                     time.sleep(0.01)
@@ -1013,8 +1017,8 @@ class _Mover:
                 elif (job := jobs.peek()) is None or job[0] >= failed:
                     return self.commit(res, hashers, min(failed, len(res)))
                 elif not self.free:  # every slot waits on a transfer to a host that stopped
-                    stuck_since = stuck_since or time.monotonic()
-                    if time.monotonic() - stuck_since > NIXL_XFER_TIMEOUT_S:
+                    stuck_since = stuck_since or run_clock()
+                    if run_clock() - stuck_since > NIXL_XFER_TIMEOUT_S:
                         log.warning("nixl_lane_no_slot", remote=self.remote)
                         failed = job[0]
                     time.sleep(0.01)

@@ -36,6 +36,7 @@ from dpu_agent.nvmf._limits import (
     SEND_QUEUE_BYTES_MAX,
     SizedPool,
 )
+from dpu_agent.runclock import run_clock
 from kvproto.nvme import (
     ADMIN_ICD_BYTES,
     R2T,
@@ -151,7 +152,7 @@ class _Cmd:
         self.dev: BlockDevice | None = None
         self.slba = 0
         self.nlb = 0
-        self.r2t_at = 0.0  # monotonic time the R2T went out (R2T_TIMEOUT_S)
+        self.r2t_at = 0.0  # run_clock() when the R2T went out (R2T_TIMEOUT_S)
 
 
 class NvmfConnection(asyncio.BufferedProtocol):
@@ -748,7 +749,7 @@ class NvmfConnection(asyncio.BufferedProtocol):
             ttag = (ttag + 1) & 0xFFFF
         self._next_ttag = (ttag + 1) & 0xFFFF
         cmd.ttag = ttag
-        cmd.r2t_at = time.monotonic()
+        cmd.r2t_at = run_clock()
         self._ttags[ttag] = cmd
         # One R2T for the whole transfer (as SPDK); the host splits it by MAXH2CDATA.
         self._write_now(R2T(cccid=cmd.sqe.cid, ttag=ttag, r2to=0, r2tl=cmd.length))

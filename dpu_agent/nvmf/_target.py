@@ -41,6 +41,7 @@ from dpu_agent.nvmf._limits import (
 from dpu_agent.nvmf._subsystem import DISCOVERY_NQN, Subsystem, TargetOptions, check_namespace
 from dpu_agent.nvmf._tls import TlsServerProtocol, check_secure, psk_lookup
 from dpu_agent.ratelimit import TokenBuckets
+from dpu_agent.runclock import run_clock
 from kvproto.nvme import CONNECT_DATA_BYTES, ConnectData, ConnectDataError, Status
 from kvproto.nvme._structs import ADRFAM_IPV4, ADRFAM_IPV6, DiscoveryEntry, DiscoveryLog
 
@@ -124,7 +125,7 @@ class NvmeTcpTarget:
         port: int = 4420,
         *,
         options: TargetOptions | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = run_clock,  # a pause of ours is no host's silence
         secure_channel: bool = False,
     ) -> None:
         """`secure_channel`: the listener speaks TLS 1.3 with PSKs only (docs/NVME_AUTH.md)."""
@@ -455,7 +456,7 @@ class NvmeTcpTarget:
             for ctrl in list(self._controllers.values()):
                 if ctrl.keep_alive_expired(now):
                     self.destroy_controller(ctrl, reason=f"keep-alive timeout {ctrl.kato_ms} ms")
-            r2t_now = time.monotonic()
+            r2t_now = run_clock()
             for conn in list(self._connections):
                 conn.expire_r2t(r2t_now)
             self._forget_idle_budgets()
