@@ -49,9 +49,8 @@ def dev_cells(seeds: tuple[int, ...] = DEV_SEEDS) -> list[tuple[FamilyTrace, flo
 
 # v2: `prefix-run` with the learnt penalty weight (the figures in docs/EVICTION.md, "The
 # default", were scored against v1's fixed policies, `prefix-run` with the fixed penalty);
-# v3: `prefix` starting probation at 25% ("Probation's starting share"); v4: a restart carries
-# what `prefix`, `prefix-run` and ARC had learnt (their restarting traces' figures change)
-CACHE = Path("/tmp/elect_choose_fixed-v4.pkl")  # (trace name, fraction) -> the fixed policies'
+# v3: `prefix` starting probation at 25% ("Probation's starting share")
+CACHE = Path("/tmp/elect_choose_fixed-v3.pkl")  # (trace name, fraction) -> the fixed policies'
 
 
 def _key(cell: tuple[FamilyTrace, float]) -> tuple[str, float]:
@@ -73,30 +72,18 @@ def _fixed(cell: tuple[FamilyTrace, float]) -> dict[str, Any]:
 def _score(args: tuple[tuple[FamilyTrace, float], int, dict[str, Any], str]) -> list[int]:
     (spec, _), capacity, kwargs, policy = args
     kwargs = dict(kwargs)
-    # a restart begins with the leader it had and what it had learnt, as the engine does
-    # (False: with the prior; "leader": with the leader, not what it learnt)
+    # a restart begins with the leader it had, as the engine does (False: with the prior)
     carry = kwargs.pop("carry", True)
     tiny = kwargs.pop("tiny_extra", None)  # [blocks, name]: a candidate added in tiers that small
     if tiny is not None and capacity <= tiny[0]:
         kwargs["candidates"] = [*kwargs.get("candidates", CANDIDATES), tiny[1]]
 
     def new() -> EvictionPolicy:
-        if policy != "elect":
-            return make_policy(policy, capacity)
         return (
-            _LeaderOnly(capacity, **kwargs)
-            if carry == "leader"
-            else ElectPolicy(capacity, **kwargs)
+            ElectPolicy(capacity, **kwargs) if policy == "elect" else make_policy(policy, capacity)
         )
 
-    return restarted_hits(_segments(spec, spec.load()), new, capacity, carry=bool(carry))
-
-
-class _LeaderOnly(ElectPolicy):
-    """`elect` as it was before a restart carried what the leader had learnt."""
-
-    def state(self) -> dict[str, Any]:
-        return {"leader": self.leader}
+    return restarted_hits(_segments(spec, spec.load()), new, capacity, carry=carry)
 
 
 def report(

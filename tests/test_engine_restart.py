@@ -121,29 +121,29 @@ def test_key_rotation_does_not_strand_existing_nvme_chunks(tmp_path: Path) -> No
 
 
 def test_a_restart_begins_each_tiers_election_with_the_leader_it_had(tmp_path: Path) -> None:
-    """`elect`'s leader and what the leader had learnt are written beside the checkpoint and
-    given back at the next start, for each tenant and tier. A damaged or hostile file costs the
-    restart what it damaged, never the start."""
+    """`elect`'s leader is written beside the checkpoint and given back at the next start,
+    for each tenant and tier. A damaged or
+    hostile file costs the restart its leader, never the start."""
     import dataclasses
     import json
 
     from dpu_agent.engine.engine import POLICY_STATE
 
-    prior = {"leader": "prefix-run", "learnt": {"share": 0.1, "weight": 1.0}}
-    learnt = {"leader": "prefix-run", "learnt": {"share": 0.3, "weight": 0.5}}
-    s3fifo = {"leader": "s3fifo", "learnt": {}}
     elect = dataclasses.replace(cfg(tmp_path), eviction_policy="elect")
     eng = Engine(elect)
-    assert eng.policy_state() == {"acme": {"dram": prior, "nvme": prior}}
+    assert eng.policy_state() == {
+        "acme": {"dram": {"leader": "prefix-run"}, "nvme": {"leader": "prefix-run"}}
+    }
     eng.put_chunk("acme", *chunk(1))
-    given = {"acme": {"nvme": {"leader": "s3fifo"}, "dram": learnt}, "ghost": {}}
-    assert eng.restore_policies(given) == 2
+    assert eng.restore_policies({"acme": {"nvme": {"leader": "s3fifo"}}, "ghost": {}}) == 1
     eng.close()
     state = json.loads((elect.journal_path / POLICY_STATE).read_text())
-    assert state["acme"] == {"dram": learnt, "nvme": s3fifo}
+    assert state["acme"]["nvme"] == {"leader": "s3fifo"}
     eng = Engine(elect)
     try:
-        assert eng.policy_state()["acme"] == {"dram": learnt, "nvme": s3fifo}
+        assert eng.policy_state()["acme"] == {
+            "dram": {"leader": "prefix-run"}, "nvme": {"leader": "s3fifo"},
+        }  # fmt: skip
         assert eng.get_chunk("acme", chunk(1)[0]) == chunk(1)[1]
     finally:
         eng.close()
@@ -151,18 +151,17 @@ def test_a_restart_begins_each_tiers_election_with_the_leader_it_had(tmp_path: P
         b"{not json",
         b"[1, 2]",
         b'{"acme": {"nvme": {"leader": 7}}}',
-        b'{"acme": {"nvme": {"leader": "prefix-run", "learnt": {"share": NaN, "weight": 9}}}}',
         b"x" * (2 << 20),
     ):
         (elect.journal_path / POLICY_STATE).write_bytes(damaged)
         eng = Engine(elect)
         try:
-            assert eng.policy_state()["acme"]["nvme"] == prior
+            assert eng.policy_state()["acme"]["nvme"] == {"leader": "prefix-run"}
         finally:
             eng.close()
 
 
-def test_the_policy_state_is_rewritten_only_when_it_changed(tmp_path: Path) -> None:
+def test_the_policy_state_is_rewritten_only_when_a_leader_changed(tmp_path: Path) -> None:
     """A checkpoint comes often and the file costs two fsyncs: it is replaced only when what it
     holds changed."""
     import dataclasses
@@ -181,6 +180,6 @@ def test_the_policy_state_is_rewritten_only_when_it_changed(tmp_path: Path) -> N
         eng.restore_policies({"acme": {"nvme": {"leader": "s3fifo"}}})
         eng.checkpoint()
         assert path.stat().st_ino != first
-        assert json.loads(path.read_text())["acme"]["nvme"] == {"leader": "s3fifo", "learnt": {}}
+        assert json.loads(path.read_text())["acme"]["nvme"] == {"leader": "s3fifo"}
     finally:
         eng.close()

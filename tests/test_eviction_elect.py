@@ -15,7 +15,7 @@ import pytest
 
 from dpu_agent.bench.replay import Request, replay_hits, replay_request
 from dpu_agent.bench.replay_engine import replay_engine
-from dpu_agent.eviction import ElectPolicy, RunAwarePrefixPolicy, _registry, make_policy
+from dpu_agent.eviction import ElectPolicy, _registry, make_policy
 from dpu_agent.eviction._elect import SHADOW_ITEMS_MAX, SHADOW_ITEMS_MIN
 
 
@@ -286,14 +286,13 @@ def test_a_clear_lead_of_lru2_switches_to_it_without_a_flush() -> None:
 
 
 def test_a_restart_begins_with_the_leader_the_tier_had() -> None:
-    """`state()` names the leader (and what it learnt: nothing, for these two); a new instance
-    given it (`restore`) leads with that candidate from its first call, and one holding items
-    hands them over as at a switch (nothing flushed). An unknown or malformed state changes
-    nothing."""
+    """`state()` names the leader; a new instance given it (`restore`) leads with that
+    candidate from its first call, and one holding items hands them over as at a switch
+    (nothing flushed). An unknown or malformed state changes nothing."""
     two = partial(ElectPolicy, candidates=("lru", "s3fifo"))
     first = two(60)
     replay_hits(_hot_and_scans(2500), first, 60)
-    assert first.leader == "s3fifo" and first.state() == {"leader": "s3fifo", "learnt": {}}
+    assert first.leader == "s3fifo" and first.state() == {"leader": "s3fifo"}
     fresh = two(60)
     fresh.restore(first.state(), 0.0)
     assert fresh.leader == "s3fifo" and fresh.switches == 0
@@ -325,40 +324,8 @@ def test_the_engine_replay_carries_the_leader_across_a_restart_as_the_simulator_
     fast, _ = policy_hits(parts, "elect", 60, engine=False)
     assert engine == fast
     first = replay_engine(trace, "elect", 60, data_dir=tmp_path)
-    assert first.policy_state["replay"]["nvme"] == {"leader": "s3fifo", "learnt": {}}
+    assert first.policy_state["replay"]["nvme"] == {"leader": "s3fifo"}
     carried = two(60)
     carried.restore({"leader": "s3fifo"}, 0.0)
     assert fast[len(trace) :] == replay_hits(trace[:400], carried, 60)
     assert fast[len(trace) :] != replay_hits(trace[:400], two(60), 60)  # the prior differs
-
-
-def test_a_restart_begins_with_what_the_policies_had_learnt() -> None:
-    """`prefix`'s probation share, `prefix-run`'s share and penalty weight, ARC's split (a share
-    of the capacity) and `elect`'s leader's are kept (`state`) and begun from (`restore`); a
-    value that is not a share (hostile or damaged file) is ignored, the rest still taken."""
-    trace = _hot_and_scans(2500)
-    for name in ("prefix", "prefix-run", "arc"):
-        first = make_policy(name, 60)
-        replay_hits(trace, first, 60)
-        kept = first.state()
-        assert kept and all(0.0 <= v <= 1.0 for v in kept.values()), (name, kept)
-        fresh = make_policy(name, 60)
-        assert fresh.state() != kept, name  # it had learnt something to keep
-        fresh.restore(kept, 0.0)
-        assert fresh.state() == kept, name
-    run = make_policy("prefix-run", 60)
-    assert isinstance(run, RunAwarePrefixPolicy)
-    run.restore({"share": 0.3, "weight": 0.25}, 0.0)
-    assert run.penalty_weight == 0.25 and run.state() == {"share": 0.3, "weight": 0.25}
-    for bad in (float("nan"), float("inf"), -0.1, 1.5, True, "0.5", None, [0.5]):
-        other = make_policy("prefix-run", 60)
-        other.restore({"share": bad, "weight": 0.5}, 0.0)
-        assert other.state() == {"share": 0.1, "weight": 0.5}, bad  # the prior share kept
-    arc = make_policy("arc", 1000)  # the split is a share: a resized tier keeps its shape
-    arc.restore({"p": 0.4}, 0.0)
-    assert arc.state() == {"p": 0.4}
-    elect = ElectPolicy(60, candidates=("prefix-run", "lru"))
-    elect.restore({"leader": "prefix-run", "learnt": {"share": 0.2, "weight": 0.0}}, 0.0)
-    assert elect.state() == {"leader": "prefix-run", "learnt": {"share": 0.2, "weight": 0.0}}
-    elect.restore({"leader": "prefix-run", "learnt": "weight=0"}, 0.0)  # malformed: ignored
-    assert elect.state()["learnt"] == {"share": 0.2, "weight": 0.0}

@@ -31,26 +31,6 @@ def test_engine_replay_gives_the_simulators_hits(tmp_path: Path, policy: str, pc
     assert got.accesses == sum(len(r.hash_ids) for r in trace)
 
 
-@pytest.mark.parametrize("policy", ["prefix", "prefix-run", "arc", "elect"])
-def test_engine_replay_across_a_restart_gives_the_simulators_hits(
-    tmp_path: Path, policy: str
-) -> None:
-    """A restart halfway: the engine hands what its policies learnt to the next run
-    (`policy_state`, the file beside its checkpoint) as the fast path hands it to the next
-    policy; the hits stay equal, and the state carried is not the prior's."""
-    from dpu_agent.bench.replay_engine import policy_hits
-    from dpu_agent.eviction import make_policy
-
-    trace = load_trace(TRACE)[:REQUESTS]
-    capacity = distinct_blocks(trace) * 5 // 100  # at 2% ARC's split stays at 0 here
-    parts = [trace[: REQUESTS // 2], trace[REQUESTS // 2 :]]
-    engine, _ = policy_hits(parts, policy, capacity, engine=True, data_dir=tmp_path)
-    fast, _ = policy_hits(parts, policy, capacity, engine=False)
-    assert engine == fast
-    first = replay_engine(parts[0], policy, capacity, data_dir=tmp_path)
-    assert first.policy_state["replay"]["nvme"] != make_policy(policy, capacity).state()
-
-
 def test_engine_replay_rejects_an_empty_cache(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="at least one block"):
         replay_engine(load_trace(TRACE)[:1], "lru", 0, data_dir=tmp_path)

@@ -125,7 +125,7 @@ def policy_hits(
     through its fast path, the standalone simulator (the same hits, proven by
     tests/test_replay_engine.py on every policy; the simulator knows one tier only). Each
     restart begins from what the policy kept of the part before (`Engine.policy_state`, which
-    the engine writes beside its checkpoint: `elect`'s leader, the splits and weights learnt)."""
+    the engine writes beside its checkpoint: `elect`'s leader)."""
     if not engine:
         fast = restarted_hits(parts, lambda: make_policy(policy, capacity), capacity)
         return fast, {"nvme": sum(fast)}

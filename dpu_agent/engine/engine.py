@@ -717,9 +717,8 @@ class Engine:
         return state
 
     def _write_policy_state(self) -> None:
-        """The file, where it changed since this engine last wrote it (a leader changes seldom,
-        learnt shares are kept to STATE_DIGITS; a checkpoint comes often, and each write is two
-        fsyncs)."""
+        """The file, where it changed since this engine last wrote it (a leader changes seldom;
+        a checkpoint comes often, and each write is two fsyncs)."""
         data = json.dumps(self.policy_state(), sort_keys=True).encode()
         if data == self._policy_state_written:
             return

@@ -7,10 +7,8 @@ short (grow T1's target), one that hits B2 says the same of frequency.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
-from typing import Any
 
-from dpu_agent.eviction._policy import STATE_DIGITS, Evictable, EvictionPolicy, learnt_share
+from dpu_agent.eviction._policy import Evictable, EvictionPolicy
 
 __all__ = ["ArcPolicy"]
 
@@ -27,15 +25,6 @@ class ArcPolicy(EvictionPolicy):
         self._t2: OrderedDict[int, None] = OrderedDict()
         self._b1: OrderedDict[int, None] = OrderedDict()
         self._b2: OrderedDict[int, None] = OrderedDict()
-
-    def state(self) -> dict[str, Any]:
-        """The learnt split, as a share of the capacity (a tier may come back resized)."""
-        return {"p": round(self._p / self.capacity, STATE_DIGITS)}
-
-    def restore(self, state: Mapping[str, Any], now: float) -> None:
-        p = learnt_share(state, "p")
-        if p is not None:
-            self._p = p * self.capacity
 
     def insert(self, item: int, parent: int | None, now: float) -> None:
         assert item not in self, item

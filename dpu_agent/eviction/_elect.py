@@ -250,24 +250,19 @@ class ElectPolicy(EvictionPolicy):
         return self._policy.resident()
 
     def state(self) -> dict[str, Any]:
-        """The leader and what it had learnt (its splits, `prefix-run`'s penalty weight): a
-        restarted tier begins with both rather than with the prior."""
-        return {"leader": self.leader, "learnt": self._policy.state()}
+        """The leader: a restarted tier begins with it rather than with the prior."""
+        return {"leader": self.leader}
 
     def restore(self, state: Mapping[str, Any], now: float) -> None:
         """Lead with the candidate an earlier run of this tier had elected (its items, if
         recovery brought any back, adopted as at a switch); the shadows and the evidence start
-        empty, so it is challenged like any leader. An unknown name changes nothing; what the
-        leader had learnt is the leader's to check (`restore`)."""
+        empty, so it is challenged like any leader. An unknown name changes nothing."""
         name = state.get("leader")
         if not isinstance(name, str) or name not in self._names:
             return
         leader = self._names.index(name)
         if leader != self._leader:
             self._lead_with(leader, now)
-        learnt = state.get("learnt")
-        if isinstance(learnt, Mapping):
-            self._policy.restore(learnt, now)
 
     # --- the shadows and the election ------------------------------------------------------
 

@@ -8,18 +8,10 @@ the policy's own aging state (a CLOCK hand, a FIFO promotion) but never forgets 
 from __future__ import annotations
 
 import abc
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = [
-    "CAPACITY_ITEMS_MAX",
-    "STATE_DIGITS",
-    "Evictable",
-    "EvictionPolicy",
-    "Resident",
-    "learnt_share",
-]
+__all__ = ["CAPACITY_ITEMS_MAX", "Evictable", "EvictionPolicy", "Resident"]
 
 Evictable = Callable[[int], bool]
 # A held item handed from one policy to another: (item, parent or None, used since it came in)
@@ -31,18 +23,6 @@ CAPACITY_ITEMS_MAX = 2**40
 # Adopted items get times this far apart, just before the adoption: far above a float's
 # resolution at any clock reading below 10^6 s, far below the time between two requests.
 ADOPT_TIME_STEP_S = 1e-7
-# A learnt share kept across a restart to 0.1%: finer is noise, and the state file is rewritten
-# only when what it holds changed
-STATE_DIGITS = 3
-
-
-def learnt_share(state: Mapping[str, Any], key: str) -> float | None:
-    """`state[key]` if it is a share a policy can begin from (a finite number in 0..1), else
-    None: a damaged or hostile state file costs the learnt value, nothing else."""
-    v = state.get(key)
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        return None
-    return float(v) if math.isfinite(v) and 0.0 <= v <= 1.0 else None
 
 
 class EvictionPolicy(abc.ABC):

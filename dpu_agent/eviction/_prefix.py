@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Mapping
-from typing import Any
 
-from dpu_agent.eviction._policy import STATE_DIGITS, Evictable, EvictionPolicy, learnt_share
+from dpu_agent.eviction._policy import Evictable, EvictionPolicy
 
 __all__ = ["PrefixPolicy"]
 
@@ -95,15 +93,6 @@ class PrefixPolicy(EvictionPolicy):
             OrderedDict(),
         )
         self._seq = 0
-
-    def state(self) -> dict[str, Any]:
-        """The learnt probation share: a restarted tier begins with the split it had learnt."""
-        return {"share": round(self._share, STATE_DIGITS)} if self._adaptive else {}
-
-    def restore(self, state: Mapping[str, Any], now: float) -> None:
-        share = learnt_share(state, "share")
-        if share is not None and self._adaptive:
-            self._share = share
 
     def insert(self, item: int, parent: int | None, now: float) -> None:
         assert item not in self._nodes, item

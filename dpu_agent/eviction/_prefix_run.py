@@ -31,10 +31,9 @@ ties still go to the deeper block as in `prefix`.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from dpu_agent.eviction._policy import STATE_DIGITS, Resident, learnt_share
+from dpu_agent.eviction._policy import Resident
 from dpu_agent.eviction._prefix import PrefixPolicy
 
 __all__ = ["RunAwarePrefixPolicy"]
@@ -86,16 +85,6 @@ class RunAwarePrefixPolicy(PrefixPolicy):
     def penalty_weight(self) -> float:
         """How much of the run penalty new blocks get now (1: all of it, 0: none: `prefix`)."""
         return self._weight
-
-    def state(self) -> dict[str, Any]:
-        """The learnt split and penalty weight: a restarted tier begins with both."""
-        return {**super().state(), "weight": round(self._weight, STATE_DIGITS)}
-
-    def restore(self, state: Mapping[str, Any], now: float) -> None:
-        super().restore(state, now)
-        weight = learnt_share(state, "weight")
-        if weight is not None:
-            self._weight = weight
 
     def adopt(self, items: Sequence[Resident], now: float) -> None:
         # Adopted items are not new: none enters already old for sitting deep in a run.
