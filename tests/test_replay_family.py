@@ -15,12 +15,12 @@ from dpu_agent.bench.replay import (
     BLOCK_BYTES_DEFAULT,
     SYNTHETIC_SHAPES,
     Request,
-    distinct_blocks,
     generate_trace,
     load_trace,
     replay_command,
     replay_policy,
 )
+from dpu_agent.bench.replay_engine import replay_engine
 from dpu_agent.bench.replay_family import (
     CHOOSE_SET,
     HELD_OUT_SET,
@@ -32,7 +32,7 @@ from dpu_agent.bench.replay_family import (
     separation_summary,
     separation_z,
 )
-from dpu_agent.bench.replay_tiers import format_two_tiers, replay_two_tiers, two_tier_report
+from dpu_agent.bench.replay_tiers import format_two_tiers, two_tier_report
 from dpu_agent.eviction import DEFAULT_POLICY, FIXED_POLICY_NAMES
 
 SAMPLE = Path(__file__).parent / "data" / "mooncake_synthetic_first500.jsonl"
@@ -250,37 +250,50 @@ def test_family_rejects_synthetic_and_bad_fractions() -> None:
 # --- two tiers ---------------------------------------------------------------------------------
 
 
-def test_two_tiers_without_nvme_are_the_single_tier_replay() -> None:
+def test_the_nvme_only_baseline_is_the_single_tier_replay(tmp_path: Path) -> None:
+    """The baseline row is the engine with its NVMe tier alone, as large as both tiers: the
+    single-tier replay, whose hits the simulator gives (tests/test_replay_engine.py)."""
     trace = generate_trace("chat", 300, seed=1)
-    capacity = distinct_blocks(trace) // 20
-    for policy in ("lru", "prefix-run"):
-        r = replay_two_tiers(trace, policy, capacity, 0, promote=True)
-        assert r["nvme_hits"] == 0 and r["promotions"] == 0
-        assert r["dram_hits"] == replay_policy(trace, policy, capacity)
+    report = two_tier_report(trace, "lru", 0.02, 0.1, bandwidths_gbps=(2.0, 1.0),
+                             data_dir=tmp_path)  # fmt: skip
+    both, alone = report["results"]
+    assert (both["layout"], alone["layout"]) == ("dram+nvme", "nvme-only")
+    assert alone["dram_hits"] == 0 and alone["promotions"] == alone["demotions"] == 0
+    total = report["dram_blocks"] + report["nvme_blocks"]
+    assert alone["nvme_blocks"] == total
+    assert alone["nvme_hits"] == replay_policy(trace, "lru", total)
+    assert both["dram_hits"] > 0 and both["demotions"] > 0  # DRAM serves, and fills NVMe
 
 
-def test_a_block_reread_soon_from_nvme_is_promoted_and_hits_in_dram() -> None:
-    trace = trace_of((0, [1]), (1, [2]), (2, [1]), (3, [1]))
-    on = replay_two_tiers(trace, "lru", 1, 2, promote=True)
-    assert (on["nvme_hits"], on["dram_hits"], on["promotions"]) == (1, 1, 1)
-    off = replay_two_tiers(trace, "lru", 1, 2, promote=False)
-    assert (off["nvme_hits"], off["dram_hits"], off["promotions"]) == (2, 0, 0)
-    late = trace_of((0, [1]), (1, [2]), (500, [1]), (1000, [1]))  # rereads 500 s apart: cold
-    assert replay_two_tiers(late, "lru", 1, 2, promote=True)["promotions"] == 0
+def test_a_chunk_reread_soon_from_nvme_is_promoted_by_the_tick_and_hits_in_dram(
+    tmp_path: Path,
+) -> None:
+    """Through the engine: 30 blocks into a 20-block DRAM (the tick demotes to keep 10% free,
+    puts beyond DRAM's room go to NVMe); block 25, on NVMe, read twice within 60 s is promoted
+    by the next tick and hits in DRAM after; read 100 s apart it is not promoted."""
+    fill = [(i * 0.01, [i]) for i in range(30)]
+    soon = trace_of(*fill, (2, [25]), (3, [25]), (4, [25]), (5, [25]))
+    r = replay_engine(soon, "lru", 64, dram_blocks=20, data_dir=tmp_path)
+    assert r.promotions >= 1 and r.per_request[-4:] == [1, 1, 1, 1]
+    assert r.hits_by_tier.get("dram", 0) >= 1 and r.hits_by_tier.get("nvme", 0) >= 1
+    late = trace_of(*fill, (200, [25]), (400, [25]), (600, [25]))
+    r = replay_engine(late, "lru", 64, dram_blocks=20, data_dir=tmp_path)
+    assert r.promotions == 0 and r.hits_by_tier == {"nvme": 3}
 
 
-def test_two_tier_report_load_time_from_bandwidths() -> None:
+def test_two_tier_report_load_time_from_bandwidths(tmp_path: Path) -> None:
     trace = generate_trace("chat", 300, seed=1)
-    report = two_tier_report(trace, "lru", 0.02, 0.1, block_bytes=1000, bandwidths_gbps=(2.0, 1.0))
-    on, off = report["results"]
-    assert on["promotion"] and not off["promotion"]
-    for r in (on, off):
+    report = two_tier_report(trace, "lru", 0.02, 0.1, block_bytes=1000, bandwidths_gbps=(2.0, 1.0),
+                             data_dir=tmp_path)  # fmt: skip
+    both, alone = report["results"]
+    for r in (both, alone):
         want = (r["dram_hits"] / 2e9 + r["nvme_hits"] / 1e9) * 1000 / len(trace) * 1e3
         assert r["model_load_ms_per_request"] == pytest.approx(want)
-    assert on["dram_hits"] > off["dram_hits"]  # promotion serves more from the fast tier
-    assert off["model_load_vs_no_promotion"] == 1.0
-    with pytest.raises(ValueError, match="dram-fraction"):
-        two_tier_report(trace, "lru", 0.0, 0.1)
+    assert alone["model_load_vs_nvme_only"] == 1.0
+    assert both["model_load_vs_nvme_only"] < 1.0  # DRAM hits load faster
+    for bad in ((0.0, 0.1), (0.02, 0.0), (1.5, 0.1)):
+        with pytest.raises(ValueError, match="dram-fraction"):
+            two_tier_report(trace, "lru", *bad)
 
 
 def test_two_tier_cli_measures_bandwidths() -> None:
@@ -291,7 +304,7 @@ def test_two_tier_cli_measures_bandwidths() -> None:
     inputs = report["model_inputs"]
     assert inputs["dram_gbps"] > 0 and inputs["nvme_gbps"] > 0
     assert inputs["bandwidths"] == "measured in this run"
-    assert [r["promotion"] for r in report["results"]] == [True, False]
+    assert [r["layout"] for r in report["results"]] == ["dram+nvme", "nvme-only"]
     result = CliRunner().invoke(replay_command, args)
     assert result.exit_code == 2 and "--nvme-fraction" in result.output
 
@@ -328,7 +341,7 @@ def test_two_tier_load_time_is_a_model_output_printed_with_its_inputs() -> None:
     fast = two_tier_report(trace, "lru", 0.02, 0.1, bandwidths_gbps=(17.2, 1.0))
     assert [r["dram_hits"] for r in slow["results"]] == [r["dram_hits"] for r in fast["results"]]
     on_slow, on_fast = slow["results"][0], fast["results"][0]
-    assert on_slow["model_load_vs_no_promotion"] != on_fast["model_load_vs_no_promotion"]
+    assert on_slow["model_load_vs_nvme_only"] != on_fast["model_load_vs_nvme_only"]
     assert not [k for r in slow["results"] for k in r if k.startswith("load")]
     assert slow["model_inputs"] == {
         "block_bytes": BLOCK_BYTES_DEFAULT, "dram_gbps": 4.5, "nvme_gbps": 1.0,

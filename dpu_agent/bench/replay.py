@@ -587,7 +587,7 @@ def _format_table(report: dict[str, Any]) -> str:
     "--dram-fraction",
     type=float,
     help="Two tiers: DRAM size as a fraction of distinct blocks (with --nvme-fraction): hits "
-    "per tier and expected load time per request, with and without promotion.",
+    "per tier through the engine and expected load time per request, against NVMe alone.",
 )
 @click.option("--nvme-fraction", type=float, help="Two tiers: NVMe size, as --dram-fraction.")
 @click.option(
@@ -681,8 +681,9 @@ def replay_command(
             from dpu_agent.bench.replay_tiers import format_two_tiers, two_tier_report
 
             tiers = two_tier_report(
-                trace, policy, dram_fraction, nvme_fraction, block_bytes=block_bytes
-            )
+                trace, policy, dram_fraction, nvme_fraction, block_bytes=block_bytes,
+                data_dir=data_dir,
+            )  # fmt: skip
             tiers["trace"] = name
             click.echo(json.dumps(tiers, indent=2) if as_json else format_two_tiers(tiers))
             return

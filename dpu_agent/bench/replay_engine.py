@@ -11,6 +11,12 @@ and its policy decide: the same single cache the standalone
 simulator (`replay.replay_request`) models, with the engine's rule that a put never evicts the
 chunk it extends. The simulator is this replay's fast path: tests/test_replay_engine.py proves
 the two give the same hits on every policy.
+
+With `dram_blocks` the DRAM tier holds that many blocks and both tiers count: the engine
+places each put (DRAM first), demotes DRAM's victims to NVMe inline and in its tick, and its
+tick promotes NVMe chunks read twice within PROMOTE_REREAD_S; the replay ticks the engine
+every TICK_S of the trace's time, as the agent does (`[agent] tick_interval_s`). There is no
+fast path for two tiers: the engine is the model.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dpu_agent.bench.replay import Request, replay_hits
+from dpu_agent.config import AgentSection
 from dpu_agent.engine import Engine, EngineConfig
 from dpu_agent.engine.errors import TierFull
 from dpu_agent.eviction import EvictionPolicy, make_policy
@@ -31,6 +38,7 @@ __all__ = ["EngineReplay", "policy_hits", "replay_engine", "restarted_hits"]
 BS = 4096
 CHUNK_BYTES = BS - 64  # one block each (the engine adds no header to the block count)
 TENANT = "replay"
+TICK_S = AgentSection().tick_interval_s  # the agent's tick: demotion and promotion run in it
 
 
 class _TraceClock:
@@ -51,6 +59,8 @@ class EngineReplay:
     per_request: list[int]  # prefix hits of each request, in trace order
     # what a restart of this engine would begin from (Engine.policy_state, at the end)
     policy_state: dict[str, Any] = field(default_factory=dict)
+    promotions: int = 0  # NVMe -> DRAM moves (two tiers)
+    demotions: int = 0  # DRAM -> NVMe moves (two tiers)
 
 
 def _key(block: int) -> bytes:
@@ -64,17 +74,21 @@ def replay_engine(
     *,
     data_dir: Path | None = None,
     policy_state: Mapping[str, Any] | None = None,
+    dram_blocks: int = 0,
 ) -> EngineReplay:
     """Prefix hits of `trace` replayed through a real Engine whose NVMe tier holds `capacity`
-    one-block chunks and runs `policy`. `policy_state`: an earlier run's `policy_state`, which
-    this engine begins from (a restart whose tiers came back empty)."""
+    one-block chunks and runs `policy`; with `dram_blocks`, a DRAM tier of that many blocks
+    in front of it (0: one block, which holds no chunk). `policy_state`: an earlier run's
+    `policy_state`, which this engine begins from (a restart whose tiers came back empty)."""
     if capacity < 1:
         raise ValueError(f"capacity must be at least one block, got {capacity}")
+    if dram_blocks < 0:
+        raise ValueError(f"dram_blocks must be 0 or more, got {dram_blocks}")
     clock = _TraceClock()
     with tempfile.TemporaryDirectory(dir=data_dir) as tmp:
         cfg = EngineConfig(
             data_dir=Path(tmp),
-            dram_bytes=BS,
+            dram_bytes=max(1, dram_blocks) * BS,
             nvme_bytes=capacity * BS,
             eviction_policy=policy,
             tenants={TENANT: 0},
@@ -87,9 +101,12 @@ def replay_engine(
         accesses = 0
         by_nsid: dict[int, int] = {}
         try:
-            clock.t = 1.0
+            clock.t = next_tick = 1.0
             for req in trace:
                 clock.t = max(clock.t, 1.0 + req.timestamp_ms / 1000.0)
+                if dram_blocks and clock.t >= next_tick:  # one tick covers a quiet gap
+                    eng.tick()
+                    next_tick = clock.t + TICK_S
                 keys = [_key(b) for b in req.hash_ids]
                 accesses += len(keys)
                 found = eng.lookup(TENANT, keys, lease=False).hits
@@ -105,11 +122,15 @@ def replay_engine(
                             break  # only the parent is held and it is kept: store what fits
                     parent = key
             state = eng.policy_state()
+            moved = eng.stats(TENANT)
         finally:
             eng.close()
     names = {1: "dram", 2: "nvme"}
     by_tier = {names[n]: c for n, c in sorted(by_nsid.items())}
-    return EngineReplay(sum(per_request), accesses, by_tier, per_request, state)
+    return EngineReplay(
+        sum(per_request), accesses, by_tier, per_request, state,
+        promotions=int(moved["promotions"]), demotions=int(moved["demotions"]),
+    )  # fmt: skip
 
 
 def policy_hits(

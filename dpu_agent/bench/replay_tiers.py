@@ -1,19 +1,18 @@
 """`dpuctl bench replay --dram-fraction X --nvme-fraction Y`: the engine's two tiers on a trace.
 
-The model follows the engine (docs/ENGINE.md): a tier holds a chunk at one place; a miss is
-written to DRAM (placement: small chunks to the fastest tier with room), DRAM's victim is
-demoted to NVMe, NVMe's victim is dropped; an NVMe hit on a block whose previous use was at most
-`PROMOTE_REREAD_S` ago (the engine's hot test: a second read within 60 s) is promoted back
-to DRAM, demoting DRAM's victim. Each tier has its own instance of the policy. A block hits
-when it and every block before it in the request are cached in either tier.
+The replay goes through the real Engine (`replay_engine.replay_engine` with a DRAM tier): its
+placement (a chunk to DRAM while DRAM has room, else to NVMe), its demotion of DRAM's victims
+and its promotion of NVMe chunks read twice within PROMOTE_REREAD_S, both in the tick the
+replay runs every 0.5 s of the trace's time as the agent does. The baseline, in the same run:
+the same trace through an engine with the NVMe tier alone, as large as the two tiers together.
 
 The hits are what the replay measures. The load time is a model output: expected load time
 per request = (DRAM hits x block bytes / DRAM bandwidth + NVMe hits x block bytes / NVMe
 bandwidth) / requests, with both bandwidths measured in the same run through the engine's own
 tier devices (AES-XTS over an anonymous mapping, and over a file whose pages are dropped from
 the page cache before it is read). The report prints the model's inputs (`model_inputs`) next
-to its outputs (`model_load_ms_per_request`, `model_load_vs_no_promotion`): with the same hits,
-promotion's share of the load time moves with the ratio of the two bandwidths alone.
+to its outputs (`model_load_ms_per_request`, `model_load_vs_nvme_only`): with the same hits,
+what DRAM saves moves with the ratio of the two bandwidths alone.
 """
 
 from __future__ import annotations
@@ -27,117 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from dpu_agent.bench.replay import BLOCK_BYTES_DEFAULT, Request, distinct_blocks
+from dpu_agent.bench.replay_engine import replay_engine
 from dpu_agent.blockdev import BLOCK_SIZE, BlockDevice, FileBlockDevice, MemoryBlockDevice
 from dpu_agent.crypto import CryptoBlockDevice, XtsCipher
-from dpu_agent.engine.engine import PROMOTE_REREAD_S
-from dpu_agent.eviction import EvictionPolicy, make_policy
 
-__all__ = ["format_two_tiers", "measure_tier_bandwidths", "replay_two_tiers", "two_tier_report"]
+__all__ = ["format_two_tiers", "measure_tier_bandwidths", "two_tier_report"]
 
 BANDWIDTH_BYTES = 64 << 20  # read per tier and round: long enough to leave the CPU caches
 BANDWIDTH_CHUNK_BYTES = 4 << 20  # one read call
 BANDWIDTH_ROUNDS = 3  # the median of three
-
-
-class _Tiers:
-    """Two policies and the block -> tier map; blocks of the request in flight stay put."""
-
-    def __init__(self, policy: str, dram_blocks: int, nvme_blocks: int) -> None:
-        self.dram = make_policy(policy, dram_blocks)
-        self.nvme = make_policy(policy, max(1, nvme_blocks))  # holds nothing when 0
-        self.caps = (dram_blocks, nvme_blocks)
-        self.parent: dict[int, int | None] = {}  # cached blocks only
-        self.last_use: dict[int, float] = {}  # cached blocks only
-        self.in_flight: set[int] = set()
-        self.promotions = self.demotions = 0
-
-    def evictable(self, item: int) -> bool:
-        return item not in self.in_flight
-
-    def put_dram(self, block: int, now: float) -> bool:
-        """Place `block` in DRAM, demoting DRAM's victim; False if DRAM has no evictable item."""
-        if len(self.dram) >= self.caps[0]:
-            victim = self.dram.victim(self.evictable)
-            if victim is None:
-                return False
-            self.dram.remove(victim)
-            self.put_nvme(victim, now)
-            self.demotions += 1
-        self.dram.insert(block, self.parent[block], now)
-        return True
-
-    def put_nvme(self, block: int, now: float) -> None:
-        """Place `block` on NVMe, dropping NVMe's victim (or `block` itself if none)."""
-        if self.caps[1] == 0:
-            self._forget(block)
-            return
-        if len(self.nvme) >= self.caps[1]:
-            victim = self.nvme.victim(self.evictable)
-            if victim is None:
-                self._forget(block)
-                return
-            self.nvme.remove(victim)
-            self._forget(victim)
-        self.nvme.insert(block, self.parent[block], now)
-
-    def _forget(self, block: int) -> None:
-        del self.parent[block]
-        del self.last_use[block]
-
-    def use(self, block: int, parent: int | None, now: float, promote: bool) -> None:
-        if block in self.dram:
-            self.dram.access(block, now)
-        elif block in self.nvme:
-            hot = now - self.last_use[block] <= PROMOTE_REREAD_S
-            if promote and hot:
-                self.nvme.remove(block)
-                if self.put_dram(block, now):
-                    self.promotions += 1
-                else:
-                    self.nvme.insert(block, self.parent[block], now)
-            else:
-                self.nvme.access(block, now)
-        else:
-            self.parent[block] = parent
-            self.last_use[block] = now
-            if not self.put_dram(block, now):
-                self.put_nvme(block, now)
-            if block not in self.parent:
-                return  # stored nowhere
-        self.last_use[block] = now
-
-
-def _tier_of(tiers: tuple[EvictionPolicy, EvictionPolicy], block: int) -> int:
-    return 0 if block in tiers[0] else 1 if block in tiers[1] else -1
-
-
-def replay_two_tiers(
-    trace: Sequence[Request], policy: str, dram_blocks: int, nvme_blocks: int, *, promote: bool
-) -> dict[str, Any]:
-    """Prefix hits per tier, promotions and demotions of one replay."""
-    assert dram_blocks > 0 and nvme_blocks >= 0, (dram_blocks, nvme_blocks)
-    t = _Tiers(policy, dram_blocks, nvme_blocks)
-    hits = [0, 0]
-    for req in trace:
-        ids = req.hash_ids
-        for b in ids:
-            where = _tier_of((t.dram, t.nvme), b)
-            if where < 0:
-                break
-            hits[where] += 1
-        now = req.timestamp_ms / 1000.0
-        t.in_flight = set(ids)
-        parent: int | None = None
-        for b in ids:
-            t.use(b, parent, now, promote)
-            parent = b
-        assert len(t.dram) <= dram_blocks and len(t.nvme) <= nvme_blocks
-    return {
-        "dram_hits": hits[0],
-        "nvme_hits": hits[1],
-        "promotions": t.promotions,
-        "demotions": t.demotions,
-    }
 
 
 def _read_gbps(dev: BlockDevice, cold: FileBlockDevice | None) -> float:
@@ -181,40 +78,50 @@ def two_tier_report(
     *,
     block_bytes: int = BLOCK_BYTES_DEFAULT,
     bandwidths_gbps: tuple[float, float] | None = None,
+    data_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """Hits per tier and expected load time per request, with and without promotion."""
-    if not 0.0 < dram_fraction <= 1.0 or not 0.0 <= nvme_fraction <= 1.0:
+    """Hits per tier through the engine and expected load time per request, against the NVMe
+    tier alone with the same total capacity."""
+    if not 0.0 < dram_fraction <= 1.0 or not 0.0 < nvme_fraction <= 1.0:
         raise ValueError(
-            f"--dram-fraction must be in (0, 1] and --nvme-fraction in [0, 1], got "
-            f"{dram_fraction} and {nvme_fraction}"
+            f"--dram-fraction and --nvme-fraction must be in (0, 1] (the engine always has an "
+            f"NVMe tier), got {dram_fraction} and {nvme_fraction}"
         )
     if block_bytes <= 0:
         raise ValueError(f"block bytes must be positive, got {block_bytes}")
     distinct = distinct_blocks(trace)
     dram_blocks = max(1, round(dram_fraction * distinct))
-    nvme_blocks = round(nvme_fraction * distinct)
+    nvme_blocks = max(1, round(nvme_fraction * distinct))
     dram_gbps, nvme_gbps = bandwidths_gbps or measure_tier_bandwidths()
     accesses = sum(len(r.hash_ids) for r in trace)
-    rows = []
-    for promote in (True, False):
-        r = replay_two_tiers(trace, policy, dram_blocks, nvme_blocks, promote=promote)
-        load_s = (r["dram_hits"] / (dram_gbps * 1e9) + r["nvme_hits"] / (nvme_gbps * 1e9)) * (
+    rows: list[dict[str, Any]] = []
+    for layout, dram, nvme in (
+        ("dram+nvme", dram_blocks, nvme_blocks),
+        ("nvme-only", 0, dram_blocks + nvme_blocks),
+    ):
+        r = replay_engine(trace, policy, nvme, dram_blocks=dram, data_dir=data_dir)
+        dram_hits, nvme_hits = r.hits_by_tier.get("dram", 0), r.hits_by_tier.get("nvme", 0)
+        load_s = (dram_hits / (dram_gbps * 1e9) + nvme_hits / (nvme_gbps * 1e9)) * (
             block_bytes / len(trace)
         )
         rows.append(
             {
-                "promotion": promote,
-                **r,
-                "dram_hit_rate": r["dram_hits"] / accesses,
-                "nvme_hit_rate": r["nvme_hits"] / accesses,
-                "hit_rate": (r["dram_hits"] + r["nvme_hits"]) / accesses,
+                "layout": layout,
+                "dram_blocks": dram,
+                "nvme_blocks": nvme,
+                "dram_hits": dram_hits,
+                "nvme_hits": nvme_hits,
+                "promotions": r.promotions,
+                "demotions": r.demotions,
+                "dram_hit_rate": dram_hits / accesses,
+                "nvme_hit_rate": nvme_hits / accesses,
+                "hit_rate": r.hits / accesses,
                 "model_load_ms_per_request": load_s * 1e3,
             }
         )
     base = rows[1]["model_load_ms_per_request"]
     for row in rows:
-        ratio = row["model_load_ms_per_request"] / base if base else None
-        row["model_load_vs_no_promotion"] = ratio
+        row["model_load_vs_nvme_only"] = row["model_load_ms_per_request"] / base if base else None
     return {
         "policy": policy,
         "dram_fraction": dram_fraction,
@@ -242,16 +149,16 @@ def format_two_tiers(report: dict[str, Any]) -> str:
     inputs = report["model_inputs"]
     lines = [
         f"DRAM {report['dram_blocks']} blocks, NVMe {report['nvme_blocks']} blocks, "
-        f"policy {report['policy']}",
+        f"policy {report['policy']}, through the engine",
         f"model inputs ({inputs['bandwidths']}): DRAM {inputs['dram_gbps']:.2f} GB/s, NVMe "
         f"{inputs['nvme_gbps']:.2f} GB/s, {inputs['block_bytes']} B per block",
-        "promotion | DRAM hits | NVMe hits | total | promotions | demotions | model load "
-        "ms/request | model vs no promotion",
+        "layout | DRAM hits | NVMe hits | total | promotions | demotions | model load "
+        "ms/request | model vs NVMe only",
     ]
     for r in report["results"]:
-        ratio = r["model_load_vs_no_promotion"]
+        ratio = r["model_load_vs_nvme_only"]
         lines.append(
-            f"{'on' if r['promotion'] else 'off'} | {r['dram_hit_rate'] * 100:.2f}% | "
+            f"{r['layout']} | {r['dram_hit_rate'] * 100:.2f}% | "
             f"{r['nvme_hit_rate'] * 100:.2f}% | {r['hit_rate'] * 100:.2f}% | {r['promotions']} | "
             f"{r['demotions']} | {r['model_load_ms_per_request']:.2f} | "
             f"{'n/a' if ratio is None else f'{ratio:.2f}'}"
