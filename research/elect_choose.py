@@ -75,15 +75,42 @@ def _score(args: tuple[tuple[FamilyTrace, float], int, dict[str, Any], str]) -> 
     # a restart begins with the leader it had, as the engine does (False: with the prior)
     carry = kwargs.pop("carry", True)
     tiny = kwargs.pop("tiny_extra", None)  # [blocks, name]: a candidate added in tiers that small
+    young_z = kwargs.pop("young_z", None)  # n0: SWITCH_Z x sqrt(1 + n0 / scored requests)
     if tiny is not None and capacity <= tiny[0]:
         kwargs["candidates"] = [*kwargs.get("candidates", CANDIDATES), tiny[1]]
 
     def new() -> EvictionPolicy:
-        return (
-            ElectPolicy(capacity, **kwargs) if policy == "elect" else make_policy(policy, capacity)
-        )
+        if policy != "elect":
+            return make_policy(policy, capacity)
+        if young_z is not None:
+            return _YoungZ(capacity, float(young_z), **kwargs)
+        return ElectPolicy(capacity, **kwargs)
 
     return restarted_hits(_segments(spec, spec.load()), new, capacity, carry=carry)
+
+
+class _YoungZ(ElectPolicy):
+    """`elect` whose switch needs more standard errors while its evidence is young: z^2 x
+    (1 + n0 / n), n the scored requests since the evidence began, halved with it (a test
+    looked at after every request crosses a fixed z by chance sooner or later; early looks
+    are the likeliest to)."""
+
+    def __init__(self, capacity: int, n0: float, **kwargs: Any) -> None:
+        super().__init__(capacity, **kwargs)
+        self._n0, self._n, self._base_z2 = n0, 0.0, self._z2
+
+    def _end_request(self) -> None:
+        scoring = self._scoring
+        if scoring:
+            self._n += 1.0
+            self._z2 = self._base_z2 * (1.0 + self._n0 / self._n)
+        super()._end_request()
+        if scoring and self._requests_since_decay == 0:  # the evidence halved just now
+            self._n /= 2.0
+
+    def _switch_to(self, leader: int) -> None:
+        super()._switch_to(leader)
+        self._n = 0.0  # the new leader's evidence starts again
 
 
 def report(
