@@ -15,9 +15,8 @@ the two give the same hits on every policy.
 With `dram_blocks` the DRAM tier holds that many blocks and both tiers count: the engine
 places each put (DRAM while it has room, else NVMe), its tick demotes DRAM's victims to NVMe
 (keeping `dram_free_fraction` of DRAM free) and promotes NVMe chunks read twice within
-PROMOTE_REREAD_S; the replay ticks the engine
-every TICK_S of the trace's time, as the agent does (`[agent] tick_interval_s`). There is no
-fast path for two tiers: the engine is the model.
+PROMOTE_REREAD_S; the replay ticks the engine every TICK_S of the trace's time, as the agent
+does (`[agent] tick_interval_s`). There is no fast path for two tiers: the engine is the model.
 """
 
 from __future__ import annotations
