@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -179,6 +180,34 @@ def test_keep_alive_timeout_closes_idle_controller(tmp_path: Path) -> None:
             assert alive.cntlid not in _destroyed(log)
         finally:
             idle.close()
+            alive.close()
+
+
+def test_a_target_paused_past_the_kato_keeps_its_hosts(tmp_path: Path) -> None:
+    """The target stopped (SIGSTOP; a VM pause or starved cores do the same) for longer than a
+    host's KATO, then continued: the host did send its keep-alives, the target did not run to
+    read them. The KATO counts the time the target ran (dpu_agent/runclock.py), so the host's
+    controller lives on; one that sends nothing is still destroyed after its KATO."""
+    log = tmp_path / "target.log"
+    with TargetProcess(NQN, allow_hosts=[HOST], blocks=BLOCKS, keep_alive_granularity_ms=100,
+                       log_level="INFO", log_path=log) as t:  # fmt: skip
+        alive = _connect(t, kato_ms=1000)  # keep-alive thread every 500 ms
+        try:
+            alive.read(1, 0, bytearray(4096))
+            for _ in range(3):  # which of the target's tasks runs first on waking varies
+                os.kill(t.proc.pid, signal.SIGSTOP)
+                try:
+                    time.sleep(2.5)
+                finally:
+                    os.kill(t.proc.pid, signal.SIGCONT)
+                time.sleep(0.5)
+                alive.read(1, 0, bytearray(4096))
+            assert _destroyed(log) == {}
+            idle = _connect(t, kato_ms=200, keep_alive=False)
+            gone = wait_until(lambda: _destroyed(log), "the idle controller destroyed", 20.0)
+            assert gone == {idle.cntlid: "keep-alive timeout 200 ms"}
+            idle.close()
+        finally:
             alive.close()
 
 
