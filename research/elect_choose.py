@@ -76,6 +76,9 @@ def _score(args: tuple[tuple[FamilyTrace, float], int, dict[str, Any], str]) -> 
     carry = kwargs.pop("carry", True)
     tiny = kwargs.pop("tiny_extra", None)  # [blocks, name]: a candidate added in tiers that small
     young_z = kwargs.pop("young_z", None)  # n0: SWITCH_Z x sqrt(1 + n0 / scored requests)
+    large_z = kwargs.pop("large_z", None)  # [blocks, z]: switch_z z in tiers at least that large
+    if large_z is not None and capacity >= large_z[0]:
+        kwargs["switch_z"] = float(large_z[1])
     if tiny is not None and capacity <= tiny[0]:
         kwargs["candidates"] = [*kwargs.get("candidates", CANDIDATES), tiny[1]]
 
