@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -179,3 +180,31 @@ def test_bench_serve_keeps_the_agents_warnings_and_its_nixl_workers_errors(tmp_p
     log.write_text(json.dumps(events[1]) + "\n" + "E1206 x\n" * (2 * AGENT_WARNINGS_MAX))
     assert len(agent_warnings(log)) == AGENT_WARNINGS_MAX  # bounded, whatever the log holds
     assert agent_warnings(tmp_path / "absent.log") == []
+
+
+def test_the_serve_bench_waits_for_the_stores_to_land_before_stopping_a_server() -> None:
+    """A server's last stores land after its last response: the bench waits until the tier's
+    stored bytes stop growing (a server's exit cut a NIXL put in flight in CI). A failed read
+    ends the wait at once; the wait is bounded."""
+    from dpu_agent.bench import serve
+    from host_shim.client import ControlError
+
+    class Agent:
+        def __init__(self, used: list[int]) -> None:
+            self.used = used
+
+        def admin(self, op: str) -> dict[str, object]:
+            assert op == "stats"
+            value = self.used.pop(0) if len(self.used) > 1 else self.used[0]
+            if value < 0:
+                raise ControlError("unavailable", "agent lost")
+            return {"stats": {"tenants": {"default": {"used_bytes": value}}}}
+
+    growing = Agent([0, 0, 100, 200, 300, 300])
+    t0 = time.monotonic()
+    serve._wait_stores_landed([growing])
+    took = time.monotonic() - t0
+    assert growing.used == [300] and serve.STORE_SETTLE_S <= took < serve.STORE_SETTLE_S + 3
+    t0 = time.monotonic()
+    serve._wait_stores_landed([Agent([-1])])
+    assert time.monotonic() - t0 < 1.0

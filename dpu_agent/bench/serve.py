@@ -1018,9 +1018,12 @@ def run_config(
             host_cpu_s_per_request=round((host1 - host0) / n, 3),
             storage_cpu_s_per_request=round((agent1 - agent0) / n, 3) if s.agents else None,
         )
-        # a's stores run on its connector's own thread after each response (AsyncSaver): a
-        # stops (SIGTERM drains that queue) before the tier is read, or the read races the
-        # last puts, and the first NIXL connect (the agent starts its worker) with them
+        # a's stores run on its connector's own thread after each response (AsyncSaver): they
+        # land before a stops (its exit can cut a put in flight: seen in CI, the host's NIXL
+        # agent gone mid-put on a loaded box), and a stops (SIGTERM drains what is left) before
+        # the tier is read, or the read races the last puts
+        if s.agents:
+            _wait_stores_landed(s.agents)
         a.stop()
         if s.agents:
             from host_shim.client import ControlError
@@ -1221,6 +1224,30 @@ def agent_warnings(log: Path) -> list[str]:
         )
         out.append(f"{event.get('timestamp', '')} {event.get('event')} {fields}".strip()[:300])
     return out
+
+
+STORE_SETTLE_S = 2.0  # the tier's stored bytes unchanged this long: the queued stores landed
+STORE_SETTLE_S_MAX = 30.0  # ... or this long at most (the server's drain at exit takes the rest)
+
+
+def _wait_stores_landed(agents: Sequence[Any]) -> None:
+    """Until the agents' stored bytes are above 0 and unchanged for STORE_SETTLE_S, at most
+    STORE_SETTLE_S_MAX; a failed read ends the wait (the row reports the read's error)."""
+    from host_shim.client import ControlError
+
+    end = time.monotonic() + STORE_SETTLE_S_MAX
+    last, since = -1, time.monotonic()
+    while time.monotonic() < end:
+        try:
+            used = sum(_agent_used(x) for x in agents)
+        except (ControlError, OSError, KeyError, TypeError, ValueError):
+            return
+        now = time.monotonic()
+        if used != last:
+            last, since = used, now
+        elif used > 0 and now - since >= STORE_SETTLE_S:
+            return
+        time.sleep(0.25)
 
 
 def _agent_used(agent: Any) -> int:
