@@ -76,10 +76,3 @@ def run_clock() -> float:
     now = time.monotonic()
     last, paused = _state
     return now - paused - max(0.0, now - last - _ALLOWED_S)
-
-
-def paused_s() -> float:
-    """Seconds this process is known not to have run since the clock started."""
-    now = time.monotonic()
-    last, paused = _state
-    return paused + max(0.0, now - last - _ALLOWED_S)

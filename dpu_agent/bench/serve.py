@@ -1026,13 +1026,10 @@ def run_config(
             _wait_stores_landed(s.agents)
         a.stop()
         if s.agents:
-            from host_shim.client import ControlError
-
-            try:
-                row["tier_used_bytes"] = sum(_agent_used(x) for x in s.agents)
-            except (ControlError, OSError, KeyError, TypeError, ValueError) as e:
-                row["tier_used_bytes"] = None  # unknown, not 0: the row says why
-                row["tier_used_error"] = f"{type(e).__name__}: {e}"
+            used, error = _tier_used(s.agents)
+            row["tier_used_bytes"] = used  # None: unknown, not 0; the row says why
+            if error is not None:
+                row["tier_used_error"] = error
         row["outputs"] = {f"{r['conversation']}.{r['turn']}": r.get("text") for r in rows}
         row["ttfts_s"] = [round(r["ttft_s"], 4) for r in rows if "error" not in r]
         # the engine's prefill rate under this load: TTFT per computed (uncached) prompt token
@@ -1233,14 +1230,11 @@ STORE_SETTLE_S_MAX = 30.0  # ... or this long at most (the server's drain at exi
 def _wait_stores_landed(agents: Sequence[Any]) -> None:
     """Until the agents' stored bytes are above 0 and unchanged for STORE_SETTLE_S, at most
     STORE_SETTLE_S_MAX; a failed read ends the wait (the row reports the read's error)."""
-    from host_shim.client import ControlError
-
     end = time.monotonic() + STORE_SETTLE_S_MAX
     last, since = -1, time.monotonic()
     while time.monotonic() < end:
-        try:
-            used = sum(_agent_used(x) for x in agents)
-        except (ControlError, OSError, KeyError, TypeError, ValueError):
+        used, _ = _tier_used(agents)
+        if used is None:
             return
         now = time.monotonic()
         if used != last:
@@ -1248,6 +1242,16 @@ def _wait_stores_landed(agents: Sequence[Any]) -> None:
         elif used > 0 and now - since >= STORE_SETTLE_S:
             return
         time.sleep(0.25)
+
+
+def _tier_used(agents: Sequence[Any]) -> tuple[int | None, str | None]:
+    """(the agents' stored bytes, None) or (None, why the read failed)."""
+    from host_shim.client import ControlError
+
+    try:
+        return sum(_agent_used(x) for x in agents), None
+    except (ControlError, OSError, KeyError, TypeError, ValueError) as e:
+        return None, f"{type(e).__name__}: {e}"
 
 
 def _agent_used(agent: Any) -> int:
