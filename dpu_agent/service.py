@@ -66,7 +66,7 @@ from dpu_agent.dataplane import DataPlane, data_plane
 from dpu_agent.engine import Engine, EngineConfig, EngineError
 from dpu_agent.engine.backup import backup_tenants, check_no_interrupted_restore
 from dpu_agent.engine.engine import CHUNKS_PAGE_MAX
-from dpu_agent.log import configure_logging, get_logger
+from dpu_agent.log import configure_logging, get_logger, lossy_std_streams
 from dpu_agent.metrics import REGISTRY, forget_tenant
 from dpu_agent.nixl import NixlServer
 from dpu_agent.sdnotify import Notifier
@@ -841,5 +841,6 @@ async def _serve(cfg: AgentConfig) -> int:
 
 def run_agent(cfg: AgentConfig) -> int:
     """Run in the foreground until SIGINT/SIGTERM; returns the process exit code."""
+    lossy_std_streams()  # a full disk under the log, or its reader gone, stops no tenant
     configure_logging(level=cfg.agent.log_level, console=sys.stderr.isatty())
     return asyncio.run(_serve(cfg))

@@ -176,6 +176,7 @@ def test_collected_metrics_list_is_what_the_collectors_produce(tmp_path: Path) -
     names = (
         set(_families(telemetry.CpuCollector()))
         | set(_families(telemetry.RdmaCollector(tmp_path)))
+        | set(_families(telemetry.LogCollector()))
         | {f.name for f in telemetry.spdk_families(*replies)}
     )
     names |= set(_families(telemetry.SpdkCollector(str(tmp_path / "no.sock"))))  # spdk_up

@@ -21,7 +21,7 @@ import sys
 
 from dpu_agent.blockdev import BlockDevice, FileBlockDevice, MemoryBlockDevice
 from dpu_agent.crypto import CryptoBlockDevice, XtsCipher
-from dpu_agent.log import configure_logging
+from dpu_agent.log import configure_logging, lossy_std_streams
 from dpu_agent.nvmf._host_keys import load_host_keys
 from dpu_agent.nvmf._subsystem import Subsystem, TargetOptions
 from dpu_agent.nvmf._target import NvmeTcpTarget
@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--require-auth", action="store_true", help="every host must authenticate")
     p.add_argument("--secure-channel", action="store_true", help="TLS 1.3 PSK listener only")
     args = p.parse_args(argv)
+    lossy_std_streams()  # a full disk under the log, or its reader gone, stops no host
     configure_logging(level=args.log_level)
     asyncio.run(_serve(args))
 

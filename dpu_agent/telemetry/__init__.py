@@ -1,6 +1,7 @@
 """The agent's telemetry beyond its own counters: data-path latency per transport, CPU time
 per core and the agent's share (/proc), SPDK's statistics in SPDK mode, RDMA port counters
-(sysfs). `install(cfg)` registers the collectors on the agent's registry for its lifetime."""
+(sysfs), log lines dropped. `install(cfg)` registers the collectors on the agent's registry for
+its lifetime."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from prometheus_client.registry import Collector
 from dpu_agent.metrics import REGISTRY
 from dpu_agent.telemetry._cpu import CpuCollector, read_proc_self_stat, read_proc_stat
 from dpu_agent.telemetry._datapath import DATAPATH_SECONDS, OPS, TRANSPORTS, child, observe
+from dpu_agent.telemetry._log import LogCollector
 from dpu_agent.telemetry._rdma import WATCHED, RdmaCollector, read_port_counters
 from dpu_agent.telemetry._spdk import SpdkCollector, spdk_families
 
@@ -26,6 +28,7 @@ __all__ = [
     "WATCHED",
     "CpuCollector",
     "Installed",
+    "LogCollector",
     "RdmaCollector",
     "SpdkCollector",
     "child",
@@ -45,7 +48,7 @@ COLLECTED_METRICS = frozenset({
     "kvtier_rdma_port", "kvtier_spdk_up", "kvtier_spdk_nvmf_qpairs",
     "kvtier_spdk_nvmf_pending_bdev_io", "kvtier_spdk_nvmf_completed_nvme_io",
     "kvtier_spdk_bdev_bytes", "kvtier_spdk_bdev_ops", "kvtier_spdk_bdev_latency_seconds",
-    "kvtier_spdk_accel_ops", "kvtier_spdk_accel_bytes",
+    "kvtier_spdk_accel_ops", "kvtier_spdk_accel_bytes", "kvtier_log_lines_dropped",
 })  # fmt: skip
 
 
@@ -60,8 +63,8 @@ class Installed:
 
 
 def install(cfg: AgentConfig) -> Installed:
-    """CPU and RDMA collectors always; SPDK's in SPDK mode (its RPC socket from [spdk])."""
-    done = Installed([CpuCollector(), RdmaCollector()])
+    """CPU, RDMA and log collectors always; SPDK's in SPDK mode (its RPC socket from [spdk])."""
+    done = Installed([CpuCollector(), RdmaCollector(), LogCollector()])
     if cfg.spdk_mode and cfg.spdk is not None:
         done.collectors.append(SpdkCollector(cfg.spdk.socket))
     for c in done.collectors:
