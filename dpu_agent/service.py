@@ -27,7 +27,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from prometheus_client import ProcessCollector, start_http_server
+from prometheus_client import ProcessCollector
 
 from dpu_agent import telemetry
 from dpu_agent.blockdev import BlockDeviceError
@@ -68,6 +68,7 @@ from dpu_agent.engine.backup import backup_tenants, check_no_interrupted_restore
 from dpu_agent.engine.engine import CHUNKS_PAGE_MAX
 from dpu_agent.log import configure_logging, get_logger, lossy_std_streams
 from dpu_agent.metrics import REGISTRY, forget_tenant
+from dpu_agent.metrics_server import start_metrics_server
 from dpu_agent.nixl import NixlServer
 from dpu_agent.sdnotify import Notifier
 from dpu_agent.tenant_store import TENANTS_FILE, TenantStore, write_secret
@@ -176,9 +177,7 @@ class Agent:
         if cfg.metrics.enabled:
             self._telemetry = telemetry.install(cfg)  # CPU, RDMA, SPDK stats collectors
             try:
-                self._metrics_server, _ = start_http_server(
-                    cfg.metrics.port, addr=cfg.metrics.host, registry=REGISTRY
-                )
+                self._metrics_server = start_metrics_server(cfg.metrics.host, cfg.metrics.port)
             except OSError as e:  # name the port: three listeners can each be in use
                 raise OSError(e.errno, f"[metrics] {cfg.metrics.host}:{cfg.metrics.port}: "
                               f"{e.strerror}") from None  # fmt: skip
