@@ -18,6 +18,7 @@ import contextlib
 import errno
 import json
 import os
+import resource
 import secrets
 import signal
 import sys
@@ -54,6 +55,8 @@ from dpu_agent.config import AgentConfig, TenantConfig, read_secret
 from dpu_agent.control import (
     LEASES_ACTIVE,
     RESERVATIONS_ACTIVE,
+    UNAUTHENTICATED_MAX,
+    UNIX_CONNECTIONS_MAX,
     ControlServer,
     Session,
     TenantRegistry,
@@ -68,8 +71,9 @@ from dpu_agent.engine.backup import backup_tenants, check_no_interrupted_restore
 from dpu_agent.engine.engine import CHUNKS_PAGE_MAX
 from dpu_agent.log import configure_logging, get_logger, lossy_std_streams
 from dpu_agent.metrics import REGISTRY, forget_tenant
-from dpu_agent.metrics_server import start_metrics_server
+from dpu_agent.metrics_server import METRICS_CONNECTIONS_MAX, start_metrics_server
 from dpu_agent.nixl import NixlServer
+from dpu_agent.nvmf import CONNECTIONS_MAX as NVMF_CONNECTIONS_MAX
 from dpu_agent.sdnotify import Notifier
 from dpu_agent.tenant_store import TENANTS_FILE, TenantStore, write_secret
 from kvproto.control import TENANTS_MAX, valid_tenant_name
@@ -838,8 +842,44 @@ async def _serve(cfg: AgentConfig) -> int:
     return 0
 
 
+# Descriptors beyond the connections' bounds: journal segments, tier files, the checkpoint,
+# the NIXL worker's socket and memory, Serf's RPC, SPDK's socket, the log
+FD_HEADROOM = 256
+
+
+def fds_needed(cfg: AgentConfig) -> int:
+    """Descriptors the agent may hold at once with every connection bound reached: tenants'
+    control connections, strangers before hello, the operator's Unix socket, NVMe/TCP queues,
+    metrics scrapers, and FD_HEADROOM."""
+    return (cfg.control.connections_max + UNAUTHENTICATED_MAX + UNIX_CONNECTIONS_MAX
+            + NVMF_CONNECTIONS_MAX + METRICS_CONNECTIONS_MAX + FD_HEADROOM)  # fmt: skip
+
+
+def raise_fd_limit(cfg: AgentConfig) -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE to the hard one (the soft 1,024 exists for select(), which
+    the agent does not use on sockets); returns (soft limit now, descriptors needed). Below
+    what the connection bounds need, a flood of connections would take the descriptors the
+    journal and the tenants' sockets need (EMFILE): the caller warns."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, FD_LIMIT_UNBOUNDED)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+    return soft, fds_needed(cfg)
+
+
+# With no hard limit: the kernel's usual fs.nr_open
+FD_LIMIT_UNBOUNDED = 1 << 20
+
+
 def run_agent(cfg: AgentConfig) -> int:
     """Run in the foreground until SIGINT/SIGTERM; returns the process exit code."""
     lossy_std_streams()  # a full disk under the log, or its reader gone, stops no tenant
     configure_logging(level=cfg.agent.log_level, console=sys.stderr.isatty())
+    fd_limit, needed = raise_fd_limit(cfg)
+    if fd_limit < needed:
+        log.warning("fd_limit_low", limit=fd_limit, needed=needed,
+                    fix="raise the hard limit: LimitNOFILE= in the unit, ulimit -Hn, or "
+                        "lower [control] connections_max")  # fmt: skip
     return asyncio.run(_serve(cfg))

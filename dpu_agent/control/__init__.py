@@ -13,12 +13,14 @@ from dpu_agent.control._dispatch import (
     plain,
 )
 from dpu_agent.control._metrics import LEASES_ACTIVE, RESERVATIONS_ACTIVE
-from dpu_agent.control._server import ControlServer
+from dpu_agent.control._server import UNAUTHENTICATED_MAX, UNIX_CONNECTIONS_MAX, ControlServer
 
 __all__ = [
     "LEASES_ACTIVE",
     "RESERVATIONS_ACTIVE",
     "TENANTS_MAX",
+    "UNAUTHENTICATED_MAX",
+    "UNIX_CONNECTIONS_MAX",
     "ControlBackend",
     "ControlServer",
     "Dispatcher",
