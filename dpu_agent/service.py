@@ -845,6 +845,8 @@ async def _serve(cfg: AgentConfig) -> int:
 # Descriptors beyond the connections' bounds: journal segments, tier files, the checkpoint,
 # the NIXL worker's socket and memory, Serf's RPC, SPDK's socket, the log
 FD_HEADROOM = 256
+# The soft limit set where there is no hard one: the kernel's usual fs.nr_open
+FD_LIMIT_UNBOUNDED = 1 << 20
 
 
 def fds_needed(cfg: AgentConfig) -> int:
@@ -867,10 +869,6 @@ def raise_fd_limit(cfg: AgentConfig) -> tuple[int, int]:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
             soft = want
     return soft, fds_needed(cfg)
-
-
-# With no hard limit: the kernel's usual fs.nr_open
-FD_LIMIT_UNBOUNDED = 1 << 20
 
 
 def run_agent(cfg: AgentConfig) -> int:
