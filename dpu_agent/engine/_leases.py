@@ -25,10 +25,17 @@ from dpu_agent.engine.types import Lease, PendingReservation, TenantState
 
 _Expiring = TypeVar("_Expiring", Lease, PendingReservation)  # entries with an `expires` time
 
-__all__ = ["COUNT_MAX", "LEASES_MAX", "RESERVATIONS_MAX", "SCALAR_HITS_MAX", "Leases"]
+__all__ = ["COUNT_MAX", "LEASES_MAX", "RESERVATIONS_MAX", "SCALAR_HITS_MAX",
+           "TENANT_LEASES_MAX", "TENANT_RESERVATIONS_MAX", "Leases"]  # fmt: skip
 
 LEASES_MAX = 65536  # open leases; each costs ~200 B, and readers release within the TTL
 RESERVATIONS_MAX = 65536  # open two-phase writes, same reasoning
+# One tenant's share of each table: a quarter, as of the control plane's connections, so a
+# tenant that never releases (or commits) fills its own share and three quarters stay for the
+# others. A reader holds a lease per lookup until it has read (milliseconds); 16,384 is 256
+# connections with 64 lookups each in flight.
+TENANT_LEASES_MAX = LEASES_MAX // 4
+TENANT_RESERVATIONS_MAX = RESERVATIONS_MAX // 4
 COUNT_MAX = 0xFFFF  # pin and lease counts are uint16 columns
 UNLEASE_SCALAR_MAX = 16  # leases of up to this many extents are undone row by row
 EXPIRED_REMEMBERED_MAX = 4096  # expired lease/reservation ids kept for precise error messages
@@ -47,6 +54,9 @@ class Leases:
         self.extent_counts: dict[Extent, int] = {}  # leased extent -> open leases on it
         self.deferred: dict[Extent, tuple[int, bool]] = {}  # -> (block count, quarantine)
         self.reservations: OrderedDict[int, PendingReservation] = OrderedDict()
+        # tenant id -> its entries in self.leases / self.reservations (the shares' bounds)
+        self._tenant_leases: dict[int, int] = {}
+        self._tenant_reservations: dict[int, int] = {}
         self._expired_leases: OrderedDict[int, float] = OrderedDict()
         self._expired_reservations: OrderedDict[int, float] = OrderedDict()
         # random start: ids from an earlier run are not mistaken for live ones
@@ -57,15 +67,20 @@ class Leases:
 
     def count(self, tenant_id: int) -> tuple[int, int]:
         """(open leases, open reservations) of a tenant."""
-        leases = sum(1 for le in self.leases.values() if le.tenant_id == tenant_id)
-        return leases, sum(1 for r in self.reservations.values() if r.tenant_id == tenant_id)
+        return (self._tenant_leases.get(tenant_id, 0),
+                self._tenant_reservations.get(tenant_id, 0))  # fmt: skip
 
     # --- leases --------------------------------------------------------------------------------
 
-    def check_room(self, rows: list[int], now: float) -> None:
-        """Room for one more lease over `rows` (expiring old ones first), or LimitExceeded."""
-        if len(self.leases) >= LEASES_MAX:
+    def check_room(self, tenant_id: int, rows: list[int], now: float) -> None:
+        """Room for one more lease of the tenant over `rows` (expiring old ones first), or
+        LimitExceeded."""
+        mine = self._tenant_leases.get(tenant_id, 0)
+        if mine >= TENANT_LEASES_MAX or len(self.leases) >= LEASES_MAX:
             self.expire(now)
+            if self._tenant_leases.get(tenant_id, 0) >= TENANT_LEASES_MAX:
+                raise LimitExceeded(f"this tenant holds {TENANT_LEASES_MAX} open leases (its "
+                                    "share); release() leases after reading")  # fmt: skip
             if len(self.leases) >= LEASES_MAX:
                 raise LimitExceeded(f"{LEASES_MAX} leases are open; release() leases after reading")
         if len(rows) > SCALAR_HITS_MAX:
@@ -81,6 +96,7 @@ class Leases:
         held = Lease(lease_id=self.next_id(), tenant_id=tenant_id, extents=extents,
                      expires=expires)  # fmt: skip
         self.leases[held.lease_id] = held
+        self._tenant_leases[tenant_id] = self._tenant_leases.get(tenant_id, 0) + 1
         return held.lease_id
 
     def lease_extent(self, tid: int, tier: int, lba: int, row: int) -> None:
@@ -95,6 +111,7 @@ class Leases:
         if lease is None or lease.tenant_id != ts.tenant_id:
             raise self._lease_gone(ts, lease_id, clock())
         del self.leases[lease_id]
+        _drop_one(self._tenant_leases, lease.tenant_id)
         self.unlease(lease)
 
     def unlease(self, lease: Lease) -> None:
@@ -159,9 +176,15 @@ class Leases:
 
     # --- reservations --------------------------------------------------------------------------
 
-    def check_reservation_room(self, now: float) -> None:
-        if len(self.reservations) >= RESERVATIONS_MAX:
+    def check_reservation_room(self, tenant_id: int, now: float) -> None:
+        mine = self._tenant_reservations.get(tenant_id, 0)
+        if mine >= TENANT_RESERVATIONS_MAX or len(self.reservations) >= RESERVATIONS_MAX:
             self.expire(now)
+            if self._tenant_reservations.get(tenant_id, 0) >= TENANT_RESERVATIONS_MAX:
+                raise LimitExceeded(
+                    f"this tenant holds {TENANT_RESERVATIONS_MAX} open reservations (its "
+                    "share); commit or abort them, or let them expire"
+                )
             if len(self.reservations) >= RESERVATIONS_MAX:
                 raise LimitExceeded(
                     f"{RESERVATIONS_MAX} reservations are open; commit or let them expire"
@@ -169,7 +192,9 @@ class Leases:
 
     def add_reservation(self, res: PendingReservation) -> None:
         self.reservations[res.reservation_id] = res
-        self._tenants.by_id(res.tenant_id).reserved_blocks += res.block_count
+        tid = res.tenant_id
+        self._tenant_reservations[tid] = self._tenant_reservations.get(tid, 0) + 1
+        self._tenants.by_id(tid).reserved_blocks += res.block_count
 
     def take_reservation(
         self, ts: TenantState, rid: int, now: float, ttl_s: float
@@ -181,6 +206,7 @@ class Leases:
             expired_at = self._expired_reservations.get(rid)
             raise ReservationExpired(_gone_text("reservation", rid, ts.name, expired_at, now))
         del self.reservations[rid]
+        _drop_one(self._tenant_reservations, res.tenant_id)
         if now > res.expires:
             self.reclaim_reservation(res)
             self._remember(self._expired_reservations, rid, res.expires)
@@ -206,14 +232,18 @@ class Leases:
     def expire(self, now: float) -> tuple[int, int]:
         """Reclaim reservations and leases past their TTL (both tables are in expiry order)."""
         reservations = self._expire_table(
-            self.reservations, self.reclaim_reservation, self._expired_reservations, now
+            self.reservations, self._tenant_reservations, self.reclaim_reservation,
+            self._expired_reservations, now,
+        )  # fmt: skip
+        leases = self._expire_table(
+            self.leases, self._tenant_leases, self.unlease, self._expired_leases, now
         )
-        leases = self._expire_table(self.leases, self.unlease, self._expired_leases, now)
         return reservations, leases
 
     def _expire_table(
         self,
         table: OrderedDict[int, _Expiring],
+        per_tenant: dict[int, int],
         reclaim: Callable[[_Expiring], None],
         remembered: OrderedDict[int, float],
         now: float,
@@ -225,6 +255,7 @@ class Leases:
             if entry.expires > now:
                 break
             del table[ident]
+            _drop_one(per_tenant, entry.tenant_id)
             reclaim(entry)
             self._remember(remembered, ident, entry.expires)
             count += 1
@@ -235,10 +266,21 @@ class Leases:
         for table in (self.leases, self.reservations):
             for ident in [i for i, v in table.items() if v.tenant_id == tid]:
                 del table[ident]
+        self._tenant_leases.pop(tid, None)
+        self._tenant_reservations.pop(tid, None)
         for k in [k for k in self.extent_counts if k[0] == tid]:
             del self.extent_counts[k]
         for k in [k for k in self.deferred if k[0] == tid]:
             del self.deferred[k]
+
+
+def _drop_one(counts: dict[int, int], tenant_id: int) -> None:
+    left = counts[tenant_id] - 1
+    assert left >= 0, tenant_id
+    if left:
+        counts[tenant_id] = left
+    else:
+        del counts[tenant_id]
 
 
 # Why a lease or reservation is not there, by kind: what its expiry lost, what "not there for

@@ -76,7 +76,7 @@ class Reads:
         if n == 0:
             return [], None, 0.0
         if lease:
-            self._leases.check_room(rows, now)
+            self._leases.check_room(ts.tenant_id, rows, now)
         hits, extents = self._hit_locations(ts, rows, keys, now, lease=lease, as_lists=as_lists)
         if not lease:
             return hits, None, 0.0

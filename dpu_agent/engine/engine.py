@@ -345,7 +345,7 @@ class Engine:
             ts = self._tenant(tenant)
             self._commit.check_writable()  # no point writing blocks a commit could not journal
             now = self._clock()
-            self._leases.check_reservation_room(now)
+            self._leases.check_reservation_room(ts.tenant_id, now)
             self._placement.enforce_quota(ts, n)
             keep = NO_ROW if parent is None else self._index.find(ts.tenant_id, parent)
             tier, lba = self._placement.place(ts, n, length, now, keep)
