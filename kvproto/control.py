@@ -73,6 +73,7 @@ __all__ = [
     "ADMIN_TENANT",
     "CONTROL_FRAME_BYTES_MAX",
     "GRANT_BYTES_MAX",
+    "HELLO_FRAME_BYTES_MAX",
     "KEY_BYTES",
     "LOOKUP_KEYS_MAX",
     "NEED_DATA",
@@ -115,6 +116,10 @@ REPLICAS_MAX: Final = 8
 TENANTS_MAX: Final = 4096
 # 1 MiB bounds what one peer can make us buffer per connection; no control message needs more.
 CONTROL_FRAME_BYTES_MAX: Final = 1 << 20
+# Until a session's hello has succeeded its frames are at most this: a hello (version, tenant,
+# token, host NQN, client name, peer proof) or a peer challenge is a few hundred bytes. A
+# stranger who announces a 1 MiB frame then holds 16 KiB, not 1 MiB (256 strangers held 290 MiB).
+HELLO_FRAME_BYTES_MAX: Final = 16 << 10
 CHECKSUM_BYTES: Final = 16
 REQUEST_ID_MAX: Final = (1 << 32) - 1
 STRING_BYTES_MAX: Final = 4096  # paths, tokens, names; longer is a bug or an attack
@@ -551,16 +556,19 @@ class FrameDecoder:
     ``dec.receive_data(buf); while (msg := dec.next_message()) is not NEED_DATA: ...``
     """
 
-    def __init__(self) -> None:
+    def __init__(self, frame_bytes_max: int = CONTROL_FRAME_BYTES_MAX) -> None:
+        assert 0 < frame_bytes_max <= CONTROL_FRAME_BYTES_MAX, frame_bytes_max
         self._buf = bytearray()
         self._error: RemoteProtocolError | None = None
+        # the largest frame accepted now (a server raises it from HELLO_FRAME_BYTES_MAX)
+        self.frame_bytes_max = frame_bytes_max
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         if self._error is not None:
             raise self._error
         self._buf += data
         # One frame plus its header is the most a well-behaved peer leaves unread.
-        if len(self._buf) > 2 * (CONTROL_FRAME_BYTES_MAX + _LENGTH.size):
+        if len(self._buf) > 2 * (self.frame_bytes_max + _LENGTH.size):
             self._fail("peer sent more than two frames ahead without reading replies")
 
     @property
@@ -578,7 +586,10 @@ class FrameDecoder:
         if len(self._buf) < _LENGTH.size:
             return NEED_DATA
         (length,) = _LENGTH.unpack_from(self._buf)
-        if length > CONTROL_FRAME_BYTES_MAX:
+        if length > self.frame_bytes_max:
+            if self.frame_bytes_max < CONTROL_FRAME_BYTES_MAX:
+                self._fail(f"frame of {length} bytes before hello (at most "
+                           f"HELLO_FRAME_BYTES_MAX={self.frame_bytes_max})")  # fmt: skip
             self._fail(f"frame of {length} bytes over CONTROL_FRAME_BYTES_MAX")
         if length == 0:
             self._fail("empty frame")

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from kvproto.control import (
     ADMIN_TENANT,
     CONTROL_FRAME_BYTES_MAX,
+    HELLO_FRAME_BYTES_MAX,
     LOOKUP_KEYS_MAX,
     NEED_DATA,
     FrameDecoder,
@@ -176,3 +177,20 @@ def test_fuzz_structured_messages(obj: object) -> None:
             parse_request(msg)
     except RemoteProtocolError:
         pass
+
+
+def test_frames_before_hello_are_small_until_the_server_raises_the_bound() -> None:
+    """A stranger announcing a 1 MiB frame is refused at its header: before hello a frame is at
+    most HELLO_FRAME_BYTES_MAX (256 strangers each holding a 1 MiB partial frame held 290 MiB)."""
+    big = encode_request(1, "lookup", keys=[bytes(16)] * 2000)  # ~36 KB, a legitimate request
+    assert len(big) > HELLO_FRAME_BYTES_MAX
+    dec = FrameDecoder(HELLO_FRAME_BYTES_MAX)
+    dec.receive_data(big[:4])  # the header alone says it
+    with pytest.raises(RemoteProtocolError, match="before hello"):
+        dec.next_message()
+    dec = FrameDecoder(HELLO_FRAME_BYTES_MAX)
+    dec.receive_data(encode_request(1, "hello", version=1, tenant="t", token="x" * 44))
+    assert dec.next_message() is not NEED_DATA
+    dec.frame_bytes_max = CONTROL_FRAME_BYTES_MAX  # what the server does once hello succeeded
+    dec.receive_data(big)
+    assert parse_request(dec.next_message()).op == "lookup"

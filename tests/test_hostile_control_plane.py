@@ -382,6 +382,38 @@ def test_strangers_of_one_address_never_lock_out_a_newcomer_of_it(tmp_path: Path
         assert a.alive()
 
 
+def test_strangers_announcing_big_frames_hold_little_memory(tmp_path: Path) -> None:
+    """256 token-less sockets (8 addresses, 32 each: the stranger pool) each announce a 1 MiB
+    frame and send what the agent takes of it: before, the agent buffered each partial frame
+    (RSS 71 -> 364 MiB until the hello deadline); now a frame before hello is at most
+    HELLO_FRAME_BYTES_MAX and such a header closes the connection."""
+    with agent(tmp_path) as a:
+        legit = Legit(a)
+        before = a.rss()
+        held = []
+        body = bytes((1 << 20) - 1)
+        try:
+            for address in ATTACKERS[:8]:
+                for _ in range(32):
+                    s = open_from(address, a.port)
+                    s.setblocking(False)
+                    with contextlib.suppress(BlockingIOError, BrokenPipeError,
+                                             ConnectionResetError):  # fmt: skip
+                        s.send((1 << 20).to_bytes(4, "big"))
+                        s.send(body)  # as much as the socket takes
+                    held.append(s)
+            time.sleep(1.0)
+            assert a.rss() - before < RSS_GROWTH_BYTES_MAX
+            with ControlChannel(a.control_url, "default", a.token) as ch:
+                ch.connect()
+                legit.lookup(ch)
+            legit.check()
+        finally:
+            for s in held:
+                s.close()
+        assert a.alive()
+
+
 def test_a_silent_stranger_goes_before_a_client_mid_hello(tmp_path: Path) -> None:
     """At an address's share the stranger closed is the oldest that sent nothing: a client
     half-way through its hello survives a burst of silent sockets from its own address."""

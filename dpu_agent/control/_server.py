@@ -45,6 +45,8 @@ from dpu_agent.log import RateLimitedLog, get_logger
 from dpu_agent.ratelimit import TokenBuckets
 from kvproto.control import (
     ADMIN_TENANT,
+    CONTROL_FRAME_BYTES_MAX,
+    HELLO_FRAME_BYTES_MAX,
     NEED_DATA,
     ErrorCode,
     FrameDecoder,
@@ -374,7 +376,7 @@ class _Connection(asyncio.BufferedProtocol):
     def __init__(self, server: ControlServer) -> None:
         self._server = server
         self._dispatcher = server.dispatcher
-        self._decoder = FrameDecoder()
+        self._decoder = FrameDecoder(HELLO_FRAME_BYTES_MAX)  # CONTROL_FRAME_BYTES_MAX at hello
         self._recv = memoryview(bytearray(STRANGER_RECV_BUFFER_BYTES))  # full size at hello
         self._transport: asyncio.Transport | None = None
         self._session: Session | None = None
@@ -627,6 +629,8 @@ class _Connection(asyncio.BufferedProtocol):
             if msg is NEED_DATA:
                 break
             reply = self._dispatcher.handle(s, msg)
+            if s.state is SessionState.READY:
+                self._decoder.frame_bytes_max = CONTROL_FRAME_BYTES_MAX
             if s.state is SessionState.READY and not self._unix:
                 self._server._authenticated(self, s)
                 if len(self._recv) < RECV_BUFFER_BYTES:  # read into it next: free meanwhile
