@@ -114,3 +114,20 @@ def test_index_random_ops_hypothesis(ops: list[tuple[bool, int]]) -> None:
     for n in range(41):
         key = (n % 4).to_bytes(8, "little") + n.to_bytes(8, "little")
         assert (index.find(1, key) != NO_ROW) == (key in model)
+
+
+def test_keys_sharing_their_first_bytes_do_not_make_one_probe_run() -> None:
+    """A tenant chooses its keys: 4,096 keys with the same first 8 bytes (the old home slot)
+    made one run of 4,096 slots, so each probe walked it (a 4,096-key lookup: 265 ms). The
+    home is now a secret hash of the whole key and the tenant: their slots are as spread as
+    random keys'."""
+    idx = RecordIndex()
+    keys = [i.to_bytes(16, "big") for i in range(4096)]  # k0 == 0 for every key
+    for k in keys:
+        idx.insert(3, k)
+    slots = idx._slots  # the table itself: how far each key sits from its home slot
+    where = {int(r): s for s, r in enumerate(slots.tolist()) if r >= 0}
+    distance = [(where[idx.find(3, k)] - idx._home_of(idx.find(3, k))) % len(slots) for k in keys]
+    assert max(distance) < 64, max(distance)  # random keys at load <= 0.7: a few dozen at most
+    assert all(idx.find(3, k) != NO_ROW for k in keys)
+    assert idx.find(4, keys[0]) == NO_ROW  # the tenant is part of the key

@@ -9,8 +9,13 @@ so 10M records fit in about 1.1 GB of DPU DRAM.
 - The slot table is linear probing over `int32` row ids (-1 empty) with backward-shift deletion,
   so there are no tombstones and probe lengths stay short under churn. It doubles (rebuilt
   vectorised) when the load passes `LOAD_MAX`.
-- Keys are 16-byte cryptographic hashes (BLAKE2b-128, salted per tenant), so their first 8 bytes
-  are already uniform: the home slot is those bits mixed with the tenant id, no rehashing.
+- The home slot is a secret multiply-shift hash of (tenant, key): the top bits of
+  k0*a0 + k1*a1 + tenant*at + c (mod 2^64), with random odd multipliers drawn for each index.
+  An honest client's keys are BLAKE2b hashes, but the agent cannot check that: with the key's
+  own bits as the home slot (as before), a tenant whose keys shared their first 8 bytes put them
+  all in one probe run (a 4,096-key lookup: 265 ms of the event loop, every tenant waiting),
+  and its run lengthened other tenants' probes too. Without the multipliers no tenant can
+  choose keys that collide more than random ones would.
 - `find_many` probes a whole batch of keys with numpy, one probe step per round;
   `find_prefix` (a lookup's question: the longest present prefix) probes the first keys one by
   one and hands the rest to `find_many` only when they all hit.
@@ -18,8 +23,10 @@ so 10M records fit in about 1.1 GB of DPU DRAM.
 
 from __future__ import annotations
 
+import secrets
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,7 +37,7 @@ NO_ROW = -1
 LOAD_MAX = 0.7  # linear probing: expected probe length is still about 2 at this load
 ROW_GROWTH = 1.25  # small growth factor keeps the slack of the row columns <= 25%
 ROWS_MIN = 1024
-TENANT_MIX = 0x9E3779B97F4A7C15  # golden-ratio multiplier: spreads tenant ids over the table
+TENANT_MIX = 0x9E3779B97F4A7C15  # golden-ratio multiplier: recovery's key fingerprints
 MASK64 = (1 << 64) - 1
 _KEY = struct.Struct("<QQ")
 STATE_FREE = 0
@@ -78,9 +85,35 @@ def split_keys(keys: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
     return words[:, 0].copy(), words[:, 1].copy()
 
 
-def _home(k0: np.ndarray, tenant: np.ndarray, mask: int) -> np.ndarray:
-    mix = tenant.astype(np.uint64) * np.uint64(TENANT_MIX)
-    return ((k0 ^ mix) & np.uint64(mask)).astype(np.int64)
+@dataclass(frozen=True, slots=True)
+class _SlotHash:
+    """The secret multiply-shift hash of the slot table (module docstring)."""
+
+    a0: int
+    a1: int
+    at: int
+    c: int
+
+    @classmethod
+    def draw(cls) -> _SlotHash:
+        r = secrets.randbits
+        return cls(a0=r(64) | 1, a1=r(64) | 1, at=r(64) | 1, c=r(64))
+
+    def tenant_term(self, tenant: int) -> int:
+        return (tenant * self.at + self.c) & MASK64
+
+    def homes(
+        self, k0: np.ndarray, k1: np.ndarray, term: np.ndarray | int, shift: int
+    ) -> np.ndarray:
+        """Home slots of keys (uint64 words); `term` is tenant_term() of one tenant or of
+        each key (uint64). uint64 arithmetic wraps: mod 2^64, as the scalar path masks."""
+        h: np.ndarray = k0 * np.uint64(self.a0) + k1 * np.uint64(self.a1)
+        h += np.asarray(term, np.uint64)
+        return np.right_shift(h, np.uint64(shift)).astype(np.int64)
+
+    def tenant_terms(self, tenant: np.ndarray) -> np.ndarray:
+        t = tenant.astype(np.uint64)
+        return t * np.uint64(self.at) + np.uint64(self.c)
 
 
 class RecordIndex:
@@ -97,8 +130,10 @@ class RecordIndex:
         size = 1
         while size * LOAD_MAX < max(rows_hint, ROWS_MIN):
             size *= 2
+        self._hash = _SlotHash.draw()
         self._slots = np.full(size, NO_ROW, dtype=np.int32)
         self._mask = size - 1
+        self._shift = 64 - (size.bit_length() - 1)  # home = the hash's top log2(size) bits
         self._refresh_views()
 
     def __len__(self) -> int:
@@ -115,12 +150,12 @@ class RecordIndex:
     def find(self, tenant: int, key: bytes) -> int:
         """Row of (tenant, key), or NO_ROW."""
         k0, k1 = _KEY.unpack(key)
-        return self._find_words(tenant, (tenant * TENANT_MIX) & MASK64, k0, k1)
+        return self._find_words(tenant, self._hash.tenant_term(tenant), k0, k1)
 
-    def _find_words(self, tenant: int, mix: int, k0: int, k1: int) -> int:
+    def _find_words(self, tenant: int, term: int, k0: int, k1: int) -> int:
         slots, c0, c1, ct = self._views
-        mask = self._mask
-        s = (k0 ^ mix) & mask
+        mask, h = self._mask, self._hash
+        s = ((k0 * h.a0 + k1 * h.a1 + term) & MASK64) >> self._shift
         for _ in range(mask + 1):
             row = slots[s]
             if row < 0:
@@ -137,10 +172,10 @@ class RecordIndex:
         assert len(blob) % 16 == 0, len(blob)
         count = len(blob) // 16
         head = count if count <= PREFIX_SCALAR_MAX else PREFIX_HEAD_MAX
-        mix = (tenant * TENANT_MIX) & MASK64
+        term = self._hash.tenant_term(tenant)
         rows: list[int] = []
         for k0, k1 in _KEY.iter_unpack(blob[: 16 * head]):
-            row = self._find_words(tenant, mix, k0, k1)
+            row = self._find_words(tenant, term, k0, k1)
             if row == NO_ROW:
                 return rows
             rows.append(row)
@@ -159,12 +194,11 @@ class RecordIndex:
         tid, per_key = 0, None
         if np.ndim(tenant) == 0:
             tid = int(tenant)
-            mix = np.uint64((tid * TENANT_MIX) & MASK64)
-            pos = ((k0 ^ mix) & np.uint64(mask)).astype(np.int64)
+            pos = self._hash.homes(k0, k1, self._hash.tenant_term(tid), self._shift)
         else:
             per_key = np.asarray(tenant, dtype=np.uint16)
             assert per_key.shape == (n,), (per_key.shape, n)
-            pos = _home(k0, per_key, mask)
+            pos = self._hash.homes(k0, k1, self._hash.tenant_terms(per_key), self._shift)
         out = np.full(n, NO_ROW, dtype=np.int64)
         todo = None  # the first round probes every key: no index array needed yet
         for _ in range(mask + 1):
@@ -187,7 +221,8 @@ class RecordIndex:
             if len(todo) <= MANY_TAIL_MAX:
                 for i in todo.tolist():  # from the home slot again: a few probes repeated
                     t = tid if per_key is None else int(per_key[i])
-                    out[i] = self._find_words(t, (t * TENANT_MIX) & MASK64, int(k0[i]), int(k1[i]))
+                    term = self._hash.tenant_term(t)
+                    out[i] = self._find_words(t, term, int(k0[i]), int(k1[i]))
                 return out
             pos = (pos[again] + 1) & mask
         raise AssertionError("slot table has no empty slot")
@@ -277,8 +312,14 @@ class RecordIndex:
     # --- internals ---
 
     def _home_of(self, row: int) -> int:
-        k0, tenant = int(self.cols["k0"][row]), int(self.cols["tenant"][row])
-        return (k0 ^ ((tenant * TENANT_MIX) & MASK64)) & self._mask
+        cols, h = self.cols, self._hash
+        k0, k1, tenant = int(cols["k0"][row]), int(cols["k1"][row]), int(cols["tenant"][row])
+        return ((k0 * h.a0 + k1 * h.a1 + h.tenant_term(tenant)) & MASK64) >> self._shift
+
+    def _homes(self, rows: np.ndarray) -> np.ndarray:
+        cols, h = self.cols, self._hash
+        terms = h.tenant_terms(cols["tenant"][rows])
+        return h.homes(cols["k0"][rows], cols["k1"][rows], terms, self._shift)
 
     def _take_row(self) -> int:
         if self._free_count:
@@ -337,9 +378,10 @@ class RecordIndex:
         past the end wrap around one at a time."""
         self._slots = np.full(size, NO_ROW, dtype=np.int32)
         self._mask = size - 1
+        self._shift = 64 - (size.bit_length() - 1)
         self._refresh_views()
         rows = self.live_rows()
-        home = _home(self.cols["k0"][rows], self.cols["tenant"][rows], self._mask)
+        home = self._homes(rows)
         order = np.argsort(home)
         step = np.arange(len(rows))
         pos = np.maximum.accumulate(home[order] - step) + step
@@ -358,7 +400,7 @@ class RecordIndex:
     def _place_many(self, rows: np.ndarray) -> None:
         """Linear-probing insertion of many rows at once: each round claims free slots."""
         pending = np.asarray(rows, dtype=np.int64)
-        pos = _home(self.cols["k0"][pending], self.cols["tenant"][pending], self._mask)
+        pos = self._homes(pending)
         for _ in range(len(self._slots)):
             if len(pending) == 0:
                 return
