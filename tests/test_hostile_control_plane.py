@@ -193,6 +193,97 @@ def test_one_tenants_idle_connections_refuse_no_other_tenant(tmp_path: Path) -> 
         assert a.alive()
 
 
+HEAVY_CONNECTIONS = 32  # one tenant's connections, each with two 4,096-key lookups in flight
+HEAVY_S = 8.0  # how long they keep the agent busy (bounded)
+HEAVY_MEDIAN_S_MAX = 0.75  # another tenant's call, median: one or two heavy lookups ahead of it
+
+
+def _raw_session(port: int, tenant: str, token: str) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(encode_request(1, "hello", version=PROTOCOL_VERSION, tenant=tenant, token=token))
+    assert read_frame(s)["ok"]
+    return s
+
+
+def _pipelined(s: socket.socket, frames: list[bytes]) -> list[dict[str, Any]]:
+    s.sendall(b"".join(frames))
+    replies = [read_frame(s) for _ in frames]
+    assert all(r["ok"] for r in replies), [r for r in replies if not r["ok"]][:1]
+    return replies
+
+
+def test_one_tenants_heavy_lookups_hold_no_other_tenant_behind_them(tmp_path: Path) -> None:
+    """Tenant beta keeps 32 connections busy with 4,096-key lookups (20-90 ms of the event loop
+    each); tenant default's calls meanwhile wait for one or two of them, not for all: before,
+    for every connection beta had (16: `stats` 1.1 s median; 32: over 2 s). Beta's keys share
+    their first 8 bytes, which made one probe run of the index before its hash was secret
+    (265 ms per lookup)."""
+    import selectors
+    import threading
+
+    with agent(tmp_path) as a:
+        beta = a.admin("tenant_add", tenant="beta")["token"]
+        keys = [i.to_bytes(16, "big") for i in range(4096)]
+        with _raw_session(a.port, "beta", beta) as s:
+            for base in range(0, len(keys), 512):
+                batch = keys[base : base + 512]
+                res = _pipelined(s, [encode_request(i + 2, "reserve", key=k, length=1)
+                                     for i, k in enumerate(batch)])  # fmt: skip
+                _pipelined(s, [encode_request(i + 2, "commit",
+                                              reservation_id=r["result"]["reservation_id"],
+                                              checksum=bytes(16))
+                               for i, r in enumerate(res)])  # fmt: skip
+        heavy = encode_request(9, "lookup", keys=keys, lease=False)
+        conns = [_raw_session(a.port, "beta", beta) for _ in range(HEAVY_CONNECTIONS)]
+        waits: list[float] = []
+        stop = threading.Event()
+
+        def other_tenant() -> None:
+            with ControlChannel(a.control_url, "default", a.token) as ch:
+                ch.connect()
+                time.sleep(1.0)  # beta's lookups under way
+                while not stop.is_set():
+                    t0 = time.monotonic()
+                    ch.call("stats")
+                    waits.append(time.monotonic() - t0)
+                    time.sleep(0.25)
+
+        probe = threading.Thread(target=other_tenant, daemon=True)
+        sel = selectors.DefaultSelector()
+        pending: dict[socket.socket, bytes] = {}
+        try:
+            for c in conns:
+                c.sendall(heavy + heavy)
+                c.setblocking(False)
+                pending[c] = b""
+                sel.register(c, selectors.EVENT_READ)
+            probe.start()
+            end = time.monotonic() + HEAVY_S
+            while time.monotonic() < end:
+                for key, _ in sel.select(0.5):
+                    conn = key.fileobj
+                    assert isinstance(conn, socket.socket)
+                    with contextlib.suppress(BlockingIOError):
+                        pending[conn] += conn.recv(1 << 20)
+                    while len(pending[conn]) >= 4:
+                        n = int.from_bytes(pending[conn][:4], "big")
+                        if len(pending[conn]) < 4 + n:
+                            break
+                        pending[conn] = pending[conn][4 + n :]
+                        conn.setblocking(True)
+                        conn.sendall(heavy)  # one more in flight for each answered
+                        conn.setblocking(False)
+        finally:
+            stop.set()
+            probe.join(30)
+            for c in conns:
+                c.close()
+        assert len(waits) >= 5, waits
+        assert statistics.median(waits) <= HEAVY_MEDIAN_S_MAX, waits
+        assert max(waits) <= LEGIT_LOOKUP_S_MAX, waits
+        assert a.alive()
+
+
 def test_idle_control_connections_give_their_slot_back(tmp_path: Path) -> None:
     patches = {"dpu_agent.control._server": {"CONTROL_IDLE_S": 2.0}}
     with agent(tmp_path, patches, env={"DPUKV_CONTROL_CONNECTIONS_MAX": "64"}) as a:

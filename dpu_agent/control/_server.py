@@ -110,6 +110,13 @@ UNIX_CONNECTIONS_MAX = 64
 # Requests of one connection handled per event-loop turn: a client pipelining thousands of
 # requests delays the others by at most this many (~64 x 100 us).
 REQUESTS_PER_TURN_MAX = 64
+# The event loop's time one tenant's requests may take in one round of the loop (the callbacks
+# ready at once, between two looks at the sockets); past it, its connections wait for the next
+# round, after the other tenants' requests that arrived meanwhile. A lookup of 4,096 keys takes
+# 20-90 ms of the loop, so one round holds at most about one such request per busy tenant:
+# another tenant's call waits for one of them, not for every connection the busy tenant has
+# (16 connections of such lookups held another tenant's `stats` 1.1-3.3 s).
+TENANT_ROUND_S = 0.02
 # One read's buffer, per connection (16 MiB at 1024 connections). A lookup of 64 keys is ~1.2 KB;
 # bigger frames span reads (the decoder gathers them). Reading into it spares the 256 KiB bytes
 # object asyncio allocates for every data_received read; TLS records (16 KiB) fit it.
@@ -169,6 +176,8 @@ class ControlServer:
         self._unauthenticated_at: dict[str, dict[_Connection, None]] = {}
         self._per_tenant: dict[str, int] = {}  # authenticated TCP connections per tenant
         self._per_address: dict[str, int] = {}  # ... per peer address
+        self._round_used: dict[str, float] = {}  # tenant -> loop seconds in this round
+        self._round_armed = False  # a new round is scheduled (call_soon: the loop's next round)
         self._stranger_peak = 0  # the most strangers since the pool last drained
         self._trim: asyncio.TimerHandle | None = None
         self.unix_connections: set[_Connection] = set()
@@ -181,6 +190,23 @@ class ControlServer:
         self._tls_rate = TokenBuckets(
             TLS_HANDSHAKE_BURST, TLS_HANDSHAKES_PER_ADDRESS_PER_S, TLS_RATE_ADDRESSES_MAX
         )
+
+    def over_round(self, tenant: str) -> bool:
+        """Whether `tenant` has had its TENANT_ROUND_S of this round; if so the caller waits
+        for the next round, which this schedules."""
+        if self._round_used.get(tenant, 0.0) < TENANT_ROUND_S:
+            return False
+        if not self._round_armed:
+            self._round_armed = True
+            asyncio.get_running_loop().call_soon(self._new_round)
+        return True
+
+    def spent(self, tenant: str, seconds: float) -> None:
+        self._round_used[tenant] = self._round_used.get(tenant, 0.0) + seconds
+
+    def _new_round(self) -> None:
+        self._round_used.clear()
+        self._round_armed = False
 
     @property
     def unix_path(self) -> Path | None:
@@ -616,8 +642,12 @@ class _Connection(asyncio.BufferedProtocol):
         assert s is not None and self._transport is not None
         out: list[bytes] = []
         self._yielding = False
+        srv = self._server
         while self._pending is None and not s.closing:
-            if len(out) >= REQUESTS_PER_TURN_MAX:  # let other clients in, then carry on
+            # let other clients in, then carry on: after REQUESTS_PER_TURN_MAX requests, or
+            # when this tenant has had its share of the loop's round (TENANT_ROUND_S)
+            # (before hello the tenant is "": strangers share one budget)
+            if len(out) >= REQUESTS_PER_TURN_MAX or srv.over_round(s.tenant):
                 self._yielding = True
                 asyncio.get_running_loop().call_soon(self._continue)
                 break
@@ -628,7 +658,9 @@ class _Connection(asyncio.BufferedProtocol):
                 break
             if msg is NEED_DATA:
                 break
+            t0 = time.perf_counter()
             reply = self._dispatcher.handle(s, msg)
+            srv.spent(s.tenant, time.perf_counter() - t0)
             if s.state is SessionState.READY:
                 self._decoder.frame_bytes_max = CONTROL_FRAME_BYTES_MAX
             if s.state is SessionState.READY and not self._unix:
