@@ -776,3 +776,18 @@ def test_tls_handshake_flood_does_not_stall_other_tenants_control_calls(
             legit.lookup(ch)
         legit.check()
         assert a.alive()
+
+
+def test_a_tenant_learns_the_agents_addresses_not_how_the_operator_runs_it(tmp_path: Path) -> None:
+    """`members` to a tenant: where to connect (control, NVMe/TCP), not the admin socket's
+    path, the process id, the uptime, how many tenants share the agent or an interrupted
+    restore's backup directories (dpuctl status, over the admin socket, still shows them).
+    Its capacity stays: a cluster client's placement weighs members by it."""
+    with agent(tmp_path) as a:
+        with ControlChannel(a.control_url, "default", a.token) as ch:
+            ch.connect()
+            (mine,) = ch.call("members")["members"]
+        assert mine["control"] == a.control_url and mine["nvme"]
+        assert not {"control_unix", "pid", "uptime_s", "tenants", "restore"} & set(mine), mine
+        (full,) = a.admin("members")["members"]
+        assert full["pid"] == a.proc.pid and full["control_unix"] == a.unix_url

@@ -50,6 +50,10 @@ refusals = RateLimitedLog(log)  # failed logins: a flood costs a few lines a sec
 
 # Outstanding leases / reservations one session may hold: a client pipelining a 1M-token
 # prompt holds 4096; 64 Ki leaves room for many such while bounding memory per connection.
+# What `members` tells the operator (dpuctl status) and not a tenant: the admin socket's path,
+# the process, how many tenants share the agent, an interrupted restore's backup directories.
+# (capacity_bytes stays: a cluster client's placement weighs members by it.)
+OPERATOR_MEMBER_FIELDS = frozenset({"control_unix", "pid", "uptime_s", "tenants", "restore"})
 SESSION_LEASES_MAX = 1 << 16
 SESSION_RESERVATIONS_MAX = 1 << 16
 HELLO_FAILURES_MAX = 3  # then the connection is closed: no token guessing on one connection
@@ -591,7 +595,11 @@ class Dispatcher:
             delta = self.backend.cluster_members_since(s.tenant, f["since"])
             if delta is not None:
                 return plain(delta)
-        return {"members": plain(self.backend.members()), **self.backend.cluster_view(s.tenant)}
+        members = self.backend.members()
+        if not s.admin:  # a tenant needs the addresses, not how the operator runs the agent
+            members = [{k: v for k, v in m.items() if k not in OPERATOR_MEMBER_FIELDS}
+                       for m in members]  # fmt: skip
+        return {"members": plain(members), **self.backend.cluster_view(s.tenant)}
 
     def _cluster(self, s: Session, op: str, f: Mapping[str, Any]) -> dict[str, Any]:
         """Agent-to-agent ops of the rebalancer (dpu_agent.cluster.agent_cluster_op): only on
