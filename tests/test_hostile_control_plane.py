@@ -312,6 +312,39 @@ def test_idle_control_connections_give_their_slot_back(tmp_path: Path) -> None:
         assert a.alive()
 
 
+def test_a_frame_begun_and_never_finished_is_closed_at_its_deadline(tmp_path: Path) -> None:
+    """A tenant's connection that starts a 1 MiB frame and trickles the rest (a byte every
+    0.3 s: never idle) held that buffer until CONTROL_IDLE_S (600 s); now it is closed
+    FRAME_DEADLINE_S after the frame began (1 s here). A connection sending whole frames at
+    the same pace stays."""
+    patches = {"dpu_agent.control._server": {"FRAME_DEADLINE_S": 1.0}}
+    with agent(tmp_path, patches) as a:
+        trickle = _raw_session(a.port, "default", a.token)
+        steady = _raw_session(a.port, "default", a.token)
+        try:
+            trickle.sendall((1 << 20).to_bytes(4, "big") + bytes(1000))
+            closed = False
+            for i in range(20):  # 6 s at most
+                time.sleep(0.3)
+                try:
+                    trickle.sendall(b"\0")
+                except OSError:
+                    closed = True
+                    break
+                steady.sendall(encode_request(100 + i, "stats"))
+                assert read_frame(steady)["ok"]
+                if closed_by_peer(trickle, 0.05):
+                    closed = True
+                    break
+            assert closed
+            steady.sendall(encode_request(99, "stats"))
+            assert read_frame(steady)["ok"]  # whole frames at the same pace: still served
+        finally:
+            trickle.close()
+            steady.close()
+        assert a.alive()
+
+
 # --- 6: input never reaches an assert ---------------------------------------------------------
 
 

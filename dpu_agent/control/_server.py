@@ -73,6 +73,10 @@ ADDRESS_CONNECTIONS_MAX = 512
 # An inference server looks up on every request; 10 min is 20 lease TTLs (30 s) of silence.
 CONTROL_IDLE_S = 600.0
 IDLE_SWEEP_S_MAX = 30.0  # how often idle connections are looked for (at most)
+# A frame's bytes all arrive within this of its first: a 1 MiB frame takes milliseconds on any
+# link a GPU server uses. A tenant's connection that started a frame and trickles the rest
+# (or nothing) held up to 1 MiB until CONTROL_IDLE_S (256 connections: +280 MiB for 10 min).
+FRAME_DEADLINE_S = 30.0
 # Connections that have not said hello yet: nobody knows who they are, so they get their own,
 # smaller pool (a burst of clients starting at once is far below it) and a deadline.
 UNAUTHENTICATED_MAX = 256
@@ -365,14 +369,21 @@ class ControlServer:
         _decrement(self._per_address, s.peer_host)
 
     async def _sweep_idle(self) -> None:
-        """Close authenticated TCP connections idle for CONTROL_IDLE_S (their slots go back)."""
+        """Close authenticated TCP connections idle for CONTROL_IDLE_S (their slots go back),
+        and those with a frame begun more than FRAME_DEADLINE_S ago."""
         loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(min(CONTROL_IDLE_S / 4, IDLE_SWEEP_S_MAX))
+            await asyncio.sleep(min(CONTROL_IDLE_S / 4, IDLE_SWEEP_S_MAX, FRAME_DEADLINE_S / 2))
             cutoff = loop.time() - CONTROL_IDLE_S
             for conn in [c for c in self.authenticated if c.idle_since(cutoff)]:
                 m.CONNECTIONS_REFUSED.labels("idle").inc()
                 refusals.warning("control_idle_closed", peer=conn.peer, idle_s=CONTROL_IDLE_S)
+                conn.abort()
+            cutoff = loop.time() - FRAME_DEADLINE_S
+            for conn in [c for c in self.authenticated if c.frame_begun_before(cutoff)]:
+                m.CONNECTIONS_REFUSED.labels("frame_deadline").inc()
+                refusals.warning("control_frame_deadline", peer=conn.peer,
+                                 deadline_s=FRAME_DEADLINE_S)  # fmt: skip
                 conn.abort()
 
 
@@ -419,6 +430,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._tls_busy = False  # a handshake step runs on a TLS thread: reading waits for it
         self._address = ""
         self._last_active = 0.0  # loop time of the last bytes received
+        self._frame_since: float | None = None  # loop time the unfinished frame began
         self.spoke = False  # any bytes received (a stranger mid-handshake or mid-hello)
         self.peer = "?"
 
@@ -488,6 +500,13 @@ class _Connection(asyncio.BufferedProtocol):
     def idle_since(self, cutoff: float) -> bool:
         """No bytes received since loop time `cutoff`, and no admin op of its running."""
         return self._last_active < cutoff and self._pending is None
+
+    def frame_begun_before(self, cutoff: float) -> bool:
+        """A frame still incomplete that began before loop time `cutoff` (no admin op of its
+        running: reading waits for those)."""
+        since = self._frame_since
+        pending_bytes = self._decoder.buffered_bytes
+        return since is not None and since < cutoff and pending_bytes > 0 and self._pending is None
 
     def connection_lost(self, exc: Exception | None) -> None:
         for timer in (self._deadline, self._tls_deadline):
@@ -642,6 +661,7 @@ class _Connection(asyncio.BufferedProtocol):
         assert s is not None and self._transport is not None
         out: list[bytes] = []
         self._yielding = False
+        took_frames = False
         srv = self._server
         while self._pending is None and not s.closing:
             # let other clients in, then carry on: after REQUESTS_PER_TURN_MAX requests, or
@@ -658,6 +678,7 @@ class _Connection(asyncio.BufferedProtocol):
                 break
             if msg is NEED_DATA:
                 break
+            took_frames = True
             t0 = time.perf_counter()
             reply = self._dispatcher.handle(s, msg)
             srv.spent(s.tenant, time.perf_counter() - t0)
@@ -676,6 +697,10 @@ class _Connection(asyncio.BufferedProtocol):
                 self._pending = asyncio.ensure_future(reply)
                 self._pending.add_done_callback(self._admin_done)
                 self._update_reading()
+        if not self._decoder.buffered_bytes:
+            self._frame_since = None
+        elif self._frame_since is None or took_frames:  # what is left began about now
+            self._frame_since = asyncio.get_running_loop().time()
         self._update_reading()
         self._send(out)
 
