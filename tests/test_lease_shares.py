@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from test_engine import FakeClock
 
 from dpu_agent.engine import Engine, EngineConfig, LimitExceeded
 from dpu_agent.engine._leases import TENANT_LEASES_MAX, TENANT_RESERVATIONS_MAX
@@ -20,15 +21,7 @@ from dpu_agent.engine._leases import TENANT_LEASES_MAX, TENANT_RESERVATIONS_MAX
 BS = 4096
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def _engine(tmp_path: Path, clock: Clock) -> Engine:
+def _engine(tmp_path: Path, clock: FakeClock) -> Engine:
     cfg = EngineConfig(data_dir=tmp_path, dram_bytes=64 * BS,
                        nvme_bytes=(TENANT_RESERVATIONS_MAX + 256) * BS,
                        tenants={"mallory": 0, "bob": 0}, lease_ttl_s=5.0,
@@ -41,7 +34,7 @@ def _key(tag: bytes, i: int) -> bytes:
 
 
 def test_a_tenant_that_never_releases_fills_only_its_share_of_leases(tmp_path: Path) -> None:
-    clock = Clock()
+    clock = FakeClock()
     eng = _engine(tmp_path, clock)
     try:
         eng.put_chunk("mallory", _key(b"m", 0), b"x" * 100)
@@ -63,7 +56,7 @@ def test_a_tenant_that_never_releases_fills_only_its_share_of_leases(tmp_path: P
 
 
 def test_a_tenant_that_never_commits_fills_only_its_share_of_reservations(tmp_path: Path) -> None:
-    clock = Clock()
+    clock = FakeClock()
     eng = _engine(tmp_path, clock)
     try:
         for i in range(TENANT_RESERVATIONS_MAX):
