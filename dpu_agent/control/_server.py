@@ -197,7 +197,9 @@ class ControlServer:
 
     def over_round(self, tenant: str) -> bool:
         """Whether `tenant` has had its TENANT_ROUND_S of this round; if so the caller waits
-        for the next round, which this schedules."""
+        for the next round, which this schedules. (A round ends only when some tenant goes
+        over: a tenant that never does may be held once after 20 ms spread over many rounds,
+        for one turn of the loop.)"""
         if self._round_used.get(tenant, 0.0) < TENANT_ROUND_S:
             return False
         if not self._round_armed:
