@@ -65,7 +65,7 @@ from dpu_agent.control import (
 )
 from dpu_agent.control import _metrics as control_metrics
 from dpu_agent.control_tls import exposure_warning, peer_client_context, server_context
-from dpu_agent.dataplane import DataPlane, data_plane
+from dpu_agent.dataplane import DataPlane, data_path_fds_max, data_plane
 from dpu_agent.engine import Engine, EngineConfig, EngineError
 from dpu_agent.engine.backup import backup_tenants, check_no_interrupted_restore
 from dpu_agent.engine.engine import CHUNKS_PAGE_MAX
@@ -73,7 +73,6 @@ from dpu_agent.log import configure_logging, get_logger, lossy_std_streams
 from dpu_agent.metrics import REGISTRY, forget_tenant
 from dpu_agent.metrics_server import METRICS_CONNECTIONS_MAX, start_metrics_server
 from dpu_agent.nixl import NixlServer
-from dpu_agent.nvmf import CONNECTIONS_MAX as NVMF_CONNECTIONS_MAX
 from dpu_agent.sdnotify import Notifier
 from dpu_agent.tenant_store import TENANTS_FILE, TenantStore, write_secret
 from kvproto.control import TENANTS_MAX, valid_tenant_name
@@ -851,10 +850,10 @@ FD_LIMIT_UNBOUNDED = 1 << 20
 
 def fds_needed(cfg: AgentConfig) -> int:
     """Descriptors the agent may hold at once with every connection bound reached: tenants'
-    control connections, strangers before hello, the operator's Unix socket, NVMe/TCP queues,
-    metrics scrapers, and FD_HEADROOM."""
+    control connections, strangers before hello, the operator's Unix socket, the data path's
+    queues (the embedded NVMe/TCP target's), metrics scrapers, and FD_HEADROOM."""
     return (cfg.control.connections_max + UNAUTHENTICATED_MAX + UNIX_CONNECTIONS_MAX
-            + NVMF_CONNECTIONS_MAX + METRICS_CONNECTIONS_MAX + FD_HEADROOM)  # fmt: skip
+            + data_path_fds_max(cfg) + METRICS_CONNECTIONS_MAX + FD_HEADROOM)  # fmt: skip
 
 
 def raise_fd_limit(cfg: AgentConfig) -> tuple[int, int]:
