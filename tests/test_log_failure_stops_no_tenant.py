@@ -45,6 +45,17 @@ def _notices(text: str) -> list[dict[str, object]]:
 # --- the stream itself, on a pipe ---------------------------------------------------------------
 
 
+@pytest.fixture
+def pipe() -> Iterator[tuple[int, int, LossyLineStream]]:
+    """(read end, write end, a LossyLineStream on the write end); both ends closed after."""
+    r, w = os.pipe()
+    try:
+        yield r, w, LossyLineStream(w, "<test>")
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 def test_a_reader_gone_drops_lines_and_never_raises() -> None:
     r, w = os.pipe()
     os.close(r)  # the log collector died
@@ -57,81 +68,70 @@ def test_a_reader_gone_drops_lines_and_never_raises() -> None:
         os.close(w)
 
 
-def test_a_stalled_reader_costs_one_wait_then_lines_say_how_many_went() -> None:
-    r, w = os.pipe()
-    s = LossyLineStream(w, "<test>")
-    try:
-        size = fcntl.fcntl(w, fcntl.F_GETPIPE_SZ)  # how many bytes fill the pipe
-        filler = b"x" * 1023 + b"\n"
-        os.set_blocking(w, False)
-        with pytest.raises(BlockingIOError):
-            for _ in range(size // len(filler) + 2):
-                os.write(w, filler)
-        os.set_blocking(w, True)  # a blocking descriptor, as a log's is: a plain write hangs
-        t0 = time.monotonic()
-        for i in range(200):
-            s.write(f"while stalled {i}\n")
-        took = time.monotonic() - t0
-        assert s.dropped_lines == 200
-        assert took < 10 * LOG_WRITE_WAIT_S, took  # one wait for the stall, not 200
-        # the reader comes back: the next line goes out after a line counting the lost ones
-        drained = 0
-        while drained < size:
-            drained += len(os.read(r, 65536))
-        s.write("after\n")
-        os.set_blocking(r, False)
-        tail = os.read(r, 65536).decode()
-        notice = _notices(tail)
-        assert [n["lines"] for n in notice] == [200], tail
-        assert tail.endswith("after\n")
-    finally:
-        os.close(r)
-        os.close(w)
+def test_a_stalled_reader_costs_one_wait_then_lines_say_how_many_went(
+    pipe: tuple[int, int, LossyLineStream],
+) -> None:
+    r, w, s = pipe
+    size = fcntl.fcntl(w, fcntl.F_GETPIPE_SZ)  # how many bytes fill the pipe
+    filler = b"x" * 1023 + b"\n"
+    os.set_blocking(w, False)
+    with pytest.raises(BlockingIOError):
+        for _ in range(size // len(filler) + 2):
+            os.write(w, filler)
+    os.set_blocking(w, True)  # a blocking descriptor, as a log's is: a plain write hangs
+    t0 = time.monotonic()
+    for i in range(200):
+        s.write(f"while stalled {i}\n")
+    took = time.monotonic() - t0
+    assert s.dropped_lines == 200
+    assert took < 10 * LOG_WRITE_WAIT_S, took  # one wait for the stall, not 200
+    # the reader comes back: the next line goes out after a line counting the lost ones
+    drained = 0
+    while drained < size:
+        drained += len(os.read(r, 65536))
+    s.write("after\n")
+    os.set_blocking(r, False)
+    tail = os.read(r, 65536).decode()
+    notice = _notices(tail)
+    assert [n["lines"] for n in notice] == [200], tail
+    assert tail.endswith("after\n")
 
 
-def test_a_line_cut_midway_is_not_glued_to_the_next() -> None:
-    r, w = os.pipe()
-    s = LossyLineStream(w, "<test>")
-    try:
-        size = fcntl.fcntl(w, fcntl.F_GETPIPE_SZ)
-        # one line longer than the pipe: its first pieces go out, the rest is dropped
-        s.write("a" * (size + 3 * WRITE_CHUNK_BYTES_MAX) + "\n")
-        assert s.dropped_lines == 1
-        got = b""
-        os.set_blocking(r, False)
-        while True:
-            try:
-                chunk = os.read(r, 65536)
-            except BlockingIOError:
-                break
-            got += chunk
-        assert got and set(got) == {ord("a")}
-        s.write("next\n")
-        text = os.read(r, 65536).decode()
-        assert text.startswith("\n{"), text  # the cut line ends before the notice
-        assert [n["lines"] for n in _notices(text)] == [1]
-        assert text.endswith("next\n")
-    finally:
-        os.close(r)
-        os.close(w)
+def test_a_line_cut_midway_is_not_glued_to_the_next(pipe: tuple[int, int, LossyLineStream]) -> None:
+    r, w, s = pipe
+    size = fcntl.fcntl(w, fcntl.F_GETPIPE_SZ)
+    # one line longer than the pipe: its first pieces go out, the rest is dropped
+    s.write("a" * (size + 3 * WRITE_CHUNK_BYTES_MAX) + "\n")
+    assert s.dropped_lines == 1
+    got = b""
+    os.set_blocking(r, False)
+    while True:
+        try:
+            chunk = os.read(r, 65536)
+        except BlockingIOError:
+            break
+        got += chunk
+    assert got and set(got) == {ord("a")}
+    s.write("next\n")
+    text = os.read(r, 65536).decode()
+    assert text.startswith("\n{"), text  # the cut line ends before the notice
+    assert [n["lines"] for n in _notices(text)] == [1]
+    assert text.endswith("next\n")
 
 
-def test_an_unfinished_line_is_held_with_bounded_memory() -> None:
-    r, w = os.pipe()
-    s = LossyLineStream(w, "<test>")
-    try:
-        s.write("no newline yet")
-        os.set_blocking(r, False)
-        with pytest.raises(BlockingIOError):
-            os.read(r, 10)  # held until the line ends
-        s.write(" ... done\n")
-        assert os.read(r, 100) == b"no newline yet ... done\n"
-        fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1 << 20)  # room for what follows
-        s.write("b" * 70_000)  # over PENDING_BYTES_MAX without a newline: written as is
-        assert len(os.read(r, 100_000)) == 70_000
-    finally:
-        os.close(r)
-        os.close(w)
+def test_an_unfinished_line_is_held_with_bounded_memory(
+    pipe: tuple[int, int, LossyLineStream],
+) -> None:
+    r, w, s = pipe
+    s.write("no newline yet")
+    os.set_blocking(r, False)
+    with pytest.raises(BlockingIOError):
+        os.read(r, 10)  # held until the line ends
+    s.write(" ... done\n")
+    assert os.read(r, 100) == b"no newline yet ... done\n"
+    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1 << 20)  # room for what follows
+    s.write("b" * 70_000)  # over PENDING_BYTES_MAX without a newline: written as is
+    assert len(os.read(r, 100_000)) == 70_000
 
 
 # --- a real agent whose log fails ----------------------------------------------------------------
