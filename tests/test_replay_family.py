@@ -116,6 +116,44 @@ def test_family_cell_through_the_engine_is_the_fast_paths() -> None:
         assert engine[0][key] == fast[0][key]
 
 
+def test_family_through_the_engine_keeps_its_tiers_under_data_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--family --data-dir DIR`: every engine of the family replay keeps its tiers under DIR
+    (tmpfs, in the documented commands); the family path used to drop the option."""
+    import dpu_agent.bench.replay_engine as replay_engine_module
+
+    made: list[str | None] = []
+    real = replay_engine_module.tempfile.TemporaryDirectory
+
+    def recording(*args: object, dir: str | None = None, **kwargs: object) -> object:
+        made.append(None if dir is None else str(dir))
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(replay_engine_module.tempfile, "TemporaryDirectory", recording)
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(SAMPLE.read_text().splitlines(keepends=True)[:20]))
+    data = tmp_path / "tiers"
+    data.mkdir()
+    result = CliRunner().invoke(
+        replay_command,
+        [
+            "--family",
+            "--family-set",
+            "none",
+            "--trace",
+            str(trace),
+            "--capacity-fraction",
+            "0.5",
+            "--data-dir",
+            str(data),
+            "--json",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert made and set(made) == {str(data)}, made
+
+
 def test_conv_is_mostly_one_hit_blocks_with_a_reused_shared_set() -> None:
     """`conv`: most blocks are used once (one-off contexts, a conversation's last turn), a
     Zipf-skewed set of shared prefixes is used often, conversations come back after gaps."""

@@ -662,6 +662,7 @@ def replay_command(
             not simulator,
             family_sets,
             head,
+            data_dir,
         )
         return
     if (trace_path is None) == (synthetic is None):
@@ -714,6 +715,7 @@ def _family_command(
     engine: bool,
     family_sets: tuple[str, ...],
     head: int | None,
+    data_dir: Path | None,
 ) -> None:
     from dpu_agent.bench.replay_family import (
         CHOOSE_SET,
@@ -735,7 +737,9 @@ def _family_command(
         for f in fractions:
             if not 0.0 < f <= 1.0:
                 raise ValueError(f"capacity fraction must be in (0, 1], got {f}")
-        rows = run_family(traces, fractions or DEFAULT_FRACTIONS, policy, jobs, engine=engine)
+        rows = run_family(
+            traces, fractions or DEFAULT_FRACTIONS, policy, jobs, engine=engine, data_dir=data_dir
+        )
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     memory = {n: policy_memory_bytes(n) for n in rows[0]["policies"]}

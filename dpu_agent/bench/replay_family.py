@@ -143,16 +143,18 @@ def _segments(spec: FamilyTrace, trace: list[Request]) -> list[list[Request]]:
     return [trace[: len(trace) // 2], trace[len(trace) // 2 :]] if spec.restart else [trace]
 
 
-def _cell(args: tuple[FamilyTrace, float, str, bool]) -> dict[str, Any]:
+def _cell(args: tuple[FamilyTrace, float, str, bool, Path | None]) -> dict[str, Any]:
     """One trace at one capacity: every fixed policy and Belady (one process)."""
-    spec, fraction, default, engine = args
+    spec, fraction, default, engine, data_dir = args
     trace = spec.load()
     accesses = sum(len(r.hash_ids) for r in trace)
     capacity = max(1, round(fraction * distinct_blocks(trace)))
     hits: dict[str, list[int]] = {}
     for name in dict.fromkeys([*fixed_names(), default]):
         # a restart: a new, empty cache, begun from what the policy kept (elect's leader)
-        hits[name] = policy_hits(_segments(spec, trace), name, capacity, engine=engine)[0]
+        hits[name] = policy_hits(
+            _segments(spec, trace), name, capacity, engine=engine, data_dir=data_dir
+        )[0]
     rates = {n: sum(h) / accesses for n, h in hits.items()}
     fixed = {n: rates[n] for n in fixed_names()}
     best = max(fixed, key=lambda n: fixed[n])
@@ -187,13 +189,15 @@ def run_family(
     jobs: int = 1,
     *,
     engine: bool = True,
+    data_dir: Path | None = None,
 ) -> list[dict[str, Any]]:
-    """Every (trace, capacity) cell, in order; `jobs` worker processes (cells are independent)."""
+    """Every (trace, capacity) cell, in order; `jobs` worker processes (cells are independent);
+    through the engine, its tiers in a temporary directory under `data_dir` (tmpfs is fast)."""
     if not 1 <= jobs <= JOBS_MAX:
         raise ValueError(f"jobs must be in 1..{JOBS_MAX}, got {jobs}")
     if default not in POLICY_NAMES:
         raise ValueError(f"unknown eviction policy {default!r}; valid: {', '.join(POLICY_NAMES)}")
-    cells = [(t, f, default, engine) for t in traces for f in fractions]
+    cells = [(t, f, default, engine, data_dir) for t in traces for f in fractions]
     if jobs == 1:
         return [_cell(c) for c in cells]
     with get_context("spawn" if os.name != "posix" else "fork").Pool(jobs) as pool:
