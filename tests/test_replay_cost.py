@@ -27,10 +27,12 @@ def test_cost_reports_every_figure_against_prefix_run() -> None:
     assert base["cpu_ratio_to_prefix_run_max"] == 1.0 and base["meets_bar"]
     for c in report["policies"].values():
         assert c["engine_put_us"] > 0 and c["engine_lookup_hit_us"] > 0
+        assert c["engine_big_lookup_hit_us"] > 0
         assert c["replay_us_per_access"] > 0 and c["bytes_per_item"] == 300.0
         ratio = max(
             c["engine_put_us"] / base["engine_put_us"],
             c["engine_lookup_hit_us"] / base["engine_lookup_hit_us"],
+            c["engine_big_lookup_hit_us"] / base["engine_big_lookup_hit_us"],
             c["replay_us_per_access"] / base["replay_us_per_access"],
         )
         assert c["cpu_ratio_to_prefix_run_max"] == ratio
