@@ -17,8 +17,10 @@ z >= SEPARABLE_Z, within BAR_POINTS of the best fixed, never under LRU).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import pickle
+import sys
 from multiprocessing import Pool
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,7 @@ from dpu_agent.bench.replay_family import (
 )
 from dpu_agent.eviction import ElectPolicy, EvictionPolicy, make_policy
 from dpu_agent.eviction._elect import CANDIDATES
+from dpu_agent.eviction._policy import ADOPT_TIME_STEP_S
 
 MOONCAKE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
 DEV_SEEDS = (0, 1, 726997)  # never a held-out seed drawn after the choice
@@ -77,6 +80,7 @@ def _score(args: tuple[tuple[FamilyTrace, float], int, dict[str, Any], str]) -> 
     tiny = kwargs.pop("tiny_extra", None)  # [blocks, name]: a candidate added in tiers that small
     young_z = kwargs.pop("young_z", None)  # n0: SWITCH_Z x sqrt(1 + n0 / scored requests)
     large_z = kwargs.pop("large_z", None)  # [blocks, z]: switch_z z in tiers at least that large
+    warm = kwargs.pop("warm", False)  # a switch at rate 1 hands over the winner's shadow
     if large_z is not None and capacity >= large_z[0]:
         kwargs["switch_z"] = float(large_z[1])
     if tiny is not None and capacity <= tiny[0]:
@@ -85,6 +89,8 @@ def _score(args: tuple[tuple[FamilyTrace, float], int, dict[str, Any], str]) -> 
     def new() -> EvictionPolicy:
         if policy != "elect":
             return make_policy(policy, capacity)
+        if warm:
+            return _WarmSwitch(capacity, **kwargs)
         if young_z is not None:
             return _YoungZ(capacity, float(young_z), **kwargs)
         return ElectPolicy(capacity, **kwargs)
@@ -114,6 +120,33 @@ class _YoungZ(ElectPolicy):
     def _switch_to(self, leader: int) -> None:
         super()._switch_to(leader)
         self._n = 0.0  # the new leader's evidence starts again
+
+
+class _WarmSwitch(ElectPolicy):
+    """`elect` whose switch, while the shadows sample every item (rate 1: a young or tiny
+    tier), hands the tier to a copy of the winner's shadow rather than to a fresh instance:
+    its history, ghosts and order, the items the tier does not hold removed, those it holds
+    and the shadow does not inserted at the cold end. Tried 2026-12-06 (docs/EVICTION.md, "Not
+    done"): no better on the development data, lru2 as a candidate with it worse."""
+
+    def _lead_with(self, leader: int, now: float) -> None:
+        if self._shift != 0 or not self._shadows[leader].items:
+            super()._lead_with(leader, now)
+            return
+        sys.setrecursionlimit(max(sys.getrecursionlimit(), 100_000))  # prefix nodes link up
+        new = copy.deepcopy(self._shadows[leader].policy)
+        held = self._parent
+        for item, _ in new.resident():
+            if item not in held:
+                new.remove(item)
+        missing = [i for i, _ in self._policy.resident() if i not in new]
+        t = now - ADOPT_TIME_STEP_S * (len(missing) + 1)
+        for item in missing:
+            t += ADOPT_TIME_STEP_S
+            parent = held[item]
+            new.insert(item, parent if parent is not None and parent in new else None, t)
+        self._policy = new
+        self._leader = leader
 
 
 def report(
