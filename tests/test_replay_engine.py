@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dpu_agent.bench.replay import distinct_blocks, load_trace, replay_policy
+from dpu_agent.bench.replay import distinct_blocks, generate_trace, load_trace, replay_policy
 from dpu_agent.bench.replay_engine import replay_engine
 from dpu_agent.engine import Engine, EngineConfig
 from dpu_agent.eviction import POLICY_NAMES
@@ -55,3 +55,21 @@ def test_a_put_never_evicts_the_chunk_it_extends(tmp_path: Path, policy: str) ->
                 assert eng.lookup("t", [parent], lease=False).hits, (policy, i)
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("policy", ["elect", "lru"])
+def test_a_reopened_engine_finds_what_its_predecessor_kept(tmp_path: Path, policy: str) -> None:
+    """`reopen_at`: the engine is closed and a new one opened on its directory mid-trace, as
+    the agent restarts; recovery brings the NVMe tier's chunks back, so the first request
+    after the restart hits what it would have hit without one (a cold restart hits nothing)."""
+    trace = generate_trace("chat", REQUESTS, seed=2)  # hits all along
+    capacity = distinct_blocks(trace) * 5 // 100
+    half = REQUESTS // 2
+    plain = replay_engine(trace, policy, capacity, data_dir=tmp_path)
+    reopened = replay_engine(trace, policy, capacity, data_dir=tmp_path, reopen_at=half)
+    assert reopened.per_request[:half] == plain.per_request[:half]
+    assert reopened.per_request[half] == plain.per_request[half]  # the same chunks held
+    cold = replay_engine(trace[half:], policy, capacity, data_dir=tmp_path)  # tiers empty
+    assert sum(reopened.per_request[half : half + 10]) > sum(cold.per_request[:10])
+    with pytest.raises(ValueError, match="reopen_at"):
+        replay_engine(trace, policy, capacity, data_dir=tmp_path, reopen_at=REQUESTS + 1)

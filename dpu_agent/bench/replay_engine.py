@@ -75,15 +75,21 @@ def replay_engine(
     data_dir: Path | None = None,
     policy_state: Mapping[str, Any] | None = None,
     dram_blocks: int = 0,
+    reopen_at: int | None = None,
 ) -> EngineReplay:
     """Prefix hits of `trace` replayed through a real Engine whose NVMe tier holds `capacity`
     one-block chunks and runs `policy`; with `dram_blocks`, a DRAM tier of that many blocks
     in front of it (0: one block, which holds no chunk). `policy_state`: an earlier run's
-    `policy_state`, which this engine begins from (a restart whose tiers came back empty)."""
+    `policy_state`, which this engine begins from (a restart whose tiers came back empty).
+    `reopen_at`: before that request the engine is closed and a new one opened on the same
+    directory, as the agent restarts: recovery brings the chunks back (the NVMe tier's; DRAM's
+    are demoted at close), the policy begins from the state file its predecessor wrote."""
     if capacity < 1:
         raise ValueError(f"capacity must be at least one block, got {capacity}")
     if dram_blocks < 0:
         raise ValueError(f"dram_blocks must be 0 or more, got {dram_blocks}")
+    if reopen_at is not None and not 0 <= reopen_at <= len(trace):
+        raise ValueError(f"reopen_at must be in 0..{len(trace)}, got {reopen_at}")
     clock = _TraceClock()
     with tempfile.TemporaryDirectory(dir=data_dir) as tmp:
         cfg = EngineConfig(
@@ -102,7 +108,10 @@ def replay_engine(
         by_nsid: dict[int, int] = {}
         try:
             clock.t = next_tick = 1.0
-            for req in trace:
+            for i, req in enumerate(trace):
+                if i == reopen_at:
+                    eng.close()
+                    eng = Engine(cfg, clock=clock)
                 clock.t = max(clock.t, 1.0 + req.timestamp_ms / 1000.0)
                 if dram_blocks and clock.t >= next_tick:  # one tick covers a quiet gap
                     eng.tick()
