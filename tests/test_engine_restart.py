@@ -1,9 +1,13 @@
-"""Restart behaviour: clean close keeps DRAM chunks, quarantine persists, recovered chunks are
-evicted before ones used since the restart, and a recovered engine keeps working."""
+"""Restart behaviour: clean close keeps DRAM chunks, quarantine persists, a clean restart hands
+the policy back the order it had (an unclean one evicts recovered chunks before ones used since
+the restart), and a recovered engine keeps working."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import pytest
+from test_engine import FakeClock
 
 from dpu_agent.crypto import KeyStore
 from dpu_agent.engine import DRAM, NVME, Engine, EngineConfig
@@ -62,11 +66,21 @@ def test_quarantine_survives_restart_until_cleared(tmp_path: Path) -> None:
         eng.close()
 
 
-def test_recovered_chunks_unused_since_restart_are_evicted_first(tmp_path: Path) -> None:
+def crash_after_close(tmp_path: Path) -> None:
+    """Make the clean close just done look like a crash (no clean-stop marker)."""
+    from dpu_agent.engine.engine import CLEAN_STOP
+
+    (cfg(tmp_path).journal_path / CLEAN_STOP).unlink()
+
+
+def test_after_an_unclean_stop_recovered_chunks_unused_since_are_evicted_first(
+    tmp_path: Path,
+) -> None:
     eng = Engine(cfg(tmp_path, nvme_blocks=64))
     for i in range(8):  # 8 x 8 blocks: NVMe full
         eng.put_chunk("acme", *chunk(i, blocks=8))
     eng.close()
+    crash_after_close(tmp_path)
     eng = Engine(cfg(tmp_path, nvme_blocks=64))
     try:
         assert eng.recovery_report.records == 8
@@ -183,3 +197,88 @@ def test_the_policy_state_is_rewritten_only_when_a_leader_changed(tmp_path: Path
         assert json.loads(path.read_text())["acme"]["nvme"] == {"leader": "s3fifo"}
     finally:
         eng.close()
+
+
+def hot_and_cold(tmp_path: Path, policy: str, leader: str | None = None) -> EngineConfig:
+    """A tier of 16 chunks: 4 hot ones used again and again, then 12 one-off ones; `elect`
+    leading with `leader` at the close (so the next start switches to it)."""
+    import dataclasses
+
+    config = dataclasses.replace(  # DRAM of one block: every chunk is the NVMe tier's
+        cfg(tmp_path, nvme_blocks=32), eviction_policy=policy, dram_bytes=BS
+    )
+    clock = FakeClock()
+    eng = Engine(config, clock=clock)
+    for i in range(4):
+        eng.put_chunk("acme", *chunk(i))
+    for _ in range(3):
+        clock.t += 10.0  # apart: LRU-2 counts a burst within a second as one reference
+        for i in range(4):
+            assert eng.lookup("acme", [chunk(i)[0]]).hits
+    for i in range(100, 112):
+        eng.put_chunk("acme", *chunk(i))
+    if leader is not None:
+        assert eng.restore_policies({"acme": {"nvme": {"leader": leader}}}) == 1
+    eng.close()
+    return config
+
+
+@pytest.mark.parametrize(
+    ("policy", "leader"),
+    [("elect", None), ("elect", "prefix"), ("prefix-run", None), ("s3fifo", None),
+     ("lru2", None)],
+)  # fmt: skip
+def test_a_clean_restart_keeps_what_the_policy_protected(
+    tmp_path: Path, policy: str, leader: str | None
+) -> None:
+    """The policy's order is saved at a clean close and taken over at the next start: chunks
+    the policy protected (used again and again) outlive one-off chunks put after the restart,
+    and those outlive the recovered one-off chunks, as without a restart. Before, every
+    recovered chunk not used since the restart went first, the hot ones among them. With
+    `elect` switching to its saved leader at the start, the leader's times were on another
+    clock than the puts after it, so new chunks went before every recovered one."""
+    from dpu_agent.engine._restart_order import POLICY_ORDER
+
+    config = hot_and_cold(tmp_path, policy, leader)
+    assert (config.journal_path / POLICY_ORDER).exists()
+    eng = Engine(config)
+    try:
+        assert not (config.journal_path / POLICY_ORDER).exists()  # read once
+        for i in range(200, 210):  # 10 one-off chunks: 10 evictions
+            eng.put_chunk("acme", *chunk(i))
+        assert all(eng.lookup("acme", [chunk(i)[0]]).hits for i in range(4)), policy
+        for i in range(200, 210):
+            assert eng.get_chunk("acme", chunk(i)[0]) == chunk(i)[1]
+    finally:
+        eng.close()
+
+
+def test_an_unclean_stop_or_a_damaged_order_file_starts_as_before(tmp_path: Path) -> None:
+    """The saved order describes only the clean stop that wrote it: after a crash it is
+    removed unread; a damaged one is logged and removed; the start goes on either way, the
+    recovered chunks in the cold list."""
+    from structlog.testing import capture_logs
+
+    from dpu_agent.engine._restart_order import POLICY_ORDER
+
+    config = hot_and_cold(tmp_path, "elect")
+    crash_after_close(tmp_path)
+    with capture_logs() as logs:
+        eng = Engine(config)
+    try:
+        assert not (config.journal_path / POLICY_ORDER).exists()
+        assert any(e["event"] == "engine.policy_order_ignored" for e in logs)
+        assert eng.recovery_report.records == 16
+        assert eng.get_chunk("acme", chunk(0)[0]) == chunk(0)[1]
+    finally:
+        eng.close()
+    for damaged in (b"", b"PK\x03\x04 not a zip", b"\x93NUMPY" + bytes(100)):
+        (config.journal_path / POLICY_ORDER).write_bytes(damaged)
+        with capture_logs() as logs:
+            eng = Engine(config)
+        try:
+            assert not (config.journal_path / POLICY_ORDER).exists()
+            assert any(e["event"] == "engine.policy_order_unreadable" for e in logs), damaged
+            assert eng.get_chunk("acme", chunk(1)[0]) == chunk(1)[1]
+        finally:
+            eng.close()

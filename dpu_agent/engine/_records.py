@@ -5,7 +5,7 @@ each tier (track, untrack, victim) and integrity failures. Called with the engin
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from dpu_agent.engine import journal as jr
 from dpu_agent.engine._commit import CommitLog
@@ -146,6 +146,27 @@ class Records:
         item = self.item(tier, row)
         tier.rows[item] = row
         tier.policy.insert(item, parent_item, now - self._epoch)
+
+    def adopt(
+        self,
+        tier: Tier,
+        rows: Sequence[int],
+        items: Sequence[int],
+        used: Sequence[bool],
+        now: float,
+    ) -> int:
+        """Hand recovered `rows` (with their policy `items`, first to go first, and whether
+        each was used) to the tier's empty policy in one `adopt`; a parent is linked when it
+        is adopted too. Returns how many."""
+        cols = self.index.cols
+        item_of_row = dict(zip(map(int, rows), map(int, items), strict=True))
+        entries = []
+        for row, item, u in zip(item_of_row, item_of_row.values(), used, strict=True):
+            parent = int(cols["parent"][row])
+            entries.append((item, item_of_row.get(parent), bool(u)))
+            tier.rows[item] = row
+        tier.policy.adopt(entries, now - self._epoch)
+        return len(entries)
 
     def untrack(self, ts: TenantState, t: int, row: int) -> None:
         tier = ts.tiers[t]

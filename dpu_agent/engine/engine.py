@@ -42,6 +42,7 @@ import numpy as np
 
 from dpu_agent.blockdev import BLOCK_SIZE, BlockDevice, BlockDeviceError
 from dpu_agent.crypto import KeyStore
+from dpu_agent.engine import _restart_order as restart_order
 from dpu_agent.engine import backup as backup_mod
 from dpu_agent.engine import journal as jr
 from dpu_agent.engine import recovery
@@ -187,6 +188,11 @@ class Engine:
                             wal_records=report.wal_records)  # fmt: skip
             for name, quota in config.tenants.items():
                 self.add_tenant(name, quota_bytes=quota)
+            # what the policies held at a clean stop, before their own state (_restart_order)
+            restart_order.adopt_saved_order(
+                self._tenants, self._records, self._commit.journal.dir,
+                clean_stop=stopped_cleanly, now=clock(),
+            )  # fmt: skip
         except BaseException:
             self._commit.journal.close()  # a failed start must not keep the directory locked
             raise
@@ -688,7 +694,7 @@ class Engine:
         tiers were given theirs."""
         given = 0
         with self._lock:
-            now = self._clock()
+            now = self._clock() - self._epoch  # the policies' time base (Records, Reads)
             for ts in self._tenants.values():
                 tiers = state.get(ts.name)
                 if not isinstance(tiers, Mapping):
@@ -775,6 +781,8 @@ class Engine:
             except (BlockDeviceError, JournalUnavailable) as e:  # DRAM chunks not moved are lost
                 moved = 0
                 log.warning("engine.close_demotion_failed", error=str(e))
+            # what the policies learnt, for the next start to take over (_restart_order)
+            ordered = restart_order.save_order(self._tenants, self._commit.journal.dir)
         try:
             self.checkpoint()
         except EngineError as e:  # no checkpoint: the WAL keeps every commit, restart replays
@@ -791,7 +799,7 @@ class Engine:
                 for tier in ts.tiers:
                     tier.device.close()
             self._closed = True
-        log.info("engine.closed", dram_chunks_kept=moved)
+        log.info("engine.closed", dram_chunks_kept=moved, policy_order_items=ordered)
 
     # --- backup ----------------------------------------------------------------------------
 

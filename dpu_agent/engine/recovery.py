@@ -3,7 +3,8 @@
 Restart is numpy work only (loading columns, rebuilding the slot table and the allocators,
 ordering the records for eviction). The eviction policies start empty: a recovered record
 joins its tier's policy when it is first used, and records never used since the restart are
-evicted first (see Tier.cold).
+evicted first (see Tier.cold); after a clean stop the engine then hands the hottest of them
+back to the policy in the order it had (`_restart_order`).
 """
 
 from __future__ import annotations

@@ -135,6 +135,7 @@ class Tier:
     rows: dict[int, int] = field(default_factory=dict)
     # recovered chunks not used since the restart, in eviction order (seq << 32 | row each);
     # filling the policy with a million records one by one takes seconds, so they wait here
+    # (after a clean stop the hottest are adopted at start, `_restart_order`; skipped here)
     cold: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     cold_pos: int = 0
     records: int = 0
