@@ -272,7 +272,13 @@ def test_an_unclean_stop_or_a_damaged_order_file_starts_as_before(tmp_path: Path
         assert eng.get_chunk("acme", chunk(0)[0]) == chunk(0)[1]
     finally:
         eng.close()
-    for damaged in (b"", b"PK\x03\x04 not a zip", b"\x93NUMPY" + bytes(100)):
+    import io
+
+    import numpy as np
+
+    bomb = io.BytesIO()  # 24 MB of zeros in a few KB: refused before it is inflated
+    np.savez_compressed(bomb, **{"items/acme": np.zeros(3 << 20, np.uint64)})
+    for damaged in (b"", b"PK\x03\x04 not a zip", b"\x93NUMPY" + bytes(100), bomb.getvalue()):
         (config.journal_path / POLICY_ORDER).write_bytes(damaged)
         with capture_logs() as logs:
             eng = Engine(config)
