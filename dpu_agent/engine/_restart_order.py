@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dpu_agent.engine import _records
 from dpu_agent.engine import journal as jr
 from dpu_agent.engine._records import ITEM_ROW_BITS, ROW_MASK, Records
 from dpu_agent.engine._tenants import Tenants
@@ -45,7 +46,7 @@ POLICY_ORDER = "policy-order.npz"
 # did before.
 ADOPT_ITEMS_MAX = 1 << 17
 _FILE_BYTES_MAX = ADOPT_ITEMS_MAX * 9 + (1 << 20)  # items, flags, and the zip's own bytes
-_MIX = np.uint64(0x9E3779B97F4A7C15)  # _records.item_of, vectorised
+_MIX = np.uint64(_records._MIX)  # _records.item_of, vectorised
 _ITEM_MAX = 1 << 64  # items at or above it are collision stand-ins (COLLIDED | row)
 
 
