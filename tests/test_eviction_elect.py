@@ -348,3 +348,12 @@ def test_a_tier_taken_over_at_a_restart_scores_nothing() -> None:
     assert fresh.victim(lambda item: True) == first.victim(lambda item: True)
     assert sum(replay_hits(_hot_and_scans(600, seed=9), fresh, 60)) > 0
     assert len(fresh) <= 60 and fresh.sampled_references > 0
+
+
+def test_a_takeover_keeps_the_parent_links_for_a_later_switch() -> None:
+    """Items come children first (the order they go in); each keeps its held parent, so a
+    switch after the takeover hands the new leader the prefix tree, not loose leaves."""
+    chain = [(i, i - 1 if i else None, False) for i in reversed(range(20))]
+    fresh = ElectPolicy(40)
+    fresh.adopt(chain, 5.0)
+    assert fresh._parent == {i: (i - 1 if i else None) for i in range(20)}

@@ -240,12 +240,13 @@ class ElectPolicy(EvictionPolicy):
         49.8% of the second half hit against 55.4% with empty shadows, research/restart_warm.py.)"""
         assert not self._parent, len(self._parent)
         self._policy.adopt(items, now)
+        held = {item for item, _, _ in items}  # a parent comes after its children in `items`
         parents = self._parent
         for item, parent, _ in items:
-            parents[item] = parent if parent in parents else None
+            parents[item] = parent if parent in held else None
         self._held_max = max(self._held_max, len(parents))
         if self._held_max >> self._shift > self._items_max:
-            self._resample(now)  # the rate for this size, before the shadows are seeded
+            self._resample(now)  # the sampling rate for this size
         self._up = {i: self._nearest(i) for i in parents if self._sampled(i)}
         self._now = None
 
