@@ -143,6 +143,8 @@ class StorageSection:
     eviction_policy: str = DEFAULT_POLICY
     lease_ttl_s: float = 30.0
     reservation_ttl_s: float = 30.0
+    # how often the eviction order is saved for a restart after a crash (docs/ENGINE.md)
+    policy_order_save_s: float = 60.0
 
 
 @dataclass(slots=True, kw_only=True)
@@ -574,7 +576,7 @@ def _check_values(cfg: AgentConfig) -> None:
         value = getattr(st, key)
         if value < BLOCK_BYTES:
             raise bad("storage", key, value, f"must be at least {BLOCK_BYTES} (one block)")
-    for key in ("lease_ttl_s", "reservation_ttl_s"):
+    for key in ("lease_ttl_s", "reservation_ttl_s", "policy_order_save_s"):
         if getattr(st, key) <= 0:
             raise bad("storage", key, getattr(st, key), "must be more than 0 seconds")
     if not 1 <= nv.io_workers <= IO_WORKERS_MAX:

@@ -255,6 +255,7 @@ class Agent:
             eviction_policy=st.eviction_policy,
             lease_ttl_s=st.lease_ttl_s,
             reservation_ttl_s=st.reservation_ttl_s,
+            policy_order_save_s=st.policy_order_save_s,
             nvme_dir=cfg.path(st.nvme_dir),
             journal_dir=cfg.path(st.journal_dir),
             key_file=cfg.path(st.key_file),

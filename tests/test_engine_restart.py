@@ -1,6 +1,7 @@
-"""Restart behaviour: clean close keeps DRAM chunks, quarantine persists, a clean restart hands
-the policy back the order it had (an unclean one evicts recovered chunks before ones used since
-the restart), and a recovered engine keeps working."""
+"""Restart behaviour: clean close keeps DRAM chunks, quarantine persists, a restart hands the
+policy back the order it had (at a clean close, or at the last periodic save before a crash;
+recovered chunks it does not name go before ones used since the restart), and a recovered
+engine keeps working."""
 
 from __future__ import annotations
 
@@ -243,7 +244,7 @@ def test_a_clean_restart_keeps_what_the_policy_protected(
     assert (config.journal_path / POLICY_ORDER).exists()
     eng = Engine(config)
     try:
-        assert not (config.journal_path / POLICY_ORDER).exists()  # read once
+        assert (config.journal_path / POLICY_ORDER).exists()  # kept until the next save
         for i in range(200, 210):  # 10 one-off chunks: 10 evictions
             eng.put_chunk("acme", *chunk(i))
         assert all(eng.lookup("acme", [chunk(i)[0]]).hits for i in range(4)), policy
@@ -253,29 +254,72 @@ def test_a_clean_restart_keeps_what_the_policy_protected(
         eng.close()
 
 
-def test_an_unclean_stop_or_a_damaged_order_file_starts_as_before(tmp_path: Path) -> None:
-    """The saved order describes only the clean stop that wrote it: after a crash it is
-    removed unread; a damaged one is logged and removed; the start goes on either way, the
-    recovered chunks in the cold list."""
+def test_after_a_crash_the_order_of_the_last_save_is_taken_over(tmp_path: Path) -> None:
+    """`tick()` saves the order every `policy_order_save_s`: after a crash (no clean close) the
+    next start hands the policy the order of the last save. The hot chunks outlive one-off
+    chunks put after the restart; chunks put after the save wait in the cold list and go
+    first. Before, an unclean stop threw the order away and the hot chunks went first."""
+    import dataclasses
+    import shutil
+
+    from structlog.testing import capture_logs
+
+    from dpu_agent.engine._restart_order import POLICY_ORDER
+
+    config = dataclasses.replace(
+        cfg(tmp_path, nvme_blocks=32), eviction_policy="elect", dram_bytes=BS,
+        policy_order_save_s=30.0,
+    )  # fmt: skip
+    clock = FakeClock()
+    eng = Engine(config, clock=clock)
+    for i in range(4):
+        eng.put_chunk("acme", *chunk(i))
+    for _ in range(3):
+        clock.t += 10.0
+        for i in range(4):
+            assert eng.lookup("acme", [chunk(i)[0]]).hits
+    for i in range(100, 108):
+        eng.put_chunk("acme", *chunk(i))
+    eng.tick()  # 30 s since the start: the order is saved
+    saved = tmp_path / "saved-order.npz"
+    shutil.copy(config.journal_path / POLICY_ORDER, saved)
+    clock.t += 1.0
+    for i in range(108, 112):  # after the save: in the cold list after the crash
+        eng.put_chunk("acme", *chunk(i))
+    eng.tick()  # not due again
+    assert (config.journal_path / POLICY_ORDER).read_bytes() == saved.read_bytes()
+    eng.close()
+    shutil.copy(saved, config.journal_path / POLICY_ORDER)  # what a kill -9 leaves
+    crash_after_close(tmp_path)
+    with capture_logs() as logs:
+        eng = Engine(config)
+    try:
+        adopted = [e for e in logs if e["event"] == "engine.policy_order_adopted"]
+        assert adopted and adopted[0]["items"] == 12
+        assert adopted[0]["previous_stop"] == "unclean"
+        for i in range(200, 206):  # 6 evictions: the 4 put after the save, then 2 one-offs
+            eng.put_chunk("acme", *chunk(i))
+        assert all(eng.lookup("acme", [chunk(i)[0]]).hits for i in range(4))
+        assert not any(eng.lookup("acme", [chunk(i)[0]]).hits for i in range(108, 112))
+        for i in range(200, 206):
+            assert eng.get_chunk("acme", chunk(i)[0]) == chunk(i)[1]
+    finally:
+        eng.close()
+    with pytest.raises(ValueError, match="policy_order_save_s"):
+        dataclasses.replace(config, policy_order_save_s=0)
+
+
+def test_a_damaged_order_file_starts_as_before(tmp_path: Path) -> None:
+    """A damaged, oversized or zip-bomb order file is logged and removed; the start goes on,
+    the recovered chunks in the cold list."""
+    import io
+
+    import numpy as np
     from structlog.testing import capture_logs
 
     from dpu_agent.engine._restart_order import POLICY_ORDER
 
     config = hot_and_cold(tmp_path, "elect")
-    crash_after_close(tmp_path)
-    with capture_logs() as logs:
-        eng = Engine(config)
-    try:
-        assert not (config.journal_path / POLICY_ORDER).exists()
-        assert any(e["event"] == "engine.policy_order_ignored" for e in logs)
-        assert eng.recovery_report.records == 16
-        assert eng.get_chunk("acme", chunk(0)[0]) == chunk(0)[1]
-    finally:
-        eng.close()
-    import io
-
-    import numpy as np
-
     bomb = io.BytesIO()  # 24 MB of zeros in a few KB: refused before it is inflated
     np.savez_compressed(bomb, **{"items/acme": np.zeros(3 << 20, np.uint64)})
     for damaged in (b"", b"PK\x03\x04 not a zip", b"\x93NUMPY" + bytes(100), bomb.getvalue()):

@@ -102,6 +102,49 @@ def test_random_operations_keep_the_contract(name: str) -> None:
         assert all(i in policy for i in cached)
 
 
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_the_order_taken_now_and_computed_later_is_the_order_of_now(name: str) -> None:
+    """`resident_later()` copies under the caller's lock and orders after: with nothing
+    touched between, the order is `resident()`'s; with items evicted, put and used between, it
+    still names exactly the items held when it was taken, each once. Random operations on a
+    prefix tree, as the tier makes them."""
+    rng = random.Random(f"later-{name}")
+    policy, cached = make_policy(name, 48), set[int]()
+    try:
+        policy.resident()
+    except NotImplementedError:
+        pytest.skip(f"{name} cannot hand a tier over")
+    for step in range(2000):
+        item = rng.randrange(120)
+        now = step // 3 / 10  # three blocks share a request's time
+        if item in cached:
+            policy.access(item, now)
+            continue
+        if len(cached) >= 48:
+            victim = policy.victim(always)
+            assert victim is not None
+            policy.remove(victim)
+            cached.discard(victim)
+        parent = rng.choice(sorted(cached)) if cached and rng.random() < 0.7 else None
+        policy.insert(item, parent, now)
+        cached.add(item)
+        if step % 500 == 499:
+            now_order = policy.resident()
+            assert policy.resident_later()() == now_order
+            later, held = policy.resident_later(), set(cached)
+            for j in range(200, 230):  # puts that evict, and uses of what is held
+                if rng.random() < 0.5 and cached:
+                    policy.access(rng.choice(sorted(cached)), now + 1)
+                victim = policy.victim(always)
+                assert victim is not None
+                policy.remove(victim)
+                cached.discard(victim)
+                policy.insert(j + step, None, now + 1)
+                cached.add(j + step)
+            order = later()
+            assert len(order) == len(held) and {i for i, _ in order} == held
+
+
 def test_lru_evicts_least_recently_used() -> None:
     policy = filled("lru", [1, 2, 3])
     policy.access(1, 10.0)

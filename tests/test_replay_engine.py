@@ -73,3 +73,27 @@ def test_a_reopened_engine_finds_what_its_predecessor_kept(tmp_path: Path, polic
     assert sum(reopened.per_request[half : half + 10]) > sum(cold.per_request[:10])
     with pytest.raises(ValueError, match="reopen_at"):
         replay_engine(trace, policy, capacity, data_dir=tmp_path, reopen_at=REQUESTS + 1)
+
+
+def test_a_crash_mid_trace_recovers_the_chunks_and_the_last_saved_order(tmp_path: Path) -> None:
+    """`crash`: the replay ticks the engine (hits unchanged before the crash: one tier, the
+    tick moves nothing), the stop leaves what a kill -9 leaves, and the start after it finds
+    the same chunks and adopts the order its tick saved last."""
+    from structlog.testing import capture_logs
+
+    trace = generate_trace("chat", 2 * REQUESTS, seed=2)  # a save (60 s) before the crash
+    capacity = distinct_blocks(trace) * 5 // 100
+    half = REQUESTS
+    assert trace[half].timestamp_ms > 61_000
+    plain = replay_engine(trace, "elect", capacity, data_dir=tmp_path)
+    with capture_logs() as logs:
+        crashed = replay_engine(
+            trace, "elect", capacity, data_dir=tmp_path, reopen_at=half, crash=True
+        )
+    assert crashed.per_request[: half + 1] == plain.per_request[: half + 1]
+    adopted = [e for e in logs if e["event"] == "engine.policy_order_adopted"]
+    assert len(adopted) == 1 and adopted[0]["previous_stop"] == "unclean"
+    assert 0 < adopted[0]["items"] <= capacity
+    for bad in ({"reopen_at": None}, {"reopen_at": half, "dram_blocks": 8}):
+        with pytest.raises(ValueError, match="crash"):
+            replay_engine(trace, "elect", capacity, data_dir=tmp_path, crash=True, **bad)

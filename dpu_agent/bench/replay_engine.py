@@ -30,6 +30,8 @@ from typing import Any
 from dpu_agent.bench.replay import Request, replay_hits
 from dpu_agent.config import AgentSection
 from dpu_agent.engine import Engine, EngineConfig
+from dpu_agent.engine._restart_order import POLICY_ORDER
+from dpu_agent.engine.engine import CLEAN_STOP
 from dpu_agent.engine.errors import TierFull
 from dpu_agent.eviction import EvictionPolicy, make_policy
 
@@ -76,6 +78,7 @@ def replay_engine(
     policy_state: Mapping[str, Any] | None = None,
     dram_blocks: int = 0,
     reopen_at: int | None = None,
+    crash: bool = False,
 ) -> EngineReplay:
     """Prefix hits of `trace` replayed through a real Engine whose NVMe tier holds `capacity`
     one-block chunks and runs `policy`; with `dram_blocks`, a DRAM tier of that many blocks
@@ -83,13 +86,20 @@ def replay_engine(
     `policy_state`, which this engine begins from (a restart whose tiers came back empty).
     `reopen_at`: before that request the engine is closed and a new one opened on the same
     directory, as the agent restarts: recovery brings the chunks back (the NVMe tier's; DRAM's
-    are demoted at close), the policy begins from the state file its predecessor wrote."""
+    are demoted at close), the policy begins from the state file its predecessor wrote.
+    `crash`: that stop is a crash's: the replay ticks the engine every TICK_S (its tick saves
+    the eviction order every `policy_order_save_s` of trace time), and the next start finds
+    what a kill -9 leaves: the order file of the last save, no clean-stop marker (the engine
+    is closed, which checkpoints but recovers the same records the WAL would; one tier only,
+    since a crash would lose what DRAM held)."""
     if capacity < 1:
         raise ValueError(f"capacity must be at least one block, got {capacity}")
     if dram_blocks < 0:
         raise ValueError(f"dram_blocks must be 0 or more, got {dram_blocks}")
     if reopen_at is not None and not 0 <= reopen_at <= len(trace):
         raise ValueError(f"reopen_at must be in 0..{len(trace)}, got {reopen_at}")
+    if crash and (reopen_at is None or dram_blocks):
+        raise ValueError("crash needs reopen_at, and one tier (dram_blocks 0)")
     clock = _TraceClock()
     with tempfile.TemporaryDirectory(dir=data_dir) as tmp:
         cfg = EngineConfig(
@@ -110,10 +120,17 @@ def replay_engine(
             clock.t = next_tick = 1.0
             for i, req in enumerate(trace):
                 if i == reopen_at:
+                    saved = (
+                        _order_file(cfg).read_bytes()
+                        if crash and _order_file(cfg).exists()
+                        else None
+                    )
                     eng.close()
+                    if crash:
+                        _as_after_kill9(cfg, saved)
                     eng = Engine(cfg, clock=clock)
                 clock.t = max(clock.t, 1.0 + req.timestamp_ms / 1000.0)
-                if dram_blocks and clock.t >= next_tick:  # one tick covers a quiet gap
+                if (dram_blocks or crash) and clock.t >= next_tick:  # one tick covers a gap
                     eng.tick()
                     next_tick = clock.t + TICK_S
                 keys = [_key(b) for b in req.hash_ids]
@@ -169,6 +186,20 @@ def policy_hits(
             by_tier[tier] = by_tier.get(tier, 0) + n
         state = got.policy_state
     return per_request, by_tier
+
+
+def _order_file(cfg: EngineConfig) -> Path:
+    return cfg.journal_path / POLICY_ORDER
+
+
+def _as_after_kill9(cfg: EngineConfig, saved_order: bytes | None) -> None:
+    """The journal directory a kill -9 leaves: the order file of the last periodic save (or
+    none), no clean-stop marker."""
+    if saved_order is None:
+        _order_file(cfg).unlink(missing_ok=True)
+    else:
+        _order_file(cfg).write_bytes(saved_order)
+    (cfg.journal_path / CLEAN_STOP).unlink()
 
 
 def restarted_hits(

@@ -1,5 +1,5 @@
-"""The eviction order across a clean restart: what each tenant's NVMe policy held, saved at a
-clean close and taken over at the next start.
+"""The eviction order across a restart: what each tenant's NVMe policy held, saved while the
+agent runs and at a clean close, and taken over at the next start.
 
 Recovery rebuilds the index from the journal alone (numpy work), so the policies start empty:
 recovered chunks wait in the tier's cold list, evicted before anything the policy holds and
@@ -9,13 +9,17 @@ through the engine (docs/EVICTION.md, "A restart that keeps the tier"): on `docs
 second half of the trace hit 24.3% after such a restart against 28.8% without one, nearly a cold
 restart's 23.7% (28.0% with the saved order).
 
-So `close()` saves, per tenant, its NVMe policy's order (`EvictionPolicy.resident()`: items
-first-to-go first, each with whether it was used) to `policy-order.npz`, and the next start,
-if the stop was clean, hands the hottest `ADOPT_ITEMS_MAX` of them (shared among the tenants)
-back to the policy (`EvictionPolicy.adopt`, the same handover `elect` uses at a switch), before
-the policy's own state (`policy-state.json`) is restored. The rest stay in the cold list. The
-file is read once and removed: it describes only the stop that wrote it. Anything unreadable
-or inconsistent is logged and skipped; the start goes on as before.
+So the engine saves, per tenant, its NVMe policy's order (`EvictionPolicy.resident()`: items
+first-to-go first, each with whether it was used) to `policy-order.npz`: every
+`policy_order_save_s` from `tick()` (a crash, a kill -9 or a power loss keeps the order of the
+last save) and at a clean close. The copy is taken under the engine lock
+(`resident_later()`: shallow copies), the ordering and the write after it. The next start hands
+the hottest `ADOPT_ITEMS_MAX` of them (shared among the tenants) back to the policy
+(`EvictionPolicy.adopt`, the same handover `elect` uses at a switch), before the policy's own
+state (`policy-state.json`) is restored. The rest stay in the cold list, as do the chunks put
+after the save. The file stays until the next save replaces it (a start that crashes before
+that adopts it again); anything unreadable or inconsistent is logged and removed, and the start
+goes on as before.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import io
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -33,9 +38,10 @@ from dpu_agent.engine._records import ITEM_ROW_BITS, ROW_MASK, Records
 from dpu_agent.engine._tenants import Tenants
 from dpu_agent.engine.index import STATE_LIVE
 from dpu_agent.engine.tiers import NVME, Tier
+from dpu_agent.engine.types import TenantState
 from dpu_agent.log import get_logger
 
-__all__ = ["ADOPT_ITEMS_MAX", "POLICY_ORDER", "adopt_saved_order", "save_order"]
+__all__ = ["ADOPT_ITEMS_MAX", "POLICY_ORDER", "adopt_saved_order", "save_order", "take_order"]
 
 log = get_logger(__name__)
 
@@ -50,23 +56,33 @@ _MIX = np.uint64(_records._MIX)  # _records.item_of, vectorised
 _ITEM_MAX = 1 << 64  # items at or above it are collision stand-ins (COLLIDED | row)
 
 
-def save_order(tenants: Tenants, journal_dir: Path) -> int:
-    """Write each tenant's NVMe policy order (the hottest ADOPT_ITEMS_MAX of all, shared
-    evenly); returns the items written. Policies that cannot hand their items over are left
-    out. A write failure is logged: the next start is as without the file."""
-    orders: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    for ts in tenants.values():
-        try:
-            resident = ts.tiers[NVME].policy.resident()
-        except NotImplementedError:
-            continue
+Later = Callable[[], list[tuple[int, bool]]]
+
+
+def take_order(ts: TenantState) -> Later | None:
+    """Under the engine lock: the tenant's NVMe policy order, copied (`resident_later`) to be
+    computed by `save_order` after the lock is let go; None if its policy cannot hand its
+    items over."""
+    try:
+        return ts.tiers[NVME].policy.resident_later()
+    except NotImplementedError:
+        return None
+
+
+def save_order(orders: list[tuple[str, Later]], journal_dir: Path) -> int:
+    """Write what `take_order` copied, by tenant name (the hottest ADOPT_ITEMS_MAX of all,
+    shared evenly); returns the items written. A write failure is logged: the next start has
+    the file of the save before, or none."""
+    computed: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for name, later in orders:
+        resident = later()
         if resident:
             items = np.fromiter((i for i, _ in resident if i < _ITEM_MAX), np.uint64)
             used = np.fromiter((u for i, u in resident if i < _ITEM_MAX), np.bool_)
-            orders[ts.name] = (items, used)
-    share = ADOPT_ITEMS_MAX // max(1, len(orders))
+            computed[name] = (items, used)
+    share = ADOPT_ITEMS_MAX // max(1, len(computed))
     arrays: dict[str, np.ndarray] = {}
-    for name, (items, used) in orders.items():
+    for name, (items, used) in computed.items():
         arrays[f"items/{name}"] = items[-share:]  # the last to go are the hottest
         arrays[f"used/{name}"] = used[-share:]
     path = journal_dir / POLICY_ORDER
@@ -79,7 +95,6 @@ def save_order(tenants: Tenants, journal_dir: Path) -> int:
         jr.replace_file(path, buf.getvalue())
     except OSError as e:
         log.warning("engine.policy_order_not_written", error=str(e))
-        path.unlink(missing_ok=True)
         return 0
     return sum(len(a) for k, a in arrays.items() if k.startswith("items/"))
 
@@ -91,10 +106,10 @@ def _read(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
     except FileNotFoundError:
         return None
     except OSError as e:
-        log.warning("engine.policy_order_unreadable", path=str(path), error=str(e))
+        _discard(path, str(e))
         return None
     if len(raw) > _FILE_BYTES_MAX:
-        log.warning("engine.policy_order_unreadable", path=str(path), error="too large")
+        _discard(path, "too large")
         return None
     try:
         with zipfile.ZipFile(io.BytesIO(raw)) as zf:  # what it inflates to, before it does
@@ -104,7 +119,7 @@ def _read(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
         with np.load(io.BytesIO(raw), allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:
-        log.warning("engine.policy_order_unreadable", path=str(path), error=str(e))
+        _discard(path, str(e))
         return None
     out = {}
     for key, items in arrays.items():
@@ -119,22 +134,23 @@ def _read(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
     return out
 
 
-def adopt_saved_order(
-    tenants: Tenants, records: Records, journal_dir: Path, *, clean_stop: bool, now: float
-) -> int:
-    """Hand each tenant's NVMe policy the recovered chunks the saved order names, in that
-    order (only after a clean stop; the file is removed either way). Returns the items
-    adopted."""
-    path = journal_dir / POLICY_ORDER
-    orders = _read(path)
+def _discard(path: Path, error: str) -> None:
+    """A file this engine cannot use: logged and removed (it would be at every start)."""
+    log.warning("engine.policy_order_unreadable", path=str(path), error=error)
     try:
         path.unlink(missing_ok=True)
-    except OSError as e:  # applied at most after the clean stop that wrote it (the marker)
+    except OSError as e:
         log.warning("engine.policy_order_not_removed", path=str(path), error=str(e))
-    if not orders:
-        return 0
-    if not clean_stop:
-        log.info("engine.policy_order_ignored", reason="the previous stop was not clean")
+
+
+def adopt_saved_order(
+    tenants: Tenants, records: Records, journal_dir: Path, *, previous_stop: str, now: float
+) -> int:
+    """Hand each tenant's NVMe policy the recovered chunks the saved order names, in that
+    order. Returns the items adopted."""
+    path = journal_dir / POLICY_ORDER
+    orders = _read(path)
+    if orders is None:
         return 0
     t0 = time.perf_counter()
     adopted = 0
@@ -146,7 +162,7 @@ def adopt_saved_order(
         n = _adopt(records, ts.tiers[NVME], items[-budget:], used[-budget:], now)
         adopted += n
         budget -= n
-    log.info("engine.policy_order_adopted", items=adopted,
+    log.info("engine.policy_order_adopted", items=adopted, previous_stop=previous_stop,
              s=round(time.perf_counter() - t0, 3))  # fmt: skip
     return adopted
 

@@ -157,6 +157,7 @@ class Engine:
                 config.nvme_path, keystore, writeback_after_bytes=config.writeback_after_bytes
             )
         self._last_sync = clock()  # the tick's group-commit schedule
+        self._order_saved = clock()  # the tick's schedule for saving the eviction order
         self._closed = False
         self._policy_state_written: bytes | None = None  # what _write_policy_state last wrote
         self._index = RecordIndex()
@@ -191,7 +192,7 @@ class Engine:
             # what the policies held at a clean stop, before their own state (_restart_order)
             restart_order.adopt_saved_order(
                 self._tenants, self._records, self._commit.journal.dir,
-                clean_stop=stopped_cleanly, now=clock(),
+                previous_stop=previous, now=clock(),
             )  # fmt: skip
         except BaseException:
             self._commit.journal.close()  # a failed start must not keep the directory locked
@@ -604,6 +605,9 @@ class Engine:
                 self._last_sync = now
             due = self._commit.journal.segment_bytes >= self.config.checkpoint_wal_bytes
             due = due and self._commit.fence is None
+            order_due = now - self._order_saved >= self.config.policy_order_save_s
+            if order_due:
+                self._order_saved = now
             self._update_gauges()
         if rewrite:
             self._rewrite_journal()
@@ -613,6 +617,8 @@ class Engine:
         promoted = self._mover.background_promote() if self._commit.fence is None else 0
         if due:
             self.checkpoint()
+        if order_due:
+            self._save_policy_order()
         return {
             "reservations_expired": reservations,
             "leases_expired": leases,
@@ -675,6 +681,23 @@ class Engine:
             }
 
     # --- eviction state across a restart ---------------------------------------------------
+
+    def _save_policy_order(self) -> int:
+        """Each tenant's NVMe eviction order to `policy-order.npz` (`_restart_order`): copied
+        under the engine lock, one tenant at a time (the lock is held for one tier's copy at
+        most), ordered and written outside it; the checkpoint lock keeps two saves from
+        crossing (an older copy written over a newer one)."""
+        with self._checkpoint_lock:
+            with self._lock:
+                self._check_open()
+                tenants = self._tenants.values()
+            orders = []
+            for ts in tenants:
+                with self._lock:
+                    later = restart_order.take_order(ts)
+                if later is not None:
+                    orders.append((ts.name, later))
+            return restart_order.save_order(orders, self._commit.journal.dir)
 
     def policy_state(self) -> dict[str, dict[str, dict[str, Any]]]:
         """tenant -> tier -> what its eviction policy begins from after a restart
@@ -781,8 +804,8 @@ class Engine:
             except (BlockDeviceError, JournalUnavailable) as e:  # DRAM chunks not moved are lost
                 moved = 0
                 log.warning("engine.close_demotion_failed", error=str(e))
-            # what the policies learnt, for the next start to take over (_restart_order)
-            ordered = restart_order.save_order(self._tenants, self._commit.journal.dir)
+        # what the policies learnt, for the next start to take over (_restart_order)
+        ordered = self._save_policy_order()
         try:
             self.checkpoint()
         except EngineError as e:  # no checkpoint: the WAL keeps every commit, restart replays

@@ -264,8 +264,8 @@ class ElectPolicy(EvictionPolicy):
     def __contains__(self, item: object) -> bool:
         return item in self._parent
 
-    def resident(self) -> list[tuple[int, bool]]:
-        return self._policy.resident()
+    def resident_later(self) -> Callable[[], list[tuple[int, bool]]]:
+        return self._policy.resident_later()
 
     def state(self) -> dict[str, Any]:
         """The leader: a restarted tier begins with it rather than with the prior."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from dpu_agent.eviction._policy import ADOPT_TIME_STEP_S, Evictable, EvictionPolicy, Resident
 
@@ -38,8 +38,9 @@ class LruPolicy(EvictionPolicy):
                 return item
         return None
 
-    def resident(self) -> list[tuple[int, bool]]:
-        return [(item, False) for item in self._order]  # LRU keeps no use counts
+    def resident_later(self) -> Callable[[], list[tuple[int, bool]]]:
+        order = list(self._order)
+        return lambda: [(item, False) for item in order]  # LRU keeps no use counts
 
     def __len__(self) -> int:
         return len(self._order)
@@ -117,9 +118,14 @@ class Lru2Policy(EvictionPolicy):
             heapq.heappush(self._heap, top)
         return chosen
 
-    def resident(self) -> list[tuple[int, bool]]:
-        order = sorted(self._items.items(), key=lambda kv: (kv[1][1], kv[1][0], kv[0]))
-        return [(item, entry[1] != NEG_INF) for item, entry in order]
+    def resident_later(self) -> Callable[[], list[tuple[int, bool]]]:
+        items, entries = list(self._items), list(self._items.values())  # no tuple per item
+
+        def order() -> list[tuple[int, bool]]:
+            keyed = sorted((e[1], e[0], item) for item, e in zip(items, entries, strict=True))
+            return [(item, second != NEG_INF) for second, _, item in keyed]
+
+        return order
 
     def adopt(self, items: Sequence[Resident], now: float) -> None:
         """Items in the old order at increasing times just before `now`; a used item gets a

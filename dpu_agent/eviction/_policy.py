@@ -59,6 +59,14 @@ class EvictionPolicy(abc.ABC):
         """The items held, the first to go first (oldest, least used), each with whether it
         was used since it came in: what another policy needs to take the tier over without
         flushing it (`adopt`). Only the policies an election can hand a tier from have it."""
+        return self.resident_later()()
+
+    def resident_later(self) -> Callable[[], list[tuple[int, bool]]]:
+        """`resident()` in two steps, for a caller that holds a lock now and orders after it
+        lets go (the engine's periodic save of the order, `engine/_restart_order.py`): this
+        call takes only shallow copies of what the order is computed from (O(n) in C, no
+        Python work per item); the function it returns does the ordering. An item touched
+        between the two is ordered by its newer state: the result is a hint, never a victim."""
         raise NotImplementedError(f"{self.name} cannot hand its items to another policy")
 
     def state(self) -> dict[str, Any]:

@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Callable
+
+import numpy as np
 
 from dpu_agent.eviction._policy import Evictable, EvictionPolicy
 
@@ -137,9 +140,18 @@ class PrefixPolicy(EvictionPolicy):
                 return chosen
         return self._any_victim(evictable)
 
-    def resident(self) -> list[tuple[int, bool]]:
-        order = sorted(self._nodes.items(), key=lambda kv: (kv[1].last, -kv[1].depth, kv[1].seq))
-        return [(item, node.protected) for item, node in order]
+    def resident_later(self) -> Callable[[], list[tuple[int, bool]]]:
+        items, nodes = list(self._nodes), list(self._nodes.values())
+
+        def order() -> list[tuple[int, bool]]:  # by (last, -depth, seq), as the heaps evict
+            n = len(nodes)
+            last = np.fromiter((node.last for node in nodes), np.float64, n)
+            depth = np.fromiter((node.depth for node in nodes), np.int64, n)
+            seq = np.fromiter((node.seq for node in nodes), np.int64, n)
+            ranked = np.lexsort((seq, -depth, last)).tolist()
+            return [(items[i], nodes[i].protected) for i in ranked]
+
+        return order
 
     def _ghost_hit(self, item: int) -> bool:
         """ARC's adaptation on a miss; True if the item returns straight to protected."""

@@ -9,6 +9,7 @@ ghost queue goes straight to the main queue. The main queue is a CLOCK with 2-bi
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from dpu_agent.eviction._policy import Evictable, EvictionPolicy
 
@@ -79,10 +80,14 @@ class S3FifoPolicy(EvictionPolicy):
         # Unreachable by the bound above; a linear scan keeps the contract if it ever is not.
         return next((i for q in queues for i in q if evictable(i)), None)
 
-    def resident(self) -> list[tuple[int, bool]]:
+    def resident_later(self) -> Callable[[], list[tuple[int, bool]]]:
         # the small queue first (it is evicted from first), each queue head first; an item in
         # the main queue got there by being used (or by coming back while remembered)
-        return [(i, f > 0) for i, f in self._small.items()] + [(i, True) for i in self._main]
+        # (keys and values apart: a list of pairs would allocate a tuple per item under the lock)
+        small, freqs, main = list(self._small), list(self._small.values()), list(self._main)
+        return lambda: (
+            [(i, f > 0) for i, f in zip(small, freqs, strict=True)] + [(i, True) for i in main]
+        )
 
     def __len__(self) -> int:
         return len(self._small) + len(self._main)
