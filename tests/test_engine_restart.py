@@ -297,6 +297,8 @@ def test_after_a_crash_the_order_of_the_last_save_is_taken_over(tmp_path: Path) 
         adopted = [e for e in logs if e["event"] == "engine.policy_order_adopted"]
         assert adopted and adopted[0]["items"] == 12
         assert adopted[0]["previous_stop"] == "unclean"
+        recovered = [e for e in logs if e["event"] == "engine.recovered"]
+        assert recovered[0]["previous_stop"] == "unclean"  # it said "first" after every stop
         for i in range(200, 206):  # 6 evictions: the 4 put after the save, then 2 one-offs
             eng.put_chunk("acme", *chunk(i))
         assert all(eng.lookup("acme", [chunk(i)[0]]).hits for i in range(4))

@@ -179,10 +179,10 @@ class Engine:
         try:
             clean_stop = self._commit.journal.dir / CLEAN_STOP
             stopped_cleanly = clean_stop.exists()
-            report = recovery.recover(self._commit, self._tenants, self._index, config.tenants)
-            empty = report.records == 0 and report.wal_records == 0
-            previous = "clean" if stopped_cleanly else "first" if empty else "unclean"
-            self.recovery_report = dataclasses.replace(report, previous_stop=previous)
+            report = recovery.recover(self._commit, self._tenants, self._index, config.tenants,
+                                      clean_stop=stopped_cleanly)  # fmt: skip
+            previous = report.previous_stop
+            self.recovery_report = report
             clean_stop.unlink(missing_ok=True)  # from here a kill -9 is an unclean stop
             if previous == "unclean":
                 log.warning("engine.previous_stop_unclean", records=report.records,

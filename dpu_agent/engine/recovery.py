@@ -71,10 +71,16 @@ class RecoveryReport:
 
 
 def recover(
-    commit: CommitLog, tenants: Tenants, index: RecordIndex, quotas: dict[str, int]
+    commit: CommitLog,
+    tenants: Tenants,
+    index: RecordIndex,
+    quotas: dict[str, int],
+    *,
+    clean_stop: bool = False,
 ) -> RecoveryReport:
     """Fill a new engine's parts from its journal directory and open a fresh WAL segment
-    (`quotas`: the configured tenants' quotas, tenant name -> bytes)."""
+    (`quotas`: the configured tenants' quotas, tenant name -> bytes; `clean_stop`: the
+    previous run's close finished, its CLEAN_STOP marker found)."""
     t0 = time.perf_counter()
     rec = commit.journal.load()
     t1 = time.perf_counter()
@@ -110,6 +116,8 @@ def recover(
     except JournalError as e:  # a full disk: start anyway, writes fenced; a probe reopens it
         commit.set_fence(e)
     segment_header(commit, tenants)
+    empty = len(rows) == 0 and rec.wal_records == 0
+    previous = "clean" if clean_stop else "first" if empty else "unclean"
     report = RecoveryReport(
         records=len(rows),
         checkpoint_records=rec.checkpoint_records,
@@ -123,6 +131,7 @@ def recover(
         index_s=t2 - t1,
         policy_s=t3 - t2,
         total_s=time.perf_counter() - t0,
+        previous_stop=previous,
     )
     if report.records or report.wal_records:
         log.info("engine.recovered", **{k: getattr(report, k) for k in report.__slots__})
