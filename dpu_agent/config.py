@@ -33,6 +33,7 @@ import binascii
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import secrets
 import socket
@@ -454,6 +455,8 @@ def _coerce(section: str, key: str, value: Any, default: Any, source: str) -> An
             number = type(default)(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{where} must be a {type(default).__name__}") from None
+        if not math.isfinite(number):  # nan passes every comparison below; inf never ends
+            raise ConfigError(f"{where} must be a finite number")
         if number < 0:
             raise ConfigError(f"{where} must not be negative")
         return number

@@ -65,6 +65,10 @@ def test_redacted_hides_every_secret(tmp_path: Path) -> None:
         ("[control]\nport = 'x'\n", {}, "must be a int"),
         ("[tenants.Bad_Name]\ntoken = 'x'\n", {}, "tenant name"),
         ("", {"DPUKV_CONTROL_PORT": "-1"}, "negative"),
+        ("", {"DPUKV_STORAGE_LEASE_TTL_S": "nan"}, "finite"),  # it started, leases broken
+        ("[storage]\nlease_ttl_s = nan\n", {}, "finite"),
+        ("[storage]\npolicy_order_save_s = inf\n", {}, "finite"),
+        ("", {"DPUKV_STORAGE_POLICY_ORDER_SAVE_S": "0"}, "policy_order_save_s"),
         ("", {"DPUKV_METRICS_ENABLED": "maybe"}, "boolean"),
         ("[control\n", {}, "not valid TOML"),
     ],
