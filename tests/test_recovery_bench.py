@@ -17,3 +17,6 @@ def test_bench_recovery_json() -> None:
     assert r["records"] == 5000
     assert r["checkpoint_records"] == 4500 and r["wal_records"] == 500
     assert r["restart_s"] > 0
+    assert r["order_items"] == 5000  # every record named in the saved order was adopted
+    assert r["restart_with_order_s"] > 0 and r["order_save_s"] > 0
+    assert r["lookup_ms_p99_during_order_save"] > 0

@@ -6,12 +6,18 @@ after it (the default `wal` is 10% of N; the engine checkpoints automatically ev
 WAL, 180k frames, so 0.18 is the worst case at 1M). Chunks are 8 blocks (32 KiB) on a sparse NVMe
 file. `restart_s` is the wall time of `Engine(config)`: keystore, devices, checkpoint load, WAL
 replay, index and allocator rebuild, cold-list ordering. A sample of keys is looked up after.
+Then the same restart with a saved eviction order naming ADOPT_ITEMS_MAX of the records
+(`restart_with_order_s`: the adoption included), and the order saved again, as the tick does,
+with lookups timed during the save against the same lookups idle.
 """
 
 from __future__ import annotations
 
+import gc
+import io
 import json
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -19,9 +25,18 @@ from typing import Any
 import click
 import numpy as np
 
-from dpu_agent.bench.sync_stall import SYNC_MIB_MAX, run_sync_stall
+from dpu_agent.bench.sync_stall import (
+    BASELINE_SAMPLES,
+    SYNC_MIB_MAX,
+    _during,
+    _lookup,
+    _open_loop,
+    _p,
+    run_sync_stall,
+)
 from dpu_agent.crypto import KeyStore
-from dpu_agent.engine import Engine, EngineConfig
+from dpu_agent.engine import Engine, EngineConfig, _records
+from dpu_agent.engine._restart_order import ADOPT_ITEMS_MAX, POLICY_ORDER
 from dpu_agent.engine.index import COLUMNS
 from dpu_agent.engine.journal import CHECKPOINT_COLUMNS, Journal, pack_commit
 from dpu_agent.eviction import DEFAULT_POLICY
@@ -94,10 +109,10 @@ def _one(n: int, wal: int, policy: str, rng: np.random.Generator) -> dict[str, A
         t0 = time.perf_counter()
         eng = Engine(cfg)
         restart_s = time.perf_counter() - t0
+        picks = rng.integers(0, n, size=SAMPLE_KEYS)
+        sample = [keys[i].astype("<u8").tobytes() for i in picks]
         try:
             rep = eng.recovery_report
-            picks = rng.integers(0, n, size=SAMPLE_KEYS)
-            sample = [keys[i].astype("<u8").tobytes() for i in picks]
             found = sum(len(eng.lookup(TENANT, [k]).hits) for k in sample)
             assert found == SAMPLE_KEYS, (found, SAMPLE_KEYS)
         finally:
@@ -111,7 +126,46 @@ def _one(n: int, wal: int, policy: str, rng: np.random.Generator) -> dict[str, A
             "index_s": round(rep.index_s, 3),
             "policy_s": round(rep.policy_s, 3),
             "policy": policy,
+            **_with_order(cfg, keys, sample, rng),
         }
+
+
+def _with_order(
+    cfg: EngineConfig, keys: np.ndarray, sample: list[bytes], rng: np.random.Generator
+) -> dict[str, Any]:
+    """The same restart with a saved eviction order (`engine/_restart_order.py`): the hottest
+    ADOPT_ITEMS_MAX records named in `policy-order.npz`, as a save leaves it; then the order
+    saved again (as the tick does every `policy_order_save_s`) while one client looks up in an
+    open loop, against the same lookups idle."""
+    named = keys[rng.permutation(len(keys))[:ADOPT_ITEMS_MAX]]
+    with np.errstate(over="ignore"):
+        items = named[:, 0] ^ (named[:, 1] * np.uint64(_records._MIX))
+    buf = io.BytesIO()
+    arrays = {f"items/{TENANT}": items, f"used/{TENANT}": rng.random(len(items)) < 0.5}
+    np.savez(buf, allow_pickle=False, **arrays)
+    (cfg.journal_path / POLICY_ORDER).write_bytes(buf.getvalue())
+    t0 = time.perf_counter()
+    eng = Engine(cfg)
+    restart_s = time.perf_counter() - t0
+    try:
+        look = _lookup(eng)
+        gc.collect()  # the adoption's garbage is not the idle lookups' (nor the save's)
+        idle = _open_loop(look, sample, threading.Event(), BASELINE_SAMPLES)
+        saved: list[int] = []
+        gc.collect()
+        t0 = time.perf_counter()
+        during = _during(lambda: saved.append(eng._save_policy_order()), look, sample)
+        save_s = time.perf_counter() - t0
+    finally:
+        eng._commit.journal.close()
+    return {
+        "restart_with_order_s": round(restart_s, 3),
+        "order_items": saved[0],
+        "order_save_s": round(save_s, 3),
+        "lookup_ms_p99_idle": _p(idle, 99),
+        "lookup_ms_p99_during_order_save": _p(during, 99),
+        "lookup_ms_max_during_order_save": _p(during, 100),
+    }
 
 
 def run_recovery_bench(records: list[int], wal_fraction: float, policy: str) -> dict[str, Any]:
@@ -135,6 +189,12 @@ def _table(report: dict[str, Any]) -> str:
         "index_s",
         "policy_s",
         "policy",
+        "restart_with_order_s",
+        "order_items",
+        "order_save_s",
+        "lookup_ms_p99_idle",
+        "lookup_ms_p99_during_order_save",
+        "lookup_ms_max_during_order_save",
     ]
     lines = ["  ".join(f"{c:>18}" for c in cols)]
     lines += ["  ".join(f"{r[c]!s:>18}" for c in cols) for r in report["results"]]
