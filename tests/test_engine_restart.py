@@ -334,3 +334,43 @@ def test_a_damaged_order_file_starts_as_before(tmp_path: Path) -> None:
             assert eng.get_chunk("acme", chunk(1)[0]) == chunk(1)[1]
         finally:
             eng.close()
+
+
+def test_the_adoption_budget_unused_by_a_small_tenant_goes_to_the_larger_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The saved order holds at most ADOPT_ITEMS_MAX items of all tenants: a tenant holding
+    fewer than an even share keeps all of its own and the rest goes to the others (an even
+    split left it unused)."""
+    import dataclasses
+
+    import numpy as np
+    from structlog.testing import capture_logs
+
+    from dpu_agent.engine import _restart_order
+    from dpu_agent.engine._restart_order import POLICY_ORDER
+
+    monkeypatch.setattr(_restart_order, "ADOPT_ITEMS_MAX", 12)
+    config = dataclasses.replace(
+        cfg(tmp_path, nvme_blocks=64), eviction_policy="elect", dram_bytes=BS,
+        tenants={"small": 0, "large": 0},
+    )  # fmt: skip
+    eng = Engine(config)
+    for i in range(3):
+        eng.put_chunk("small", *chunk(i))
+    for i in range(100, 116):
+        eng.put_chunk("large", *chunk(i))
+    eng.close()
+    with np.load(config.journal_path / POLICY_ORDER) as z:
+        assert len(z["items/small"]) == 3
+        assert len(z["items/large"]) == 9  # 12 - 3; an even split gave it 6
+    with capture_logs() as logs:
+        eng = Engine(config)
+    try:
+        adopted = [e for e in logs if e["event"] == "engine.policy_order_adopted"]
+        assert adopted[0]["items"] == 12
+        for i in (0, 1, 2, 115):
+            name = "small" if i < 100 else "large"
+            assert eng.get_chunk(name, chunk(i)[0]) == chunk(i)[1]
+    finally:
+        eng.close()

@@ -71,8 +71,8 @@ def take_order(ts: TenantState) -> Later | None:
 
 def save_order(orders: list[tuple[str, Later]], journal_dir: Path) -> int:
     """Write what `take_order` copied, by tenant name (the hottest ADOPT_ITEMS_MAX of all,
-    shared evenly); returns the items written. A write failure is logged: the next start has
-    the file of the save before, or none."""
+    shared as `_shares` says); returns the items written. A write failure is logged: the next
+    start has the file of the save before, or none."""
     computed: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for name, later in orders:
         resident = later()
@@ -80,11 +80,12 @@ def save_order(orders: list[tuple[str, Later]], journal_dir: Path) -> int:
             items = np.fromiter((i for i, _ in resident if i < _ITEM_MAX), np.uint64)
             used = np.fromiter((u for i, u in resident if i < _ITEM_MAX), np.bool_)
             computed[name] = (items, used)
-    share = ADOPT_ITEMS_MAX // max(1, len(computed))
+    shares = _shares({name: len(items) for name, (items, _) in computed.items()})
     arrays: dict[str, np.ndarray] = {}
     for name, (items, used) in computed.items():
-        arrays[f"items/{name}"] = items[-share:]  # the last to go are the hottest
-        arrays[f"used/{name}"] = used[-share:]
+        share = shares[name]
+        arrays[f"items/{name}"] = items[len(items) - share :]  # the last to go are the hottest
+        arrays[f"used/{name}"] = used[len(used) - share :]
     path = journal_dir / POLICY_ORDER
     if not arrays:
         path.unlink(missing_ok=True)
@@ -97,6 +98,19 @@ def save_order(orders: list[tuple[str, Later]], journal_dir: Path) -> int:
         log.warning("engine.policy_order_not_written", error=str(e))
         return 0
     return sum(len(a) for k, a in arrays.items() if k.startswith("items/"))
+
+
+def _shares(sizes: dict[str, int]) -> dict[str, int]:
+    """ADOPT_ITEMS_MAX shared among tenants holding `sizes` items, evenly but never more than a
+    tenant holds (water-filling): a small tenant's unused share goes to the larger ones, where
+    an even split left it unused."""
+    shares: dict[str, int] = {}
+    left, budget = len(sizes), ADOPT_ITEMS_MAX
+    for name, size in sorted(sizes.items(), key=lambda kv: kv[1]):
+        shares[name] = min(size, budget // left)
+        budget -= shares[name]
+        left -= 1
+    return shares
 
 
 def _read(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
