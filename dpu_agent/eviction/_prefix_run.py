@@ -43,16 +43,18 @@ __all__ = ["RunAwarePrefixPolicy"]
 PROBATION_START = 0.1
 RUN_BLOCKS_MAX = 4  # a conversation turn or agent step adds a few blocks; documents add tens
 RUN_PENALTY_TURNOVERS = 4.0  # ahead of any fresh tail, at full weight (the weight is learnt)
-SKETCH_ROWS = 4
 SKETCH_COUNTERS_PER_ITEM = 16
 SKETCH_AGING_FACTOR = 10
 SKETCH_COUNT_MAX = 15
-_HASH_MULTIPLIERS = (  # odd 64-bit constants (golden ratio, xxHash primes): one per row
+# odd 64-bit constants (golden ratio, xxHash primes): one per row, four rows (`add` is
+# written out for four: it runs on every put and use, and a loop over rows cost it 2x)
+_M0, _M1, _M2, _M3 = _HASH_MULTIPLIERS = (
     0x9E3779B97F4A7C15,
     0xC2B2AE3D27D4EB4F,
     0x165667B19E3779F9,
     0x27D4EB2F165667C5,
 )
+SKETCH_ROWS = len(_HASH_MULTIPLIERS)
 
 
 class RunAwarePrefixPolicy(PrefixPolicy):
@@ -172,11 +174,21 @@ class _SeenSketch:
             self._rows = [bytearray(self._width) for _ in range(SKETCH_ROWS)]
             self._additions = 0
         mask = self._width - 1
-        slots = [((item * mult) >> 17) & mask for mult in _HASH_MULTIPLIERS]
-        least = min(row[i] for row, i in zip(self._rows, slots, strict=True))
-        for row, i in zip(self._rows, slots, strict=True):
-            if row[i] == least and least < SKETCH_COUNT_MAX:  # conservative update
-                row[i] = least + 1
+        r0, r1, r2, r3 = self._rows
+        i0, i1 = ((item * _M0) >> 17) & mask, ((item * _M1) >> 17) & mask
+        i2, i3 = ((item * _M2) >> 17) & mask, ((item * _M3) >> 17) & mask
+        c0, c1, c2, c3 = r0[i0], r1[i1], r2[i2], r3[i3]
+        least = min(c0, c1, c2, c3)
+        if least < SKETCH_COUNT_MAX:  # conservative update: only the least counters grow
+            more = least + 1
+            if c0 == least:
+                r0[i0] = more
+            if c1 == least:
+                r1[i1] = more
+            if c2 == least:
+                r2[i2] = more
+            if c3 == least:
+                r3[i3] = more
         self._additions += 1
         if self._additions >= SKETCH_AGING_FACTOR * self._width:
             self._additions = 0
