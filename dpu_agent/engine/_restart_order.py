@@ -46,9 +46,9 @@ __all__ = ["ADOPT_ITEMS_MAX", "POLICY_ORDER", "adopt_saved_order", "save_order",
 log = get_logger(__name__)
 
 POLICY_ORDER = "policy-order.npz"
-# Items handed back at a start, all tenants together: adoption is Python work, about 17 us an
+# Items handed back at a start, all tenants together: adoption is Python work, about 9 us an
 # item under `elect` (`dpuctl bench recovery`, docs/bench/recovery.json: 1e6 records restart in
-# 0.73 s, and in 2.93 s with 2^17 of them adopted); the coldest beyond it stay in the cold list,
+# 0.76 s, and in 1.99 s with 2^17 of them adopted); the coldest beyond it stay in the cold list,
 # as every item did.
 ADOPT_ITEMS_MAX = 1 << 17
 _FILE_BYTES_MAX = ADOPT_ITEMS_MAX * 9 + (1 << 20)  # items, flags, and the zip's own bytes
