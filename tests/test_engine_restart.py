@@ -374,3 +374,43 @@ def test_the_adoption_budget_unused_by_a_small_tenant_goes_to_the_larger_ones(
             assert eng.get_chunk(name, chunk(i)[0]) == chunk(i)[1]
     finally:
         eng.close()
+
+
+def test_a_save_the_disk_refuses_is_logged_and_the_last_file_stays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tick's save on a full or failing disk: logged, the tick and the engine go on, the
+    file of the save before stays for the next start."""
+    import dataclasses
+    import errno
+
+    from structlog.testing import capture_logs
+
+    from dpu_agent.engine import _restart_order
+    from dpu_agent.engine._restart_order import POLICY_ORDER
+
+    config = dataclasses.replace(
+        cfg(tmp_path), eviction_policy="elect", dram_bytes=BS, policy_order_save_s=10.0
+    )
+    clock = FakeClock()
+    eng = Engine(config, clock=clock)
+    try:
+        eng.put_chunk("acme", *chunk(1))
+        clock.t += 10.0
+        eng.tick()
+        before = (config.journal_path / POLICY_ORDER).read_bytes()
+        eng.put_chunk("acme", *chunk(2))
+
+        def full(path: Path, data: bytes) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(_restart_order.jr, "replace_file", full)
+        clock.t += 10.0
+        with capture_logs() as logs:
+            eng.tick()
+        assert any(e["event"] == "engine.policy_order_not_written" for e in logs)
+        assert (config.journal_path / POLICY_ORDER).read_bytes() == before
+        assert eng.get_chunk("acme", chunk(2)[0]) == chunk(2)[1]
+    finally:
+        monkeypatch.undo()
+        eng.close()
