@@ -87,8 +87,11 @@ def save_order(orders: list[tuple[str, Later]], journal_dir: Path) -> int:
         arrays[f"items/{name}"] = items[len(items) - share :]  # the last to go are the hottest
         arrays[f"used/{name}"] = used[len(used) - share :]
     path = journal_dir / POLICY_ORDER
-    if not arrays:
-        path.unlink(missing_ok=True)
+    if not arrays:  # nothing held: nothing to hand back
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("engine.policy_order_not_removed", path=str(path), error=str(e))
         return 0
     buf = io.BytesIO()
     np.savez(buf, allow_pickle=False, **arrays)

@@ -189,7 +189,8 @@ class Engine:
                             wal_records=report.wal_records)  # fmt: skip
             for name, quota in config.tenants.items():
                 self.add_tenant(name, quota_bytes=quota)
-            # what the policies held at a clean stop, before their own state (_restart_order)
+            # what the policies held at the last save or the clean stop, before their own
+            # state (_restart_order)
             restart_order.adopt_saved_order(
                 self._tenants, self._records, self._commit.journal.dir,
                 previous_stop=previous, now=clock(),
