@@ -69,6 +69,7 @@ def test_redacted_hides_every_secret(tmp_path: Path) -> None:
         ("[storage]\nlease_ttl_s = nan\n", {}, "finite"),
         ("[storage]\npolicy_order_save_s = inf\n", {}, "finite"),
         ("", {"DPUKV_STORAGE_POLICY_ORDER_SAVE_S": "0"}, "policy_order_save_s"),
+        ("", {"DPUKV_STORAGE_POLICY_ORDER_SAVE_S": "0.001"}, "at least 1"),
         ("", {"DPUKV_METRICS_ENABLED": "maybe"}, "boolean"),
         ("[control\n", {}, "not valid TOML"),
     ],
