@@ -25,8 +25,6 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Callable
 
-import numpy as np
-
 from dpu_agent.eviction._policy import Evictable, EvictionPolicy
 
 __all__ = ["PrefixPolicy"]
@@ -144,6 +142,8 @@ class PrefixPolicy(EvictionPolicy):
         items, nodes = list(self._nodes), list(self._nodes.values())
 
         def order() -> list[tuple[int, bool]]:  # by (last, -depth, seq), as the heaps evict
+            import numpy as np  # here: reading the config imports this package (dpuctl status)
+
             n = len(nodes)
             last = np.fromiter((node.last for node in nodes), np.float64, n)
             depth = np.fromiter((node.depth for node in nodes), np.int64, n)
