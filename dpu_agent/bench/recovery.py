@@ -14,7 +14,6 @@ with lookups timed during the save against the same lookups idle.
 from __future__ import annotations
 
 import gc
-import io
 import json
 import tempfile
 import threading
@@ -35,8 +34,9 @@ from dpu_agent.bench.sync_stall import (
     run_sync_stall,
 )
 from dpu_agent.crypto import KeyStore
-from dpu_agent.engine import Engine, EngineConfig, _records
-from dpu_agent.engine._restart_order import ADOPT_ITEMS_MAX, POLICY_ORDER
+from dpu_agent.engine import Engine, EngineConfig
+from dpu_agent.engine._records import items_of
+from dpu_agent.engine._restart_order import ADOPT_ITEMS_MAX, save_order
 from dpu_agent.engine.index import COLUMNS
 from dpu_agent.engine.journal import CHECKPOINT_COLUMNS, Journal, pack_commit
 from dpu_agent.eviction import DEFAULT_POLICY
@@ -138,12 +138,9 @@ def _with_order(
     saved again (as the tick does every `policy_order_save_s`) while one client looks up in an
     open loop, against the same lookups idle."""
     named = keys[rng.permutation(len(keys))[:ADOPT_ITEMS_MAX]]
-    with np.errstate(over="ignore"):
-        items = named[:, 0] ^ (named[:, 1] * np.uint64(_records._MIX))
-    buf = io.BytesIO()
-    arrays = {f"items/{TENANT}": items, f"used/{TENANT}": rng.random(len(items)) < 0.5}
-    np.savez(buf, allow_pickle=False, **arrays)
-    (cfg.journal_path / POLICY_ORDER).write_bytes(buf.getvalue())
+    order = list(zip(items_of(named[:, 0], named[:, 1]).tolist(),
+                     (rng.random(len(named)) < 0.5).tolist(), strict=True))  # fmt: skip
+    save_order([(TENANT, lambda: order)], cfg.journal_path)
     t0 = time.perf_counter()
     eng = Engine(cfg)
     restart_s = time.perf_counter() - t0

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from dpu_agent.engine import journal as jr
 from dpu_agent.engine._commit import CommitLog
 from dpu_agent.engine._leases import Leases
@@ -36,6 +38,12 @@ COLLIDED = 1 << 64
 def item_of(k0: int, k1: int) -> int:
     """The policy item of the key whose little-endian words are (k0, k1)."""
     return (k0 ^ (k1 * _MIX)) & _MASK64
+
+
+def items_of(k0: np.ndarray, k1: np.ndarray) -> np.ndarray:
+    """`item_of` over arrays of key words (uint64; the product wraps as item_of's mask does)."""
+    with np.errstate(over="ignore"):
+        return k0.astype(np.uint64) ^ (k1.astype(np.uint64) * np.uint64(_MIX))
 
 
 _INTEGRITY = Counter(

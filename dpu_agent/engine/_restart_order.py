@@ -32,9 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dpu_agent.engine import _records
 from dpu_agent.engine import journal as jr
-from dpu_agent.engine._records import ITEM_ROW_BITS, ROW_MASK, Records
+from dpu_agent.engine._records import ITEM_ROW_BITS, ROW_MASK, Records, items_of
 from dpu_agent.engine._tenants import Tenants
 from dpu_agent.engine.index import STATE_LIVE
 from dpu_agent.engine.tiers import NVME, Tier
@@ -52,7 +51,6 @@ POLICY_ORDER = "policy-order.npz"
 # as every item did.
 ADOPT_ITEMS_MAX = 1 << 17
 _FILE_BYTES_MAX = ADOPT_ITEMS_MAX * 9 + (1 << 20)  # items, flags, and the zip's own bytes
-_MIX = np.uint64(_records._MIX)  # _records.item_of, vectorised
 _ITEM_MAX = 1 << 64  # items at or above it are collision stand-ins (COLLIDED | row)
 
 
@@ -196,8 +194,7 @@ def _adopt(records: Records, tier: Tier, items: np.ndarray, used: np.ndarray, no
         cols["seq"][rows].astype(np.uint64) == (cold >> np.uint64(ITEM_ROW_BITS))
     )
     rows = rows[live]
-    with np.errstate(over="ignore"):  # wraps mod 2^64, as item_of's mask does
-        row_items = cols["k0"][rows].astype(np.uint64) ^ (cols["k1"][rows].astype(np.uint64) * _MIX)
+    row_items = items_of(cols["k0"][rows], cols["k1"][rows])
     by_item = np.argsort(row_items, kind="stable")
     sorted_items = row_items[by_item]
     pos = np.minimum(np.searchsorted(sorted_items, items), max(0, len(sorted_items) - 1))
