@@ -27,7 +27,6 @@ from __future__ import annotations
 import io
 import time
 import zipfile
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +37,7 @@ from dpu_agent.engine._tenants import Tenants
 from dpu_agent.engine.index import STATE_LIVE
 from dpu_agent.engine.tiers import NVME, Tier
 from dpu_agent.engine.types import TenantState
+from dpu_agent.eviction import Ordering
 from dpu_agent.log import get_logger
 
 __all__ = ["ADOPT_ITEMS_MAX", "POLICY_ORDER", "adopt_saved_order", "save_order", "take_order"]
@@ -54,10 +54,7 @@ _FILE_BYTES_MAX = ADOPT_ITEMS_MAX * 9 + (1 << 20)  # items, flags, and the zip's
 _ITEM_MAX = 1 << 64  # items at or above it are collision stand-ins (COLLIDED | row)
 
 
-Later = Callable[[], list[tuple[int, bool]]]
-
-
-def take_order(ts: TenantState) -> Later | None:
+def take_order(ts: TenantState) -> Ordering | None:
     """Under the engine lock: the tenant's NVMe policy order, copied (`resident_later`) to be
     computed by `save_order` after the lock is let go; None if its policy cannot hand its
     items over."""
@@ -67,7 +64,7 @@ def take_order(ts: TenantState) -> Later | None:
         return None
 
 
-def save_order(orders: list[tuple[str, Later]], journal_dir: Path) -> int:
+def save_order(orders: list[tuple[str, Ordering]], journal_dir: Path) -> int:
     """Write what `take_order` copied, by tenant name (the hottest ADOPT_ITEMS_MAX of all,
     shared as `_shares` says); returns the items written. A write failure is logged: the next
     start has the file of the save before, or none."""

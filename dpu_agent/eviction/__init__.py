@@ -8,7 +8,13 @@ from dpu_agent.eviction._arc import ArcPolicy
 from dpu_agent.eviction._clock import ClockPolicy
 from dpu_agent.eviction._elect import ElectPolicy
 from dpu_agent.eviction._lru import Lru2Policy, LruPolicy
-from dpu_agent.eviction._policy import CAPACITY_ITEMS_MAX, Evictable, EvictionPolicy, Resident
+from dpu_agent.eviction._policy import (
+    CAPACITY_ITEMS_MAX,
+    Evictable,
+    EvictionPolicy,
+    Ordering,
+    Resident,
+)
 from dpu_agent.eviction._prefix import PrefixPolicy
 from dpu_agent.eviction._prefix_run import RunAwarePrefixPolicy
 from dpu_agent.eviction._registry import (
@@ -31,6 +37,7 @@ __all__ = [
     "EvictionPolicy",
     "Lru2Policy",
     "LruPolicy",
+    "Ordering",
     "PrefixPolicy",
     "Resident",
     "RunAwarePrefixPolicy",

@@ -37,7 +37,7 @@ from functools import partial
 from typing import Any
 
 from dpu_agent.eviction._lru import Lru2Policy, LruPolicy
-from dpu_agent.eviction._policy import Evictable, EvictionPolicy, Resident
+from dpu_agent.eviction._policy import Evictable, EvictionPolicy, Ordering, Resident
 from dpu_agent.eviction._prefix import PrefixPolicy
 from dpu_agent.eviction._prefix_run import RunAwarePrefixPolicy
 from dpu_agent.eviction._s3fifo import S3FifoPolicy
@@ -264,7 +264,7 @@ class ElectPolicy(EvictionPolicy):
     def __contains__(self, item: object) -> bool:
         return item in self._parent
 
-    def resident_later(self) -> Callable[[], list[tuple[int, bool]]]:
+    def resident_later(self) -> Ordering:
         return self._policy.resident_later()
 
     def state(self) -> dict[str, Any]:

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from dpu_agent.eviction._policy import ADOPT_TIME_STEP_S, Evictable, EvictionPolicy, Resident
+from dpu_agent.eviction._policy import (
+    ADOPT_TIME_STEP_S,
+    Evictable,
+    EvictionPolicy,
+    Ordering,
+    Resident,
+)
 
 __all__ = ["Lru2Policy", "LruPolicy"]
 
@@ -38,7 +44,7 @@ class LruPolicy(EvictionPolicy):
                 return item
         return None
 
-    def resident_later(self) -> Callable[[], list[tuple[int, bool]]]:
+    def resident_later(self) -> Ordering:
         order = list(self._order)
         return lambda: [(item, False) for item in order]  # LRU keeps no use counts
 
@@ -118,7 +124,7 @@ class Lru2Policy(EvictionPolicy):
             heapq.heappush(self._heap, top)
         return chosen
 
-    def resident_later(self) -> Callable[[], list[tuple[int, bool]]]:
+    def resident_later(self) -> Ordering:
         items, entries = list(self._items), list(self._items.values())  # no tuple per item
 
         def order() -> list[tuple[int, bool]]:

@@ -11,11 +11,13 @@ import abc
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["CAPACITY_ITEMS_MAX", "Evictable", "EvictionPolicy", "Resident"]
+__all__ = ["CAPACITY_ITEMS_MAX", "Evictable", "EvictionPolicy", "Ordering", "Resident"]
 
 Evictable = Callable[[int], bool]
 # A held item handed from one policy to another: (item, parent or None, used since it came in)
 Resident = tuple[int, int | None, bool]
+# `resident()` to be computed later: what `resident_later()` returns
+Ordering = Callable[[], list[tuple[int, bool]]]
 
 # Tiers pass their block count (4 KiB blocks): 2**40 is a 4 PiB device. Capacity only sizes
 # ghost lists, which hold ids that were actually evicted, so a large value costs nothing.
@@ -61,7 +63,7 @@ class EvictionPolicy(abc.ABC):
         flushing it (`adopt`). Only the policies an election can hand a tier from have it."""
         return self.resident_later()()
 
-    def resident_later(self) -> Callable[[], list[tuple[int, bool]]]:
+    def resident_later(self) -> Ordering:
         """`resident()` in two steps, for a caller that holds a lock now and orders after it
         lets go (the engine's periodic save of the order, `engine/_restart_order.py`): this
         call takes only shallow copies of what the order is computed from (O(n) in C, no

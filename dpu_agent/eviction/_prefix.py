@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable
 
-from dpu_agent.eviction._policy import Evictable, EvictionPolicy
+from dpu_agent.eviction._policy import Evictable, EvictionPolicy, Ordering
 
 __all__ = ["PrefixPolicy"]
 
@@ -138,7 +137,7 @@ class PrefixPolicy(EvictionPolicy):
                 return chosen
         return self._any_victim(evictable)
 
-    def resident_later(self) -> Callable[[], list[tuple[int, bool]]]:
+    def resident_later(self) -> Ordering:
         items, nodes = list(self._nodes), list(self._nodes.values())
 
         def order() -> list[tuple[int, bool]]:  # by (last, -depth, seq), as the heaps evict

@@ -9,9 +9,8 @@ ghost queue goes straight to the main queue. The main queue is a CLOCK with 2-bi
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 
-from dpu_agent.eviction._policy import Evictable, EvictionPolicy
+from dpu_agent.eviction._policy import Evictable, EvictionPolicy, Ordering
 
 __all__ = ["S3FifoPolicy"]
 
@@ -80,7 +79,7 @@ class S3FifoPolicy(EvictionPolicy):
         # Unreachable by the bound above; a linear scan keeps the contract if it ever is not.
         return next((i for q in queues for i in q if evictable(i)), None)
 
-    def resident_later(self) -> Callable[[], list[tuple[int, bool]]]:
+    def resident_later(self) -> Ordering:
         # the small queue first (it is evicted from first), each queue head first; an item in
         # the main queue got there by being used (or by coming back while remembered)
         # (keys and values apart: a list of pairs would allocate a tuple per item under the lock)
