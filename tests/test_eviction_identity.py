@@ -98,6 +98,54 @@ def test_two_keys_with_one_policy_hash_are_both_tracked_and_evicted(tmp_path: Pa
         eng.close()
 
 
+def _colliding(n: int) -> list[bytes]:
+    """`n` keys whose policy items (the 64-bit hash of the key) are all the same: a tenant
+    chooses its keys, and the hash is public."""
+    from dpu_agent.engine._records import _MASK64, _MIX
+
+    out = []
+    for j in range(n):
+        k1 = 0x55 + 2 * j
+        k0 = (0x1234 ^ (k1 * _MIX)) & _MASK64
+        out.append(k0.to_bytes(8, "little") + k1.to_bytes(8, "little"))
+    return out
+
+
+@pytest.mark.parametrize("how", ["delete", "evict"])
+@pytest.mark.parametrize("policy", ["lru", "elect"])
+def test_colliding_keys_leave_the_policy_when_they_leave_the_tier(
+    tmp_path: Path, policy: str, how: str
+) -> None:
+    """The second of two keys with one hash is tracked as a stand-in item; when the first left
+    before it, the second's removal recomputed its item as the plain hash, missed the policy's
+    entry and left it naming a dead row: the next eviction chose that row and the agent
+    stopped on a broken invariant (a hostile tenant's colliding keys, found by attacking the
+    restart order). Both orders, by delete and by eviction, and the tier keeps working."""
+    eng = _engine(tmp_path, policy)
+    keys = _colliding(4)
+    try:
+        _put(eng, 10_000)  # fills DRAM
+        for k in keys:
+            eng.put_chunk("acme", k, b"x" * 100)
+        if how == "delete":
+            for k in keys:  # the first (the plain hash) first
+                eng.delete("acme", k)
+        else:
+            for i in range(1, 2 * TIER_CHUNKS):  # turns the tier over: the colliding keys go
+                _put(eng, i)
+        for k in keys:
+            assert not eng.lookup("acme", [k], lease=False).hits
+        for tier in eng._tenants["acme"].tiers:
+            assert len(tier.rows) == len(tier.policy) <= tier.records
+        for i in range(100, 100 + 3 * TIER_CHUNKS):  # evictions go on, none of a dead row
+            _put(eng, i)
+        for k in keys:  # and the keys come back
+            eng.put_chunk("acme", k, b"y" * 100)
+            assert eng.get_chunk("acme", k) == b"y" * 100
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("policy", ["lru", "arc", "prefix-run", "lru2"])
 def test_item_to_row_map_holds_only_live_chunks(tmp_path: Path, policy: str) -> None:
     """The item -> row map each tier keeps for the policy grows with the chunks the tier holds,

@@ -129,13 +129,20 @@ class Records:
         return bool(cols["pin"][row] == 0 and cols["lease"][row] == 0)
 
     def item(self, tier: Tier, row: int) -> int:
-        """The policy item of `row` in `tier` (tracked there or not)."""
+        """The policy item of `row` in `tier` (tracked there or not). A tracked row keeps the
+        item it was given for as long as it is tracked: one given COLLIDED | row (its hash was
+        another row's) stays so after that row leaves, or its removal would miss the policy's
+        entry and leave it naming a dead row (a tenant choosing colliding keys stopped the
+        agent at the next eviction)."""
         v = self.index.col_views
         item = item_of(v["k0"][row], v["k1"][row])
         held = tier.rows.get(item)
-        if held is None or held == row:
+        if held == row:
             return item
-        return COLLIDED | row  # another live key of this tier has the same hash
+        collided = COLLIDED | row
+        if held is None and tier.rows.get(collided) != row:
+            return item
+        return collided  # tracked as collided, or another live key of this tier has the hash
 
     def track(self, ts: TenantState, t: int, row: int, now: float) -> None:
         tier = ts.tiers[t]
