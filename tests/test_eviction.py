@@ -105,7 +105,8 @@ def test_random_operations_keep_the_contract(name: str) -> None:
 @pytest.mark.parametrize("name", POLICY_NAMES)
 def test_the_order_taken_now_and_computed_later_is_the_order_of_now(name: str) -> None:
     """`resident_later()` copies under the caller's lock and orders after: with nothing
-    touched between, the order is `resident()`'s; with items evicted, put and used between, it
+    touched between, the order is `resident()`'s (with a limit, its last `limit`: the hottest,
+    all a restart hands back); with items evicted, put and used between, it
     still names exactly the items held when it was taken, each once. Random operations on a
     prefix tree, as the tier makes them."""
     rng = random.Random(f"later-{name}")
@@ -131,6 +132,9 @@ def test_the_order_taken_now_and_computed_later_is_the_order_of_now(name: str) -
         if step % 500 == 499:
             now_order = policy.resident()
             assert policy.resident_later()() == now_order
+            for limit in (0, 1, 7, len(now_order), len(now_order) + 5):  # the hottest `limit`
+                hottest = now_order[max(0, len(now_order) - limit) :]
+                assert policy.resident_later(limit)() == hottest, limit
             later, held = policy.resident_later(), set(cached)
             for j in range(200, 230):  # puts that evict, and uses of what is held
                 if rng.random() < 0.5 and cached:

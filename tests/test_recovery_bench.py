@@ -20,3 +20,13 @@ def test_bench_recovery_json() -> None:
     assert r["order_items"] == 5000  # every record named in the saved order was adopted
     assert r["restart_with_order_s"] > 0 and r["order_save_s"] > 0
     assert r["lookup_ms_p99_during_order_save"] > 0
+    copies = json.loads(line)["order_copy_ms"]  # every policy that can hand a tier over
+    assert {c["policy"] for c in copies} == {
+        "lru",
+        "lru2",
+        "s3fifo",
+        "prefix",
+        "prefix-run",
+        "elect",
+    }
+    assert all(c["items"] == 5000 and c["whole_tier_ms"] > 0 for c in copies)

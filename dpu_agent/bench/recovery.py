@@ -9,6 +9,13 @@ replay, index and allocator rebuild, cold-list ordering. A sample of keys is loo
 Then the same restart with a saved eviction order naming ADOPT_ITEMS_MAX of the records
 (`restart_with_order_s`: the adoption included), and the order saved again, as the tick does,
 with lookups timed during the save against the same lookups idle.
+
+`order_copy_ms`: what a save holds the engine lock for, per policy holding as many items as the
+largest `--records` (random 64-bit items, as the engine's are hashes, put in chains of 16;
+then a quarter as many steps, each a use of a held item or a put that evicts, as a full tier
+sees): `resident_later()` of the whole tier (what a save copied
+before) against `resident_later(ADOPT_ITEMS_MAX)` (what it copies: the hottest, all a restart
+hands back), median of three.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from dpu_agent.engine._records import items_of
 from dpu_agent.engine._restart_order import ADOPT_ITEMS_MAX, save_order
 from dpu_agent.engine.index import COLUMNS
 from dpu_agent.engine.journal import CHECKPOINT_COLUMNS, Journal, pack_commit
-from dpu_agent.eviction import DEFAULT_POLICY
+from dpu_agent.eviction import DEFAULT_POLICY, make_policy
 
 __all__ = ["recovery_cmd", "run_recovery_bench"]
 
@@ -48,6 +55,9 @@ BLOCKS_PER_CHUNK = 8
 BS = 4096
 SAMPLE_KEYS = 1000
 TENANT = "bench"
+# the policies that can hand a tier over (`resident_later`), each filled for `order_copy_ms`
+COPY_POLICIES = ("lru", "lru2", "s3fifo", "prefix", "prefix-run", "elect")
+COPY_CHAIN = 16
 
 
 def _write_state(journal_dir: Path, n: int, wal: int, rng: np.random.Generator) -> np.ndarray:
@@ -165,6 +175,53 @@ def _with_order(
     }
 
 
+def order_copy_ms(n: int, rng: np.random.Generator) -> list[dict[str, Any]]:
+    """Per policy, the ms `resident_later()` takes under the lock, whole tier against the
+    hottest ADOPT_ITEMS_MAX, for a full tier of `n` items (the module's docstring)."""
+    ids = rng.integers(0, 2**63, size=n + n // 4, dtype=np.uint64).tolist()  # items are hashes
+    steps = rng.random(n // 4).tolist()
+    picks = rng.integers(0, n, size=n // 4).tolist()
+    always = lambda _item: True  # noqa: E731
+    out: list[dict[str, Any]] = []
+    for name in COPY_POLICIES:
+        policy, held = make_policy(name, n), ids[:n]
+        for i, item in enumerate(held):
+            policy.insert(item, held[i - 1] if i % COPY_CHAIN else None, float(i // COPY_CHAIN))
+        at = {item: i for i, item in enumerate(held)}
+        now, fresh = float(n // COPY_CHAIN), n
+        for j, (step, pick) in enumerate(zip(steps, picks, strict=True)):
+            if step < 0.5:  # a use of what the tier holds, or a put that evicts
+                policy.access(held[pick], now + j)
+                continue
+            victim = policy.victim(always)
+            assert victim is not None
+            policy.remove(victim)
+            slot = at.pop(victim)
+            held[slot], at[ids[fresh]] = ids[fresh], slot
+            policy.insert(ids[fresh], None, now + j)
+            fresh += 1
+        out.append({
+            "policy": name,
+            "items": n,
+            "whole_tier_ms": _median_ms(lambda p=policy: p.resident_later()),
+            "hottest_ms": _median_ms(lambda p=policy: p.resident_later(ADOPT_ITEMS_MAX)),
+            "hottest_items": ADOPT_ITEMS_MAX,
+        })  # fmt: skip
+        del policy
+        gc.collect()
+    return out
+
+
+def _median_ms(call: Any) -> float:
+    times = []
+    for _ in range(3):
+        gc.collect()
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return round(sorted(times)[1] * 1000, 1)
+
+
 def run_recovery_bench(records: list[int], wal_fraction: float, policy: str) -> dict[str, Any]:
     for n in records:
         if not 0 < n <= RECORDS_MAX:
@@ -173,7 +230,12 @@ def run_recovery_bench(records: list[int], wal_fraction: float, policy: str) -> 
         raise click.BadParameter(f"--wal-fraction {wal_fraction}: give 0..1")
     rng = np.random.default_rng(1)
     results = [_one(n, int(n * wal_fraction), policy, rng) for n in records]
-    return {"bench": "recovery", "target_restart_s": 2.0, "results": results}
+    return {
+        "bench": "recovery",
+        "target_restart_s": 2.0,
+        "results": results,
+        "order_copy_ms": order_copy_ms(max(records), rng),
+    }
 
 
 def _table(report: dict[str, Any]) -> str:
@@ -195,6 +257,13 @@ def _table(report: dict[str, Any]) -> str:
     ]
     lines = ["  ".join(f"{c:>18}" for c in cols)]
     lines += ["  ".join(f"{r[c]!s:>18}" for c in cols) for r in report["results"]]
+    lines.append(
+        "engine lock held by a save's copy, ms (whole tier / hottest "
+        f"{ADOPT_ITEMS_MAX}), {report['order_copy_ms'][0]['items']} items: "
+        + "  ".join(
+            f"{r['policy']} {r['whole_tier_ms']}/{r['hottest_ms']}" for r in report["order_copy_ms"]
+        )
+    )
     return "\n".join(lines)
 
 

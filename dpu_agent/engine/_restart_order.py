@@ -13,7 +13,8 @@ So the engine saves, per tenant, its NVMe policy's order (`EvictionPolicy.reside
 first-to-go first, each with whether it was used) to `policy-order.npz`: every
 `policy_order_save_s` from `tick()` (a crash, a kill -9 or a power loss keeps the order of the
 last save) and at a clean close. The copy is taken under the engine lock
-(`resident_later()`: shallow copies), the ordering and the write after it. The next start hands
+(`resident_later(ADOPT_ITEMS_MAX)`: shallow copies, of the hottest only where the policy keeps
+its items in order), the ordering and the write after it. The next start hands
 the hottest `ADOPT_ITEMS_MAX` of them (shared among the tenants) back to the policy
 (`EvictionPolicy.adopt`, the same handover `elect` uses at a switch), before the policy's own
 state (`policy-state.json`) is restored. The rest stay in the cold list, as do the chunks put
@@ -57,9 +58,11 @@ _ITEM_MAX = 1 << 64  # items at or above it are collision stand-ins (COLLIDED | 
 def take_order(ts: TenantState) -> Ordering | None:
     """Under the engine lock: the tenant's NVMe policy order, copied (`resident_later`) to be
     computed by `save_order` after the lock is let go; None if its policy cannot hand its
-    items over."""
+    items over. Only the hottest ADOPT_ITEMS_MAX (no tenant is handed back more), so a policy
+    that keeps its items in order (`lru`, `s3fifo`, an `elect` they lead) holds the lock for
+    those alone, whatever the tier holds."""
     try:
-        return ts.tiers[NVME].policy.resident_later()
+        return ts.tiers[NVME].policy.resident_later(ADOPT_ITEMS_MAX)
     except NotImplementedError:
         return None
 

@@ -264,8 +264,8 @@ class ElectPolicy(EvictionPolicy):
     def __contains__(self, item: object) -> bool:
         return item in self._parent
 
-    def resident_later(self) -> Ordering:
-        return self._policy.resident_later()
+    def resident_later(self, limit: int | None = None) -> Ordering:
+        return self._policy.resident_later(limit)
 
     def state(self) -> dict[str, Any]:
         """The leader: a restarted tier begins with it rather than with the prior."""

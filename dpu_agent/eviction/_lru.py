@@ -12,6 +12,7 @@ from dpu_agent.eviction._policy import (
     EvictionPolicy,
     Ordering,
     Resident,
+    last_of,
 )
 
 __all__ = ["Lru2Policy", "LruPolicy"]
@@ -44,8 +45,8 @@ class LruPolicy(EvictionPolicy):
                 return item
         return None
 
-    def resident_later(self) -> Ordering:
-        order = list(self._order)
+    def resident_later(self, limit: int | None = None) -> Ordering:
+        order = last_of(self._order.keys(), limit)
         return lambda: [(item, False) for item in order]  # LRU keeps no use counts
 
     def __len__(self) -> int:
@@ -124,12 +125,13 @@ class Lru2Policy(EvictionPolicy):
             heapq.heappush(self._heap, top)
         return chosen
 
-    def resident_later(self) -> Ordering:
+    def resident_later(self, limit: int | None = None) -> Ordering:
         items, entries = list(self._items), list(self._items.values())  # no tuple per item
 
         def order() -> list[tuple[int, bool]]:
             keyed = sorted((e[1], e[0], item) for item, e in zip(items, entries, strict=True))
-            return [(item, second != NEG_INF) for second, _, item in keyed]
+            hottest = keyed if limit is None else keyed[max(0, len(keyed) - limit) :]
+            return [(item, second != NEG_INF) for second, _, item in hottest]
 
         return order
 

@@ -137,7 +137,7 @@ class PrefixPolicy(EvictionPolicy):
                 return chosen
         return self._any_victim(evictable)
 
-    def resident_later(self) -> Ordering:
+    def resident_later(self, limit: int | None = None) -> Ordering:
         items, nodes = list(self._nodes), list(self._nodes.values())
 
         def order() -> list[tuple[int, bool]]:  # by (last, -depth, seq), as the heaps evict
@@ -147,8 +147,9 @@ class PrefixPolicy(EvictionPolicy):
             last = np.fromiter((node.last for node in nodes), np.float64, n)
             depth = np.fromiter((node.depth for node in nodes), np.int64, n)
             seq = np.fromiter((node.seq for node in nodes), np.int64, n)
-            ranked = np.lexsort((seq, -depth, last)).tolist()
-            return [(items[i], nodes[i].protected) for i in ranked]
+            ranked = np.lexsort((seq, -depth, last))
+            hottest = ranked if limit is None else ranked[max(0, n - limit) :]
+            return [(items[i], nodes[i].protected) for i in hottest.tolist()]
 
         return order
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from dpu_agent.eviction._policy import Evictable, EvictionPolicy, Ordering
+from dpu_agent.eviction._policy import Evictable, EvictionPolicy, Ordering, last_of
 
 __all__ = ["S3FifoPolicy"]
 
@@ -79,11 +79,13 @@ class S3FifoPolicy(EvictionPolicy):
         # Unreachable by the bound above; a linear scan keeps the contract if it ever is not.
         return next((i for q in queues for i in q if evictable(i)), None)
 
-    def resident_later(self) -> Ordering:
+    def resident_later(self, limit: int | None = None) -> Ordering:
         # the small queue first (it is evicted from first), each queue head first; an item in
         # the main queue got there by being used (or by coming back while remembered)
         # (keys and values apart: a list of pairs would allocate a tuple per item under the lock)
-        small, freqs, main = list(self._small), list(self._small.values()), list(self._main)
+        main = last_of(self._main.keys(), limit)
+        rest = None if limit is None else limit - len(main)
+        small, freqs = last_of(self._small.keys(), rest), last_of(self._small.values(), rest)
         return lambda: (
             [(i, f > 0) for i, f in zip(small, freqs, strict=True)] + [(i, True) for i in main]
         )
