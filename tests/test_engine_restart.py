@@ -6,6 +6,7 @@ engine keeps working."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_engine import FakeClock
@@ -341,7 +342,8 @@ def test_the_adoption_budget_unused_by_a_small_tenant_goes_to_the_larger_ones(
 ) -> None:
     """The saved order holds at most ADOPT_ITEMS_MAX items of all tenants: a tenant holding
     fewer than an even share keeps all of its own and the rest goes to the others (an even
-    split left it unused)."""
+    split left it unused). Each policy is asked for its share only, so the engine lock is held
+    for that many items of each tier, not the whole tier."""
     import dataclasses
 
     import numpy as np
@@ -360,7 +362,18 @@ def test_the_adoption_budget_unused_by_a_small_tenant_goes_to_the_larger_ones(
         eng.put_chunk("small", *chunk(i))
     for i in range(100, 116):
         eng.put_chunk("large", *chunk(i))
+    asked: dict[int, int | None] = {}  # what each tenant's policy was asked to copy
+    for ts in eng._tenants.values():
+        policy = ts.tiers[NVME].policy
+        real = policy.resident_later
+
+        def spy(limit: int | None = None, real: Any = real, held: int = len(policy)) -> Any:
+            asked[held] = limit
+            return real(limit)
+
+        monkeypatch.setattr(policy, "resident_later", spy)
     eng.close()
+    assert asked == {3: 3, 16: 9}  # under the lock, each copies its share alone
     with np.load(config.journal_path / POLICY_ORDER) as z:
         assert len(z["items/small"]) == 3
         assert len(z["items/large"]) == 9  # 12 - 3; an even split gave it 6

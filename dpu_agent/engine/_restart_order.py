@@ -41,7 +41,15 @@ from dpu_agent.engine.types import TenantState
 from dpu_agent.eviction import Ordering
 from dpu_agent.log import get_logger
 
-__all__ = ["ADOPT_ITEMS_MAX", "POLICY_ORDER", "adopt_saved_order", "save_order", "take_order"]
+__all__ = [
+    "ADOPT_ITEMS_MAX",
+    "POLICY_ORDER",
+    "adopt_saved_order",
+    "held",
+    "save_order",
+    "shares",
+    "take_order",
+]
 
 log = get_logger(__name__)
 
@@ -55,21 +63,26 @@ _FILE_BYTES_MAX = ADOPT_ITEMS_MAX * 9 + (1 << 20)  # items, flags, and the zip's
 _ITEM_MAX = 1 << 64  # items at or above it are collision stand-ins (COLLIDED | row)
 
 
-def take_order(ts: TenantState) -> Ordering | None:
+def held(ts: TenantState) -> int:
+    """Under the engine lock: the items the tenant's NVMe policy holds (for `shares`)."""
+    return len(ts.tiers[NVME].policy)
+
+
+def take_order(ts: TenantState, share: int) -> Ordering | None:
     """Under the engine lock: the tenant's NVMe policy order, copied (`resident_later`) to be
     computed by `save_order` after the lock is let go; None if its policy cannot hand its
-    items over. Only the hottest ADOPT_ITEMS_MAX (no tenant is handed back more), so a policy
-    that keeps its items in order (`lru`, `s3fifo`, an `elect` they lead) holds the lock for
-    those alone, whatever the tier holds."""
+    items over. Only the hottest `share` (the tenant's part of ADOPT_ITEMS_MAX, `shares`: no
+    more is handed back), so a policy that keeps its items in order (`lru`, `s3fifo`, an
+    `elect` they lead) holds the lock for those alone, whatever the tier holds."""
     try:
-        return ts.tiers[NVME].policy.resident_later(ADOPT_ITEMS_MAX)
+        return ts.tiers[NVME].policy.resident_later(share)
     except NotImplementedError:
         return None
 
 
 def save_order(orders: list[tuple[str, Ordering]], journal_dir: Path) -> int:
     """Write what `take_order` copied, by tenant name (the hottest ADOPT_ITEMS_MAX of all,
-    shared as `_shares` says); returns the items written. A write failure is logged: the next
+    shared as `shares` says); returns the items written. A write failure is logged: the next
     start has the file of the save before, or none."""
     computed: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for name, later in orders:
@@ -78,10 +91,10 @@ def save_order(orders: list[tuple[str, Ordering]], journal_dir: Path) -> int:
             items = np.fromiter((i for i, _ in resident if i < _ITEM_MAX), np.uint64)
             used = np.fromiter((u for i, u in resident if i < _ITEM_MAX), np.bool_)
             computed[name] = (items, used)
-    shares = _shares({name: len(items) for name, (items, _) in computed.items()})
+    parts = shares({name: len(items) for name, (items, _) in computed.items()})
     arrays: dict[str, np.ndarray] = {}
     for name, (items, used) in computed.items():
-        share = shares[name]
+        share = parts[name]
         arrays[f"items/{name}"] = items[len(items) - share :]  # the last to go are the hottest
         arrays[f"used/{name}"] = used[len(used) - share :]
     path = journal_dir / POLICY_ORDER
@@ -101,7 +114,7 @@ def save_order(orders: list[tuple[str, Ordering]], journal_dir: Path) -> int:
     return sum(len(a) for k, a in arrays.items() if k.startswith("items/"))
 
 
-def _shares(sizes: dict[str, int]) -> dict[str, int]:
+def shares(sizes: dict[str, int]) -> dict[str, int]:
     """ADOPT_ITEMS_MAX shared among tenants holding `sizes` items, evenly but never more than a
     tenant holds (water-filling): a small tenant's unused share goes to the larger ones, where
     an even split left it unused."""

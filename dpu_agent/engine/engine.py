@@ -692,10 +692,11 @@ class Engine:
             with self._lock:
                 self._check_open()
                 tenants = self._tenants.values()
+                parts = restart_order.shares({ts.name: restart_order.held(ts) for ts in tenants})
             orders = []
             for ts in tenants:
                 with self._lock:
-                    later = restart_order.take_order(ts)
+                    later = restart_order.take_order(ts, parts[ts.name])
                 if later is not None:
                     orders.append((ts.name, later))
             return restart_order.save_order(orders, self._commit.journal.dir)
