@@ -129,9 +129,9 @@ class _WarmSwitch(ElectPolicy):
     and the shadow does not inserted at the cold end. Tried 2026-12-06 (docs/EVICTION.md, "Not
     done"): no better on the development data, lru2 as a candidate with it worse."""
 
-    def _lead_with(self, leader: int, now: float) -> None:
+    def _lead_with(self, leader: int, now: float, adopt_max: int | None) -> None:
         if self._shift != 0 or not self._shadows[leader].items:
-            super()._lead_with(leader, now)
+            super()._lead_with(leader, now, adopt_max)
             return
         sys.setrecursionlimit(max(sys.getrecursionlimit(), 100_000))  # prefix nodes link up
         new = copy.deepcopy(self._shadows[leader].policy)

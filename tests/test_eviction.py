@@ -149,6 +149,44 @@ def test_the_order_taken_now_and_computed_later_is_the_order_of_now(name: str) -
             assert len(order) == len(held) and {i for i, _ in order} == held
 
 
+@pytest.mark.parametrize("name", ["prefix", "prefix-run"])
+def test_a_prefix_adoption_building_its_heaps_once_evicts_as_one_pushing_each(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`PrefixPolicy.adopt` builds its heaps once at the end instead of pushing per insert and
+    use: the same items in the same order, every victim after the same as the plain
+    `EvictionPolicy.adopt`'s, with puts, uses and pinned items after the handover."""
+    rng = random.Random(f"adopt-{name}")
+    items: list[tuple[int, int | None, bool]] = []
+    for i in range(400):  # chains, and loose ids; parents sometimes after their children
+        parent = items[rng.randrange(len(items))][0] if items and rng.random() < 0.6 else None
+        items.append((1000 + i, parent, rng.random() < 0.4))
+    rng.shuffle(items)
+    fast, plain = make_policy(name, 300), make_policy(name, 300)
+    fast.adopt(items, 50.0)
+    with monkeypatch.context() as m:  # `prefix-run`'s own adopt, over the plain one
+        m.setattr(PrefixPolicy, "adopt", EvictionPolicy.adopt)
+        plain.adopt(items, 50.0)
+    assert fast.resident() == plain.resident()
+    pinned = {i for i, _, _ in items[:20]}
+    for step in range(600):
+        now = 51.0 + step // 4
+        if rng.random() < 0.3:
+            held = [i for i, _ in plain.resident()]
+            item = held[rng.randrange(len(held))]
+            fast.access(item, now)
+            plain.access(item, now)
+            continue
+        victim = fast.victim(outside(pinned))
+        assert victim == plain.victim(outside(pinned)), step
+        if victim is not None:
+            fast.remove(victim)
+            plain.remove(victim)
+        fast.insert(5000 + step, None, now)
+        plain.insert(5000 + step, None, now)
+    assert fast.resident() == plain.resident()
+
+
 def test_lru_evicts_least_recently_used() -> None:
     policy = filled("lru", [1, 2, 3])
     policy.access(1, 10.0)

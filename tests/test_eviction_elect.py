@@ -10,6 +10,7 @@ import operator
 import random
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -101,6 +102,61 @@ def test_a_switch_flushes_nothing() -> None:
     held = _tracked_replay(policy, trace, 60)
     assert policy.switches >= 1  # the checks inside ran at a switch
     assert len(held) == 60
+
+
+def test_a_switch_hands_over_a_bounded_part_and_the_old_leader_evicts_the_rest_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A switch runs inside a put or a lookup, under the engine lock: the new leader adopts
+    only the old one's hottest `switch_adopt_max` items; the old leader keeps the rest and
+    they are evicted first, in its order, each one used again moving to the new leader.
+    Nothing is flushed, and the winner's hits come as with a full handover."""
+    from dpu_agent.eviction import S3FifoPolicy
+
+    adopted: list[list[int]] = []
+    real_adopt = S3FifoPolicy.adopt
+
+    def spy(self: S3FifoPolicy, items: Any, now: float) -> None:
+        adopted.append([i for i, _, _ in items])
+        real_adopt(self, items, now)
+
+    monkeypatch.setattr(S3FifoPolicy, "adopt", spy)
+    trace, capacity = _hot_and_scans(6000), 60
+    policy = ElectPolicy(capacity, candidates=("lru", "s3fifo"), switch_adopt_max=8)
+    held: set[int] = set()
+    draining: set[int] | None = None  # the old leader's items at the first switch, still held
+    drained, moved = 0, 0  # evicted from the old leader; used again, so moved to the new one
+    for k, req in enumerate(trace):
+        (b,) = req.hash_ids
+        now = req.timestamp_ms / 1000.0
+        if b in policy:
+            policy.access(b, now)
+            if draining is not None and b in draining:
+                draining.discard(b)  # it joined the new leader
+                moved += 1
+        else:
+            if len(policy) >= capacity:
+                victim = policy.victim(lambda _i: True)
+                assert victim in held
+                if draining:  # the old leader's items go first
+                    assert victim in draining, k
+                    draining.discard(victim)
+                    drained += 1
+                policy.remove(victim)
+                held.discard(victim)
+            policy.insert(b, None, now)
+            held.add(b)
+        if adopted and draining is None:  # the first switch happened in this call
+            draining = held - set(adopted[0])
+        assert len(policy) == len(held)
+    assert policy.leader == "s3fifo" and adopted and len(adopted[0]) == 8
+    assert drained > 0 and draining == set(), (drained, moved, draining)
+    assert {i for i, _ in policy.resident()} == held
+    full = ElectPolicy(capacity, candidates=("lru", "s3fifo"))
+    hits_full = sum(replay_hits(trace, full, capacity)[len(trace) // 2 :])
+    bounded = ElectPolicy(capacity, candidates=("lru", "s3fifo"), switch_adopt_max=8)
+    hits_bounded = sum(replay_hits(trace, bounded, capacity)[len(trace) // 2 :])
+    assert hits_bounded >= 0.95 * hits_full
 
 
 def test_a_switch_keeps_the_prefix_tree() -> None:

@@ -46,7 +46,8 @@ from dpu_agent.engine._records import items_of
 from dpu_agent.engine._restart_order import ADOPT_ITEMS_MAX, save_order
 from dpu_agent.engine.index import COLUMNS
 from dpu_agent.engine.journal import CHECKPOINT_COLUMNS, Journal, pack_commit
-from dpu_agent.eviction import DEFAULT_POLICY, make_policy
+from dpu_agent.eviction import DEFAULT_POLICY, ElectPolicy, EvictionPolicy, make_policy
+from dpu_agent.eviction._elect import CANDIDATES, SWITCH_ADOPT_MAX
 
 __all__ = ["recovery_cmd", "run_recovery_bench"]
 
@@ -175,31 +176,46 @@ def _with_order(
     }
 
 
+_Steps = tuple[list[int], list[float], list[int]]
+
+
+def _full_tier(policy: EvictionPolicy, steps: _Steps) -> EvictionPolicy:
+    """`policy` holding a full tier: `steps`' items put in chains of COPY_CHAIN, then its
+    steps, each a use of a held item or a put that evicts (as a full tier sees)."""
+    ids, coins, picks = steps
+    n = policy.capacity
+    held = ids[:n]
+    for i, item in enumerate(held):
+        policy.insert(item, held[i - 1] if i % COPY_CHAIN else None, float(i // COPY_CHAIN))
+    at = {item: i for i, item in enumerate(held)}
+    now, fresh = float(n // COPY_CHAIN), n
+    for j, (coin, pick) in enumerate(zip(coins, picks, strict=True)):
+        if coin < 0.5:
+            policy.access(held[pick], now + j)
+            continue
+        victim = policy.victim(lambda _item: True)
+        assert victim is not None
+        policy.remove(victim)
+        slot = at.pop(victim)
+        held[slot], at[ids[fresh]] = ids[fresh], slot
+        policy.insert(ids[fresh], None, now + j)
+        fresh += 1
+    return policy
+
+
+def _steps(n: int, rng: np.random.Generator) -> _Steps:
+    """Random 64-bit items (the engine's are hashes) and a quarter as many steps."""
+    ids = rng.integers(0, 2**63, size=n + n // 4, dtype=np.uint64).tolist()
+    return ids, rng.random(n // 4).tolist(), rng.integers(0, n, size=n // 4).tolist()
+
+
 def order_copy_ms(n: int, rng: np.random.Generator) -> list[dict[str, Any]]:
     """Per policy, the ms `resident_later()` takes under the lock, whole tier against the
     hottest ADOPT_ITEMS_MAX, for a full tier of `n` items (the module's docstring)."""
-    ids = rng.integers(0, 2**63, size=n + n // 4, dtype=np.uint64).tolist()  # items are hashes
-    steps = rng.random(n // 4).tolist()
-    picks = rng.integers(0, n, size=n // 4).tolist()
-    always = lambda _item: True  # noqa: E731
+    steps = _steps(n, rng)
     out: list[dict[str, Any]] = []
     for name in COPY_POLICIES:
-        policy, held = make_policy(name, n), ids[:n]
-        for i, item in enumerate(held):
-            policy.insert(item, held[i - 1] if i % COPY_CHAIN else None, float(i // COPY_CHAIN))
-        at = {item: i for i, item in enumerate(held)}
-        now, fresh = float(n // COPY_CHAIN), n
-        for j, (step, pick) in enumerate(zip(steps, picks, strict=True)):
-            if step < 0.5:  # a use of what the tier holds, or a put that evicts
-                policy.access(held[pick], now + j)
-                continue
-            victim = policy.victim(always)
-            assert victim is not None
-            policy.remove(victim)
-            slot = at.pop(victim)
-            held[slot], at[ids[fresh]] = ids[fresh], slot
-            policy.insert(ids[fresh], None, now + j)
-            fresh += 1
+        policy = _full_tier(make_policy(name, n), steps)
         out.append({
             "policy": name,
             "items": n,
@@ -209,6 +225,29 @@ def order_copy_ms(n: int, rng: np.random.Generator) -> list[dict[str, Any]]:
         })  # fmt: skip
         del policy
         gc.collect()
+    return out
+
+
+def switch_ms(n: int, rng: np.random.Generator) -> list[dict[str, Any]]:
+    """The ms an `elect` switch holds its caller (a put or a lookup, under the engine lock) at
+    a full tier of `n` items, from the first leader to each other candidate: the new leader
+    adopting the old one's hottest SWITCH_ADOPT_MAX (as shipped) against all of it."""
+    steps = _steps(n, rng)
+    out: list[dict[str, Any]] = []
+    for to in range(1, len(CANDIDATES)):
+        row: dict[str, Any] = {"items": n, "from": CANDIDATES[0], "to": CANDIDATES[to]}
+        for label, adopt_max in (("bounded", SWITCH_ADOPT_MAX), ("whole_tier", n)):
+            policy = ElectPolicy(n, switch_adopt_max=adopt_max)
+            _full_tier(policy, steps)
+            policy._now = float(n)  # a request in flight, as when the election runs
+            gc.collect()
+            t0 = time.perf_counter()
+            policy._switch_to(to)
+            row[f"{label}_ms"] = round((time.perf_counter() - t0) * 1000, 1)
+            del policy
+            gc.collect()
+        row["adopted_bounded"] = SWITCH_ADOPT_MAX
+        out.append(row)
     return out
 
 
@@ -235,6 +274,7 @@ def run_recovery_bench(records: list[int], wal_fraction: float, policy: str) -> 
         "target_restart_s": 2.0,
         "results": results,
         "order_copy_ms": order_copy_ms(max(records), rng),
+        "switch_ms": switch_ms(max(records), rng),
     }
 
 
@@ -262,6 +302,13 @@ def _table(report: dict[str, Any]) -> str:
         f"{ADOPT_ITEMS_MAX}), {report['order_copy_ms'][0]['items']} items: "
         + "  ".join(
             f"{r['policy']} {r['whole_tier_ms']}/{r['hottest_ms']}" for r in report["order_copy_ms"]
+        )
+    )
+    lines.append(
+        "engine lock held by an elect switch, ms (whole tier / bounded): "
+        + "  ".join(
+            f"{r['from']}->{r['to']} {r['whole_tier_ms']}/{r['bounded_ms']}"
+            for r in report["switch_ms"]
         )
     )
     return "\n".join(lines)

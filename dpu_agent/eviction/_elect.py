@@ -78,6 +78,13 @@ HALF_LIFE_TURNOVERS = 8.0  # evidence halves every 8 shadow turnovers of sampled
 HALF_LIFE_REQUESTS = 512  # ... and no sooner than 512 scored requests: a small cache turns
 # over within a request or two, and a few requests are too little evidence to decide anything
 SWITCH_GAP_TURNOVERS = 1.0  # tier turnovers (operations / items held) between two switches
+# Items the new leader adopts at a switch, the old leader's hottest: the switch runs inside a
+# put or a lookup, under the engine lock, and adopting is Python work (7 us an item under
+# `prefix-run`: a switch of a 1M-item tier stalled every tenant 8 s). The rest stay with the
+# old leader, which evicts them first, in its own order, until it is empty (a turnover at
+# most); one used again joins the new leader. Every tier of the family's cells is smaller, so
+# their hits are the same either way (docs/EVICTION.md, "elect").
+SWITCH_ADOPT_MAX = 8192
 # Ancestors walked to find a sampled one: 2^12 is 256 x the expected walk at the lowest
 # steady rate (1/8) and 2 MB of 512-token chunks of one prefix; a longer walk means a loop.
 ANCESTORS_MAX = 4096
@@ -150,15 +157,21 @@ class ElectPolicy(EvictionPolicy):
         half_life_turnovers: float = HALF_LIFE_TURNOVERS,
         half_life_requests: int = HALF_LIFE_REQUESTS,
         switch_gap_turnovers: float = SWITCH_GAP_TURNOVERS,
+        switch_adopt_max: int = SWITCH_ADOPT_MAX,
     ) -> None:
         super().__init__(capacity)
         assert candidates and set(candidates) <= set(_CANDIDATE_FACTORIES), candidates
         assert 0 < shadow_items_min <= shadow_items_max, (shadow_items_min, shadow_items_max)
         assert 0 <= sample_shift_steady <= SAMPLE_SHIFT_MAX, sample_shift_steady
         assert switch_z > 0 and switch_margin >= 0 and half_life_turnovers > 0
+        assert switch_adopt_max > 0, switch_adopt_max
         self._names = tuple(candidates)
         self._leader = 0
         self._policy = _CANDIDATE_FACTORIES[self._names[0]](capacity)
+        # former leaders still holding the items a switch did not hand over, oldest first:
+        # evicted from before the leader's, each dropped once empty
+        self._draining: list[EvictionPolicy] = []
+        self._adopt_max = switch_adopt_max
         self._shadows = [_Shadow(n, capacity) for n in self._names]
         self._parent: dict[int, int | None] = {}  # every item held -> its held parent
         self._up: dict[int, int | None] = {}  # sampled items held -> nearest sampled ancestor
@@ -228,6 +241,9 @@ class ElectPolicy(EvictionPolicy):
 
     def access(self, item: int, now: float) -> None:
         self._ops += 1
+        if self._draining and self._leave_draining(item):  # used again: it joins the leader
+            parent = self._parent[item]
+            self._policy.insert(item, parent if parent in self._policy else None, now)
         self._policy.access(item, now)
         if item in self._up:
             self._reference(item, self._up[item], now)
@@ -239,6 +255,7 @@ class ElectPolicy(EvictionPolicy):
         the seeded `s3fifo` shadow led the others within four turnovers and took the tier,
         49.8% of the second half hit against 55.4% with empty shadows, research/restart_warm.py.)"""
         assert not self._parent, len(self._parent)
+        self._draining = []  # held nothing: nothing to drain
         self._policy.adopt(items, now)
         held = {item for item, _, _ in items}  # a parent comes after its children in `items`
         parents = self._parent
@@ -251,12 +268,27 @@ class ElectPolicy(EvictionPolicy):
         self._now = None
 
     def remove(self, item: int) -> None:
-        self._policy.remove(item)
+        if not (self._draining and self._leave_draining(item)):
+            self._policy.remove(item)
         del self._parent[item]
         self._up.pop(item, None)
 
     def victim(self, evictable: Evictable) -> int | None:
+        for old in self._draining:  # what a switch did not hand over goes first
+            chosen = old.victim(evictable)
+            if chosen is not None:
+                return chosen
         return self._policy.victim(evictable)
+
+    def _leave_draining(self, item: int) -> bool:
+        """Take `item` out of the former leader holding it; False if none does."""
+        for k, old in enumerate(self._draining):
+            if item in old:
+                old.remove(item)
+                if not len(old):
+                    del self._draining[k]
+                return True
+        return False
 
     def __len__(self) -> int:
         return len(self._parent)
@@ -265,7 +297,18 @@ class ElectPolicy(EvictionPolicy):
         return item in self._parent
 
     def resident_later(self, limit: int | None = None) -> Ordering:
-        return self._policy.resident_later(limit)
+        if not self._draining:
+            return self._policy.resident_later(limit)
+        # the draining former leaders' items go first (oldest leader first), then the leader's
+        parts = [self._policy.resident_later(limit)]
+        left = None if limit is None else limit - len(self._policy)
+        for old in reversed(self._draining):
+            if left is not None and left <= 0:
+                break
+            parts.append(old.resident_later(left))
+            left = None if left is None else left - len(old)
+        parts.reverse()
+        return lambda: [entry for later in parts for entry in later()]
 
     def state(self) -> dict[str, Any]:
         """The leader: a restarted tier begins with it rather than with the prior."""
@@ -280,7 +323,7 @@ class ElectPolicy(EvictionPolicy):
             return
         leader = self._names.index(name)
         if leader != self._leader:
-            self._lead_with(leader, now)
+            self._lead_with(leader, now, adopt_max=None)  # before serving: all of it
 
     # --- the shadows and the election ------------------------------------------------------
 
@@ -339,18 +382,24 @@ class ElectPolicy(EvictionPolicy):
         if margin * margin >= self._z2 * self._lead_sq[best][lead]:
             self._switch_to(best)
 
-    def _lead_with(self, leader: int, now: float) -> None:
-        """A new instance of candidate `leader` takes the tier over: it adopts the items held,
-        in the old leader's order (nothing flushed)."""
+    def _lead_with(self, leader: int, now: float, adopt_max: int | None) -> None:
+        """A new instance of candidate `leader` takes the tier over: it adopts the old
+        leader's hottest `adopt_max` items (all if None), in the old leader's order (nothing
+        flushed); the old leader keeps the rest and evicts them first (`_draining`)."""
         new = _CANDIDATE_FACTORIES[self._names[leader]](self.capacity)
-        parents = self._parent
-        new.adopt([(i, parents[i], used) for i, used in self._policy.resident()], now)
+        old, parents = self._policy, self._parent
+        hottest = old.resident_later(adopt_max)()
+        new.adopt([(i, parents[i], used) for i, used in hottest], now)
+        if len(old) > len(hottest):  # else it held no more than it handed over: dropped
+            for i, _ in hottest:
+                old.remove(i)
+            self._draining.append(old)
         self._policy = new
         self._leader = leader
 
     def _switch_to(self, leader: int) -> None:
         assert self._now is not None
-        self._lead_with(leader, self._now)
+        self._lead_with(leader, self._now, self._adopt_max)
         self._switched_at = self._ops
         self.switches += 1
         for rows in (self._lead, self._lead_sq):  # the new leader's evidence starts again

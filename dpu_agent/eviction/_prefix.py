@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Sequence
 
-from dpu_agent.eviction._policy import Evictable, EvictionPolicy, Ordering
+from dpu_agent.eviction._policy import Evictable, EvictionPolicy, Ordering, Resident
 
 __all__ = ["PrefixPolicy"]
 
@@ -93,6 +94,19 @@ class PrefixPolicy(EvictionPolicy):
             OrderedDict(),
         )
         self._seq = 0
+        self._heaps_deferred = False  # during `adopt`: the heaps are built once, at its end
+
+    def adopt(self, items: Sequence[Resident], now: float) -> None:
+        """`EvictionPolicy.adopt`, with the heaps built once at the end (O(n)) instead of a
+        push per insert and use: they hold the same live entries, so every victim after is
+        the same (a restart hands back up to 2^17 items before the agent serves)."""
+        self._heaps_deferred = True
+        try:
+            super().adopt(items, now)
+        finally:
+            self._heaps_deferred = False
+            self._rebuild(False)
+            self._rebuild(True)
 
     def insert(self, item: int, parent: int | None, now: float) -> None:
         assert item not in self._nodes, item
@@ -144,11 +158,17 @@ class PrefixPolicy(EvictionPolicy):
             import numpy as np  # here: reading the config imports this package (dpuctl status)
 
             n = len(nodes)
+            if limit is not None and limit <= 0:
+                return []
             last = np.fromiter((node.last for node in nodes), np.float64, n)
-            depth = np.fromiter((node.depth for node in nodes), np.int64, n)
-            seq = np.fromiter((node.seq for node in nodes), np.int64, n)
-            ranked = np.lexsort((seq, -depth, last))
-            hottest = ranked if limit is None else ranked[max(0, n - limit) :]
+            picked = np.arange(n)
+            if limit is not None and limit < n:  # only items at least as recent as the limit-th
+                picked = np.flatnonzero(last >= np.partition(last, n - limit)[n - limit])
+            chosen = [nodes[i] for i in picked.tolist()]
+            depth = np.fromiter((node.depth for node in chosen), np.int64, len(chosen))
+            seq = np.fromiter((node.seq for node in chosen), np.int64, len(chosen))
+            ranked = picked[np.lexsort((seq, -depth, last[picked]))]
+            hottest = ranked if limit is None else ranked[max(0, len(ranked) - limit) :]
             return [(items[i], nodes[i].protected) for i in hottest.tolist()]
 
         return order
@@ -204,6 +224,8 @@ class PrefixPolicy(EvictionPolicy):
     def _push(self, item: int, node: _Node) -> None:
         self._seq += 1
         node.seq = self._seq
+        if self._heaps_deferred:
+            return
         heap = self._heaps[node.protected]
         heapq.heappush(heap, (node.last, -node.depth, node.seq, item))
         if len(heap) > HEAP_SLACK_FACTOR * len(self._nodes) + 64:
