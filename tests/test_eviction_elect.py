@@ -149,6 +149,12 @@ def test_a_switch_hands_over_a_bounded_part_and_the_old_leader_evicts_the_rest_f
         if adopted and draining is None:  # the first switch happened in this call
             draining = held - set(adopted[0])
         assert len(policy) == len(held)
+        if draining:  # what a restart would save: the old leader's items first
+            order = policy.resident()
+            assert {i for i, _ in order} == held
+            assert {i for i, _ in order[: len(draining)]} == draining
+            for limit in (1, 10, len(order)):
+                assert policy.resident_later(limit)() == order[len(order) - limit :]
     assert policy.leader == "s3fifo" and adopted and len(adopted[0]) == 8
     assert drained > 0 and draining == set(), (drained, moved, draining)
     assert {i for i, _ in policy.resident()} == held
