@@ -296,19 +296,34 @@ def _drop_out_of_range(
 
 
 def _drop_overlaps(fields: dict[str, np.ndarray], dropped: list[int]) -> dict[str, np.ndarray]:
-    """Records whose extents overlap (a skipped frame was the delete before a reuse): the
-    newest keeps the extent, the older ones are dropped and counted."""
+    """Records whose extents overlap within a tenant (a skipped frame was the delete before a
+    reuse): the newest keeps the extent, the older ones are dropped and counted. Tenants have
+    devices of their own, so their extents share block numbers freely. Vectorised but for the
+    records in a cluster of overlapping extents (damage), each cluster settled on its own."""
+    if not len(fields["lba"]):
+        return fields
     tenant, lba = fields["tenant"].astype(np.int64), fields["lba"].astype(np.int64)
     end = lba + fields["block_count"]
     order = np.lexsort((lba, tenant))
     t_s, l_s, e_s = tenant[order], lba[order], end[order]
-    if not np.any((t_s[1:] == t_s[:-1]) & (l_s[1:] < np.maximum.accumulate(e_s)[:-1])):
+    first = np.ones(len(order), dtype=bool)  # a tenant's first extent, by block number
+    first[1:] = t_s[1:] != t_s[:-1]
+    reach = np.empty_like(e_s)  # the furthest end so far, within the tenant
+    starts = np.flatnonzero(first).tolist()
+    for a, b in zip(starts, [*starts[1:], len(order)], strict=True):
+        reach[a:b] = np.maximum.accumulate(e_s[a:b])
+    joins = ~first[1:] & (l_s[1:] < reach[:-1])  # starts before an earlier extent has ended
+    if not joins.any():
         return fields
+    cluster = np.cumsum(np.concatenate(([True], ~joins))) - 1
+    suspect = np.bincount(cluster)[cluster] > 1
+    rows, clusters = order[suspect], cluster[suspect]
+    newest_first = np.lexsort((-fields["seq"].astype(np.int64)[rows], clusters))
     keep = np.ones(len(lba), dtype=bool)
-    by_seq = np.argsort(-fields["seq"].astype(np.int64), kind="stable")  # newest first
     taken: dict[int, list[tuple[int, int]]] = {}
-    for i in by_seq.tolist():  # rare: only after damage, so a plain loop
-        spans = taken.setdefault(int(tenant[i]), [])
+    for k in newest_first.tolist():  # only the overlapping clusters: small, after damage
+        i = int(rows[k])
+        spans = taken.setdefault(int(clusters[k]), [])
         if any(s < end[i] and lba[i] < e for s, e in spans):
             keep[i] = False
         else:
