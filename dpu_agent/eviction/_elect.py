@@ -78,13 +78,15 @@ HALF_LIFE_TURNOVERS = 8.0  # evidence halves every 8 shadow turnovers of sampled
 HALF_LIFE_REQUESTS = 512  # ... and no sooner than 512 scored requests: a small cache turns
 # over within a request or two, and a few requests are too little evidence to decide anything
 SWITCH_GAP_TURNOVERS = 1.0  # tier turnovers (operations / items held) between two switches
-# Items the new leader adopts at a switch, the old leader's hottest: the switch runs inside a
-# put or a lookup, under the engine lock, and adopting is Python work (7 us an item under
-# `prefix-run`: a switch of a 1M-item tier stalled every tenant 8 s). The rest stay with the
-# old leader, which evicts them first, in its own order, until it is empty (a turnover at
-# most); one used again joins the new leader. Every tier of the family's cells is smaller, so
-# their hits are the same either way (docs/EVICTION.md, "elect").
-SWITCH_ADOPT_MAX = 8192
+# The most items a switch hands over: a switch runs inside a put or a lookup, under the
+# engine lock, and adopting is Python work (about 8 us an item: a switch of a 1M-item tier
+# stalled every tenant 3.5-8 s). A tier holding more hands over nothing: the new leader starts
+# empty, the old one keeps its items and evicts them first, in its own order, until it is
+# empty (a turnover at most), and one used again joins the new leader. Every tier of the
+# family's cells and of the Mooncake trace is far smaller (their hits are the same); what the
+# bound costs in hits where a tier is larger, and the largest stall (a handover of this many),
+# are in docs/EVICTION.md, "A switch's handover, bounded", and `dpuctl bench recovery`.
+SWITCH_ADOPT_MAX = 32768
 # Ancestors walked to find a sampled one: 2^12 is 256 x the expected walk at the lowest
 # steady rate (1/8) and 2 MB of 512-token chunks of one prefix; a longer walk means a loop.
 ANCESTORS_MAX = 4096
@@ -383,17 +385,16 @@ class ElectPolicy(EvictionPolicy):
             self._switch_to(best)
 
     def _lead_with(self, leader: int, now: float, adopt_max: int | None) -> None:
-        """A new instance of candidate `leader` takes the tier over: it adopts the old
-        leader's hottest `adopt_max` items (all if None), in the old leader's order (nothing
-        flushed); the old leader keeps the rest and evicts them first (`_draining`)."""
+        """A new instance of candidate `leader` takes the tier over. If the old leader holds
+        at most `adopt_max` items (or `adopt_max` is None) the new one adopts them all, in the
+        old leader's order (nothing flushed); otherwise it starts empty and the old leader
+        keeps its items and evicts them first (`_draining`): O(1), whatever the tier holds."""
         new = _CANDIDATE_FACTORIES[self._names[leader]](self.capacity)
         old, parents = self._policy, self._parent
-        hottest = old.resident_later(adopt_max)()
-        new.adopt([(i, parents[i], used) for i, used in hottest], now)
-        if len(old) > len(hottest):  # else it held no more than it handed over: dropped
-            for i, _ in hottest:
-                old.remove(i)
+        if adopt_max is not None and len(old) > adopt_max:
             self._draining.append(old)
+        else:
+            new.adopt([(i, parents[i], used) for i, used in old.resident()], now)
         self._policy = new
         self._leader = leader
 
