@@ -80,7 +80,7 @@ HALF_LIFE_REQUESTS = 512  # ... and no sooner than 512 scored requests: a small 
 SWITCH_GAP_TURNOVERS = 1.0  # tier turnovers (operations / items held) between two switches
 # The most items a switch hands over: a switch runs inside a put or a lookup, under the
 # engine lock, and adopting is Python work (about 8 us an item: a switch of a 1M-item tier
-# stalled every tenant 3.5-8 s). A tier holding more hands over nothing: the new leader starts
+# stalled every tenant 3.1-4.9 s). A tier holding more hands over nothing: the new leader starts
 # empty, the old one keeps its items and evicts them first, in its own order, until it is
 # empty (a turnover at most), and one used again joins the new leader. Every tier of the
 # family's cells and of the Mooncake trace is far smaller (their hits are the same); what the
