@@ -5,6 +5,7 @@ engine keeps working."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -163,16 +164,25 @@ def test_a_restart_begins_each_tiers_election_with_the_leader_it_had(tmp_path: P
         assert eng.get_chunk("acme", chunk(1)[0]) == chunk(1)[1]
     finally:
         eng.close()
+    path = elect.journal_path / POLICY_STATE
     for damaged in (
         b"{not json",
         b"[1, 2]",
         b'{"acme": {"nvme": {"leader": 7}}}',
         b"x" * (2 << 20),
+        b"[" * 200_000,  # nested past the parser's recursion limit: refused every start
+        b'{"acme": ' * 100_000,
+        None,  # a FIFO: opening it waited for a writer, and the start never ended
     ):
-        (elect.journal_path / POLICY_STATE).write_bytes(damaged)
+        path.unlink(missing_ok=True)
+        if damaged is None:
+            os.mkfifo(path)
+        else:
+            path.write_bytes(damaged)
         eng = Engine(elect)
         try:
             assert eng.policy_state()["acme"]["nvme"] == {"leader": "prefix-run"}
+            assert eng.get_chunk("acme", chunk(1)[0]) == chunk(1)[1]
         finally:
             eng.close()
 
@@ -313,9 +323,11 @@ def test_after_a_crash_the_order_of_the_last_save_is_taken_over(tmp_path: Path) 
 
 
 def test_a_damaged_order_file_starts_as_before(tmp_path: Path) -> None:
-    """A damaged, oversized or zip-bomb order file is logged and removed; the start goes on,
-    the recovered chunks in the cold list."""
+    """A damaged, oversized or zip-bomb order file, or anything but a regular file in its
+    place, is logged and removed; the start goes on, the recovered chunks in the cold list.
+    (An attack pass found damage that stopped every start, and a FIFO that hung it.)"""
     import io
+    import zipfile
 
     import numpy as np
     from structlog.testing import capture_logs
@@ -325,12 +337,46 @@ def test_a_damaged_order_file_starts_as_before(tmp_path: Path) -> None:
     config = hot_and_cold(tmp_path, "elect")
     bomb = io.BytesIO()  # 24 MB of zeros in a few KB: refused before it is inflated
     np.savez_compressed(bomb, **{"items/acme": np.zeros(3 << 20, np.uint64)})
-    for damaged in (b"", b"PK\x03\x04 not a zip", b"\x93NUMPY" + bytes(100), bomb.getvalue()):
-        (config.journal_path / POLICY_ORDER).write_bytes(damaged)
+
+    def npz(**arrays: Any) -> bytes:
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        return buf.getvalue()
+
+    def zipped(members: dict[str, bytes], method: int = zipfile.ZIP_STORED) -> bytes:
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w", method) as zf:
+            for name, data in members.items():
+                zf.writestr(name, data)
+        return buf.getvalue()
+
+    deflated = bytearray(zipped({"items/acme.npy": bytes(4000)}, zipfile.ZIP_DEFLATED))
+    deflated[60:80] = bytes(range(20))  # damaged compressed bytes
+    method99 = bytearray(npz(**{"items/acme": np.zeros(3, np.uint64)}))
+    central = method99.index(b"PK\x01\x02")  # one field of the saved file changed
+    method99[central + 10 : central + 12] = (99).to_bytes(2, "little")
+    zero_d = {"items/acme": np.array(7, np.uint64), "used/acme": np.array(True)}
+    for damaged in (
+        b"",
+        b"PK\x03\x04 not a zip",
+        b"\x93NUMPY" + bytes(100),
+        bomb.getvalue(),
+        npz(**zero_d),  # 0-d arrays: "too many indices" escaped and stopped every start
+        zipped({"items/acme": b"raw", "used/acme": b"bytes"}),  # members that are not .npy
+        bytes(method99),  # "compression method not supported"
+        bytes(deflated),  # zlib.error
+        None,  # a FIFO: opening it waited for a writer, and the start never ended
+    ):
+        path = config.journal_path / POLICY_ORDER
+        path.unlink(missing_ok=True)
+        if damaged is None:
+            os.mkfifo(path)
+        else:
+            path.write_bytes(damaged)
         with capture_logs() as logs:
             eng = Engine(config)
         try:
-            assert not (config.journal_path / POLICY_ORDER).exists()
+            assert not path.exists()
             assert any(e["event"] == "engine.policy_order_unreadable" for e in logs), damaged
             assert eng.get_chunk("acme", chunk(1)[0]) == chunk(1)[1]
         finally:

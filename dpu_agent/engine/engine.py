@@ -734,12 +734,11 @@ class Engine:
     def _read_policy_state(self) -> dict[str, Any]:
         path = self._commit.journal.dir / POLICY_STATE
         try:
-            with path.open("rb") as f:
-                raw = f.read(POLICY_STATE_BYTES_MAX + 1)
+            raw = jr.read_small_file(path, POLICY_STATE_BYTES_MAX)
             state = json.loads(raw) if len(raw) <= POLICY_STATE_BYTES_MAX else None
         except FileNotFoundError:
             return {}
-        except (OSError, ValueError) as e:  # unreadable: the policies start from their prior
+        except (OSError, ValueError, RecursionError) as e:  # the policies start from their prior
             log.warning("engine.policy_state_unreadable", path=str(path), error=str(e))
             return {}
         if not isinstance(state, dict):
