@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from dpu_agent.eviction import DEFAULT_POLICY, POLICY_NAMES
 from dpu_agent.net import NetConfigError, NetDesired, parse_net
-from dpu_agent.units import SizeError, parse_size
+from dpu_agent.units import SIZE_BYTES_MAX, SizeError, parse_size
 from kvproto.control import REPLICAS_MAX, TENANTS_MAX, valid_tenant_name
 from kvproto.nvme import BLOCK_BYTES
 from kvproto.peer_auth import parse_peer_keys
@@ -451,6 +451,12 @@ def _coerce(section: str, key: str, value: Any, default: Any, source: str) -> An
             return value.lower() in ("1", "true", "yes", "on")
         raise ConfigError(f"{where} must be a boolean (true/false)")
     if isinstance(default, int | float):
+        if isinstance(value, bool):  # a bool is an int to Python: `port = true` was port 1
+            raise ConfigError(f"{where} must be a number, not true/false")
+        if isinstance(default, int) and isinstance(value, float):
+            if not (math.isfinite(value) and value.is_integer()):  # `port = 3.9` was port 3
+                raise ConfigError(f"{where} must be a whole number")
+            value = int(value)
         try:
             number = type(default)(value)
         except (TypeError, ValueError):
@@ -459,9 +465,13 @@ def _coerce(section: str, key: str, value: Any, default: Any, source: str) -> An
             raise ConfigError(f"{where} must be a finite number")
         if number < 0:
             raise ConfigError(f"{where} must not be negative")
+        if key.endswith(("_bytes", "_size")) and number > SIZE_BYTES_MAX:
+            raise ConfigError(f"{where} is out of range (0 .. {SIZE_BYTES_MAX} bytes)")
         return number
     if not isinstance(value, str):
         raise ConfigError(f"{where} must be a string")
+    if "\0" in value:  # no path, name or address holds one; a path with one raised at mkdir
+        raise ConfigError(f"{where} must not contain a NUL character")
     return value
 
 
@@ -578,8 +588,8 @@ def _check_values(cfg: AgentConfig) -> None:
                   f"is unknown; choose one of {', '.join(POLICY_NAMES)}")  # fmt: skip
     for key in ("dram_bytes", "nvme_bytes"):
         value = getattr(st, key)
-        if value < BLOCK_BYTES:
-            raise bad("storage", key, value, f"must be at least {BLOCK_BYTES} (one block)")
+        if value < BLOCK_BYTES or value % BLOCK_BYTES:
+            raise bad("storage", key, value, f"must be a multiple of {BLOCK_BYTES} (a block)")
     for key in ("lease_ttl_s", "reservation_ttl_s"):
         if getattr(st, key) <= 0:
             raise bad("storage", key, getattr(st, key), "must be more than 0 seconds")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import re
+from decimal import Decimal
 
 __all__ = ["SizeError", "format_duration", "format_size", "format_timestamp", "parse_size"]
 
@@ -32,7 +33,8 @@ def parse_size(text: str | int) -> int:
         if binary and not (prefix and b):  # "Ki", "iB": neither coreutils nor we read them
             raise SizeError(f"{text!r} is not a size; use bytes or e.g. 512MiB, 10GiB, 2TB")
         base = 1000 if prefix and b and not binary else 1024  # KB: decimal; K, KiB: binary
-        value = int(float(number) * base ** _POWERS[prefix.lower()])
+        # exact, and no float overflow (a 400-digit size raised OverflowError, a traceback)
+        value = int(Decimal(number) * base ** _POWERS[prefix.lower()])
     if not 0 <= value <= SIZE_BYTES_MAX:
         raise SizeError(f"{text!r} is out of range (0 .. {SIZE_BYTES_MAX} bytes)")
     return value

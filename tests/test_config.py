@@ -72,6 +72,15 @@ def test_redacted_hides_every_secret(tmp_path: Path) -> None:
         ("", {"DPUKV_STORAGE_POLICY_ORDER_SAVE_S": "0.001"}, "at least 1"),
         ("", {"DPUKV_METRICS_ENABLED": "maybe"}, "boolean"),
         ("[control\n", {}, "not valid TOML"),
+        # found by an attack pass: each passed `config check` or became another value
+        ("[control]\nport = true\n", {}, "not true/false"),  # was port 1
+        ("[metrics]\nport = 3.9\n", {}, "whole number"),  # was port 3
+        ("[agent]\ntick_interval_s = true\n", {}, "not true/false"),  # was 1.0
+        ("[storage]\nnvme_bytes = 4097\n", {}, "multiple of 4096"),  # failed at agent run
+        ("[storage]\ndram_bytes = 1e300\n", {}, "out of range"),  # OverflowError at run
+        ("[storage]\ndram_bytes = '" + "9" * 400 + "'\n", {}, "out of range"),  # traceback
+        ("", {"DPUKV_STORAGE_DRAM_BYTES": "9" * 400}, "out of range"),  # traceback
+        ('[agent]\ndata_dir = "/tmp/x\\u0000y"\n', {}, "NUL"),  # traceback at mkdir
     ],
 )
 def test_bad_config_says_what_and_where(tmp_path: Path, toml: str, env: dict, match: str) -> None:
