@@ -39,6 +39,19 @@ def test_readable_key_file_refused(tmp_path: Path, mode: int) -> None:
         KeyStore(path, env={})
 
 
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_key_file_that_is_not_a_file_is_refused_by_name(tmp_path: Path, kind: str) -> None:
+    """A directory in its place said "Is a directory: 6" (a descriptor, not the path); a FIFO
+    held the agent's start until something wrote to it (found by an attack pass)."""
+    path = tmp_path / "keys.json"
+    if kind == "directory":
+        path.mkdir()
+    else:
+        os.mkfifo(path, 0o600)
+    with pytest.raises(KeyStoreError, match=f"key file {path} is not a regular file"):
+        KeyStore(path, env={})
+
+
 def test_env_key_takes_precedence(tmp_path: Path) -> None:
     path = tmp_path / "keys.json"
     KeyStore(path, env={}).key_for("acme.prod-1")

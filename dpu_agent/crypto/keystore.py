@@ -124,10 +124,13 @@ class KeyStore:
 
     @staticmethod
     def _load(path: Path) -> dict[str, dict[int, bytes]]:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:  # without blocking: a FIFO in its place would hold the start for good
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as e:
             raise KeyStoreError(f"cannot open key file {path}: {e.strerror}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a directory said "Is a directory: 6"
+            os.close(fd)
+            raise KeyStoreError(f"key file {path} is not a regular file")
         with os.fdopen(fd, "rb") as f:
             mode = os.fstat(fd).st_mode
             if mode & 0o077:
