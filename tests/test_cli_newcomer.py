@@ -222,6 +222,14 @@ def test_parse_size_refuses(text: str) -> None:
         parse_size(text)
 
 
+@pytest.mark.parametrize("args", [("backup", "create", ""), ("backup", "restore", "", "/x")])
+def test_an_empty_backup_directory_is_refused(tmp_path: Path, args: tuple[str, ...]) -> None:
+    """'' was the current directory: a backup landed wherever dpuctl ran (attack pass)."""
+    r = run(*args, cwd=tmp_path)
+    assert r.returncode == 2 and "an empty name" in r.stderr, r.stderr
+    assert not list(tmp_path.iterdir())
+
+
 def test_format_size_and_duration() -> None:
     assert format_size(2415919104) == "2.2 GiB" and format_size(100) == "100 B"
     assert format_duration(4.9) == "4.9 s" and format_duration(3725) == "1h 2m 5s"

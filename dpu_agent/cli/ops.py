@@ -872,9 +872,17 @@ def backup() -> None:
     pass
 
 
+def _named(_ctx: click.Context, _param: click.Parameter, value: Any) -> Any:
+    """An empty DIR ('') is refused: it was the current directory (a backup written there)."""
+    for v in value if isinstance(value, tuple) else (value,):
+        if not str(v).strip():
+            raise click.BadParameter("an empty name; give the backup's directory")
+    return value
+
+
 @backup.command("create", help="Back up to DIR (on the agent's machine).")
 @click.option("--incremental", is_flag=True, help="Only what changed since the last backup.")
-@click.argument("directory", type=click.Path(file_okay=False))
+@click.argument("directory", type=click.Path(file_okay=False), callback=_named)
 @common
 def backup_create(
     incremental: bool, directory: str, config_path: str | None, as_json: bool
@@ -896,7 +904,7 @@ def backup_create(
 @backup.command("restore", help="Restore a full backup DIR then its incrementals, in order, "
                 "into an agent that holds no chunks yet; --resume or --rollback finishes one "
                 "that was interrupted (dpuctl status shows it).")  # fmt: skip
-@click.argument("directories", nargs=-1, type=click.Path(file_okay=False))
+@click.argument("directories", nargs=-1, type=click.Path(file_okay=False), callback=_named)
 @click.option(
     "--resume", is_flag=True, help="Start an interrupted restore over (what it placed is replaced)."
 )
