@@ -52,6 +52,7 @@ from dpu_agent.eviction._elect import CANDIDATES, SWITCH_ADOPT_MAX
 __all__ = ["recovery_cmd", "run_recovery_bench"]
 
 RECORDS_MAX = 10_000_000
+TENANTS_MAX = 1000
 BLOCKS_PER_CHUNK = 8
 BS = 4096
 SAMPLE_KEYS = 1000
@@ -61,40 +62,57 @@ COPY_POLICIES = ("lru", "lru2", "s3fifo", "prefix", "prefix-run", "elect")
 COPY_CHAIN = 16
 
 
-def _write_state(journal_dir: Path, n: int, wal: int, rng: np.random.Generator) -> np.ndarray:
-    """Checkpoint of n - wal records plus a WAL of `wal` commits; returns all keys (n, 2)."""
+def _names(tenants: int) -> dict[int, str]:
+    """Tenant id -> name: TENANT, then TENANT-2, TENANT-3, ..."""
+    return {t: TENANT if t == 1 else f"{TENANT}-{t}" for t in range(1, tenants + 1)}
+
+
+def _write_state(
+    journal_dir: Path, n: int, wal: int, rng: np.random.Generator, tenants: int = 1
+) -> np.ndarray:
+    """Checkpoint of n - wal records plus a WAL of `wal` commits, record j of tenant
+    1 + j % tenants, each tenant's extents from block 0 of its own device (as the engine
+    allocates them); returns all keys (n, 2)."""
     keys = rng.integers(0, 2**63, size=(n, 2), dtype=np.uint64)
+    owner = np.arange(n) % tenants + 1
+    lbas = (np.arange(n) // tenants).astype(np.uint64) * BLOCKS_PER_CHUNK
     base = n - wal
     cols: dict[str, np.ndarray] = {
         name: np.zeros(base, COLUMNS[name]) for name in CHECKPOINT_COLUMNS
     }
     cols["k0"][:], cols["k1"][:] = keys[:base, 0], keys[:base, 1]
     cols["c0"][:] = rng.integers(0, 2**63, size=base, dtype=np.uint64)
-    cols["lba"][:] = np.arange(base, dtype=np.uint64) * BLOCKS_PER_CHUNK
+    cols["lba"][:] = lbas[:base]
     cols["seq"][:] = np.arange(2, base + 2, dtype=np.uint64)
     cols["block_count"][:] = BLOCKS_PER_CHUNK
     cols["length"][:] = BLOCKS_PER_CHUNK * BS
-    cols["tenant"][:] = 1
+    cols["tenant"][:] = owner[:base]
     cols["tier"][:] = 1
     cols["generation"][:] = 1
-    parent_k = np.roll(keys[:base], 1, axis=0)  # chains: each record's parent is the previous
+    # chains of one tenant: each record's parent is that tenant's record before it
+    parent_k = np.roll(keys[:base], tenants, axis=0)
     cols["pk0"], cols["pk1"] = parent_k[:, 0].copy(), parent_k[:, 1].copy()
-    cols["hp"] = (np.arange(base) % 16 != 0).astype("u1")  # 16-chunk prompts
-    cols["pidx"] = np.where(cols["hp"] == 1, np.arange(base) - 1, -1)
+    cols["hp"] = ((np.arange(base) // tenants) % 16 != 0).astype("u1")  # 16-chunk prompts
+    cols["pidx"] = np.where(cols["hp"] == 1, np.arange(base) - tenants, -1)
     journal = Journal(journal_dir)
-    meta = {"tenants": {"1": TENANT}, "quarantined": [], "next_seq": base + 2, "segment": 1}
+    meta = {
+        "tenants": {str(t): name for t, name in _names(tenants).items()},
+        "quarantined": [],
+        "next_seq": base + 2,
+        "segment": 1,
+    }
     journal.write_checkpoint(cols, meta)
     journal.open_segment(1)
     for j in range(base, n):
         key = keys[j].astype("<u8").tobytes()
         journal.append(
             pack_commit(
-                1,
+                int(owner[j]),
                 j + 2,
                 key,
                 bytes(16),
                 1,
-                j * BLOCKS_PER_CHUNK,
+                int(lbas[j]),
                 BLOCKS_PER_CHUNK,
                 BLOCKS_PER_CHUNK * BS,
                 1,
@@ -106,21 +124,25 @@ def _write_state(journal_dir: Path, n: int, wal: int, rng: np.random.Generator) 
     return keys
 
 
-def _one(n: int, wal: int, policy: str, rng: np.random.Generator) -> dict[str, Any]:
+def _one(
+    n: int, wal: int, policy: str, rng: np.random.Generator, tenants: int = 1
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="dpukv-bench-recovery-") as tmp:
         data_dir = Path(tmp)
-        keys = _write_state(data_dir / "journal", n, wal, rng)
-        KeyStore(data_dir / "keys.json").current_generation(TENANT)  # provision key generation 1
+        keys = _write_state(data_dir / "journal", n, wal, rng, tenants)
+        store = KeyStore(data_dir / "keys.json")
+        for name in _names(tenants).values():
+            store.current_generation(name)  # provision key generation 1
         cfg = EngineConfig(
             data_dir=data_dir,
             dram_bytes=1 << 20,
-            nvme_bytes=n * BLOCKS_PER_CHUNK * BS,
+            nvme_bytes=-(-n // tenants) * BLOCKS_PER_CHUNK * BS,
             eviction_policy=policy,
         )
         t0 = time.perf_counter()
         eng = Engine(cfg)
         restart_s = time.perf_counter() - t0
-        picks = rng.integers(0, n, size=SAMPLE_KEYS)
+        picks = rng.integers(0, -(-n // tenants), size=SAMPLE_KEYS) * tenants  # tenant 1's
         sample = [keys[i].astype("<u8").tobytes() for i in picks]
         try:
             rep = eng.recovery_report
@@ -137,7 +159,9 @@ def _one(n: int, wal: int, policy: str, rng: np.random.Generator) -> dict[str, A
             "index_s": round(rep.index_s, 3),
             "policy_s": round(rep.policy_s, 3),
             "policy": policy,
-            **_with_order(cfg, keys, sample, rng),
+            "tenants": tenants,
+            "dropped_records": rep.dropped_records,
+            **_with_order(cfg, keys[::tenants], sample, rng),
         }
 
 
@@ -145,9 +169,9 @@ def _with_order(
     cfg: EngineConfig, keys: np.ndarray, sample: list[bytes], rng: np.random.Generator
 ) -> dict[str, Any]:
     """The same restart with a saved eviction order (`engine/_restart_order.py`): the hottest
-    ADOPT_ITEMS_MAX records named in `policy-order.npz`, as a save leaves it; then the order
-    saved again (as the tick does every `policy_order_save_s`) while one client looks up in an
-    open loop, against the same lookups idle."""
+    ADOPT_ITEMS_MAX records of tenant 1 (`keys`) named in `policy-order.npz`, as a save leaves
+    it; then the order saved again (as the tick does every `policy_order_save_s`) while one
+    client looks up in an open loop, against the same lookups idle."""
     named = keys[rng.permutation(len(keys))[:ADOPT_ITEMS_MAX]]
     order = list(zip(items_of(named[:, 0], named[:, 1]).tolist(),
                      (rng.random(len(named)) < 0.5).tolist(), strict=True))  # fmt: skip
@@ -262,14 +286,18 @@ def _median_ms(call: Any) -> float:
     return round(sorted(times)[1] * 1000, 1)
 
 
-def run_recovery_bench(records: list[int], wal_fraction: float, policy: str) -> dict[str, Any]:
+def run_recovery_bench(
+    records: list[int], wal_fraction: float, policy: str, tenants: int = 1
+) -> dict[str, Any]:
     for n in records:
         if not 0 < n <= RECORDS_MAX:
             raise click.BadParameter(f"--records {n}: give 1..{RECORDS_MAX}")
     if not 0 <= wal_fraction <= 1:
         raise click.BadParameter(f"--wal-fraction {wal_fraction}: give 0..1")
     rng = np.random.default_rng(1)
-    results = [_one(n, int(n * wal_fraction), policy, rng) for n in records]
+    if not 1 <= tenants <= TENANTS_MAX:
+        raise click.BadParameter(f"--tenants {tenants}: give 1..{TENANTS_MAX}")
+    results = [_one(n, int(n * wal_fraction), policy, rng, tenants) for n in records]
     return {
         "bench": "recovery",
         "target_restart_s": 2.0,
@@ -289,6 +317,8 @@ def _table(report: dict[str, Any]) -> str:
         "index_s",
         "policy_s",
         "policy",
+        "tenants",
+        "dropped_records",
         "restart_with_order_s",
         "order_items",
         "order_save_s",
@@ -336,6 +366,13 @@ def _table(report: dict[str, Any]) -> str:
     "--policy", default=DEFAULT_POLICY, show_default=True, help="Eviction policy to fill."
 )
 @click.option(
+    "--tenants",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, TENANTS_MAX),
+    help="Tenants the records are spread over (each its own device, extents from block 0).",
+)
+@click.option(
     "--sync-mib",
     default=300,
     show_default=True,
@@ -344,10 +381,15 @@ def _table(report: dict[str, Any]) -> str:
     "demotes DRAM chunks (0: skip).",
 )
 def recovery_cmd(
-    as_json: bool, records: tuple[int, ...], wal_fraction: float, policy: str, sync_mib: int
+    as_json: bool,
+    records: tuple[int, ...],
+    wal_fraction: float,
+    policy: str,
+    tenants: int,
+    sync_mib: int,
 ) -> None:
     """Agent restart time from a checkpoint plus a WAL tail; lookups during fsync."""
-    report = run_recovery_bench(list(records), wal_fraction, policy)
+    report = run_recovery_bench(list(records), wal_fraction, policy, tenants)
     if sync_mib:
         report["lookup_during_sync"] = run_sync_stall(sync_mib)
     text = _table(report)
