@@ -12,6 +12,7 @@ import errno
 import mmap
 import os
 import stat
+import threading
 from typing import Any, Protocol, runtime_checkable
 
 from kvproto.nvme import BLOCK_BYTES
@@ -222,6 +223,13 @@ class FileBlockDevice:
         if self._block_count <= 0:
             os.close(self._fd)
             raise BlockDeviceError(f"{self.path} has no blocks; give block_count to create it")
+        # The descriptor outlives close() while a call still uses it: a tenant removed while
+        # the tick fsyncs every device (or a read or write is in flight outside the engine
+        # lock) closed it under the call, which then raised on -1 (the agent stopped) or could
+        # have used the number after the kernel gave it to another file.
+        self._fd_lock = threading.Lock()
+        self._fd_users = 0
+        self._closing = False
         self._map: mmap.mmap | None = None
         self._map_view: memoryview | None = None
         try:  # address space only: pages come in as they are read
@@ -238,18 +246,37 @@ class FileBlockDevice:
     def block_count(self) -> int:
         return self._block_count
 
+    def _use(self, what: str) -> int:
+        """The descriptor, held open until `_done()`; BlockDeviceError once closed."""
+        with self._fd_lock:
+            if self._closing:
+                raise BlockDeviceError(f"{what} {self.path}: the device is closed")
+            self._fd_users += 1
+            return self._fd
+
+    def _done(self) -> None:
+        with self._fd_lock:
+            self._fd_users -= 1
+            if self._closing and not self._fd_users and self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
     def read_into(self, lba: int, buf: memoryview) -> None:
         check_range(self, lba, len(buf))
         offset, done = lba * self._block_size, 0
-        while done < len(buf):
-            try:
-                n = os.preadv(self._fd, [buf[done:]], offset + done)
-            except OSError as e:
-                raise BlockDeviceError(f"read {self.path} at LBA {lba}: {e.strerror}") from e
-            if n == 0:  # sparse tail past EOF of a file that was never written
-                buf[done:] = bytes(len(buf) - done)
-                return
-            done += n
+        fd = self._use("read")
+        try:
+            while done < len(buf):
+                try:
+                    n = os.preadv(fd, [buf[done:]], offset + done)
+                except OSError as e:
+                    raise BlockDeviceError(f"read {self.path} at LBA {lba}: {e.strerror}") from e
+                if n == 0:  # sparse tail past EOF of a file that was never written
+                    buf[done:] = bytes(len(buf) - done)
+                    return
+                done += n
+        finally:
+            self._done()
 
     def mapped(self, lba: int, block_count: int) -> memoryview | None:
         """A read-only view of blocks `lba`.. in the file's memory mapping, or None where the
@@ -268,37 +295,54 @@ class FileBlockDevice:
         posix_fadvise), then out of the page cache. Dirty pages stay until flushed."""
         if self._map is not None:
             self._map.madvise(mmap.MADV_DONTNEED)
-        os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        fd = self._use("drop the cache of")
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            self._done()
 
     def write(self, lba: int, data: memoryview | bytes) -> None:
         check_range(self, lba, len(data))
         view, offset, done = memoryview(data), lba * self._block_size, 0
-        while done < len(view):
-            try:
-                done += os.pwritev(self._fd, [view[done:]], offset + done)
-            except OSError as e:
-                code = "full" if e.errno == errno.ENOSPC else "error"
-                raise BlockDeviceError(
-                    f"write {self.path} at LBA {lba} ({code}): {e.strerror}"
-                ) from e
-        self._unkicked += len(view)
-        if self._writeback_after and self._unkicked >= self._writeback_after:
-            self._start_writeback()
+        fd = self._use("write")
+        try:
+            while done < len(view):
+                try:
+                    done += os.pwritev(fd, [view[done:]], offset + done)
+                except OSError as e:
+                    code = "full" if e.errno == errno.ENOSPC else "error"
+                    raise BlockDeviceError(
+                        f"write {self.path} at LBA {lba} ({code}): {e.strerror}"
+                    ) from e
+            self._unkicked += len(view)
+            if self._writeback_after and self._unkicked >= self._writeback_after:
+                self._start_writeback(fd)
+        finally:
+            self._done()
 
-    def _start_writeback(self) -> None:
+    def _start_writeback(self, fd: int) -> None:
         """Start write-out of the whole file's dirty pages without waiting for it (flush() still
         makes them durable). A failure here is not an error of the write that triggered it: the
         data is in the page cache and flush() reports what the disk refused."""
         self._unkicked = 0
         sync_file_range = _sync_file_range()
         assert sync_file_range is not None
-        sync_file_range(self._fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+        sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
     def flush(self) -> None:
+        """Make what was written durable; nothing to do once closed (a removed tenant's
+        device: an error here would fence every tenant's writes)."""
+        with self._fd_lock:
+            if self._closing:
+                return
+            self._fd_users += 1
+            fd = self._fd
         try:
-            os.fdatasync(self._fd)
+            os.fdatasync(fd)
         except OSError as e:
             raise BlockDeviceError(f"flush {self.path}: {e.strerror}") from e
+        finally:
+            self._done()
 
     def deallocate(self, lba: int, block_count: int) -> None:
         check_range(self, lba, block_count * self._block_size)
@@ -314,9 +358,11 @@ class FileBlockDevice:
             except BufferError:  # a view still lent out: the mapping goes with its last user
                 pass
             self._map = self._map_view = None
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        with self._fd_lock:  # the last call still using the descriptor closes it
+            self._closing = True
+            if not self._fd_users and self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
 
 _SFR: list[Any] = []  # [function or None], with the ffi and library objects it needs kept alive

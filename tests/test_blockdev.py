@@ -52,3 +52,54 @@ def test_file_device_reopens_with_its_size(tmp_path: Path) -> None:
     dev = FileBlockDevice(tmp_path / "d")
     assert dev.block_count == 16
     dev.close()
+
+
+def test_a_closed_file_device_refuses_io_and_has_nothing_to_flush(tmp_path: Path) -> None:
+    """A tenant removed while the tick fsyncs every device closed one under the flush, which
+    raised ValueError on descriptor -1 and stopped the agent (found by an attack pass)."""
+    dev = FileBlockDevice(tmp_path / "f.img", block_count=4)
+    dev.close()
+    dev.flush()  # nothing left to make durable: not an error that fences every tenant
+    with pytest.raises(BlockDeviceError, match="closed"):
+        dev.write(0, bytes(4096))
+    with pytest.raises(BlockDeviceError, match="closed"):
+        dev.read_into(0, memoryview(bytearray(4096)))
+    dev.close()  # twice: nothing
+
+
+def test_close_waits_for_the_descriptor_a_call_is_using(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write in flight when the device closes keeps its descriptor until it returns: closed
+    under it, the number could be the kernel's next file's (another tenant's device)."""
+    import os
+    import threading
+
+    dev = FileBlockDevice(tmp_path / "f.img", block_count=4)
+    entered, release = threading.Event(), threading.Event()
+    real = os.pwritev
+
+    def slow_pwritev(fd: int, buffers: list[memoryview], offset: int) -> int:
+        entered.set()
+        release.wait(5)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", slow_pwritev)
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            dev.write(1, b"x" * 4096)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    assert entered.wait(5)
+    dev.close()  # returns at once; the descriptor stays until the write is done
+    release.set()
+    writer.join(5)
+    assert errors == []
+    assert (tmp_path / "f.img").read_bytes()[4096:8192] == b"x" * 4096
+    with pytest.raises(BlockDeviceError, match="closed"):
+        dev.write(0, bytes(4096))

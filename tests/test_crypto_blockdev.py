@@ -140,3 +140,25 @@ def test_memory_base_encrypts_in_place_with_the_same_ciphertext() -> None:
     assert out == data
     with pytest.raises(BlockDeviceError):
         a.read_into(510, memoryview(bytearray(3 * 4096)))  # past the end: refused, not clipped
+
+
+def test_the_write_scratch_is_one_per_thread_not_one_per_device(tmp_path: Path) -> None:
+    """Each device kept its own 4 MiB scratch per writing thread: 100 tenants with one chunk
+    each held 425 MiB (an attack pass). Forty devices written by one thread now share one."""
+    import tracemalloc
+
+    devices = [
+        CryptoBlockDevice(FileBlockDevice(tmp_path / f"{i}.img", block_count=4), XtsCipher(KEY))
+        for i in range(40)
+    ]
+    devices[0].write(0, bytes(4096))  # this thread's scratch, before counting
+    tracemalloc.start()
+    try:
+        for dev in devices:
+            dev.write(1, b"y" * 4096)
+        grown, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        for dev in devices:
+            dev.close()
+    assert grown < SCRATCH_BYTES_MAX, grown  # one device's scratch each was 160 MiB
