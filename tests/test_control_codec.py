@@ -194,3 +194,14 @@ def test_frames_before_hello_are_small_until_the_server_raises_the_bound() -> No
     dec.frame_bytes_max = CONTROL_FRAME_BYTES_MAX  # what the server does once hello succeeded
     dec.receive_data(big)
     assert parse_request(dec.next_message()).op == "lookup"
+
+
+def test_a_reply_naming_every_tenant_an_agent_may_hold_decodes() -> None:
+    """`stats` has a map per tenant: with more than 1,024 tenants the admin's reply was refused
+    as bad msgpack (dpuctl stats said the agent was unreachable; an attack pass), though an
+    agent may hold TENANTS_MAX."""
+    from kvproto.control import TENANTS_MAX
+
+    tenants = {f"t{i}": {"records": i, "bytes": i * 4096} for i in range(TENANTS_MAX)}
+    (msg,) = _decode_all(encode_reply(Reply(id=1, ok=True, result={"tenants": tenants})), 1 << 30)
+    assert len(parse_reply(msg).result["tenants"]) == TENANTS_MAX
