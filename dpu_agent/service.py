@@ -625,7 +625,14 @@ class Agent:
         keeping a removed tenant's data with its key is what removal must not do (the data
         plane says which: SPDK's lvols are [spdk]'s)."""
         held, configured = set(self.engine.tenants()), set(self.cfg.tenants)
-        for name in self.dataplane.unconfigured(held, configured):
+        unnamed = self.dataplane.unconfigured(held, configured)
+        if unnamed and self.tenant_store.damaged:  # they may be the damaged file's tenants
+            log.error("tenants_kept_unserved", tenants=sorted(unnamed),
+                      why=f"{self.tenant_store.damaged_path} (a damaged tenants.json) may name "
+                          "them", fix="re-add each with dpuctl tenants add NAME --token-file "
+                          "tenant-NAME.token, or remove it; then delete that file")  # fmt: skip
+            return
+        for name in unnamed:
             self._erase_unserved(name, f"not a tenant in {self.cfg.source}")
 
     # --- cluster-wide tenants ([cluster] etcd_endpoints) -------------------------------------
@@ -765,7 +772,11 @@ class Agent:
             if name not in self._config_tenants and name not in self._cluster_served
         }
         self.tenant_store.save(
-            added=added, present=self.cfg.tenants, cluster=self._cluster_known, removed=removed
+            added=added,
+            present=self.cfg.tenants,
+            cluster=self._cluster_known,
+            configured=self._config_tenants,
+            removed=removed,
         )
 
 

@@ -86,3 +86,29 @@ def test_tenant_dropped_from_config_is_erased_at_restart(tmp_path: Path) -> None
             assert c.lookup(tokens_for(2, 4)) == 0
     finally:
         a.stop()
+
+
+def test_a_damaged_tenants_file_erases_no_tenant_added_at_run_time(tmp_path: Path) -> None:
+    """tenants.json names the tenants added at run time; damaged (a power loss mid-write, a
+    disk error), the start took them for tenants the config dropped and crypto-erased them.
+    Now the damaged file is set aside and, while it is there, no unnamed tenant is erased:
+    re-adding one with its token file serves its chunks again."""
+    data = tmp_path / "var"
+    token = "runtime-token-" + "y" * 30
+    a = spawn_agent(data)
+    try:
+        admin(a, "tenant_add", tenant="acme", token=token)
+        with KVClient(a.control_url, "acme", token, LAYOUT, SALT) as c:
+            assert c.put(tokens_for(3, 3), chunks_for(3, 3)) == 3
+    finally:
+        a.stop()
+    (data / "tenants.json").write_text('{"added": {"acme": ')  # torn
+    a = spawn_agent(data)
+    try:
+        assert "acme" in json.loads((data / "keys.json").read_text())  # not erased
+        assert (data / "tenants.json.damaged").exists()
+        admin(a, "tenant_add", tenant="acme", token=token)  # the operator puts it back
+        with KVClient(a.control_url, "acme", token, LAYOUT, SALT) as c:
+            assert c.lookup(tokens_for(3, 3)) == 3
+    finally:
+        a.stop()

@@ -25,7 +25,8 @@ def test_saved_tenants_load_back(tmp_path: Path) -> None:
     store = _store(tmp_path)
     added = {"b": TenantConfig(name="b", token="secret", token_file="tenant-b.token",
                                quota_bytes=1 << 20)}  # fmt: skip
-    store.save(added=added, present={"default", "b"}, cluster={"c": "inc-1"}, removed="old")
+    store.save(added=added, present={"default", "b"}, cluster={"c": "inc-1"},
+               configured={"default", "old"}, removed="old")  # fmt: skip
     saved = store.load()
     assert list(saved.added) == ["b"]
     assert saved.added["b"].token_file == "tenant-b.token"
@@ -38,23 +39,40 @@ def test_saved_tenants_load_back(tmp_path: Path) -> None:
 
 
 def test_removals_accumulate_until_the_name_is_back(tmp_path: Path) -> None:
-    store = _store(tmp_path)
-    store.save(added={}, present={"a"}, cluster={}, removed="x")
-    store.save(added={}, present={"a"}, cluster={}, removed="y")
+    store, configured = _store(tmp_path), {"a", "x", "y"}
+    store.save(added={}, present={"a"}, cluster={}, configured=configured, removed="x")
+    store.save(added={}, present={"a"}, cluster={}, configured=configured, removed="y")
     assert store.load().removed == ["x", "y"]
-    store.save(added={}, present={"a", "x"}, cluster={})  # x added again at run time
+    store.save(added={}, present={"a", "x"}, cluster={}, configured=configured)  # x is back
     assert store.load().removed == ["y"]
 
 
-def test_damaged_file_starts_with_the_configured_tenants(tmp_path: Path) -> None:
+def test_only_config_tenants_are_remembered_as_removed(tmp_path: Path) -> None:
+    """A tenant added at run time needs no record once removed: every name was kept and the
+    file, rewritten at each change, grew without bound (150 ms an add after 100k removals,
+    an attack pass)."""
     store = _store(tmp_path)
-    for text in ("{not json", "[1, 2]", '"a string"'):
+    store.path.write_text(json.dumps({"removed": [f"old{i}" for i in range(1000)] + ["cfg"]}))
+    for i in range(50):
+        store.save(added={}, present={"a"}, cluster={}, configured={"a", "cfg"}, removed=f"r{i}")
+    assert store.load().removed == ["cfg"]
+
+
+def test_damaged_file_starts_with_the_configured_tenants_and_is_kept(tmp_path: Path) -> None:
+    """A damaged file costs the run-time changes, and is set aside: while it is there the
+    agent erases no tenant the config does not name (they may be the ones it named)."""
+    store = _store(tmp_path)
+    for text in ("{not json", "[1, 2]", '"a string"', "[" * 100_000, ""):
         store.path.write_text(text)
         saved = store.load()
         assert (saved.added, saved.removed, saved.cluster) == ({}, [], {}), text
-    # and the next save replaces it with a whole file
-    store.save(added={}, present=set(), cluster={}, removed="gone")
-    assert store.load().removed == ["gone"]
+        assert saved.damaged and store.damaged and not store.path.exists()
+        assert store.damaged_path.read_text() == text
+    # the next save writes a whole file; the damaged one stays until someone deletes it
+    store.save(added={}, present=set(), cluster={}, configured={"gone"}, removed="gone")
+    assert store.load().removed == ["gone"] and store.load().damaged
+    store.damaged_path.unlink()
+    assert not store.load().damaged
 
 
 def test_bad_entries_are_skipped_and_the_rest_kept(tmp_path: Path) -> None:
