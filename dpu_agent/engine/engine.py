@@ -262,9 +262,8 @@ class Engine:
             self._commit.append(jr.pack_tenant_remove(tid, self._commit.next_seq()))
             cols = self._index.cols
             live = self._index.live_rows()
-            rows = live[cols["tenant"][live] == tid].tolist()
-            for row in rows:
-                self._index.remove(row)
+            rows = live[cols["tenant"][live] == tid]
+            self._index.remove_many(rows)
             self._leases.forget_tenant(tid)
             self._reads.forget_tenant(tid)
             self._tenants.forget(ts)

@@ -283,6 +283,29 @@ class RecordIndex:
             self._place_many(rows)
         return rows
 
+    def remove_many(self, rows: np.ndarray) -> None:
+        """Delete live `rows` (distinct): one at a time where they are few against the records
+        held, else freed together and the slot table rebuilt in one numpy pass (a tenant's
+        removal: one at a time took 3.8 us a record under the engine lock, 4 s at 1M)."""
+        if len(rows) < 64 or 16 * len(rows) < self._count:
+            for row in rows.tolist():
+                self.remove(row)
+            return
+        cols = self.cols
+        assert bool(np.all(cols["state"][rows] == STATE_LIVE)), "a row that is not live"
+        cols["state"][rows] = STATE_FREE
+        cols["pin"][rows] = 0
+        cols["lease"][rows] = 0
+        self._count -= len(rows)
+        need = self._free_count + len(rows)
+        if need > len(self._free):
+            grown = np.empty(max(ROWS_MIN, int(need * ROW_GROWTH) + 1), np.int32)
+            grown[: self._free_count] = self._free[: self._free_count]
+            self._free = grown
+        self._free[self._free_count : need] = rows
+        self._free_count = need
+        self._rebuild_slots(len(self._slots))
+
     def remove(self, row: int) -> None:
         """Delete a record; backward-shift keeps probe sequences without tombstones."""
         cols = self.cols
