@@ -25,16 +25,22 @@ from dpu_agent.engine.types import Lease, PendingReservation, TenantState
 
 _Expiring = TypeVar("_Expiring", Lease, PendingReservation)  # entries with an `expires` time
 
-__all__ = ["COUNT_MAX", "LEASES_MAX", "RESERVATIONS_MAX", "SCALAR_HITS_MAX",
-           "TENANT_LEASES_MAX", "TENANT_RESERVATIONS_MAX", "Leases"]  # fmt: skip
+__all__ = ["COUNT_MAX", "LEASED_HITS_MAX", "LEASES_MAX", "RESERVATIONS_MAX", "SCALAR_HITS_MAX",
+           "TENANT_LEASED_HITS_MAX", "TENANT_LEASES_MAX", "TENANT_RESERVATIONS_MAX",
+           "Leases"]  # fmt: skip
 
-LEASES_MAX = 65536  # open leases; each costs ~200 B, and readers release within the TTL
+LEASES_MAX = 65536  # open leases; readers release within the TTL
+# ... and the hits they hold, all together: a lease costs about 100 B per hit (up to 4,096 hits
+# a lookup), so the count of leases alone let one tenant hold gigabytes (an attack pass: 790
+# leases of 4,096 hits, +300 MiB; its share of leases allowed 6 GB). 2^21 hits: about 200 MB.
+LEASED_HITS_MAX = 1 << 21
 RESERVATIONS_MAX = 65536  # open two-phase writes, same reasoning
 # One tenant's share of each table: a quarter, as of the control plane's connections, so a
 # tenant that never releases (or commits) fills its own share and three quarters stay for the
 # others. A reader holds a lease per lookup until it has read (milliseconds); 16,384 is 256
 # connections with 64 lookups each in flight.
 TENANT_LEASES_MAX = LEASES_MAX // 4
+TENANT_LEASED_HITS_MAX = LEASED_HITS_MAX // 4  # 524,288: 256 connections x 64 x 32 hits
 TENANT_RESERVATIONS_MAX = RESERVATIONS_MAX // 4
 COUNT_MAX = 0xFFFF  # pin and lease counts are uint16 columns
 UNLEASE_SCALAR_MAX = 16  # leases of up to this many extents are undone row by row
@@ -57,6 +63,8 @@ class Leases:
         # tenant id -> its entries in self.leases / self.reservations (the shares' bounds)
         self._tenant_leases: dict[int, int] = {}
         self._tenant_reservations: dict[int, int] = {}
+        self.leased_hits = 0  # the hits (extents) of every open lease
+        self._tenant_hits: dict[int, int] = {}  # tenant id -> the hits of its open leases
         self._expired_leases: OrderedDict[int, float] = OrderedDict()
         self._expired_reservations: OrderedDict[int, float] = OrderedDict()
         # random start: ids from an earlier run are not mistaken for live ones
@@ -83,6 +91,19 @@ class Leases:
                                     "share); release() leases after reading")  # fmt: skip
             if len(self.leases) >= LEASES_MAX:
                 raise LimitExceeded(f"{LEASES_MAX} leases are open; release() leases after reading")
+        n = len(rows)
+        if (
+            self._tenant_hits.get(tenant_id, 0) + n > TENANT_LEASED_HITS_MAX
+            or self.leased_hits + n > LEASED_HITS_MAX
+        ):
+            self.expire(now)
+            if self._tenant_hits.get(tenant_id, 0) + n > TENANT_LEASED_HITS_MAX:
+                share = TENANT_LEASED_HITS_MAX
+                raise LimitExceeded(f"this tenant's open leases hold {share} chunks (its "
+                                    "share); release() leases after reading")  # fmt: skip
+            if self.leased_hits + n > LEASED_HITS_MAX:
+                raise LimitExceeded(f"open leases hold {LEASED_HITS_MAX} chunks; release() "
+                                    "leases after reading")  # fmt: skip
         if len(rows) > SCALAR_HITS_MAX:
             most = int(self._index.cols["lease"][rows].max())
         else:
@@ -97,6 +118,8 @@ class Leases:
                      expires=expires)  # fmt: skip
         self.leases[held.lease_id] = held
         self._tenant_leases[tenant_id] = self._tenant_leases.get(tenant_id, 0) + 1
+        self.leased_hits += len(extents)
+        self._tenant_hits[tenant_id] = self._tenant_hits.get(tenant_id, 0) + len(extents)
         return held.lease_id
 
     def lease_extent(self, tid: int, tier: int, lba: int, row: int) -> None:
@@ -112,6 +135,18 @@ class Leases:
             raise self._lease_gone(ts, lease_id, clock())
         del self.leases[lease_id]
         _drop_one(self._tenant_leases, lease.tenant_id)
+        self._end_lease(lease)
+
+    def _end_lease(self, lease: Lease) -> None:
+        """`unlease` an entry of the table (opened by `open`), and take back its hits."""
+        if lease.extents:
+            self.leased_hits -= len(lease.extents)
+            left = self._tenant_hits[lease.tenant_id] - len(lease.extents)
+            assert left >= 0, lease.lease_id
+            if left:
+                self._tenant_hits[lease.tenant_id] = left
+            else:
+                del self._tenant_hits[lease.tenant_id]
         self.unlease(lease)
 
     def unlease(self, lease: Lease) -> None:
@@ -236,7 +271,7 @@ class Leases:
             self._expired_reservations, now,
         )  # fmt: skip
         leases = self._expire_table(
-            self.leases, self._tenant_leases, self.unlease, self._expired_leases, now
+            self.leases, self._tenant_leases, self._end_lease, self._expired_leases, now
         )
         return reservations, leases
 
@@ -268,6 +303,7 @@ class Leases:
                 del table[ident]
         self._tenant_leases.pop(tid, None)
         self._tenant_reservations.pop(tid, None)
+        self.leased_hits -= self._tenant_hits.pop(tid, 0)
         for k in [k for k in self.extent_counts if k[0] == tid]:
             del self.extent_counts[k]
         for k in [k for k in self.deferred if k[0] == tid]:
