@@ -85,7 +85,7 @@ def test_probe_takes_no_lease(eng: Engine) -> None:
 def test_a_key_asked_many_times_in_a_bulk_lookup_is_released_cleanly(eng: Engine) -> None:
     free = _free(eng)
     res = eng.lookup("acme", [key(5)] * (SCALAR_HITS_MAX + 4))
-    assert len(res.hits) == SCALAR_HITS_MAX + 4
+    assert len(res.hits) == 1  # a prefix never repeats a chunk: the repeat ends it
     eng.release("acme", res.lease_id)  # type: ignore[arg-type]
     eng.delete("acme", key(5))
     assert _free(eng) == free + 2 * BS
