@@ -246,13 +246,20 @@ class FileBlockDevice:
     def block_count(self) -> int:
         return self._block_count
 
-    def _use(self, what: str) -> int:
-        """The descriptor, held open until `_done()`; BlockDeviceError once closed."""
+    def _take(self) -> int | None:
+        """The descriptor, held open until `_done()`; None once the device is closed."""
         with self._fd_lock:
             if self._closing:
-                raise BlockDeviceError(f"{what} {self.path}: the device is closed")
+                return None
             self._fd_users += 1
             return self._fd
+
+    def _use(self, what: str) -> int:
+        """`_take`, or BlockDeviceError once the device is closed."""
+        fd = self._take()
+        if fd is None:
+            raise BlockDeviceError(f"{what} {self.path}: the device is closed")
+        return fd
 
     def _done(self) -> None:
         with self._fd_lock:
@@ -332,11 +339,9 @@ class FileBlockDevice:
     def flush(self) -> None:
         """Make what was written durable; nothing to do once closed (a removed tenant's
         device: an error here would fence every tenant's writes)."""
-        with self._fd_lock:
-            if self._closing:
-                return
-            self._fd_users += 1
-            fd = self._fd
+        fd = self._take()
+        if fd is None:
+            return
         try:
             os.fdatasync(fd)
         except OSError as e:

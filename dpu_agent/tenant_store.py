@@ -24,6 +24,7 @@ from typing import Any
 
 from dpu_agent.config import TenantConfig
 from dpu_agent.engine.journal import replace_file
+from dpu_agent.files import read_small_file
 from dpu_agent.log import get_logger
 from kvproto.control import valid_tenant_name
 
@@ -35,6 +36,9 @@ TENANTS_FILE = "tenants.json"  # tenants added or removed at run time (tokens in
 # A damaged tenants.json is kept beside it under this suffix: while it is there the agent erases
 # no tenant the config does not name (they may be the ones the damaged file named).
 DAMAGED_SUFFIX = ".damaged"
+# Its entries are the run-time tenants (TENANTS_MAX at most) and the config's removed ones:
+# kilobytes. Far more is not a file this agent wrote.
+TENANTS_FILE_BYTES_MAX = 16 << 20
 
 
 @dataclass(slots=True)
@@ -128,7 +132,10 @@ class TenantStore:
 
     def _read(self) -> dict[str, Any] | None:
         try:
-            doc = json.loads(self.path.read_text())
+            raw = read_small_file(self.path, TENANTS_FILE_BYTES_MAX)
+            if len(raw) > TENANTS_FILE_BYTES_MAX:
+                raise ValueError(f"over {TENANTS_FILE_BYTES_MAX} bytes")
+            doc = json.loads(raw)
             if not isinstance(doc, dict):
                 raise ValueError(f"not a JSON object: {type(doc).__name__}")
         except FileNotFoundError:

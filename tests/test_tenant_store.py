@@ -107,3 +107,11 @@ def test_write_secret_is_private_from_creation_and_replaces(tmp_path: Path) -> N
     assert path.read_text() == "two\n"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert not path.with_suffix(".tmp").exists()
+
+
+def test_a_fifo_in_place_of_the_file_is_set_aside_not_waited_on(tmp_path: Path) -> None:
+    """Opening a FIFO waits for a writer: the start hung there (as at the order and key files)."""
+    store = _store(tmp_path)
+    os.mkfifo(store.path)
+    saved = store.load()
+    assert saved.damaged and saved.added == {} and not store.path.exists()

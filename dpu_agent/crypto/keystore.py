@@ -16,6 +16,7 @@ Key bytes are never logged, never in a repr and never in an exception message.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -27,6 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from dpu_agent.files import open_regular
 from dpu_agent.log import get_logger
 from kvproto.control import TENANTS_MAX
 
@@ -124,13 +126,12 @@ class KeyStore:
 
     @staticmethod
     def _load(path: Path) -> dict[str, dict[int, bytes]]:
-        try:  # without blocking: a FIFO in its place would hold the start for good
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:  # a directory there said "Is a directory: 6"; a FIFO held the start for good
+            fd = open_regular(path)
         except OSError as e:
+            if e.errno == errno.EINVAL:
+                raise KeyStoreError(f"key file {path} is not a regular file") from None
             raise KeyStoreError(f"cannot open key file {path}: {e.strerror}") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a directory said "Is a directory: 6"
-            os.close(fd)
-            raise KeyStoreError(f"key file {path} is not a regular file")
         with os.fdopen(fd, "rb") as f:
             mode = os.fstat(fd).st_mode
             if mode & 0o077:

@@ -39,6 +39,7 @@ from dpu_agent.engine.index import STATE_LIVE
 from dpu_agent.engine.tiers import NVME, Tier
 from dpu_agent.engine.types import TenantState
 from dpu_agent.eviction import Ordering
+from dpu_agent.files import read_small_file
 from dpu_agent.log import get_logger
 
 __all__ = [
@@ -132,7 +133,7 @@ def _read(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
     if there is none this engine can use. The file is a hint: anything wrong with it, whatever
     numpy or zipfile raise on it, costs the order and nothing else."""
     try:
-        raw = jr.read_small_file(path, _FILE_BYTES_MAX)
+        raw = read_small_file(path, _FILE_BYTES_MAX)
     except FileNotFoundError:
         return None
     except OSError as e:

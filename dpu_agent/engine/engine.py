@@ -77,6 +77,7 @@ from dpu_agent.engine.types import (
     Reservation,
     TenantState,
 )
+from dpu_agent.files import read_small_file
 from dpu_agent.log import get_logger
 from dpu_agent.metrics import REGISTRY, Gauge
 from kvproto.checksum import chunk_checksum
@@ -733,7 +734,7 @@ class Engine:
     def _read_policy_state(self) -> dict[str, Any]:
         path = self._commit.journal.dir / POLICY_STATE
         try:
-            raw = jr.read_small_file(path, POLICY_STATE_BYTES_MAX)
+            raw = read_small_file(path, POLICY_STATE_BYTES_MAX)
             state = json.loads(raw) if len(raw) <= POLICY_STATE_BYTES_MAX else None
         except FileNotFoundError:
             return {}

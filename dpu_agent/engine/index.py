@@ -298,10 +298,7 @@ class RecordIndex:
         cols["lease"][rows] = 0
         self._count -= len(rows)
         need = self._free_count + len(rows)
-        if need > len(self._free):
-            grown = np.empty(max(ROWS_MIN, int(need * ROW_GROWTH) + 1), np.int32)
-            grown[: self._free_count] = self._free[: self._free_count]
-            self._free = grown
+        self._free_room(need)
         self._free[self._free_count : need] = rows
         self._free_count = need
         self._rebuild_slots(len(self._slots))
@@ -356,11 +353,16 @@ class RecordIndex:
 
     def _push_free(self, row: int) -> None:
         if self._free_count == len(self._free):
-            grown = np.empty(max(ROWS_MIN, int(len(self._free) * ROW_GROWTH) + 1), np.int32)
-            grown[: self._free_count] = self._free[: self._free_count]
-            self._free = grown
+            self._free_room(self._free_count + 1)
         self._free[self._free_count] = row
         self._free_count += 1
+
+    def _free_room(self, needed: int) -> None:
+        """The free-row list grown to hold `needed` rows."""
+        if needed > len(self._free):
+            grown = np.empty(max(ROWS_MIN, int(needed * ROW_GROWTH) + 1), np.int32)
+            grown[: self._free_count] = self._free[: self._free_count]
+            self._free = grown
 
     def _grow_rows(self, needed: int) -> None:
         capacity = max(needed, int(self._row_capacity * ROW_GROWTH), ROWS_MIN)

@@ -42,7 +42,6 @@ import fcntl
 import json
 import os
 import re
-import stat
 import struct
 import threading
 from dataclasses import dataclass, field
@@ -633,27 +632,6 @@ def _lock_dir(directory: Path) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
-
-
-def read_small_file(path: Path, max_bytes: int) -> bytes:
-    """At most `max_bytes` + 1 bytes of the regular file `path` (a caller tells one too long by
-    the length). OSError (FileNotFoundError where it is missing) for anything that is not a
-    regular file: opened without blocking and refused, where a FIFO in its place would block
-    the agent's start for good and a device would be read until the limit."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        chunks, left = [], max_bytes + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
 
 
 def replace_file(path: Path, data: bytes) -> None:
