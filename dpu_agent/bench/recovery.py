@@ -48,11 +48,11 @@ from dpu_agent.engine.index import COLUMNS
 from dpu_agent.engine.journal import CHECKPOINT_COLUMNS, Journal, pack_commit
 from dpu_agent.eviction import DEFAULT_POLICY, ElectPolicy, EvictionPolicy, make_policy
 from dpu_agent.eviction._elect import CANDIDATES, SWITCH_ADOPT_MAX
+from kvproto.control import TENANTS_MAX
 
 __all__ = ["recovery_cmd", "run_recovery_bench"]
 
 RECORDS_MAX = 10_000_000
-TENANTS_MAX = 1000
 BLOCKS_PER_CHUNK = 8
 BS = 4096
 SAMPLE_KEYS = 1000
