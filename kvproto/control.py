@@ -40,8 +40,11 @@ Operations (fields; every connection starts with ``hello``):
   ``tenant_add`` (tenant, [token], [quota_bytes]), ``tenant_remove`` (tenant),
   ``tenant_rotate`` (tenant, [token]: a new token, generated when not given), ``evict``
   (tenant, bytes), ``checkpoint``, ``backup`` (dir, incremental), ``restore`` (dirs), ``stats``
-  over all tenants, ``chunks_list`` (tenant, limit, [after]: a page of the tenant's chunks in
-  key order after key `after`), ``chunk_inspect`` (tenant, key).
+  over all tenants ([tenants_after], [tenants_limit]: the totals are over every tenant, the
+  per-tenant rows a page of at most STATS_TENANTS_PAGE_MAX in name order after
+  ``tenants_after``, and ``tenants_next`` the name to ask after, "" at the end; a reply over
+  every tenant would not fit a frame), ``chunks_list`` (tenant, limit, [after]: a page of
+  the tenant's chunks in key order after key `after`), ``chunk_inspect`` (tenant, key).
 - NIXL data path (hello's ``nixl`` says whether the agent offers it): ``nixl_connect``:
   metadata (the host NIXL agent's) -> agent (the agent's NIXL name), metadata.
   ``nixl_register``: metadata (refreshed), add, drop (regions [addr, nbytes, dev, mem], mem
@@ -85,6 +88,7 @@ __all__ = [
     "OPS",
     "PROTOCOL_VERSION",
     "REPLICAS_MAX",
+    "STATS_TENANTS_PAGE_MAX",
     "TENANTS_MAX",
     "ErrorCode",
     "FrameDecoder",
@@ -116,6 +120,9 @@ REPLICAS_MAX: Final = 8
 TENANTS_MAX: Final = 4096
 # 1 MiB bounds what one peer can make us buffer per connection; no control message needs more.
 CONTROL_FRAME_BYTES_MAX: Final = 1 << 20
+# Per-tenant rows in one admin `stats` reply: a row is at most ~550 bytes (two tiers, 63-byte
+# name, 64-bit counters), so a page stays near half a frame; every tenant's would be 2.2 MiB
+STATS_TENANTS_PAGE_MAX: Final = 1000
 # Until a session's hello has succeeded its frames are at most this: a hello (version, tenant,
 # token, host NQN, client name, peer proof) or a peer challenge is a few hundred bytes. A
 # stranger who announces a 1 MiB frame then holds 16 KiB, not 1 MiB (256 strangers held 290 MiB).
@@ -346,7 +353,10 @@ OPS: Final[dict[str, _Schema]] = {
     "delete": {"key": (_key, True), "corrupt": (_optional(_bool), False)},
     "pin": {"key": (_key, True)},
     "unpin": {"key": (_key, True)},
-    "stats": {},
+    "stats": {  # the admin's: a page of the per-tenant rows (module docstring)
+        "tenants_after": (_optional(_tenant), False),
+        "tenants_limit": (_optional(_int), False),
+    },
     "members": {"since": (_optional(_int), False)},  # cluster: the client's epoch (a delta)
     "tenants_list": {},
     "tenant_add": {

@@ -62,7 +62,7 @@ def _parts(tmp_path: Path) -> tuple[RecordIndex, CommitLog, Tenants, Leases, Rec
     tenants = Tenants(cfg, EmbeddedDevices(tmp_path, KeyStore(tmp_path / "keys.json")))
     commit = CommitLog(cfg.journal_path)
     recovery.recover(commit, tenants, index, {})
-    tenants.build("acme", tenants.free_id(), 0)
+    tenants.build("acme", tenants.free_ids(1)[0], 0)
     leases = Leases(index, tenants, commit)
     records = Records(index, commit, leases, epoch=0.0, wall_clock=lambda: 1.0)
     return index, commit, tenants, leases, records

@@ -39,7 +39,7 @@ def probe_agent_storage() -> tuple[str, str]:
         with ControlChannel(url, ADMIN_TENANT, cfg.admin_token, timeout_s=PROBE_TIMEOUT_S,
                             client="dpuctl doctor") as ch:  # fmt: skip
             ch.connect()
-            stats = ch.call("stats")["stats"]
+            stats = ch.call("stats", tenants_limit=0)["stats"]  # the totals: no tenant rows
     except (AgentUnreachable, ControlError, OSError) as e:
         if stale_ok:
             return "ok", "no agent running here (nothing to check)"

@@ -186,6 +186,18 @@ def admin_call(
     config_path: str | None, as_json: bool, op: str, progress: str = "", **fields: Any
 ) -> dict[str, Any]:
     """One admin request to the running agent; exits with 3 or 1 on failure."""
+    return admin_session(config_path, as_json, op, lambda ch: ch.call(op, **fields), progress)
+
+
+def admin_session(
+    config_path: str | None,
+    as_json: bool,
+    what: str,
+    requests: Callable[[ControlChannel], dict[str, Any]],
+    progress: str = "",
+) -> dict[str, Any]:
+    """`requests` on an admin session of the running agent (`what`: how a failure names
+    them); exits with 3 or 1 on failure."""
     cfg = find_agent(config_path, as_json)
     url = control_url(cfg)
     try:
@@ -194,7 +206,7 @@ def admin_call(
         ) as ch:
             ch.connect()
             if not progress or as_json:
-                return ch.call(op, **fields)
+                return requests(ch)
             with Progress(
                 SpinnerColumn(),
                 TextColumn(progress),
@@ -203,7 +215,7 @@ def admin_call(
                 transient=True,
             ) as bar:
                 bar.add_task(progress, total=None)
-                return ch.call(op, **fields)
+                return requests(ch)
     except AgentUnreachable as e:
         _fail(
             EXIT_UNREACHABLE,
@@ -214,7 +226,7 @@ def admin_call(
     except LocalProtocolError as e:  # a value the protocol refuses before sending: usage
         _fail(EXIT_USAGE, str(e), as_json)
     except ControlError as e:
-        _fail(EXIT_FAILED, f"{op}: {e}", as_json)
+        _fail(EXIT_FAILED, f"{what}: {e}", as_json)
 
 
 def emit(data: Any, as_json: bool, human: Callable[[Any], None]) -> None:
@@ -691,7 +703,8 @@ def status(config_path: str | None, as_json: bool) -> None:
 @click.command("stats", help="Engine statistics over all tenants.")
 @common
 def stats(config_path: str | None, as_json: bool) -> None:
-    emit(admin_call(config_path, as_json, "stats"), as_json, show_stats)
+    emit(admin_session(config_path, as_json, "stats", ControlChannel.admin_stats), as_json,
+         show_stats)  # fmt: skip
 
 
 @click.group("tenants", help="List, add, rotate and remove tenants.")

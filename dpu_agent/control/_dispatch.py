@@ -33,6 +33,7 @@ from kvproto.control import (
     ADMIN_TENANT,
     NIXL_OPS,
     PROTOCOL_VERSION,
+    STATS_TENANTS_PAGE_MAX,
     ErrorCode,
     RemoteProtocolError,
     Reply,
@@ -603,7 +604,11 @@ class Dispatcher:
         return {}
 
     def _stats(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:
-        stats = self.backend.engine.stats(None if s.admin else s.tenant)
+        if not s.admin:
+            return {"stats": plain(self.backend.engine.stats(s.tenant))}
+        limit = f.get("tenants_limit")
+        limit = STATS_TENANTS_PAGE_MAX if limit is None else min(limit, STATS_TENANTS_PAGE_MAX)
+        stats = self.backend.engine.stats(after=f.get("tenants_after") or "", limit=limit)
         return {"stats": plain(stats)}
 
     def _members(self, s: Session, f: Mapping[str, Any]) -> dict[str, Any]:

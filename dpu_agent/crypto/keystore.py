@@ -24,7 +24,7 @@ import secrets
 import stat
 import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -309,6 +309,32 @@ class KeyStore:
                 gens[generation] = key
                 raise
         log.info("keystore.retired", tenant=tenant, generation=generation)
+
+    def create_missing(self, tenants: Iterable[str]) -> list[str]:
+        """Give every tenant that has no key (file or environment) its first one, in one write
+        of the key file (a write per tenant rewrote the whole file each time: a start with
+        thousands of new tenants took minutes); the tenants that got one."""
+        wanted = list(dict.fromkeys(tenants))
+        for tenant in wanted:
+            _check_tenant(tenant)
+        wanted = [t for t in wanted if self._env_key(t) is None]
+        with self._lock:
+            new = [t for t in wanted if t not in self._keys]
+            if not new:
+                return []
+            self._require_file(new[0])
+            if len(self._keys) + len(new) > TENANTS_MAX:
+                raise KeyStoreError(f"key file would hold over {TENANTS_MAX} tenants; remove some")
+            for tenant in new:
+                self._keys[tenant] = {1: _new_key()}
+            try:
+                self._save()
+            except BaseException:
+                for tenant in new:
+                    del self._keys[tenant]
+                raise
+        log.info("keystore.keys_created", tenants=len(new), generation=1)
+        return new
 
     def has_env_key(self, tenant: str) -> bool:
         """Whether the tenant's key comes from the environment (not the key file)."""

@@ -67,9 +67,18 @@ class Tenants:
     def names_by_id(self) -> dict[int, str]:
         return {tid: ts.name for tid, ts in self._by_id.items()}
 
-    def free_id(self) -> int:
-        """The smallest tenant id not in use (ids are journaled: they name a tenant on disk)."""
-        return min(set(range(1, len(self._by_id) + 2)) - set(self._by_id))
+    def free_ids(self, count: int) -> list[int]:
+        """The `count` smallest tenant ids not in use (ids are journaled: they name a tenant
+        on disk)."""
+        used = self._by_id
+        return [tid for tid in range(1, len(used) + count + 1) if tid not in used][:count]
+
+    def prepare(self, names: list[str]) -> None:
+        """Before new tenants are built: what the device factory does for many at once (the
+        embedded one: their keys in one write), where it can."""
+        prepare = getattr(self.factory, "prepare", None)
+        if prepare is not None:
+            prepare(names)
 
     def nvme_devices(self) -> list[BlockDevice]:
         return [ts.tiers[NVME].device for ts in self._by_name.values()]

@@ -91,6 +91,10 @@ class EmbeddedDevices:
     def nvme_path(self, tenant: str) -> Path:
         return self.nvme_dir / tenant / "nvme.img"
 
+    def prepare(self, tenants: list[str]) -> None:
+        """Before new tenants' devices are built: their keys, in one write of the key file."""
+        self.keystore.create_missing(tenants)
+
     def erase(self, tenant: str) -> bool:
         """Crypto-erase a removed tenant (its devices already closed): destroy its XTS keys
         and delete its NVMe file. False when the key comes from the environment (the agent
