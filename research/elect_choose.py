@@ -81,6 +81,7 @@ def _score(args: tuple[tuple[FamilyTrace, float], int, dict[str, Any], str]) -> 
     young_z = kwargs.pop("young_z", None)  # n0: SWITCH_Z x sqrt(1 + n0 / scored requests)
     large_z = kwargs.pop("large_z", None)  # [blocks, z]: switch_z z in tiers at least that large
     warm = kwargs.pop("warm", False)  # a switch at rate 1 hands over the winner's shadow
+    back = kwargs.pop("return", None)  # [z, turnovers]: back to the former leader at z
     if large_z is not None and capacity >= large_z[0]:
         kwargs["switch_z"] = float(large_z[1])
     if tiny is not None and capacity <= tiny[0]:
@@ -91,6 +92,8 @@ def _score(args: tuple[tuple[FamilyTrace, float], int, dict[str, Any], str]) -> 
             return make_policy(policy, capacity)
         if warm:
             return _WarmSwitch(capacity, **kwargs)
+        if back is not None:
+            return _Return(capacity, float(back[0]), float(back[1]), **kwargs)
         if young_z is not None:
             return _YoungZ(capacity, float(young_z), **kwargs)
         return ElectPolicy(capacity, **kwargs)
@@ -120,6 +123,35 @@ class _YoungZ(ElectPolicy):
     def _switch_to(self, leader: int) -> None:
         super()._switch_to(leader)
         self._n = 0.0  # the new leader's evidence starts again
+
+
+class _Return(ElectPolicy):
+    """`elect` that goes back to the leader it left when that one leads the new leader by
+    `z` (< SWITCH_Z) standard errors within `turnovers` tier turnovers of the switch: a lead
+    taken at SWITCH_Z on evidence that did not hold is undone sooner. Tried 2026-12-07
+    (docs/EVICTION.md, "Not done")."""
+
+    def __init__(self, capacity: int, z: float, turnovers: float, **kwargs: Any) -> None:
+        super().__init__(capacity, **kwargs)
+        self._back_z2, self._back_turnovers = z * z, turnovers
+        self._previous: int | None = None
+
+    def _elect(self) -> None:
+        prev, lead = self._previous, self._leader
+        if (
+            prev is not None
+            and self._ops - self._switched_at >= self._gap * self._held_max
+            and self._ops - self._switched_at < self._back_turnovers * self._held_max
+        ):
+            m = self._lead[prev][lead]
+            if m > self._margin * self._refs and m * m >= self._back_z2 * self._lead_sq[prev][lead]:
+                self._switch_to(prev)
+                return
+        super()._elect()
+
+    def _switch_to(self, leader: int) -> None:
+        self._previous = self._leader
+        super()._switch_to(leader)
 
 
 class _WarmSwitch(ElectPolicy):
