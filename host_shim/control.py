@@ -182,6 +182,14 @@ class ControlChannel:
                 raise AgentUnreachable(f"TLS to {self.url} failed: {e}") from None
         return sock
 
+    def set_timeout(self, timeout_s: float) -> None:
+        """How long each later read and write may wait (the session stays open): e.g. a short
+        wait for the hello, a longer one for an operation known to take minutes."""
+        with self._lock:
+            self.timeout_s = timeout_s
+            if self._sock is not None:
+                self._sock.settimeout(timeout_s)
+
     def call(self, op: str, **fields: Any) -> dict[str, Any]:
         """One request; the result map, or ControlError with the agent's code."""
         with self._lock:  # pipeline() of one request, without its batching
@@ -266,6 +274,11 @@ class ControlChannel:
         ids, self._unread = self._unread + ids, []
         try:
             replies = [self._read_reply(sock) for _ in ids]
+        except TimeoutError:  # a stopped agent, or something else on its port
+            self._close_locked()
+            raise AgentUnreachable(
+                f"no reply from {self.url} within {self.timeout_s:g} s"
+            ) from None
         except (OSError, ProtocolError) as e:
             self._close_locked()
             raise AgentUnreachable(f"control connection to {self.url} broke: {e}") from None

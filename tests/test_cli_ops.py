@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
-from dpu_agent.cli import cli
+from dpu_agent.cli import cli, ops
 from dpu_agent.testing import AgentProcess, spawn_agent
 
 
@@ -131,3 +134,41 @@ def test_stale_state_file_of_a_killed_agent_is_ignored(tmp_path: Path) -> None:
            "DPUKV_CONTROL_UNIX_SOCKET": ""}  # fmt: skip
     r = CliRunner().invoke(cli, ["status", "--json"], env=env)
     assert r.exit_code == 3 and "127.0.0.1:1" in json.loads(r.output)["error"], r.output
+
+
+@pytest.mark.timeout(60)  # before: each waited ADMIN_TIMEOUT_S (an hour)
+def test_a_port_that_never_answers_exits_3_within_the_hello_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack pass: another program on the control port (one that accepts and says nothing)
+    held `dpuctl status` for the admin timeout, an hour."""
+    monkeypatch.setattr(ops, "HELLO_TIMEOUT_S", 1.0)
+    _admin_token(tmp_path)
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        env = {"DPUKV_AGENT_DATA_DIR": str(tmp_path), "DPUKV_CONTROL_UNIX_SOCKET": "",
+               "DPUKV_CONTROL_PORT": str(silent.getsockname()[1])}  # fmt: skip
+        start = time.monotonic()
+        r = CliRunner().invoke(cli, ["status", "--json"], env=env)
+    assert r.exit_code == 3, r.output
+    assert "no reply" in json.loads(r.output)["error"] and time.monotonic() - start < 10
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_agent_exits_3_within_the_hello_timeout(
+    agent: AgentProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attack pass: an agent stopped (SIGSTOP: a hung host) held every dpuctl command for
+    the admin timeout, an hour; it says so within the hello's now, and works once resumed."""
+    monkeypatch.setattr(ops, "HELLO_TIMEOUT_S", 1.0)
+    env = {"DPUKV_AGENT_DATA_DIR": str(agent.data_dir)}
+    os.kill(agent.proc.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        r = CliRunner().invoke(cli, ["stats", "--json"], env=env)
+        took = time.monotonic() - start
+    finally:
+        os.kill(agent.proc.pid, signal.SIGCONT)
+    assert r.exit_code == 3 and "no reply" in json.loads(r.output)["error"], r.output
+    assert took < 10
+    r = CliRunner().invoke(cli, ["stats", "--json"], env=env)
+    assert r.exit_code == 0 and "default" in json.loads(r.output)["stats"]["tenants"], r.output

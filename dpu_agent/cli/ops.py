@@ -44,7 +44,12 @@ from kvproto.control import ADMIN_TENANT, KEY_BYTES, LocalProtocolError, valid_t
 __all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_OK", "EXIT_UNREACHABLE", "agent_group", "register"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_CONFIG = 0, 1, 2, 3, 4
-ADMIN_TIMEOUT_S = 3600.0  # backups of a large NVMe tier take minutes; still bounded
+# An agent answers its hello in milliseconds: no answer is an agent stopped (SIGSTOP, a hung
+# host) or another program on its port, said at once rather than after the longest wait below.
+HELLO_TIMEOUT_S = 10.0
+REQUEST_TIMEOUT_S = 120.0  # status, stats, lists, tenant and host changes
+ADMIN_TIMEOUT_S = 3600.0  # LONG_OPS: a large NVMe tier takes minutes; still bounded
+LONG_OPS = frozenset({"checkpoint", "backup", "restore", "evict", "tenant_remove"})
 F = TypeVar("F", bound=Callable[..., Any])
 # Piped output (not a terminal) would be cut to rich's default 80 columns: tables are for people,
 # so give them room; scripts use --json. Error lines are printed unwrapped (soft_wrap): a log or a
@@ -186,7 +191,10 @@ def admin_call(
     config_path: str | None, as_json: bool, op: str, progress: str = "", **fields: Any
 ) -> dict[str, Any]:
     """One admin request to the running agent; exits with 3 or 1 on failure."""
-    return admin_session(config_path, as_json, op, lambda ch: ch.call(op, **fields), progress)
+    return admin_session(
+        config_path, as_json, op, lambda ch: ch.call(op, **fields), progress,
+        timeout_s=ADMIN_TIMEOUT_S if op in LONG_OPS else REQUEST_TIMEOUT_S,
+    )  # fmt: skip
 
 
 def admin_session(
@@ -195,16 +203,20 @@ def admin_session(
     what: str,
     requests: Callable[[ControlChannel], dict[str, Any]],
     progress: str = "",
+    *,
+    timeout_s: float = REQUEST_TIMEOUT_S,
 ) -> dict[str, Any]:
     """`requests` on an admin session of the running agent (`what`: how a failure names
-    them); exits with 3 or 1 on failure."""
+    them), each read waiting at most `timeout_s` (the hello HELLO_TIMEOUT_S); exits with 3
+    or 1 on failure."""
     cfg = find_agent(config_path, as_json)
     url = control_url(cfg)
     try:
         with ControlChannel(
-            url, ADMIN_TENANT, cfg.admin_token, timeout_s=ADMIN_TIMEOUT_S, client="dpuctl"
+            url, ADMIN_TENANT, cfg.admin_token, timeout_s=HELLO_TIMEOUT_S, client="dpuctl"
         ) as ch:
             ch.connect()
+            ch.set_timeout(timeout_s)
             if not progress or as_json:
                 return requests(ch)
             with Progress(
