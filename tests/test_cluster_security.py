@@ -108,6 +108,10 @@ def _view(c: Cluster, name: str) -> dict[str, dict]:
     return {m["name"]: m for m in c.members(name)["members"]}
 
 
+def _rpc_key(c: Cluster, name: str = "s1") -> str:
+    return (c.root / name / "serf-rpc.key").read_text().strip()
+
+
 def _fake(c: Cluster, name: str, tags: dict[str, str], keyring: Path | None) -> SerfProcess:
     p = SerfProcess(
         name, bind=f"127.0.0.1:{free_port()}", rpc_addr=f"127.0.0.1:{free_port()}", tags=tags,
@@ -220,7 +224,7 @@ def test_serf_rpc_needs_the_generated_key(cluster: Cluster) -> None:
     assert key_file.stat().st_mode & 0o777 == 0o600
     with SerfClient(node.serf_rpc) as rpc, pytest.raises(SerfError, match="Authentication"):
         rpc.members()
-    with SerfClient(node.serf_rpc, auth_key=key_file.read_text().strip()) as rpc:
+    with SerfClient(node.serf_rpc, auth_key=_rpc_key(cluster)) as rpc:
         assert {m.name for m in rpc.members() if m.status == "alive"} >= set(NAMES)
 
 
@@ -241,6 +245,31 @@ def test_gossip_key_rotation_with_dpuctl_across_three_agents(cluster: Cluster) -
         assert time.monotonic() < deadline, r.stdout + r.stderr
         time.sleep(1.0)
     assert json.loads(r.stdout)["keys"] == {old: 3}
+    # A member cut off (here killed) is `failed`, and Serf's key query reaches live members
+    # only. Before: every step succeeded without it, and once back it could not read the
+    # others' gossip: the cluster stayed split (attack pass, a partition during a rotation).
+    # Each change is refused now, naming it, until it is back or force-left.
+    with SerfClient(c.nodes["s1"].serf_rpc, auth_key=_rpc_key(c)) as rpc:
+        gone = _fake(c, "gone", {}, c.root / "keyring.json")
+        with gone.wait_ready() as fake:
+            assert fake.join([c.nodes["s2"].serf_bind]) == 1
+        gone.kill()
+
+        def status(node: str) -> str:
+            return {m.name: m.status for m in rpc.members()}.get(node, "")
+
+        wait_until(lambda: status("gone") == "failed", "gone to be failed", 60, 0.5)
+        for step in (["install", new], ["use", old], ["remove", new]):
+            refused = c.dpuctl("s1", "cluster", "keys", *step)
+            out = refused.stdout + refused.stderr
+            assert refused.returncode == 1 and "gone" in out and "failed" in out, out
+        failed = [m.name for m in rpc.members() if m.status == "failed"]  # earlier tests' too
+        for node in failed:
+            r = c.dpuctl("s1", "cluster", "force-leave", node, "--json")
+            assert r.returncode == 0 and json.loads(r.stdout)["was"] == "failed", r.stderr
+        wait_until(lambda: all(status(n) == "left" for n in failed), "force-left", 30, 0.5)
+        alive = c.dpuctl("s1", "cluster", "force-leave", "s2")
+        assert alive.returncode == 1 and "alive" in alive.stdout + alive.stderr
     assert keys("install", new)["errors"] == 0
     assert keys("list")["keys"] == {old: 3, new: 3}
     assert keys("use", new)["errors"] == 0

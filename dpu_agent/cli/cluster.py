@@ -1,4 +1,5 @@
-"""`dpuctl cluster members|status|join|leave`: the cluster this agent belongs to."""
+"""`dpuctl cluster members|status|join|leave|force-leave|keys`: the cluster this agent belongs
+to."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 import click
 
 from dpu_agent.cli import ops
-from dpu_agent.cluster._ops import drain_and_leave, serf_join, serf_keys
+from dpu_agent.cluster._ops import drain_and_leave, serf_force_leave, serf_join, serf_keys
 
 __all__ = ["cluster_group"]
 
@@ -98,6 +99,24 @@ def leave(timeout_s: float, no_drain: bool, config_path: str | None, as_json: bo
     )
 
 
+@cluster_group.command("force-leave", help="Remove a failed member NODE from the cluster.")
+@click.argument("node")
+@ops.common
+def force_leave(node: str, config_path: str | None, as_json: bool) -> None:
+    rpc, key = _serf(config_path, as_json)
+    try:
+        result = serf_force_leave(rpc, key, node)
+    except Exception as e:  # SerfError, unreachable, no such member: a message
+        ops._fail(ops.EXIT_FAILED, f"force-leave: {e}", as_json)
+    ops.emit(result, as_json, ops.show_done(f"cluster force-leave {node}"))
+
+
+# a keyring change while members are failed: they keep the old key (serf_keys)
+FORCE = click.option(
+    "--force", is_flag=True, help="Even while members are failed (they keep the old key)."
+)
+
+
 @cluster_group.group("keys", help="The gossip keyring, cluster-wide (Serf's key commands).")
 def keys_group() -> None:
     pass
@@ -110,10 +129,12 @@ def _show_keys(data: dict[str, Any]) -> None:
     ops._kv_table("keyring", ops._flatten("", {k: v for k, v in data.items() if k != "keys"}, {}))
 
 
-def _keys(command: str, key: str, config_path: str | None, as_json: bool) -> None:
+def _keys(
+    command: str, key: str, config_path: str | None, as_json: bool, force: bool = False
+) -> None:
     rpc, auth = _serf(config_path, as_json)
     try:
-        result = serf_keys(rpc, auth, command, key)
+        result = serf_keys(rpc, auth, command, key, force=force)
     except Exception as e:  # SerfError, unreachable, a bad key: a message, not a traceback
         ops._fail(ops.EXIT_FAILED, f"keys {command}: {e}", as_json)
     if result["error"]:
@@ -130,20 +151,23 @@ def keys_list(config_path: str | None, as_json: bool) -> None:
 
 @keys_group.command("install", help="Add KEY (serf keygen) to every member's keyring.")
 @click.argument("key")
+@FORCE
 @ops.common
-def keys_install(key: str, config_path: str | None, as_json: bool) -> None:
-    _keys("install-key", key, config_path, as_json)
+def keys_install(key: str, force: bool, config_path: str | None, as_json: bool) -> None:
+    _keys("install-key", key, config_path, as_json, force)
 
 
 @keys_group.command("use", help="Make KEY (installed everywhere first) the primary key.")
 @click.argument("key")
+@FORCE
 @ops.common
-def keys_use(key: str, config_path: str | None, as_json: bool) -> None:
-    _keys("use-key", key, config_path, as_json)
+def keys_use(key: str, force: bool, config_path: str | None, as_json: bool) -> None:
+    _keys("use-key", key, config_path, as_json, force)
 
 
 @keys_group.command("remove", help="Remove KEY (not the primary) from every member.")
 @click.argument("key")
+@FORCE
 @ops.common
-def keys_remove(key: str, config_path: str | None, as_json: bool) -> None:
-    _keys("remove-key", key, config_path, as_json)
+def keys_remove(key: str, force: bool, config_path: str | None, as_json: bool) -> None:
+    _keys("remove-key", key, config_path, as_json, force)

@@ -1,6 +1,6 @@
-"""What `dpuctl cluster ...` does beyond a control-plane call: Serf RPC joins and the drained
-leave, and the doctor's Serf round trip. The CLI (dpu_agent/cli/cluster.py) only parses and
-prints."""
+"""What `dpuctl cluster ...` does beyond a control-plane call: Serf RPC joins, keyring changes,
+force-leave and the drained leave, and the doctor's Serf round trip. The CLI
+(dpu_agent/cli/cluster.py) only parses and prints."""
 
 from __future__ import annotations
 
@@ -14,7 +14,15 @@ from dpu_agent.cluster._serf_client import SerfClient
 from dpu_agent.cluster._serf_process import SerfProcess, free_port
 from dpu_agent.config import serf_key_problem
 
-__all__ = ["DRAIN_POLL_S", "drain_and_leave", "probe_serf", "serf_join", "serf_keys"]
+__all__ = [
+    "DRAIN_POLL_S",
+    "MembersFailed",
+    "drain_and_leave",
+    "probe_serf",
+    "serf_force_leave",
+    "serf_join",
+    "serf_keys",
+]
 
 DRAIN_POLL_S = 0.5
 
@@ -34,15 +42,49 @@ def serf_join(rpc_addr: str, auth_key: str, addrs: Sequence[str], node: str) -> 
     return {"joined": joined, "addresses": list(addrs), "serving_again": back}
 
 
-def serf_keys(rpc_addr: str, auth_key: str, command: str, key: str = "") -> dict[str, Any]:
+class MembersFailed(Exception):
+    """A keyring change refused while members are `failed` (serf_keys says why)."""
+
+
+def serf_keys(
+    rpc_addr: str, auth_key: str, command: str, key: str = "", *, force: bool = False
+) -> dict[str, Any]:
     """One keyring command across the cluster; a malformed key is refused here, before Serf
-    sees it (ValueError naming what is wrong, never echoing the key)."""
+    sees it (ValueError naming what is wrong, never echoing the key). A change (install, use,
+    remove) is refused while any member is `failed` (MembersFailed naming them), unless
+    `force`: Serf's key query reaches live members only, so a member cut off by a partition
+    missed the change, and once the network healed it could not read the others' gossip
+    (nor they its): the cluster stayed split, and every step had reported success."""
     if command != "list-keys":
         problem = serf_key_problem(key)
         if problem:
             raise ValueError(f"the key {problem}")
     with SerfClient(rpc_addr, auth_key=auth_key) as c:
+        if command != "list-keys" and not force:
+            failed = sorted(m.name for m in c.members() if m.status == "failed")
+            if failed:
+                raise MembersFailed(
+                    f"refused while {len(failed)} member(s) are failed: {', '.join(failed)}. "
+                    "A key change reaches live members only: these would keep the old "
+                    "keyring and stay cut off once back. Bring them back first, or remove "
+                    "each (`dpuctl cluster force-leave NODE`; give it the new keyring file "
+                    "before it rejoins), or pass --force"
+                )
         return c.keys(command, key).as_dict()
+
+
+def serf_force_leave(rpc_addr: str, auth_key: str, node: str) -> dict[str, Any]:
+    """Mark a `failed` member `left` (Serf's force-leave): it no longer counts as a member
+    that must come back (key changes, the members list)."""
+    with SerfClient(rpc_addr, auth_key=auth_key) as c:
+        known = {m.name: m.status for m in c.members()}
+        if node not in known:
+            raise ValueError(f"no member named {node!r} (members: {', '.join(sorted(known))})")
+        if known[node] == "alive":
+            raise ValueError(f"{node} is alive: force-leave is for failed members; on that "
+                             "node run `dpuctl cluster leave`")  # fmt: skip
+        c.force_leave(node)
+    return {"node": node, "was": known[node]}
 
 
 def drain_and_leave(
