@@ -12,6 +12,14 @@ logged, and the agent refuses new writes (reserve answers `unavailable`) until i
 majority again; reads go on (a key's chunk is the same bytes wherever it is read). This is
 Redis Cluster's rule for a minority primary after the node timeout: a split never takes
 writes on both sides.
+
+The same check sees a split that gossip alone keeps: a member Serf lists as failed whose
+control port answers. Serf retries a failed member every 30 s, so after a healed partition
+that lasts seconds; past GOSSIP_SPLIT_S it is a member whose gossip cannot reach this node or
+this node's it (a gossip key it lacks, a firewall on the gossip port, its Serf dead): the two
+serve different views for good. `reach.gossip_split` names them (at most 16), the gauge
+kvtier_cluster_gossip_split_members counts them, and `cluster_gossip_split` is logged when
+the set changes. Nothing else changes: both sides reach a majority of what they know.
 """
 
 from __future__ import annotations
@@ -28,7 +36,13 @@ from urllib.parse import urlsplit
 from dpu_agent.log import get_logger
 from dpu_agent.metrics import REGISTRY, Gauge
 
-__all__ = ["REACH_INTERVAL_S", "REACH_TIMEOUT_S", "Reachability", "majority_reached"]
+__all__ = [
+    "GOSSIP_SPLIT_S",
+    "REACH_INTERVAL_S",
+    "REACH_TIMEOUT_S",
+    "Reachability",
+    "majority_reached",
+]
 
 log = get_logger("dpu_agent.cluster")
 
@@ -42,6 +56,10 @@ REACH_SAMPLE_MAX = 32
 # Connects in flight at once: a check of REACH_SAMPLE_MAX silent members then takes at most
 # 4 x REACH_TIMEOUT_S (2 s), and the agent runs no more than 8 threads for it.
 REACH_THREADS_MAX = 8
+# A failed member that answers on its control port for this long is split off by gossip:
+# three of Serf's 30 s reconnect attempts did not bring it back.
+GOSSIP_SPLIT_S = 90.0
+SPLIT_NAMES_MAX = 16  # names in reach.gossip_split and its log line
 
 CUT_OFF = Gauge("kvtier_cluster_cut_off",
                 "1 while this node reaches no majority of the cluster (it refuses writes).",
@@ -49,6 +67,9 @@ CUT_OFF = Gauge("kvtier_cluster_cut_off",
 REACHABLE = Gauge("kvtier_cluster_reachable_members",
                   "Members this node reached in its last check, itself included.",
                   registry=REGISTRY)  # fmt: skip
+GOSSIP_SPLIT = Gauge("kvtier_cluster_gossip_split_members",
+                     "Members Serf lists as failed whose control port has answered for over "
+                     "GOSSIP_SPLIT_S: split off by gossip.", registry=REGISTRY)  # fmt: skip
 
 
 def majority_reached(reached: int, known: int) -> bool:
@@ -78,6 +99,8 @@ class Reachability:
         self.known = 1
         self.changed_at = time.time()
         self.checked_at = 0.0
+        self._failed_answering: dict[str, float] = {}  # failed in Serf, port answers: since
+        self.gossip_split: list[str] = []
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(REACH_THREADS_MAX, thread_name_prefix="cluster-reach")
         self._thread: threading.Thread | None = None
@@ -122,10 +145,41 @@ class Reachability:
                 log.warning("cluster_reconnected", reached=self.reached, known=self.known)
         CUT_OFF.set(1 if cut else 0)
         REACHABLE.set(self.reached)
+        self._split(rows, sample, ok)
         return cut
+
+    def _split(
+        self, rows: list[Mapping[str, Any]], sample: list[Mapping[str, Any]], ok: list[bool]
+    ) -> None:
+        """Members failed in Serf whose control port answered in every check for
+        GOSSIP_SPLIT_S (module docstring). A member not in this check's sample keeps its
+        entry; one no longer failed, or not answering, loses it."""
+        failed = {str(r["name"]) for r in rows if r.get("status") == "failed"}
+        since = self._failed_answering
+        for name in [n for n in since if n not in failed]:
+            del since[name]
+        for r, answered in zip(sample, ok, strict=True):
+            name = str(r["name"])
+            if name not in failed or not answered:
+                since.pop(name, None)
+            else:
+                since.setdefault(name, self.checked_at)
+        split = sorted(n for n, t in since.items() if self.checked_at - t >= GOSSIP_SPLIT_S)
+        if split != self.gossip_split:
+            self.gossip_split = split
+            if not split:
+                log.warning("cluster_gossip_split_healed")
+            else:
+                log.warning("cluster_gossip_split", members=split[:SPLIT_NAMES_MAX],
+                            count=len(split), seconds=GOSSIP_SPLIT_S,
+                            hint="they answer on their control port but gossip does not "
+                            "reach them: check the gossip key (dpuctl cluster keys list "
+                            "on both sides) and the gossip port")  # fmt: skip
+        GOSSIP_SPLIT.set(len(split))
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "cut_off": self.cut_off, "reached": self.reached, "known": self.known,
             "since": round(self.changed_at, 3), "checked": round(self.checked_at, 3),
+            "gossip_split": self.gossip_split[:SPLIT_NAMES_MAX],
         }  # fmt: skip
