@@ -361,6 +361,13 @@ class Agent:
     ) -> dict[str, Any]:
         """A NIXL data-path op of one session (dpu_agent.nixl), off the event loop; `peer_host`
         is the session's peer address (where the host's UCX address must point)."""
+        if op == "nixl_connect" and self.control is not None:
+            # a session of this tenant whose control connection the host has closed, not yet
+            # seen because its reading waits on a transfer, still owns its host's NIXL name:
+            # that host reconnecting was refused NIXL for its whole new session
+            held = self.nixl_server.sessions_of(tenant, but=session_id)
+            for gone in self.control.sessions_gone(held):
+                self.nixl_server.session_closed(gone)
         return await self.nixl_server.handle(session_id, tenant, op, fields, peer_host)
 
     def nixl_session_closed(self, session_id: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -360,6 +361,88 @@ def huge(url: str, token: str) -> dict[str, Any]:
     return out
 
 
+def regions(url: str, token: str) -> dict[str, Any]:
+    """A region nested in another, and drops of addresses never registered."""
+    from kvproto.control import NIXL_REGIONS_MAX
+
+    host = NixlHostPath("default")
+    out: dict[str, Any] = {}
+    with ControlChannel(url, "default", token) as ch:
+        ch.connect()
+        ch.call("nixl_connect", metadata=host.metadata())
+        buf = np.full(1 << 20, 0x5A, np.uint8)
+        added, _ = host.prepare([buffer_desc(buf, buf.nbytes, writable=True)])
+        md = host.metadata()
+        ch.call("nixl_register", metadata=md, add=added, drop=[])
+        base = int(buf.ctypes.data)
+        ch.call("nixl_register", metadata=md, add=[[base + 16, 8, 0, "DRAM"]], drop=[])
+        key = [b"n" * 16]
+        # inside the first region, past the nested one
+        out["put_past_nested"] = _code(
+            lambda: ch.call("nixl_put", keys=key, sources=[[base + 4096, 4096]], parents=[None])
+        )
+        out["get_past_nested"] = _code(
+            lambda: ch.call("nixl_get", keys=key, targets=[[base + 65536, 4096]])
+        )
+        out["got_bytes"] = bool((buf[65536 : 65536 + 4096] == 0x5A).all())
+        # each call adds NIXL_REGIONS_MAX real sub-regions and "drops" as many never held
+        fake = [[base + (2 << 20) + 64 * i, 8, 0, "DRAM"] for i in range(NIXL_REGIONS_MAX)]
+        regions, codes = 2, []
+        for call in range(3):
+            sub = [[base + 32 + 64 * (call * NIXL_REGIONS_MAX + i), 8, 0, "DRAM"]
+                   for i in range(NIXL_REGIONS_MAX)]  # fmt: skip
+            try:
+                regions = ch.call("nixl_register", metadata=md, add=sub, drop=fake)["regions"]
+                codes.append("ok")
+            except ControlError as e:
+                codes.append(e.code)
+        out["regions_max_seen"], out["codes"] = regions, codes
+    return out
+
+
+def reconnect(url: str, token: str) -> dict[str, Any]:
+    """The control connection drops while a get is moving; the same host (same NIXL agent)
+    connects again at once."""
+    host = NixlHostPath("default")
+    n, nbytes = 6, FROZEN_CHUNK_BYTES
+    buf = np.full(n * nbytes, 0x33, np.uint8)
+    keys = [bytes([0xA0 + i]) * 16 for i in range(n)]
+    ch = ControlChannel(url, "default", token, timeout_s=120)
+    ch.connect()
+    ch.call("nixl_connect", metadata=host.metadata())
+    added, _ = host.prepare([buffer_desc(buf, buf.nbytes, writable=True)])
+    ch.call("nixl_register", metadata=host.metadata(), add=added, drop=[])
+    base = int(buf.ctypes.data)
+    spans = [[base + i * nbytes, nbytes] for i in range(n)]
+    ch.call("nixl_put", keys=keys, sources=spans, parents=[None, *keys[:-1]])
+    buf[:] = 0
+    t = threading.Thread(target=lambda: _code(lambda: ch.call("nixl_get", keys=keys,
+                                                               targets=spans)))  # fmt: skip
+    t.start()
+    deadline = time.monotonic() + 60
+    while not buf[:4096].any() and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    out: dict[str, Any] = {"moving": bool(buf[:4096].any())}
+    assert ch._sock is not None
+    ch._sock.shutdown(socket.SHUT_RDWR)  # the host process lives on
+    with ControlChannel(url, "default", token, timeout_s=60) as again:
+        again.connect()
+        out["reconnect"] = _code(lambda: again.call("nixl_connect", metadata=host.metadata()))
+        added, _ = host.prepare([buffer_desc(buf, buf.nbytes, writable=True)])
+        out["register"] = _code(lambda: again.call(
+            "nixl_register", metadata=host.metadata(), add=added or [[base, buf.nbytes, 0, "DRAM"]],
+            drop=[]))  # fmt: skip
+        buf[:] = 0
+        got: dict[str, Any] = {}
+        out["get"] = _code(lambda: got.update(again.call("nixl_get", keys=keys[:1],
+                                                          targets=spans[:1])))  # fmt: skip
+        out["loaded"] = got.get("loaded")
+        out["bytes_ok"] = bool((buf[:nbytes] == 0x33).all())
+    t.join(120)
+    ch.close()
+    return out
+
+
 def metadata() -> dict[str, Any]:
     """A real host agent's metadata (hex), for the agent-side fuzz."""
     host = NixlHostPath("default")
@@ -391,6 +474,10 @@ def main() -> None:
         out = agent_paused(url, token, sys.argv[4])
     elif scenario == "metadata":
         out = metadata()
+    elif scenario == "regions":
+        out = regions(url, token)
+    elif scenario == "reconnect":
+        out = reconnect(url, token)
     else:
         out = killed(url, token)
     print(json.dumps(out), flush=True)

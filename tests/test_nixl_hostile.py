@@ -456,3 +456,33 @@ def test_nixl_worker_killed_fails_only_calls_in_flight(agent: AgentProcess, tmp_
     assert agent.proc.poll() is None
     legit.result()
     _bounded(agent)
+
+
+def test_nixl_regions_nested_and_drops_of_nothing(agent: AgentProcess, tmp_path: Path) -> None:
+    """Attack pass: a region nested in another hid the rest of the outer one (a span inside
+    it was refused as not registered), and drops of addresses never registered counted as
+    room, so a session held 8,194 regions past SESSION_REGIONS_MAX."""
+    from dpu_agent.nixl._server import SESSION_REGIONS_MAX
+
+    legit = Legit(agent, tmp_path)
+    r = _result(_peer("regions", agent.control_url, agent.token))
+    assert r["put_past_nested"] == "ok" and r["get_past_nested"] == "ok" and r["got_bytes"]
+    assert r["regions_max_seen"] <= SESSION_REGIONS_MAX, r
+    assert r["codes"][0] == "ok" and "ok" not in r["codes"][1:], r
+    legit.result()
+    _bounded(agent)
+
+
+def test_nixl_host_reconnecting_after_its_session_dropped_mid_get(
+    agent: AgentProcess, tmp_path: Path
+) -> None:
+    """Attack pass: a host whose control connection dropped while a get was moving, and
+    which connected again at once with the same NIXL agent, was refused ("belongs to another
+    session") until the dropped session's transfer let go of its lane."""
+    legit = Legit(agent, tmp_path)
+    r = _result(_peer("reconnect", agent.control_url, agent.token))
+    assert r["moving"], r
+    assert r["reconnect"] == "ok" and r["register"] == "ok" and r["get"] == "ok", r
+    assert r["loaded"] == 1 and r["bytes_ok"], r
+    legit.result()
+    _bounded(agent)

@@ -32,9 +32,10 @@ import ctypes
 import functools
 import itertools
 import os
+import socket
 import ssl
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import cast
 
@@ -62,6 +63,7 @@ __all__ = ["ControlServer"]
 log = get_logger("dpu_agent.control")
 refusals = RateLimitedLog(log)  # bad frames and refused connections, rate-limited
 
+TCP_ESTABLISHED = 1  # tcp_info.tcpi_state (linux/tcp_states.h); CLOSE_WAIT 8: the client's FIN
 CONNECTIONS_MAX_DEFAULT = 1024  # authenticated TCP connections (control.connections_max)
 # Authenticated TCP connections of one tenant: a quarter of connections_max, so one tenant
 # leaves three quarters to the others; 256 is 32 GPU servers x 8 workers with a channel each.
@@ -247,6 +249,16 @@ class ControlServer:
                 conn.abort()
                 ended += 1
         return ended
+
+    def sessions_gone(self, session_ids: Iterable[int]) -> list[int]:
+        """Of `session_ids`, those whose client has closed its end (or that are no longer
+        connected), though a request in flight keeps the connection from reading its EOF."""
+        wanted = set(session_ids)
+        if not wanted:
+            return []
+        live = {conn.session.session_id: conn for conn in self.connections
+                if conn.session is not None and conn.session.session_id in wanted}  # fmt: skip
+        return sorted(sid for sid in wanted if sid not in live or live[sid].peer_gone())
 
     def end_host_sessions(self, tenant: str, hostnqn: str) -> int:
         """Close every connection of `tenant` bound to host `hostnqn` (it was removed)."""
@@ -527,6 +539,30 @@ class _Connection(asyncio.BufferedProtocol):
     @property
     def session(self) -> Session | None:
         return self._session
+
+    def peer_gone(self) -> bool:
+        """Whether the client has closed its end (FIN or reset), seen on the socket itself:
+        reading is paused while a request runs, so connection_lost would come only after it.
+        TCP: the connection's state; a Unix socket: a peek at end of file."""
+        t = self._transport
+        if t is None or t.is_closing():
+            return True
+        sock = t.get_extra_info("socket")
+        if sock is None:
+            return False
+        try:
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)
+                return info[0] != TCP_ESTABLISHED
+            peek = socket.socket(fileno=sock.fileno())
+            try:
+                return peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            except BlockingIOError:
+                return False
+            finally:
+                peek.detach()  # the transport's descriptor stays open
+        except OSError:
+            return True
 
     def abort(self) -> None:
         if self._transport is not None:

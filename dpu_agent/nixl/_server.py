@@ -154,8 +154,11 @@ class _Session:
     # registered regions, sorted by address: starts (for bisect) and (end, dev, mem)
     starts: list[int] = field(default_factory=list)
     rest: list[tuple[int, int, str]] = field(default_factory=list)
+    # reach[i]: the index of the region ending last among regions 0..i (None: recompute)
+    reach: list[int] | None = None
 
     def add(self, addr: int, nbytes: int, dev: int, mem: str) -> None:
+        self.reach = None
         i = bisect.bisect_left(self.starts, addr)
         if i < len(self.starts) and self.starts[i] == addr:
             self.rest[i] = (addr + nbytes, dev, mem)
@@ -167,13 +170,30 @@ class _Session:
         i = bisect.bisect_left(self.starts, addr)
         if i < len(self.starts) and self.starts[i] == addr:
             del self.starts[i], self.rest[i]
+            self.reach = None
+
+    def count_after(self, drop: list[list[Any]], add: list[list[Any]]) -> int:
+        """The regions held once `drop`, then `add`, are applied: a drop of an address not
+        held frees nothing, an add at an address held replaces it."""
+        held = set(self.starts)
+        held.difference_update(int(d[0]) for d in drop)
+        held.update(int(a[0]) for a in add)
+        return len(held)
 
     def find(self, addr: int, nbytes: int) -> tuple[int, str] | None:
-        """(dev, mem) of the registered region holding [addr, addr+nbytes), else None."""
+        """(dev, mem) of a registered region holding [addr, addr+nbytes), else None. Regions
+        may nest or overlap (a host registers a buffer and part of it): of the regions
+        starting at or before addr, the one ending last holds the span if any does."""
         i = bisect.bisect_right(self.starts, addr) - 1
         if i < 0:
             return None
-        end, dev, mem = self.rest[i]
+        if self.reach is None:  # after a register call: O(regions), once
+            self.reach, best = [], 0
+            for j, (end, _, _) in enumerate(self.rest):
+                if end > self.rest[best][0]:
+                    best = j
+                self.reach.append(best)
+        end, dev, mem = self.rest[self.reach[i]]
         return (dev, mem) if addr + nbytes <= end else None
 
 
@@ -384,6 +404,9 @@ class NixlServer:
         # sessions whose nixl_connect runs -> whether their control session closed meanwhile
         # (a host that gave up on a connect waiting for the worker to start)
         self._connecting: dict[int, bool] = {}
+        # host agent names a nixl_connect is loading now -> how many: a closed session's
+        # forget leaves their metadata in the worker (the new session needs it)
+        self._loading: dict[str, int] = {}
         self._closing = False
         self._restarts: deque[float] = deque()  # when the worker was restarted by itself
 
@@ -435,11 +458,22 @@ class NixlServer:
             if users[0] == 0:
                 del self._gates[tenant]
 
+    def sessions_of(self, tenant: str, *, but: int) -> list[int]:
+        """The NIXL sessions of `tenant` other than `but`."""
+        with self._lock:
+            return [sid for sid, s in self._sessions.items() if s.tenant == tenant and sid != but]
+
     def session_closed(self, session_id: int) -> None:
         with self._lock:
             if session_id in self._connecting:  # its connect registers nothing when it ends
                 self._connecting[session_id] = True
-        if session_id in self._sessions:
+            s = self._sessions.get(session_id)
+            # its host's name is free at once: the host reconnecting after a dropped control
+            # connection was refused ("belongs to another session") while the closed
+            # session's transfer still held a lane and its forget waited for one
+            if s is not None and self._names.get(s.remote) == session_id:
+                del self._names[s.remote]
+        if s is not None:
             self._thread.submit(self._forget, session_id)
 
     def close(self) -> None:
@@ -530,18 +564,27 @@ class NixlServer:
         link.kill()
 
     def _forget(self, session_id: int) -> None:
+        """Drop a session and, unless another session holds or is loading its host's name
+        now (the same host reconnected), that host's metadata from the worker; the check and
+        the removal under the lock, so a connect loading it starts after the removal."""
         with self._lock:
             s = self._sessions.pop(session_id, None)
             if s is None:
                 return
-            self._names.pop(s.remote, None)
-            link = self._link
-        if link is None or not link.alive:
+            if self._names.get(s.remote) == session_id:
+                del self._names[s.remote]
+            self._remove_unheld(s.remote)
+
+    def _remove_unheld(self, remote: str) -> None:
+        """Under the lock: remove a host's metadata from the worker when no session holds it
+        and no connect is loading it (best effort)."""
+        link = self._link
+        if remote in self._names or remote in self._loading or link is None or not link.alive:
             return
         try:
-            link.run("remove", s.remote)
+            link.run("remove", remote)
         except (RemoteProtocolError, WorkerLost) as e:  # already gone: nothing to undo
-            log.info("nixl_remove_remote_failed", remote=s.remote, error=str(e))
+            log.info("nixl_remove_remote_failed", remote=remote, error=str(e))
 
     def _session(self, session_id: int) -> _Session:
         s = self._sessions.get(session_id)
@@ -632,29 +675,33 @@ class NixlServer:
             raise engine_errors.LimitExceeded(f"{SESSIONS_MAX} NIXL sessions; retry later")
         with self._lock:
             self._connecting[sid] = False
+        name, registered = "", False
         try:  # the worker may start in here (seconds): the host may give up meanwhile
             md = self._check(sid, tenant, f["metadata"], peer_host)
             if old is not None and old.remote != md.name:
                 self._forget(sid)
+            with self._lock:
+                name = md.name
+                self._loading[name] = self._loading.get(name, 0) + 1
             self._load(tenant, md, f["metadata"])
+            with self._lock:
+                closed = self._connecting.get(sid, False)
+            if closed:  # registered now, it would hold the host's name for good: that host's
+                # next session would be refused NIXL, and SESSIONS_MAX fill up
+                raise RemoteProtocolError("nixl_connect: the session closed before it was answered")
+            reply = self._register(sid, tenant, md, f["metadata"], peer_host)
+            registered = True
+            return reply
         finally:
             with self._lock:
-                closed = self._connecting.pop(sid, False)
-        if closed:  # registered now, it would hold the host's name for good: that host's next
-            self._unload(md.name)  # session would be refused NIXL, and SESSIONS_MAX fill up
-            raise RemoteProtocolError("nixl_connect: the session closed before it was answered")
-        return self._register(sid, tenant, md, f["metadata"], peer_host)
-
-    def _unload(self, remote: str) -> None:
-        """Remove a host's metadata that no session holds from the worker (best effort)."""
-        with self._lock:
-            link, held = self._link, remote in self._names
-        if held or link is None or not link.alive:
-            return
-        try:
-            link.run("remove", remote)
-        except (RemoteProtocolError, WorkerLost) as e:
-            log.info("nixl_remove_remote_failed", remote=remote, error=str(e))
+                self._connecting.pop(sid, None)
+                if name:
+                    if self._loading[name] == 1:
+                        del self._loading[name]
+                    else:
+                        self._loading[name] -= 1
+                    if not registered:  # loaded, or left by a closed session's forget
+                        self._remove_unheld(name)
 
     def _register(
         self, sid: int, tenant: str, md: NixlMetadata, metadata: bytes, peer_host: str
@@ -684,7 +731,7 @@ class NixlServer:
                     f"add[{i}] = [{addr:#x}, {nbytes}, {dev}, {mem}] is not memory the host "
                     "agent registered with NIXL (its metadata)", "forbidden"
                 )  # fmt: skip
-        if len(s.starts) - len(f["drop"]) + len(f["add"]) > SESSION_REGIONS_MAX:
+        if s.count_after(f["drop"], f["add"]) > SESSION_REGIONS_MAX:
             raise engine_errors.LimitExceeded(
                 f"session holds {len(s.starts)} NIXL regions (max {SESSION_REGIONS_MAX}); "
                 "drop some (nixl_register drop) before adding more"
