@@ -223,3 +223,4 @@ def test_a_connect_whose_session_closed_meanwhile_registers_nothing(
     assert len(failed) == 1 and isinstance(failed[0], RemoteProtocolError), failed
     assert "closed" in str(failed[0])
     assert server._sessions == {} and server._names == {} and server._connecting == {}
+    assert server._loading == {}

@@ -187,13 +187,15 @@ class _Session:
         i = bisect.bisect_right(self.starts, addr) - 1
         if i < 0:
             return None
-        if self.reach is None:  # after a register call: O(regions), once
-            self.reach, best = [], 0
+        reach = self.reach
+        if reach is None:  # after a register call: O(regions), once
+            reach, best = [], 0
             for j, (end, _, _) in enumerate(self.rest):
                 if end > self.rest[best][0]:
                     best = j
-                self.reach.append(best)
-        end, dev, mem = self.rest[self.reach[i]]
+                reach.append(best)
+            self.reach = reach
+        end, dev, mem = self.rest[reach[i]]
         return (dev, mem) if addr + nbytes <= end else None
 
 
@@ -684,11 +686,6 @@ class NixlServer:
                 name = md.name
                 self._loading[name] = self._loading.get(name, 0) + 1
             self._load(tenant, md, f["metadata"])
-            with self._lock:
-                closed = self._connecting.get(sid, False)
-            if closed:  # registered now, it would hold the host's name for good: that host's
-                # next session would be refused NIXL, and SESSIONS_MAX fill up
-                raise RemoteProtocolError("nixl_connect: the session closed before it was answered")
             reply = self._register(sid, tenant, md, f["metadata"], peer_host)
             registered = True
             return reply
@@ -707,6 +704,10 @@ class NixlServer:
         self, sid: int, tenant: str, md: NixlMetadata, metadata: bytes, peer_host: str
     ) -> dict[str, Any]:
         with self._lock:
+            if self._connecting.get(sid):  # closed during its connect (session_closed, under
+                # this lock): registered, it would hold the host's name for good (that host's
+                # next session refused NIXL) and fill SESSIONS_MAX
+                raise RemoteProtocolError("nixl_connect: the session closed before it was answered")
             s = self._sessions.get(sid)
             if s is None:
                 s = _Session(sid=sid, tenant=tenant, remote=md.name, peer=peer_host,
