@@ -25,6 +25,11 @@ __all__ = [
 ]
 
 DRAIN_POLL_S = 0.5
+# A keyring command is a Serf query: under load a live member's answer can miss the query's
+# timeout ("2/3 nodes reported success", none refusing; seen on a loaded 2-core box right
+# after members left). Asked again up to this many times: installing a key held, using the
+# primary and removing a key gone are no-ops in Serf's keyring, so a repeat changes nothing.
+KEY_QUERY_TRIES = 3
 
 
 def serf_join(rpc_addr: str, auth_key: str, addrs: Sequence[str], node: str) -> dict[str, Any]:
@@ -70,7 +75,12 @@ def serf_keys(
                     "each (`dpuctl cluster force-leave NODE`; give it the new keyring file "
                     "before it rejoins), or pass --force"
                 )
-        return c.keys(command, key).as_dict()
+        reply = c.keys(command, key)
+        for _ in range(KEY_QUERY_TRIES - 1):  # each command is idempotent: asked again, a
+            if reply.errors or reply.responses >= reply.nodes:  # member that has it is unmoved
+                break
+            reply = c.keys(command, key)
+        return reply.as_dict()
 
 
 def serf_force_leave(rpc_addr: str, auth_key: str, node: str) -> dict[str, Any]:
