@@ -99,6 +99,8 @@ def test_plan_on_empty_target_creates_in_dependency_order(desired, client) -> No
 
 def test_recorded_layout_puts_crypto_below_lvstore(tmp_path, client, aio_file) -> None:
     doc = config_doc(aio_file)
+    # live: a free port (4420 is the agent's own default: `make run` beside the tests has it)
+    doc["spdk"]["subsystems"][0]["listeners"][0]["trsvcid"] = str(free_port())
     doc["spdk"]["crypto"] = [{"name": "crypt0", "base_bdev_name": "disk0", "key_name": "key-a"}]
     doc["spdk"]["lvstores"][0]["bdev_name"] = "crypt0"
     doc["spdk"]["subsystems"][0]["namespaces"][1]["bdev_name"] = "lvs0/tenant-a"

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from spdk_peer import needs_spdk, spdk_tgt
+from spdk_peer import free_port, needs_spdk, spdk_tgt
 from spdk_sim.fixtures import SHARED_SPDK, config_doc, key_provider
 
 from dpu_agent.cli import cli
@@ -219,6 +219,8 @@ def test_live_target_saved_config_plans_in_sync_and_like_live(tmp_path: Path) ->
     with open(aio, "wb") as f:
         f.truncate(64 * 1024 * 1024)
     doc = config_doc(str(aio))
+    # a free port: 4420 is the agent's own default (`make run` beside the tests has it)
+    doc["spdk"]["subsystems"][0]["listeners"][0]["trsvcid"] = str(free_port())
     desired = parse_desired(doc)
     with spdk_tgt(tmp_path) as app, SpdkClient(str(app.sock), timeout_s=30) as c:
         apply(desired, c, key_provider)
