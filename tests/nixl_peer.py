@@ -428,10 +428,10 @@ def reconnect(url: str, token: str) -> dict[str, Any]:
     with ControlChannel(url, "default", token, timeout_s=60) as again:
         again.connect()
         out["reconnect"] = _code(lambda: again.call("nixl_connect", metadata=host.metadata()))
-        added, _ = host.prepare([buffer_desc(buf, buf.nbytes, writable=True)])
+        # as NixlDataPath.attach: every region the host holds, learnt again by the agent
         out["register"] = _code(lambda: again.call(
-            "nixl_register", metadata=host.metadata(), add=added or [[base, buf.nbytes, 0, "DRAM"]],
-            drop=[]))  # fmt: skip
+            "nixl_register", metadata=host.metadata(), add=host.regions(), drop=[]
+        ))  # fmt: skip
         buf[:] = 0
         got: dict[str, Any] = {}
         out["get"] = _code(lambda: got.update(again.call("nixl_get", keys=keys[:1],

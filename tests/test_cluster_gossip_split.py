@@ -11,15 +11,9 @@ from typing import Any
 
 import pytest
 
-from dpu_agent.cluster import _reach
+from dpu_agent.cluster import _reach, free_port
 from dpu_agent.cluster._reach import Reachability
 from dpu_agent.metrics import REGISTRY
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_a_failed_member_that_answers_is_named_split_after_the_grace(
@@ -32,7 +26,7 @@ def test_a_failed_member_that_answers_is_named_split_after_the_grace(
     ):
         answers = f"tcp://127.0.0.1:{up.getsockname()[1]}"
         answers2 = f"tcp://127.0.0.1:{up2.getsockname()[1]}"
-        silent = f"tcp://127.0.0.1:{_closed_port()}"
+        silent = f"tcp://127.0.0.1:{free_port()}"
         rows: list[dict[str, Any]] = [
             {"name": "a", "status": "alive", "control": "tcp://127.0.0.1:1"},  # this node
             {"name": "b", "status": "failed", "control": answers},  # split by gossip
