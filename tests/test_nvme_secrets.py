@@ -15,6 +15,7 @@ from kvproto.nvme._secrets import hkdf_expand_label_info
 DATA = Path(__file__).parent / "data" / "nvme_auth"
 NVME = shutil.which("nvme") or ""
 HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:1b4e28ba-2fa1-11d2-883f-0016d3ccabcd"
+SUBNQN = "nqn.2026-11.io.dpu-kvtier:tenant:a"
 
 
 def test_dhchap_secret_matches_nvme_cli_for_a_given_secret() -> None:
@@ -65,15 +66,38 @@ def test_bad_dhchap_secrets_are_refused_with_a_reason(text: str) -> None:
         DhchapSecret.parse(text)
 
 
+def _draw(hash: DhchapHash, blind: bool) -> bytes:
+    """Random bytes that, as a PSK for HOSTNQN on SUBNQN, derive a TLS PSK starting 0x00
+    (`blind`) or not."""
+    while True:
+        raw = os.urandom(hash.length)
+        if TlsPsk(psk=raw, hash=hash).spdk_takes_for_none(HOSTNQN, SUBNQN) == blind:
+            return raw
+
+
+@pytest.mark.parametrize("h", [DhchapHash.SHA256, DhchapHash.SHA384])
+def test_generated_psk_is_never_one_spdk_takes_for_no_key(
+    h: DhchapHash, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the first draw derives a TLS PSK beginning 0x00 (SPDK's initiator would go plaintext):
+    # generate draws again and returns the second
+    blind, good = _draw(h, True), _draw(h, False)
+    draws = iter([blind, good])
+    monkeypatch.setattr("kvproto.nvme._secrets.os.urandom", lambda n: next(draws))
+    p = TlsPsk.generate(HOSTNQN, SUBNQN, h)
+    assert p.psk == good and not p.spdk_takes_for_none(HOSTNQN, SUBNQN)
+    assert TlsPsk(psk=blind, hash=h).tls_psk(HOSTNQN, SUBNQN)[0] == 0
+
+
 def test_secret_repr_does_not_leak_the_key() -> None:
     s = DhchapSecret.generate()
-    p = TlsPsk.generate()
+    p = TlsPsk.generate(HOSTNQN, SUBNQN)
     assert s.format()[10:20] not in repr(s) and p.format()[16:26] not in repr(p)
 
 
 @pytest.mark.parametrize("h", [DhchapHash.NONE, DhchapHash.SHA256, DhchapHash.SHA384])
 def test_tls_psk_round_trip_and_derivations(h: DhchapHash) -> None:
-    p = TlsPsk.generate(h)
+    p = TlsPsk.generate(HOSTNQN, SUBNQN, h)
     assert TlsPsk.parse(p.format()) == p
     ident = p.identity(HOSTNQN, "nqn.2026-11.io.dpu-kvtier:tenant:a")
     assert ident.startswith("NVMe0R0") and parse_identity(ident)[1:] == (
@@ -126,7 +150,7 @@ class TestNvmeCli:
 
     @pytest.mark.parametrize("h", [DhchapHash.SHA256, DhchapHash.SHA384])
     def test_tls_keys_both_ways(self, h: DhchapHash) -> None:
-        ours = TlsPsk.generate(h).format()
+        ours = TlsPsk.generate(HOSTNQN, SUBNQN, h).format()
         out = self._run("check-tls-key", "-k", ours)
         assert out.returncode == 0 and "Key is valid" in out.stdout, out
         theirs = self._run("gen-tls-key", "-m", str(h.value)).stdout.strip()

@@ -35,8 +35,8 @@ from kvproto.nvme import DhchapHash, DhchapSecret, TlsPsk
 NQN = "nqn.2026-11.io.dpu-kvtier:tenant:tls"
 HOST = f"nqn.2014-08.org.nvmexpress:uuid:{uuid.uuid4()}"
 HOST2 = f"nqn.2014-08.org.nvmexpress:uuid:{uuid.uuid4()}"
-PSK = TlsPsk.generate(DhchapHash.SHA256)
-PSK384 = TlsPsk.generate(DhchapHash.SHA384)
+PSK = TlsPsk.generate(HOST, NQN)
+PSK384 = TlsPsk.generate(HOST2, NQN, DhchapHash.SHA384)
 
 
 def _io(c: NvmeTcpController, size: int = 1 << 20) -> None:
@@ -83,7 +83,7 @@ def test_ours_to_ours_tls_sha384_with_dhchap_on_top(our_secure_target: TargetPro
 def test_wrong_psk_refused_by_our_target(our_secure_target: TargetProcess) -> None:
     with pytest.raises(NvmeTransportError, match="TLS handshake refused"):
         NvmeTcpController.connect(
-            "127.0.0.1", our_secure_target.port, NQN, HOST, psk=TlsPsk.generate()
+            "127.0.0.1", our_secure_target.port, NQN, HOST, psk=TlsPsk.generate(HOST, NQN)
         )
 
 
@@ -125,7 +125,7 @@ def spdk_keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("tls-keys")
     return {
         n: write_key(d, n, k.format())
-        for n, k in (("psk0", PSK), ("psk1", PSK384), ("bad", TlsPsk.generate()))
+        for n, k in (("psk0", PSK), ("psk1", PSK384), ("bad", TlsPsk.generate(HOST, NQN)))
     }
 
 
@@ -186,7 +186,7 @@ def test_our_initiator_to_spdk_secure_channel(
 def test_spdk_refuses_our_wrong_psk(spdk_secure_target: int) -> None:
     with pytest.raises(NvmeTransportError, match="TLS handshake refused"):
         NvmeTcpController.connect(
-            "127.0.0.1", spdk_secure_target, NQN, HOST, psk=TlsPsk.generate(), timeout_s=5
+            "127.0.0.1", spdk_secure_target, NQN, HOST, psk=TlsPsk.generate(HOST, NQN), timeout_s=5
         )
 
 
@@ -228,6 +228,59 @@ def test_spdk_plaintext_initiator_refused_by_our_target(
 ) -> None:
     out = bdevperf(tmp_path, _attach(our_secure_target.port, "Plain", HOST), spdk_keys)
     assert out.returncode != 0
+
+
+def _key(host: str, blind: bool) -> TlsPsk:
+    """A PSK for `host` on NQN whose derived TLS PSK begins with 0x00 (`blind`) or not."""
+    while True:
+        k = TlsPsk(psk=os.urandom(32))
+        if k.spdk_takes_for_none(host, NQN) == blind:
+            return k
+
+
+def test_spdk_initiator_takes_a_zero_led_derived_psk_for_no_key(tmp_path: Path) -> None:
+    # SPDK's nvme_tcp.c picks its ssl socket by psk[0] of the derived TLS PSK: with a key
+    # deriving 0x00 first it sends a plaintext ICReq (why TlsPsk.generate draws such a key
+    # again). The same bdevperf with a key that derives another first byte passes.
+    require_spdk()
+    host = f"nqn.2014-08.org.nvmexpress:uuid:{uuid.uuid4()}"
+    for blind in (True, False):
+        psk = _key(host, blind)
+        hosts = write_key(tmp_path, f"hosts-{blind}.json",
+                          json.dumps({host: host_keys_to_dict(HostKeys(psk=psk))}))  # fmt: skip
+        log = tmp_path / f"target-{blind}.log"
+        with TargetProcess(NQN, allow_hosts=[host], blocks=4096, host_keys_file=hosts,
+                           extra_args=["--secure-channel"], log_path=log) as t:  # fmt: skip
+            keys = {"k": write_key(tmp_path, f"k-{blind}", psk.format())}
+            out = bdevperf(tmp_path, _attach(t.port, f"B{int(blind)}", host, psk="k"), keys)
+        refusals = [json.loads(line) for line in log.read_text().splitlines()
+                    if "nvmf_tls_refused" in line]  # fmt: skip
+        if blind:
+            assert out.returncode != 0
+            assert [r["reason"].startswith("plaintext NVMe/TCP ICReq") for r in refusals] == [True]
+        else:
+            assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+            assert refusals == []
+
+
+def test_plaintext_host_is_named_in_the_secure_targets_log(tmp_path: Path) -> None:
+    psk = TlsPsk.generate(HOST, NQN)
+    hosts = write_key(
+        tmp_path, "hosts.json", json.dumps({HOST: host_keys_to_dict(HostKeys(psk=psk))})
+    )
+    log = tmp_path / "target.log"
+    with TargetProcess(NQN, allow_hosts=[HOST], blocks=4096, host_keys_file=hosts,
+                       extra_args=["--secure-channel"], log_path=log) as t:  # fmt: skip
+        with pytest.raises(NvmeTransportError):
+            NvmeTcpController.connect("127.0.0.1", t.port, NQN, HOST, timeout_s=5)
+        with pytest.raises(NvmeTransportError, match="TLS handshake refused"):
+            NvmeTcpController.connect(
+                "127.0.0.1", t.port, NQN, HOST, psk=TlsPsk.generate(HOST, NQN)
+            )
+    reasons = [json.loads(line)["reason"] for line in log.read_text().splitlines()
+               if "nvmf_tls_refused" in line]  # fmt: skip
+    assert len(reasons) == 2 and reasons[0].startswith("plaintext NVMe/TCP ICReq"), reasons
+    assert "plaintext" not in reasons[1]
 
 
 def test_silent_connection_to_secure_target_is_closed_after_the_handshake_timeout(

@@ -359,7 +359,7 @@ def bare_connects_round(tgt: TargetProcess, legit: NvmeTcpController, before: in
 
 
 def test_bare_tls_connects_are_counted_bounded_and_freed(tmp_path: Path) -> None:
-    psk = TlsPsk.generate(DhchapHash.SHA256)
+    psk = TlsPsk.generate(LEGIT, TENANT_A)
     path = write_key(tmp_path, "hosts.json", json.dumps(
         {LEGIT: host_keys_to_dict(HostKeys(dhchap_key=LEGIT_KEY, psk=psk))}))  # fmt: skip
     with TargetProcess(TENANT_A, also_nqns=[TENANT_B], allow_hosts=[LEGIT], blocks=4096,

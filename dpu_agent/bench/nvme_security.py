@@ -93,7 +93,7 @@ def security_rows(seconds: float = 1.0) -> list[dict[str, Any]]:
     """Rows {op, io_kib, qd, auth, tls, gbps, plain_gbps, vs_plain, connect_ms}."""
     seconds = min(seconds, SECONDS_PER_ROW_MAX)
     keys = HostKeys(
-        dhchap_key=DhchapSecret.generate(DhchapHash.SHA256), psk=TlsPsk.generate(DhchapHash.SHA256)
+        dhchap_key=DhchapSecret.generate(DhchapHash.SHA256), psk=TlsPsk.generate(HOSTNQN, NQN)
     )
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-nvme-sec-") as tmp:

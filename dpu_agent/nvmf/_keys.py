@@ -20,7 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from dpu_agent.log import get_logger
-from dpu_agent.nvmf._host_keys import HostKeys, host_keys_from_dict, host_keys_to_dict
+from dpu_agent.nvmf._host_keys import (
+    HostKeys,
+    host_keys_from_dict,
+    host_keys_to_dict,
+    nqn_hash,
+)
 from dpu_agent.nvmf._subsystem import Subsystem
 from kvproto.nvme import DhchapHash, DhchapSecret, TlsPsk
 
@@ -80,6 +85,13 @@ class HostKeyIssuer:
         docs = self._docs.get(tenant, {})
         for host, keys in self._keys.get(tenant, {}).items():
             sub.host_keys[host] = keys
+            if keys.psk is not None and keys.psk.spdk_takes_for_none(host, sub.nqn):
+                log.warning(  # a key issued before TlsPsk.generate drew such keys again
+                    "nvmf_host_psk_spdk_plaintext", tenant=tenant, host=nqn_hash(host),
+                    hint="SPDK's initiator connects without TLS with this key (its derived "
+                    "PSK begins 0x00; docs/NVME_AUTH.md): `dpuctl hosts remove` and `hosts "
+                    "add` it again for a new key",
+                )  # fmt: skip
             if docs.get(host, {}).get(_ANY_ADDRESS):
                 sub.allowed_hosts.add(host)
 
@@ -101,7 +113,7 @@ class HostKeyIssuer:
                     self._make_room(tenant, sub)
                 keys = HostKeys(
                     dhchap_key=DhchapSecret.generate(DhchapHash.SHA256) if self.dhchap else None,
-                    psk=TlsPsk.generate(DhchapHash.SHA256) if self.psk else None,
+                    psk=TlsPsk.generate(hostnqn, sub.nqn) if self.psk else None,
                 )
                 hosts.pop(hostnqn, None)
                 hosts[hostnqn] = keys

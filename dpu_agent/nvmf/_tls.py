@@ -41,6 +41,12 @@ PLAINTEXT_READS_MAX = 4096  # records decrypted per receive: bounded, each <= 16
 # in one round trip (milliseconds); 10 s covers a loaded one. Counted meanwhile (the target's
 # HANDSHAKES_PER_ADDRESS_MAX / HANDSHAKES_MAX), so at most that many wait this long.
 HANDSHAKE_TIMEOUT_S = 10.0
+ICREQ_PDU_TYPE, ICREQ_HLEN = 0x00, 128  # the first bytes of a plaintext host's ICReq
+PLAINTEXT = (
+    "plaintext NVMe/TCP ICReq on a secure-channel listener: the host did not start TLS (no "
+    "PSK configured, or SPDK's initiator given a key whose derived TLS PSK begins 0x00: "
+    "docs/NVME_AUTH.md)"
+)
 
 
 def psk_lookup(subsystems: Callable[[], dict[str, Subsystem]]) -> Callable[[str], Any]:
@@ -173,6 +179,11 @@ class TlsServerProtocol(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.engine is None:
+            if self._buf[0] == ICREQ_PDU_TYPE and (nbytes < 3 or self._buf[2] == ICREQ_HLEN):
+                # A TLS record starts 0x16: this is an NVMe/TCP ICReq sent in the clear
+                refusals.warning("nvmf_tls_refused", peer=self._peer, host="", reason=PLAINTEXT)
+                self.transport.close()
+                return
             self.engine = TlsEngine(server=True, lookup=self._lookup)
         self.engine.feed(memoryview(self._buf)[:nbytes])
         if not self.engine.handshake_done:

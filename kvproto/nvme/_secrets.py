@@ -189,8 +189,22 @@ class TlsPsk:
         return cls(psk=psk, hash=DhchapHash(hash_id))
 
     @classmethod
-    def generate(cls, hash: DhchapHash = DhchapHash.SHA256) -> TlsPsk:
-        return cls(psk=os.urandom(hash.length if hash is not DhchapHash.NONE else 32), hash=hash)
+    def generate(cls, hostnqn: str, subnqn: str, hash: DhchapHash = DhchapHash.SHA256) -> TlsPsk:
+        """A fresh random PSK for this host on this subsystem, drawn again while its derived
+        TLS PSK begins with a zero byte (`spdk_takes_for_none`): 1 draw in 256."""
+        n = hash.length if hash is not DhchapHash.NONE else 32
+        while True:
+            psk = cls(psk=os.urandom(n), hash=hash)
+            if not psk.spdk_takes_for_none(hostnqn, subnqn):
+                return psk
+
+    def spdk_takes_for_none(self, hostnqn: str, subnqn: str) -> bool:
+        """Whether SPDK's initiator would connect without TLS with this key: its nvme_tcp.c
+        picks the ssl socket by `psk[0]` of the derived TLS PSK, so one whose first byte is
+        0x00 (1 key in 256 for a given host and subsystem) is taken for no key and the host
+        sends a plaintext ICReq, which a secure-channel target refuses (measured with SPDK
+        v26.05's bdevperf; docs/NVME_AUTH.md)."""
+        return self.tls_psk(hostnqn, subnqn)[0] == 0
 
     def format(self) -> str:
         return _format(TLS_PSK_PREFIX, self.hash.value, self.psk)
