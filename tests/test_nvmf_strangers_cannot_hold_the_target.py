@@ -23,6 +23,7 @@ from spdk_auth_peer import write_key
 from test_hostile_abuse import rss_bytes
 
 from dpu_agent.nvmf import HostKeys
+from dpu_agent.nvmf._auth import AUTH_FAILED_CLOSE_S
 from dpu_agent.nvmf._host_keys import host_keys_to_dict
 from dpu_agent.nvmf._keys import HostKeyIssuer
 from dpu_agent.nvmf._limits import (
@@ -71,7 +72,14 @@ from kvproto.nvme._auth import (
     auth_send,
     parse_auth_message,
 )
-from kvproto.nvme._commands import connect, keep_alive, property_get, write
+from kvproto.nvme._commands import (
+    connect,
+    keep_alive,
+    property_get,
+    property_set,
+    set_features,
+    write,
+)
 
 TENANT_A = "nqn.2026-11.io.dpu-kvtier:tenant:strangers-a"  # the attacked tenant
 TENANT_B = "nqn.2026-11.io.dpu-kvtier:tenant:strangers-b"  # the legitimate host's tenant
@@ -174,10 +182,12 @@ class RawQueue:
             assert isinstance(ev, CapsuleResp)
             return ev.cqe, got
 
-    def connect(self, subnqn: str, hostnqn: str) -> Cqe:
-        cd = ConnectData(hostid=uuid.uuid4().bytes, cntlid=0xFFFF, subnqn=subnqn, hostnqn=hostnqn)
-        cqe, _ = self.run(lambda c: connect(cid=c, qid=0, sqsize=31, kato_ms=0), cd.pack())
-        assert cqe is not None and cqe.ok, cqe
+    def connect(self, subnqn: str, hostnqn: str, qid: int = 0, cntlid: int = 0xFFFF) -> Cqe:
+        """Connect (admin, or I/O queue `qid` of controller `cntlid`); its completion, which
+        must be a success for an admin queue."""
+        cd = ConnectData(hostid=uuid.uuid4().bytes, cntlid=cntlid, subnqn=subnqn, hostnqn=hostnqn)
+        cqe, _ = self.run(lambda c: connect(cid=c, qid=qid, sqsize=31, kato_ms=0), cd.pack())
+        assert cqe is not None and (qid or cqe.ok), cqe
         return cqe
 
     def auth_send(self, msg: bytes) -> Cqe:
@@ -484,6 +494,79 @@ def answer_r2ts_but_the_last_block(queues: list) -> int:  # type: ignore[type-ar
     for q in queues:
         q._sock.setblocking(True)
     return sent
+
+
+# --- a stranger cannot hold the I/O queues of another host's controller --------------------
+
+
+def test_a_stranger_cannot_hold_the_io_queues_of_another_hosts_controller(
+    tmp_path: Path,
+) -> None:
+    """cntlids are sequential and NQNs no secret: the old target let a stranger without the
+    key connect I/O queues to the victim's authenticated controller, which took their qids and
+    made the victim's Set Features (Number of Queues) a Command Sequence Error (the real
+    initiator failed 5 of 5 connects beside a stranger spinning Connects)."""
+    with auth_target(tmp_path) as tgt:
+        victim = RawQueue("127.0.0.1", tgt.port)
+        held: list[RawQueue] = [victim]
+        try:
+            cntlid = victim.connect(TENANT_A, VICTIM).cdw0 & 0xFFFF
+            victim.authenticate(VICTIM, TENANT_A, VICTIM_KEY)
+            cqe, _ = victim.run(lambda c: property_set(cid=c, prop=Property.CC, value=0x460001))
+            assert cqe is not None and cqe.ok, cqe
+            # from another address: refused outright
+            far = RawQueue(STRANGER, tgt.port)
+            held.append(far)
+            cqe = far.connect(TENANT_A, VICTIM, qid=1, cntlid=cntlid)
+            assert (cqe.sct, cqe.sc) == (1, 0x82), cqe  # Connect Invalid Parameters
+            # from the victim's own address (a NAT, another process): taken as a queue that
+            # must authenticate, which holds no qid and counts for nothing until it does
+            near = RawQueue("127.0.0.1", tgt.port)
+            held.append(near)
+            cqe = near.connect(TENANT_A, VICTIM, qid=1, cntlid=cntlid)
+            assert cqe.ok and cqe.cdw0 >> 17 & 1, cqe  # accepted, authentication required
+            cqe, _ = victim.run(lambda c: set_features(cid=c, fid=0x07, cdw11=3 | 3 << 16))
+            assert cqe is not None and cqe.ok, cqe  # Number of Queues: still the host's call
+            mine = RawQueue("127.0.0.1", tgt.port)
+            held.append(mine)
+            assert mine.connect(TENANT_A, VICTIM, qid=1, cntlid=cntlid).ok
+            mine.authenticate(VICTIM, TENANT_A, VICTIM_KEY)
+            data = os.urandom(4096)
+            cqe, _ = mine.run(lambda c: write(cid=c, nsid=1, slba=8, nlb=1, in_capsule=True), data)
+            assert cqe is not None and cqe.ok, cqe
+            # the victim's qid 1 is held now: another Connect for it is refused
+            again = RawQueue("127.0.0.1", tgt.port)
+            held.append(again)
+            cqe = again.connect(TENANT_A, VICTIM, qid=1, cntlid=cntlid)
+            assert (cqe.sct, cqe.sc) == (1, 0x82), cqe
+            # and Number of Queues is fixed once a queue proved the key (as SPDK)
+            cqe, _ = victim.run(lambda c: set_features(cid=c, fid=0x07, cdw11=3 | 3 << 16))
+            assert cqe is not None and (cqe.sct, cqe.sc) == (0, 0x0C), cqe
+        finally:
+            for q in held:
+                q.close()
+        assert tgt.alive()
+
+
+def test_an_auth_message_too_long_for_the_hosts_buffer_ends_the_queue(tmp_path: Path) -> None:
+    """A Receive whose allocation length cannot hold the message: the transaction is lost, so
+    the queue goes after AUTH_FAILED_CLOSE_S (it stayed open, refusing everything, for good)."""
+    with auth_target(tmp_path) as tgt:
+        q = RawQueue("127.0.0.1", tgt.port)
+        try:
+            q.connect(TENANT_A, VICTIM)
+            host = HostAuth(hostnqn=VICTIM, subnqn=TENANT_A, key=VICTIM_KEY, t_id=0,
+                            dhgroups=[DhGroup.NULL])  # fmt: skip
+            q.auth_send(host.negotiate())
+            cqe, _ = q.run(lambda c: auth_recv(cid=c, length=4))
+            assert cqe is not None and (cqe.sct, cqe.sc) == (0, 0x02), cqe  # Invalid Field
+            deadline = time.monotonic() + AUTH_FAILED_CLOSE_S + 5
+            while q.alive() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not q.alive()
+        finally:
+            q.close()
+        assert tgt.alive()
 
 
 # --- a failed re-authentication ends the queue even if AUTH_Failure1 is never read ----------

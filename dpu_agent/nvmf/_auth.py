@@ -161,7 +161,11 @@ def _received(
 ) -> None:
     assert len(msg) <= AUTH_DATA_BYTES_MAX, len(msg)
     if len(msg) > cmd.sqe.cdw11:
-        return conn._complete(cmd, Status.INVALID_FIELD)
+        # The message is made (the transaction moved on) but the host cannot read it: the
+        # transaction is lost, so the queue goes as after a failure (a re-authentication
+        # left this way kept a queue that refused everything open for good)
+        conn._complete(cmd, Status.INVALID_FIELD)
+        return _refused(conn, ctrl, auth, f"allocation length {cmd.sqe.cdw11} < {len(msg)}")
     conn._send_data(cmd, msg)
     if auth.state is ControllerAuthState.ERROR:
         _refused(conn, ctrl, auth, auth.fail_reason.name.lower())
@@ -172,6 +176,8 @@ def _received(
 def _authenticated(conn: NvmfConnection, ctrl: Controller, auth: ControllerAuth) -> None:
     if conn.qid == 0:
         conn.target.controller_authenticated(ctrl)
+    else:
+        conn.target.io_queue_proven(conn)
     log.info(
         "nvmf_auth_ok",
         host=nqn_hash(ctrl.hostnqn),

@@ -174,6 +174,7 @@ class NvmfConnection(asyncio.BufferedProtocol):
         self.ctrl: Controller | None = None
         self.qid: int | None = None
         self.auth: ControllerAuth | None = None  # DH-HMAC-CHAP state of this queue (_auth.py)
+        self.proven = False  # an I/O queue holding its qid (NvmeTcpTarget.io_queue_proven)
         self.depth = self.opts.max_aq_depth
         self.icd_limit = ADMIN_ICD_BYTES
         self.closed = False

@@ -669,15 +669,43 @@ class NvmeTcpTarget:
         ctrl = self._controllers.get(cd.cntlid)
         if ctrl is None or ctrl.subnqn != cd.subnqn or ctrl.hostnqn != cd.hostnqn:
             return conn.connect_refused(cmd, Status.CONNECT_INVALID_PARAMETERS, 1, _IPO_CNTLID)
-        taken = {c.qid for c in self._ctrl_conns.get(ctrl.cntlid, ())}
-        if ctrl.is_discovery or not ctrl.enabled or qid > ctrl.io_queues_granted or qid in taken:
+        if conn.peer.rpartition(":")[0] != ctrl.address:
+            # A controller's queues come from its host: cntlids are sequential and NQNs no
+            # secret, so without this a stranger could hold another host's queues
+            refusals.warning(
+                "nvmf_connect_refused", peer=conn.peer, subnqn=cd.subnqn,
+                host=nqn_tag(cd.hostnqn), reason="not its admin queue's address",
+            )  # fmt: skip
+            return conn.connect_refused(cmd, Status.CONNECT_INVALID_PARAMETERS, 1, _IPO_CNTLID)
+        if ctrl.is_discovery or not ctrl.enabled or not self._qid_free(ctrl, qid):
             return conn.connect_refused(cmd, Status.CONNECT_INVALID_PARAMETERS, 0, _IPO_QID)
         busy = self._queues_full(ctrl)
         if busy:
             refusals.warning("nvmf_connect_refused", peer=conn.peer, subnqn=cd.subnqn,
                              host=nqn_tag(cd.hostnqn), reason=busy)  # fmt: skip
             return conn.connect_refused(cmd, Status.CONNECT_CONTROLLER_BUSY)
-        ctrl.io_queue_count += 1
         self._ctrl_conns[ctrl.cntlid].add(conn)
         log.info("nvmf_io_queue_connected", cntlid=ctrl.cntlid, qid=qid, peer=conn.peer)
         conn.connect_done(cmd, ctrl, qid)
+        if conn.auth is None:  # else it counts once it has proved the key (_auth.py)
+            self.io_queue_proven(conn)
+
+    def _qid_free(self, ctrl: Controller, qid: int) -> bool:
+        """Whether `qid` is granted and no proven queue (`io_queue_proven`) holds it: one
+        still authenticating holds nothing, so a queue without the key blocks no qid."""
+        held = {c.qid for c in self._ctrl_conns.get(ctrl.cntlid, ()) if c.proven}
+        return qid <= ctrl.io_queues_granted and qid not in held
+
+    def io_queue_proven(self, conn: NvmfConnection) -> None:
+        """An I/O queue that needs no key connected, or one that does proved it: it holds its
+        qid and counts (Set Features, Number of Queues is refused from then on, as SPDK does).
+        A queue whose qid another proved first (or no longer granted) is closed."""
+        ctrl = conn.ctrl
+        if ctrl is None or conn.proven or not conn.qid:
+            return
+        if not self._qid_free(ctrl, conn.qid):
+            refusals.warning("nvmf_io_queue_refused", peer=conn.peer, qid=conn.qid,
+                             reason="qid taken or not granted")  # fmt: skip
+            return conn.close()
+        conn.proven = True
+        ctrl.io_queue_count += 1
