@@ -2,13 +2,17 @@
 through the documented plugin path (``remote_storage_plugins: ["dpukv"]``, the agent's address
 in ``extra_config``). One process stores the KV of 1,000 tokens (3 full chunks and a partial
 one) and reads it back from LMCache's local CPU cache; a fresh process, with an empty local
-cache, retrieves all of it from the agent, byte for byte. `make test-engines` builds the venv.
+cache, retrieves all of it from the agent, byte for byte. The same on a cluster URL (three
+real agents, real Serf, R=2) with one agent killed between the store and the retrieve.
+`make test-engines` builds the venv.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -57,3 +61,39 @@ def test_lmcache_stores_and_a_fresh_process_retrieves_byte_exact(agent: Any) -> 
         {**spec, "mode": "retrieve", "seed": 4, "salt": os.urandom(32).hex()}, PYTHON
     )
     assert other["retrieved_tokens"] == 0  # another tenant salt: nothing to find
+
+
+def test_lmcache_on_a_cluster_url_retrieves_everything_with_an_agent_killed(
+    tmp_path: Path,
+) -> None:
+    """The plugin on three agents' cluster URL (real Serf, R=2): one process stores, one
+    agent is killed (-9), a fresh process retrieves every token byte-exact from the others."""
+    if shutil.which("serf") is None:
+        pytest.skip("needs the serf binary (apt-get install serf)")
+    from cluster_harness import Cluster
+
+    assert PYTHON is not None
+    c = Cluster(tmp_path / "cluster", replicas=2)
+    try:
+        tiers = {"DPUKV_STORAGE_NVME_BYTES": str(512 << 20)}  # LMCache chunks are 11.25 MiB
+        for name in ("n1", "n2", "n3"):
+            c.start(name, extra_env=tiers)
+        c.wait_serving(["n1", "n2", "n3"], on=["n1", "n2", "n3"])
+        hosts = ",".join(n.agent.control_url.removeprefix("tcp://") for n in c.nodes.values())
+        spec = {
+            "control": f"tcp://{hosts}",
+            "tenant": "default",
+            "token": c.token,
+            "salt": os.urandom(32).hex(),
+            "tokens": 1000,
+            "seed": 5,
+        }
+        stored = run_lmcache({**spec, "mode": "store"}, PYTHON)
+        assert stored["stored_tokens"] == 1000 and stored["byte_exact"], stored
+        n1 = c.nodes["n1"].agent.proc
+        n1.kill()
+        n1.wait(30)
+        fresh = run_lmcache({**spec, "mode": "retrieve"}, PYTHON)
+        assert fresh["retrieved_tokens"] == 1000 and fresh["byte_exact"], fresh
+    finally:
+        c.stop_all()
