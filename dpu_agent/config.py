@@ -367,9 +367,20 @@ def check_secret_mode(path: Path) -> None:
 
 def _read_secret(path: Path) -> str:
     check_secret_mode(path)
-    value = path.read_text().strip()
+    try:
+        value = path.read_bytes().decode().strip()
+    except UnicodeDecodeError:
+        raise ConfigError(
+            f"secret file {path} is not text (UTF-8): damaged? restore it, or delete it to "
+            "generate a new one"
+        ) from None
     if not value:
         raise ConfigError(f"secret file {path} is empty; delete it to generate a new one")
+    if not value.isprintable():  # NULs of a zeroed file were accepted as a token
+        raise ConfigError(
+            f"secret file {path} holds control characters: damaged? restore it, or delete it "
+            "to generate a new one"
+        )
     return value
 
 

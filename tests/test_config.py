@@ -99,6 +99,28 @@ def test_group_readable_token_refused(tmp_path: Path) -> None:
         cfg2.prepare()
 
 
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [(b"\xff\xfeq\x80token", "not text"), (b"\0" * 44, "control characters")],
+    ids=["not-utf8", "zeroed"],
+)
+def test_a_damaged_secret_file_is_refused_naming_it(
+    tmp_path: Path, damage: bytes, says: str
+) -> None:
+    """A flipped bit made the start die with a UnicodeDecodeError traceback; a zeroed admin
+    token was taken, and forty-four NULs logged in as the admin."""
+    cfg = load_config(environ={"DPUKV_AGENT_DATA_DIR": str(tmp_path)})
+    cfg.prepare()
+    for name in ("admin.token", "tenant-default.token"):
+        f = tmp_path / name
+        saved = f.read_bytes()
+        f.write_bytes(damage)
+        again = load_config(environ={"DPUKV_AGENT_DATA_DIR": str(tmp_path)})
+        with pytest.raises(ConfigError, match=f"secret file {f} .*{says}"):
+            again.prepare()
+        f.write_bytes(saved)
+
+
 def test_nixl_prestart_is_off_by_default_and_set_by_file_or_environment(tmp_path: Path) -> None:
     assert load_config(environ={}).nixl.prestart is False
     f = tmp_path / "agent.toml"

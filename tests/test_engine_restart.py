@@ -5,6 +5,7 @@ engine keeps working."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 from test_engine import FakeClock
 
-from dpu_agent.crypto import KeyStore
+from dpu_agent.crypto import KeyStore, KeyStoreError
 from dpu_agent.engine import DRAM, NVME, Engine, EngineConfig
 
 BS = 4096
@@ -135,6 +136,37 @@ def test_key_rotation_does_not_strand_existing_nvme_chunks(tmp_path: Path) -> No
             assert eng.get_chunk("acme", chunk(i)[0]) == chunk(i, blocks)[1]
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("damage", ["deleted", "emptied", "tenant gone"])
+def test_a_tenant_whose_nvme_key_is_gone_stops_the_start(tmp_path: Path, damage: str) -> None:
+    """The old engine made the tenant a new key at start, silently: every chunk then failed
+    its check on read and was quarantined, and putting the key file back recovered nothing."""
+    eng = Engine(cfg(tmp_path))
+    eng.put_chunk("acme", *chunk(1, blocks=8))
+    eng.close()
+    keys = tmp_path / "keys.json"
+    saved = keys.read_bytes()
+    if damage == "deleted":
+        keys.unlink()
+    elif damage == "emptied":
+        keys.write_bytes(b"")
+    else:
+        keys.write_text("{}")
+    with pytest.raises(KeyStoreError, match=r"tenant 'acme' has chunks in .* key generation 1"):
+        Engine(cfg(tmp_path))
+    keys.write_bytes(saved)  # the operator restores the file: nothing was lost
+    keys.chmod(0o600)
+    eng = Engine(cfg(tmp_path))
+    try:
+        assert eng.get_chunk("acme", chunk(1)[0]) == chunk(1, 8)[1]
+        assert eng.stats("acme")["integrity_failures"] == 0
+    finally:
+        eng.close()
+    # giving the data up: a tenant not configured starts (it is erased after the start)
+    keys.unlink()
+    eng = Engine(dataclasses.replace(cfg(tmp_path), tenants={}))
+    eng.close()
 
 
 def test_a_restart_begins_each_tiers_election_with_the_leader_it_had(tmp_path: Path) -> None:

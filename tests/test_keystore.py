@@ -26,7 +26,8 @@ def test_key_file_created_0600_and_keys_persist(tmp_path: Path) -> None:
     assert again.key_for("tenant-a") == key
     assert again.tenants() == ["tenant-a"]
     doc = json.loads(path.read_text())
-    assert doc == {"tenant-a": [{"generation": 1, "key": key.hex()}]}
+    check = doc["tenant-a"][0]["check"]
+    assert doc == {"tenant-a": [{"generation": 1, "key": key.hex(), "check": check}]}
     XtsCipher(key)  # a usable XTS key
 
 
@@ -159,3 +160,27 @@ def test_retire_old_generation(tmp_path: Path) -> None:
     assert reloaded.current_generation("t") == 2
     with pytest.raises(KeyStoreError, match="no key generation 1"):
         reloaded.key_for("t", 1)
+
+
+def test_a_damaged_key_is_refused_by_its_check_value(tmp_path: Path) -> None:
+    """One hex digit of a key changed on disk: the old store loaded it, and every chunk the
+    tenant had written failed its check on read (and was quarantined)."""
+    path = tmp_path / "keys.json"
+    key = KeyStore(path, env={}).key_for("tenant-a")
+    doc = json.loads(path.read_text())
+    text = doc["tenant-a"][0]["key"]
+    doc["tenant-a"][0]["key"] = ("0" if text[5] != "0" else "1").join((text[:5], text[6:]))
+    path.write_text(json.dumps(doc))
+    with pytest.raises(
+        KeyStoreError, match="tenant 'tenant-a' generation 1 does not match its check value"
+    ) as e:
+        KeyStore(path, env={})
+    assert text not in str(e.value) and doc["tenant-a"][0]["key"] not in str(e.value)
+    # a file written before check values (no "check") loads, and gets one at its next write
+    doc["tenant-a"][0] = {"generation": 1, "key": key.hex()}
+    path.write_text(json.dumps(doc))
+    old = KeyStore(path, env={})
+    assert old.key_for("tenant-a") == key and old.has_key("tenant-a", 1)
+    assert not old.has_key("tenant-a", 2) and not old.has_key("tenant-b", 1)
+    old.rotate("tenant-a")
+    assert all("check" in e for e in json.loads(path.read_text())["tenant-a"])

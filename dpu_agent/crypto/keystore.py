@@ -1,11 +1,12 @@
 """Per-tenant AES-XTS keys from a key file or the environment, with rotation by generation.
 
 Key file (JSON, mode 0600, refused when group- or world-accessible):
-`{"tenant": [{"generation": 1, "key": "<128 hex chars>"}, ...], ...}`. A new tenant gets a
-random key on first use; `rotate` appends a generation and keeps the old ones, so data written
-under them stays readable until it is rewritten. Every change is written to a temporary file
-in the same directory and renamed over the old one (a crash leaves the old or the new file,
-never half of one).
+`{"tenant": [{"generation": 1, "key": "<128 hex chars>", "check": "<16 hex>"}, ...], ...}`
+(`check`: the key's check value, verified at load; files without it are accepted). A new
+tenant gets a random key on first use; `rotate` appends a generation and keeps the old ones,
+so data written under them stays readable until it is rewritten. Every change is written to a
+temporary file in the same directory and renamed over the old one (a crash leaves the old or
+the new file, never half of one).
 
 Environment: `DPUKV_XTS_KEY_<TENANT>` (tenant upper-cased, every non-alphanumeric character
 turned into `_`) holds 128 hex characters and takes precedence over the file; its generation
@@ -17,6 +18,7 @@ Key bytes are never logged, never in a repr and never in an exception message.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -84,6 +86,13 @@ def _parse_key(text: object, where: str) -> bytes:
     if key[: XTS_KEY_BYTES // 2] == key[XTS_KEY_BYTES // 2 :]:
         raise KeyStoreError(f"{where} has equal halves (key == key2), which XTS forbids")
     return key
+
+
+def _check_value(key: bytes) -> str:
+    """A key's check value (16 hex characters of a SHA-256 of it): kept beside the key in the
+    file so a damaged key is refused at load instead of silently making every chunk written
+    under it unreadable. It reveals nothing usable about the key."""
+    return hashlib.sha256(b"dpukv-xts-key-check\0" + key).hexdigest()[:16]
 
 
 def _new_key() -> bytes:
@@ -173,7 +182,14 @@ class KeyStore:
                         "generation number"
                     )
                 where = f"key file {path}: key of tenant {tenant!r} generation {gen}"
-                gens[gen] = _parse_key(entry.get("key"), where)
+                key = _parse_key(entry.get("key"), where)
+                check = entry.get("check")
+                if check is not None and check != _check_value(key):  # older files have none
+                    raise KeyStoreError(
+                        f"{where} does not match its check value: the file is damaged; restore "
+                        "it from a backup (data written under a wrong key cannot be read)"
+                    )
+                gens[gen] = key
             keys[tenant] = gens
         return keys
 
@@ -181,7 +197,10 @@ class KeyStore:
         """Write all file-backed keys to a 0600 temp file, fsync, rename over the key file."""
         assert self._path is not None
         doc = {
-            tenant: [{"generation": g, "key": k.hex()} for g, k in sorted(gens.items())]
+            tenant: [
+                {"generation": g, "key": k.hex(), "check": _check_value(k)}
+                for g, k in sorted(gens.items())
+            ]
             for tenant, gens in sorted(self._keys.items())
         }
         data = json.dumps(doc, indent=1).encode()
@@ -335,6 +354,16 @@ class KeyStore:
                 raise
         log.info("keystore.keys_created", tenants=len(new), generation=1)
         return new
+
+    def has_key(self, tenant: str, generation: int) -> bool:
+        """Whether the tenant's key of `generation` exists (environment or file), without
+        creating one."""
+        _check_tenant(tenant)
+        env = self._env_key(tenant)
+        if env is not None and env[0] == generation:
+            return True
+        with self._lock:
+            return generation in self._keys.get(tenant, {})
 
     def has_env_key(self, tenant: str) -> bool:
         """Whether the tenant's key comes from the environment (not the key file)."""

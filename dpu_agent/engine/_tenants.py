@@ -83,6 +83,13 @@ class Tenants:
     def nvme_devices(self) -> list[BlockDevice]:
         return [ts.tiers[NVME].device for ts in self._by_name.values()]
 
+    def require_key(self, name: str, generation: int) -> None:
+        """The tenant's NVMe chunks were written under `generation`: its key must exist (a
+        factory without keys of its own has nothing to check)."""
+        check = getattr(self.factory, "require_key", None)
+        if check is not None:
+            check(name, generation)
+
     def build(
         self, name: str, tid: int, quota_bytes: int, nvme_generation: int | None = None
     ) -> TenantState:

@@ -95,6 +95,8 @@ def recover(
                 "device has one key: restore from a backup"
             )
         gen = int(gens[0]) if len(gens) else None
+        if gen is not None and name in quotas:  # one not configured is erased after start
+            tenants.require_key(name, gen)
         tenants.build(name, tid, quotas.get(name, 0), gen)
     fields = _drop_out_of_range(tenants, fields, dropped)
     fields = _drop_overlaps(fields, dropped)

@@ -23,6 +23,7 @@ from dpu_agent.blockdev import (
     MemoryBlockDevice,
 )
 from dpu_agent.crypto import CryptoBlockDevice, KeyStore, XtsCipher
+from dpu_agent.crypto.keystore import KeyStoreError, env_var_name
 from dpu_agent.engine.alloc import ExtentAllocator
 from dpu_agent.eviction import EvictionPolicy, make_policy
 
@@ -94,6 +95,20 @@ class EmbeddedDevices:
     def prepare(self, tenants: list[str]) -> None:
         """Before new tenants' devices are built: their keys, in one write of the key file."""
         self.keystore.create_missing(tenants)
+
+    def require_key(self, tenant: str, generation: int) -> None:
+        """Before a tenant whose NVMe tier holds chunks under `generation` is built: that key
+        must exist. Built without it, the tenant got a new key silently and every chunk failed
+        its check on read and was quarantined (a key file deleted, emptied or replaced)."""
+        if not self.keystore.has_key(tenant, generation):
+            where = self.keystore.path or f"the environment ({env_var_name(tenant)})"
+            raise KeyStoreError(
+                f"tenant {tenant!r} has chunks in {self.nvme_path(tenant)} written under key "
+                f"generation {generation}, and {where} holds no such key: the key file was "
+                "deleted, emptied or replaced. Restore it from a backup and start again; to "
+                "give up the tenant's data instead, remove the tenant from the configuration, "
+                "start (its data is erased), then add it back"
+            )
 
     def erase(self, tenant: str) -> bool:
         """Crypto-erase a removed tenant (its devices already closed): destroy its XTS keys
