@@ -9,6 +9,7 @@ over NVMe/TCP (SPDK mode). Blocks are 4096 bytes; LBAs count blocks.
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import stat
@@ -207,6 +208,20 @@ class FileBlockDevice:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as e:
             raise BlockDeviceError(f"cannot open {self.path}: {e.strerror}") from e
+        # One process at a time: two agents given the same [storage] nvme_dir overwrote each
+        # other's chunks. A POSIX record lock (per process, gone with it, kill -9 included);
+        # not flock, which would refuse this process's own reopen of the file after a crash
+        # it simulates (the tests, `dpuctl bench recovery`).
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(self._fd)
+            raise BlockDeviceError(
+                f"{self.path} is in use by another process (another agent with the same "
+                "[storage] nvme_dir?): give each agent its own"
+                if e.errno in (errno.EACCES, errno.EAGAIN)
+                else f"cannot lock {self.path}: {e.strerror}"
+            ) from e
         st = os.fstat(self._fd)
         if stat.S_ISBLK(st.st_mode):
             size = os.lseek(self._fd, 0, os.SEEK_END)

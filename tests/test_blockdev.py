@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,3 +105,23 @@ def test_close_waits_for_the_descriptor_a_call_is_using(
     assert (tmp_path / "f.img").read_bytes()[4096:8192] == b"x" * 4096
     with pytest.raises(BlockDeviceError, match="closed"):
         dev.write(0, bytes(4096))
+
+
+def test_a_file_device_has_one_process_at_a_time(tmp_path: Path) -> None:
+    """Two agents given the same [storage] nvme_dir both opened nvme.img and overwrote each
+    other's chunks (found only as integrity failures on read): another process is refused."""
+    path = tmp_path / "nvme.img"
+    first = FileBlockDevice(path, block_count=8)
+    probe = (
+        "import sys\n"
+        "from dpu_agent.blockdev import BlockDeviceError, FileBlockDevice\n"
+        "try:\n"
+        "    FileBlockDevice(sys.argv[1]).close()\n"
+        "except BlockDeviceError as e:\n"
+        "    sys.exit(str(e))\n"
+    )
+    run = [sys.executable, "-c", probe, str(path)]
+    other = subprocess.run(run, capture_output=True, text=True, timeout=60)
+    assert other.returncode != 0 and "in use by another process" in other.stderr, other
+    first.close()
+    assert subprocess.run(run, capture_output=True, timeout=60).returncode == 0  # lock gone
