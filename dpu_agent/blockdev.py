@@ -204,6 +204,10 @@ class FileBlockDevice:
         self.path = os.fspath(path)
         self._writeback_after = writeback_after_bytes if _sync_file_range() else 0
         self._unkicked = 0
+        # The file system under the file refused the last write for space (it is sparse:
+        # sized at open, its blocks taken as they are written); writes since it refused.
+        self.full = False
+        self.full_writes = 0
         try:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as e:
@@ -333,9 +337,13 @@ class FileBlockDevice:
                     done += os.pwritev(fd, [view[done:]], offset + done)
                 except OSError as e:
                     code = "full" if e.errno == errno.ENOSPC else "error"
+                    if e.errno == errno.ENOSPC:  # a sparse file larger than its free space
+                        self.full = True
+                        self.full_writes += 1
                     raise BlockDeviceError(
                         f"write {self.path} at LBA {lba} ({code}): {e.strerror}"
                     ) from e
+            self.full = False
             self._unkicked += len(view)
             if self._writeback_after and self._unkicked >= self._writeback_after:
                 self._start_writeback(fd)

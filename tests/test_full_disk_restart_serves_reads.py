@@ -26,6 +26,7 @@ import pytest
 from test_engine_full_disk import mount_tmpfs
 from test_service import LAYOUT, SALT, chunks_for, tokens_for
 
+from dpu_agent.blockdev import BlockDeviceError, FileBlockDevice
 from dpu_agent.testing import spawn_agent
 from host_shim import KVClient
 from host_shim.client import ControlChannel, ControlError
@@ -217,3 +218,54 @@ def test_no_inode_for_a_new_wal_segment_still_starts_and_writes_resume_with_room
             a.stop()
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_full_file_system_under_the_tier_file_is_named_not_silent(
+    tmp_path: Path, disk: Path
+) -> None:
+    """The tier file is sparse and larger than the file system under it: once that is full
+    every put failed while the agent logged nothing, `dpuctl doctor` said ok and no stat
+    moved (the journal, on another disk, stayed writable). Now the log, `stats` and `doctor`
+    name it, and reads are served."""
+    data = tmp_path / "var"
+    env = {**ENV, "DPUKV_STORAGE_NVME_DIR": str(disk / "nvme")}  # 64 MiB file on a 16 MiB disk
+    a = spawn_agent(data, env=env)
+    try:
+        with KVClient(a.control_url, "default", a.token, LAYOUT, SALT, timeout_s=10) as c:
+            for s in range(FS_BYTES >> 14):  # bounded: the disk holds fewer 16 KiB chunks
+                if c.put(tokens_for(s, 2), chunks_for(s, 2)) < 2:
+                    break
+            else:
+                pytest.fail("the tier's file system never filled")
+            stats = a.admin("stats")["stats"]
+            tier = stats["tenants"]["default"]["tiers"]["nvme"]
+            assert stats["tiers_full"] == 1 and tier["full"] and tier["full_writes"] >= 1, stats
+            out = [np.empty(LAYOUT.chunk_shape, np.float16) for _ in range(2)]
+            assert c.get(tokens_for(0, 2), out) == 2  # reads served
+            assert out[0].tobytes() == chunks_for(0, 2)[0].tobytes()
+        doctor = dpuctl(data, "doctor", "--json")
+        rows = {r["check"]: r for r in json.loads(doctor.stdout)}
+        assert rows["agent-storage"]["status"] == "missing", rows["agent-storage"]
+        assert "want of space" in rows["agent-storage"]["detail"], rows["agent-storage"]
+        text = (data / "agent.log").read_text()
+        assert "nvmf_io_device_error" in text and "(full)" in text
+    finally:
+        a.stop()
+
+
+def test_a_tier_file_is_full_until_a_write_lands(disk: Path) -> None:
+    """FileBlockDevice.full: set when the file system refuses a write for space, cleared by
+    the next write that lands (here over blocks the file already has)."""
+    dev = FileBlockDevice(disk / "nvme.img", block_count=(FS_BYTES >> 12) * 2)
+    try:
+        block = bytes(range(256)) * 16
+        lba = 0
+        with pytest.raises(BlockDeviceError, match=r"\(full\)"):
+            while lba < dev.block_count:  # bounded: the file is twice the disk
+                dev.write(lba, block)
+                lba += 1
+        assert dev.full and dev.full_writes == 1
+        dev.write(0, block)  # allocated already: lands
+        assert not dev.full and dev.full_writes == 1
+    finally:
+        dev.close()

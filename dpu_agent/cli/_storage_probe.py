@@ -53,6 +53,13 @@ def probe_agent_storage() -> tuple[str, str]:
     if fenced:
         full = " (disk full; reads are served)" if stats.get("journal_full") else ""
         return "missing", f"journal refuses writes{full}: {fenced}"
+    tiers_full = int(stats.get("tiers_full") or 0)
+    if tiers_full:
+        return "missing", (
+            f"{tiers_full} tier file(s) refused their last write for want of space (the file "
+            "system under [storage] nvme_dir is full; reads are served): free space there; "
+            "`dpuctl stats` names the tenants"
+        )
     r = stats.get("recovery") or {}
     dropped = {k: r.get(k, 0) for k in ("damaged_frames", "checkpoints_damaged", "dropped_records")}
     if any(dropped.values()):

@@ -17,7 +17,7 @@ __all__ = ["CHUNKS_PAGE_MAX", "STAT_TOTALS", "chunk_row", "chunks_page", "tenant
 
 CHUNKS_PAGE_MAX = 1000  # rows of `dpuctl chunks ls` per request: ~150 KB, well under a frame
 STAT_TOTALS = ("records", "hits", "misses", "evictions", "demotions", "promotions",
-               "integrity_failures")  # fmt: skip
+               "integrity_failures", "tiers_full")  # fmt: skip
 
 
 def tenant_stats(ts: TenantState, leases: Leases) -> dict[str, Any]:
@@ -33,6 +33,9 @@ def tenant_stats(ts: TenantState, leases: Leases) -> dict[str, Any]:
             "largest_free_bytes": tier.alloc.largest_free * BLOCK_SIZE,
             "free_extents": tier.alloc.extent_count,
             "quarantined_bytes": tier.quarantined_blocks * BLOCK_SIZE,
+            # the file system under a file-backed tier refused its last write for space
+            "full": bool(getattr(tier.devices.raw, "full", False)),
+            "full_writes": int(getattr(tier.devices.raw, "full_writes", 0)),
         }
     open_leases, open_reservations = leases.count(ts.tenant_id)
     return {
@@ -46,6 +49,7 @@ def tenant_stats(ts: TenantState, leases: Leases) -> dict[str, Any]:
         "demotions": ts.demotions,
         "promotions": ts.promotions,
         "integrity_failures": ts.integrity_failures,
+        "tiers_full": sum(t["full"] for t in tiers.values()),
         "leases": open_leases,
         "reservations": open_reservations,
         "tiers": tiers,

@@ -70,6 +70,7 @@ __all__ = ["ADMIN_ICD_BYTES", "MAXH2CDATA", "MemoryViewDevice", "NvmfConnection"
 
 log = get_logger("dpu_agent.nvmf")
 refusals = RateLimitedLog(log)  # protocol errors of hostile peers: a few lines a second
+device_errors = RateLimitedLog(log)  # a full or failing device: a line a few times a second
 
 # MAXH2CDATA in ICResp is max(this, max_io_size). SPDK sends 128 KiB (its
 # NVMF_TCP_PDU_MAX_H2C_DATA_SIZE); the spec leaves it to the controller, and one H2CData per
@@ -793,7 +794,10 @@ class NvmfConnection(asyncio.BufferedProtocol):
         if self.closed:
             return
         if exc is not None:
-            if not isinstance(exc, BlockDeviceError):
+            if isinstance(exc, BlockDeviceError):  # a full disk, an I/O error: say so
+                device_errors.warning("nvmf_io_device_error", peer=self.peer,
+                                      opcode=cmd.sqe.opcode, error=str(exc))  # fmt: skip
+            else:
                 log.error("nvmf_io_failed", peer=self.peer, opcode=cmd.sqe.opcode, error=repr(exc))
             return self._complete(cmd, Status.INTERNAL_DEVICE_ERROR)
         if cmd.sqe.opcode == IoOpcode.READ:
