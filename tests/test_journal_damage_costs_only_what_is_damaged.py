@@ -148,3 +148,49 @@ def test_failed_demotion_write_gives_the_nvme_extent_back(tmp_path: Path) -> Non
         assert eng.get_chunk("acme", key) == b"x" * (2 * BS)  # still served from DRAM
     finally:
         eng.close()
+
+
+def test_a_lost_wal_segment_is_a_loss_not_a_clean_recovery(tmp_path: Path) -> None:
+    """The segment the checkpoint names deleted after a crash: its acknowledged puts were gone
+    and recovery said damaged_frames 0, nothing lost. Now the start counts it missing (the
+    report, `engine.recovered_with_losses`), and what the checkpoint holds is served."""
+    put_and_close(tmp_path, range(20))  # checkpointed
+    eng = Engine(cfg(tmp_path))
+    for i in range(20, 50):
+        eng.put_chunk("acme", *chunk(i))  # in the WAL only
+    eng._commit.journal.close()  # kill -9
+    named = eng._commit.journal.checkpoint_segment
+    (tmp_path / "journal" / f"wal-{named:010d}.log").unlink()
+    eng = Engine(cfg(tmp_path))
+    try:
+        assert eng.recovery_report.missing_segments == 1
+        assert eng.stats()["recovery"]["missing_segments"] == 1
+        assert present(eng, range(20)) == list(range(20))
+    finally:
+        eng.close()
+    eng = Engine(cfg(tmp_path))  # the checkpoint taken after the loss: a clean start again
+    try:
+        assert eng.recovery_report.missing_segments == 0
+        assert present(eng, range(20)) == list(range(20))
+    finally:
+        eng.close()
+
+
+def test_a_gap_in_the_segments_is_a_loss(tmp_path: Path) -> None:
+    """Rebuilt from the WAL alone (no checkpoint verifies): a segment missing between two
+    that remain is counted."""
+    eng = Engine(cfg(tmp_path))
+    for i in range(10):
+        eng.put_chunk("acme", *chunk(i))
+    eng._commit.journal.close()
+    journal = tmp_path / "journal"
+    for name in ("checkpoint.bin", "checkpoint.prev.bin"):
+        (journal / name).unlink(missing_ok=True)
+    last = int(sorted(journal.glob("wal-*.log"))[-1].name[4:14])
+    (journal / f"wal-{last + 2:010d}.log").write_bytes(b"")  # a later start's segment ...
+    # ... and the one between them lost
+    eng = Engine(cfg(tmp_path))
+    try:
+        assert eng.recovery_report.missing_segments == 1
+    finally:
+        eng.close()

@@ -61,7 +61,8 @@ def probe_agent_storage() -> tuple[str, str]:
             "`dpuctl stats` names the tenants"
         )
     r = stats.get("recovery") or {}
-    dropped = {k: r.get(k, 0) for k in ("damaged_frames", "checkpoints_damaged", "dropped_records")}
+    losses = ("damaged_frames", "missing_segments", "checkpoints_damaged", "dropped_records")
+    dropped = {k: r.get(k, 0) for k in losses}
     if any(dropped.values()):
         detail = ", ".join(f"{k}={v}" for k, v in dropped.items())
         return "fallback", (f"started after damage ({detail}; checkpoint used: "

@@ -206,7 +206,8 @@ class Engine:
         # agents older than the file, or a start after damage: the ids as recovered
         self._commit.save_tenant_ids(self._tenants.names_by_id(), soft=True)
         r = self.recovery_report
-        if r.torn_segments or r.damaged_frames or r.checkpoints_damaged or r.dropped_records:
+        if (r.torn_segments or r.damaged_frames or r.missing_segments or r.checkpoints_damaged
+                or r.dropped_records):  # fmt: skip
             # a verified checkpoint of what survived, now: a later crash replays from it. On a
             # full disk it cannot land: start anyway (reads are served, writes fenced)
             try:

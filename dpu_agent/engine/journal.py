@@ -168,6 +168,7 @@ class Recovered:
     wal_records: int = 0
     torn_segments: int = 0
     damaged_frames: int = 0  # frames that failed their check, skipped
+    missing_segments: int = 0  # segments of the replayed run that are gone (deleted, lost)
     checkpoint_used: str = "none"  # "current", "previous" or "none" (rebuilt from the WAL)
     checkpoints_damaged: int = 0  # checkpoint files that failed their checksum (kept *.damaged)
     removed_tenants: dict[int, int] = field(default_factory=dict)  # tenant id -> seq of removal
@@ -483,6 +484,16 @@ class Journal:
             log.error("journal.rebuilt_from_wal", first_segment=first_segment)
         self.checkpoint_segment = first_segment
         segments = [s for s in self._segments() if s >= first_segment]
+        # A checkpoint's segment is created (and its directory entry made durable) before the
+        # checkpoint names it, and segments are numbered without gaps: one missing from the
+        # run is lost, with whatever it held (it replayed as a clean recovery before)
+        start = first_segment if rec.checkpoint_used != "none" else min(segments, default=0)
+        present = set(segments)
+        missing = [s for s in range(start, max([start, *segments]) + 1) if s not in present]
+        if missing:
+            rec.missing_segments = len(missing)
+            log.error("journal.segments_missing", segments=missing[:16], count=len(missing),
+                      dir=str(self.dir))  # fmt: skip
         for seg in segments:
             self._replay_segment(seg, rec)
         self.segment = max([first_segment, *segments]) + 1

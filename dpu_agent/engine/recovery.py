@@ -45,7 +45,8 @@ log = get_logger(__name__)
 
 _DROPPED = Gauge(
     "kvtier_engine_recovery_dropped",
-    "What the last start could not use: damaged WAL frames, damaged checkpoints, records",
+    "What the last start could not use: damaged WAL frames, missing WAL segments, damaged "
+    "checkpoints, records",
     ["kind"],
     registry=REGISTRY,
 )
@@ -58,6 +59,7 @@ class RecoveryReport:
     wal_records: int
     torn_segments: int
     damaged_frames: int  # WAL frames that failed their check (skipped; the rest replayed)
+    missing_segments: int  # WAL segments the replay needed that were gone (what they held lost)
     checkpoint_used: str  # "current", "previous" or "none" (index rebuilt from the WAL)
     checkpoints_damaged: int  # checkpoint files that failed their checksum (kept as *.damaged)
     dropped_records: int  # records that could not be placed (unknown tenant, overlap, range)
@@ -126,6 +128,7 @@ def recover(
         wal_records=rec.wal_records,
         torn_segments=rec.torn_segments,
         damaged_frames=rec.damaged_frames,
+        missing_segments=rec.missing_segments,
         checkpoint_used=rec.checkpoint_used,
         checkpoints_damaged=rec.checkpoints_damaged,
         dropped_records=dropped[0],
@@ -140,10 +143,13 @@ def recover(
     _DROPPED.labels("wal_frames").set(report.damaged_frames)
     _DROPPED.labels("checkpoints").set(report.checkpoints_damaged)
     _DROPPED.labels("records").set(report.dropped_records)
-    if report.damaged_frames or report.checkpoints_damaged or report.dropped_records:
+    _DROPPED.labels("wal_segments").set(report.missing_segments)
+    if (report.damaged_frames or report.missing_segments or report.checkpoints_damaged
+            or report.dropped_records):  # fmt: skip
         log.error(
             "engine.recovered_with_losses",
             damaged_frames=report.damaged_frames,
+            missing_segments=report.missing_segments,
             checkpoints_damaged=report.checkpoints_damaged,
             checkpoint_used=report.checkpoint_used,
             dropped_records=report.dropped_records,
