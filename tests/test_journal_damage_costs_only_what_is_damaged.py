@@ -194,3 +194,18 @@ def test_a_gap_in_the_segments_is_a_loss(tmp_path: Path) -> None:
         assert eng.recovery_report.missing_segments == 1
     finally:
         eng.close()
+
+
+def test_a_first_start_misses_no_segment(tmp_path: Path) -> None:
+    """A new data directory has no segment and no checkpoint: nothing is missing (the first
+    version of the check counted segment 0 lost on every first start)."""
+    eng = Engine(cfg(tmp_path))
+    try:
+        assert eng.recovery_report.missing_segments == 0
+    finally:
+        eng.close()
+    eng = Engine(cfg(tmp_path))
+    try:
+        assert eng.recovery_report.missing_segments == 0
+    finally:
+        eng.close()

@@ -487,9 +487,13 @@ class Journal:
         # A checkpoint's segment is created (and its directory entry made durable) before the
         # checkpoint names it, and segments are numbered without gaps: one missing from the
         # run is lost, with whatever it held (it replayed as a clean recovery before)
-        start = first_segment if rec.checkpoint_used != "none" else min(segments, default=0)
         present = set(segments)
-        missing = [s for s in range(start, max([start, *segments]) + 1) if s not in present]
+        if rec.checkpoint_used != "none":
+            missing = [s for s in range(first_segment, max([first_segment, *segments]) + 1)
+                       if s not in present]  # fmt: skip
+        else:  # no checkpoint (a first start has no segment either): gaps only
+            missing = [s for s in range(min(segments, default=0), max(segments, default=-1))
+                       if s not in present]  # fmt: skip
         if missing:
             rec.missing_segments = len(missing)
             log.error("journal.segments_missing", segments=missing[:16], count=len(missing),
