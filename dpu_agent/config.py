@@ -587,6 +587,11 @@ def _check_values(cfg: AgentConfig) -> None:
         if not 0 <= port <= PORT_MAX:
             raise bad(section, "port", port, f"must be 0..{PORT_MAX} (0 picks a free port)")
     a, st, nv = cfg.agent, cfg.storage, cfg.nvmf
+    if not a.data_dir.strip():  # "" was the working directory, made 0700 and filled
+        raise bad("agent", "data_dir", a.data_dir, "is empty: name a directory (default ./var)")
+    for key in ("admin_token_file", "state_file"):  # "" named the data directory itself
+        if not str(getattr(a, key)).strip():
+            raise bad("agent", key, getattr(a, key), "is empty: name a file")
     if a.log_level.upper() not in LOG_LEVELS:
         raise bad("agent", "log_level", a.log_level, f"must be one of {', '.join(LOG_LEVELS)}")
     if not TICK_INTERVAL_S_MIN <= a.tick_interval_s <= TICK_INTERVAL_S_MAX:

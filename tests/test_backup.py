@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -105,6 +107,35 @@ def test_backup_chain_errors(tmp_path: Path) -> None:
             dst.restore([tmp_path / "b1", tmp_path / "b3"])
     finally:
         dst.close()
+
+
+def test_a_backup_goes_only_to_a_new_or_empty_directory_outside_the_agents(
+    tmp_path: Path,
+) -> None:
+    """`dpuctl backup create DIR` wrote into any existing directory (a user's data.bin
+    replaced by the backup's) and made it 0700 (a shared 1777 /tmp too), and accepted the
+    agent's own data directory."""
+    src = Engine(cfg(tmp_path / "a"))
+    try:
+        src.put_chunk("acme", *chunk(1))
+        mine = tmp_path / "mine"
+        mine.mkdir(mode=0o1777)
+        os.chmod(mine, 0o1777)
+        (mine / "data.bin").write_text("mine")
+        with pytest.raises(EngineError, match="is not empty"):
+            src.backup(mine)
+        assert (mine / "data.bin").read_text() == "mine"
+        assert stat.S_IMODE(mine.stat().st_mode) == 0o1777
+        (tmp_path / "file").write_text("x")
+        with pytest.raises(EngineError, match="is not a directory"):
+            src.backup(tmp_path / "file")
+        for own in ("a/new-backup", "a/journal/b", "a/nvme/acme/b"):
+            with pytest.raises(EngineError, match="inside the agent's own"):
+                src.backup(tmp_path / own)
+        (tmp_path / "empty").mkdir()
+        assert src.backup(tmp_path / "empty")["records"] >= 1  # empty: fine
+    finally:
+        src.close()
 
 
 def test_incremental_backup_holds_the_first_commit_after_the_full_one(tmp_path: Path) -> None:

@@ -136,6 +136,31 @@ def test_stale_state_file_of_a_killed_agent_is_ignored(tmp_path: Path) -> None:
     assert r.exit_code == 3 and "127.0.0.1:1" in json.loads(r.output)["error"], r.output
 
 
+@pytest.mark.parametrize(
+    "state",
+    [
+        {"pid": 1e30, "control": {"tcp": "tcp://127.0.0.1:9", "unix": ""}},
+        {"pid": -1, "control": {"tcp": "tcp://127.0.0.1:9", "unix": ""}},
+        {"pid": "self", "control": {"tcp": "garbage", "unix": ""}},
+        {"pid": "self", "control": {"tcp": "tcp://127.0.0.1:99999", "unix": ""}},
+        {"pid": "self", "control": {"tcp": "tcp://[::1", "unix": ""}},
+        {"pid": "self", "control": {"tcp": "", "unix": 5}},
+    ],
+    ids=["pid-1e30", "pid--1", "url-garbage", "url-port", "url-bracket", "url-int"],
+)
+def test_a_damaged_state_file_is_no_traceback(tmp_path: Path, state: dict) -> None:
+    """A huge pid raised OverflowError, a damaged URL ValueError, in every admin command:
+    the configuration's address is used instead, and an unreachable agent exits 3."""
+    _admin_token(tmp_path)
+    if state["pid"] == "self":
+        state = {**state, "pid": os.getpid()}  # alive: the URL is what is damaged
+    (tmp_path / "agent.json").write_text(json.dumps(state))
+    env = {"DPUKV_AGENT_DATA_DIR": str(tmp_path), "DPUKV_CONTROL_PORT": "1",
+           "DPUKV_CONTROL_UNIX_SOCKET": ""}  # fmt: skip
+    r = CliRunner().invoke(cli, ["status", "--json"], env=env)
+    assert r.exit_code == 3 and "127.0.0.1:1" in json.loads(r.output)["error"], r.output
+
+
 @pytest.mark.timeout(60)  # before: each waited ADMIN_TIMEOUT_S (an hour)
 def test_a_port_that_never_answers_exits_3_within_the_hello_timeout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

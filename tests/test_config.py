@@ -129,3 +129,12 @@ def test_nixl_prestart_is_off_by_default_and_set_by_file_or_environment(tmp_path
     assert load_config(f, environ={"DPUKV_NIXL_PRESTART": "false"}).nixl.prestart is False
     with pytest.raises(ConfigError, match="prestart"):
         load_config(environ={"DPUKV_NIXL_PRESTART": "sometimes"})
+
+
+@pytest.mark.parametrize("key", ["DATA_DIR", "ADMIN_TOKEN_FILE", "STATE_FILE"])
+def test_an_empty_agent_path_is_a_config_error(tmp_path: Path, key: str) -> None:
+    """DPUKV_AGENT_DATA_DIR= made the working directory the data directory (made 0700 and
+    filled with keys, journal and tokens); an empty admin_token_file or state_file named the
+    data directory itself."""
+    with pytest.raises(ConfigError, match=rf"\[agent\] {key.lower()}='' is empty"):
+        load_config(environ={"DPUKV_DATA_DIR": str(tmp_path), f"DPUKV_AGENT_{key}": ""})

@@ -38,7 +38,12 @@ from dpu_agent.cli import LazyGroup
 from dpu_agent.cli._common import fail as _fail
 from dpu_agent.config import DATA_DIR_ENV, AgentConfig, ConfigError, load_config, read_secret
 from dpu_agent.units import SizeError, format_duration, format_size, format_timestamp, parse_size
-from host_shim.control import AgentUnreachable, ControlChannel, ControlError
+from host_shim.control import (
+    AgentUnreachable,
+    ControlChannel,
+    ControlError,
+    parse_control_url,
+)
 from kvproto.control import ADMIN_TENANT, KEY_BYTES, LocalProtocolError, valid_tenant_name
 
 __all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_OK", "EXIT_UNREACHABLE", "agent_group", "register"]
@@ -131,9 +136,18 @@ def config_of(
     return cfg
 
 
+def _state_pid(state: Any) -> int:
+    """The pid a state file names; ValueError unless a plausible one (1e30 raised
+    OverflowError in os.kill; 0 and -1 signalled a process group, "alive")."""
+    pid = state["pid"]
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 1 << 22:
+        raise ValueError(f"pid {pid!r}")
+    return pid
+
+
 def _live_state(cfg: AgentConfig) -> bool:
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        pid = int(json.loads(cfg.state_path.read_text())["pid"])
+        pid = _state_pid(json.loads(cfg.state_path.read_text()))
         try:
             os.kill(pid, 0)
         except PermissionError:
@@ -177,8 +191,10 @@ def control_url(cfg: AgentConfig) -> str:
     try:
         state = json.loads(cfg.state_path.read_text())
         with contextlib.suppress(PermissionError):  # alive, another user's process
-            os.kill(int(state["pid"]), 0)  # a state file left by a killed agent does not count
-        return str(state["control"]["unix"] or state["control"]["tcp"])
+            os.kill(_state_pid(state), 0)  # a state file left by a killed agent does not count
+        url = str(state["control"]["unix"] or state["control"]["tcp"])
+        parse_control_url(url)  # a damaged file's URL is no address: use the configuration's
+        return url
     except (OSError, ValueError, KeyError, TypeError):
         pass
     sock = cfg.unix_socket_path

@@ -102,6 +102,21 @@ def _save_arrays(path: Path, arrays: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
+def _check_destination(engine: Engine, dest: Path) -> None:
+    """A backup goes to a new or empty directory outside the agent's own: into any existing
+    one it replaced the files of the backup's names and made the directory 0700 (a shared
+    /tmp included), and into the data directory it wrote over the agent's own files."""
+    if dest.exists() and not dest.is_dir():
+        raise EngineError(f"{dest} is not a directory; give an empty or new directory")
+    if dest.is_dir() and any(dest.iterdir()):
+        raise EngineError(f"{dest} is not empty; give an empty or new directory")
+    target = dest.resolve()
+    for own in (engine.config.data_dir, engine.config.journal_path, engine.config.nvme_path):
+        own = own.resolve()
+        if target == own or own in target.parents:
+            raise EngineError(f"{dest} is inside the agent's own {own}; give a directory outside")
+
+
 def backup(engine: Engine, dest: Path, *, incremental: bool) -> dict[str, Any]:
     state_path = _state_path(engine)
     prev = json.loads(state_path.read_text()) if state_path.exists() else None
@@ -109,6 +124,7 @@ def backup(engine: Engine, dest: Path, *, incremental: bool) -> dict[str, Any]:
         raise EngineError("no earlier backup is recorded for this engine; take a full backup first")
     if (dest / MANIFEST).exists():
         raise EngineError(f"{dest} already holds a backup; give an empty or new directory")
+    _check_destination(engine, dest)
     dest.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(dest, 0o700)  # records and ciphertext: the owner only
     prev_seq = int(prev["seq"]) if incremental and prev else 0
