@@ -32,6 +32,7 @@ import base64
 import binascii
 import contextlib
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -43,9 +44,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dpu_agent.eviction import DEFAULT_POLICY, POLICY_NAMES
+from dpu_agent.files import open_regular
 from dpu_agent.net import NetConfigError, NetDesired, parse_net
 from dpu_agent.units import SIZE_BYTES_MAX, SizeError, parse_size
-from kvproto.control import REPLICAS_MAX, TENANTS_MAX, valid_tenant_name
+from kvproto.control import REPLICAS_MAX, STRING_BYTES_MAX, TENANTS_MAX, valid_tenant_name
 from kvproto.nvme import BLOCK_BYTES
 from kvproto.peer_auth import parse_peer_keys
 from kvproto.tomlfile import CONFIG_BYTES_MAX, TomlFileError, load_toml
@@ -356,6 +358,9 @@ def _read_token_if_any(path: Path) -> str:
         return ""
 
 
+SECRET_FILE_BYTES_MAX = STRING_BYTES_MAX  # a token: longer, no client could send it
+
+
 def check_secret_mode(path: Path) -> None:
     """ConfigError when `path` (a secret) is group- or world-accessible."""
     st = path.stat()
@@ -366,9 +371,23 @@ def check_secret_mode(path: Path) -> None:
 
 
 def _read_secret(path: Path) -> str:
-    check_secret_mode(path)
+    try:  # a FIFO in its place blocked the start; a directory got "chmod 600 /etc" advice
+        fd = open_regular(path)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            raise ConfigError(f"secret file {path} is not a regular file") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if mode & 0o077:
+            raise ConfigError(
+                f"secret file {path} has mode {mode & 0o777:o}; run: chmod 600 {path}"
+            )
+        raw = f.read(SECRET_FILE_BYTES_MAX + 1)
+    if len(raw) > SECRET_FILE_BYTES_MAX:  # a token no client could send (the protocol's limit)
+        raise ConfigError(f"secret file {path} is over {SECRET_FILE_BYTES_MAX} bytes")
     try:
-        value = path.read_bytes().decode().strip()
+        value = raw.decode().strip()
     except UnicodeDecodeError:
         raise ConfigError(
             f"secret file {path} is not text (UTF-8): damaged? restore it, or delete it to "

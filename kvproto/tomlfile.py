@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import os
 import tomllib
+from pathlib import Path
 from typing import Any
+
+from kvproto.files import read_small_file
 
 __all__ = ["CONFIG_BYTES_MAX", "TomlFileError", "load_toml"]
 
@@ -32,9 +35,8 @@ def load_toml(
     "firmware profile")."""
     assert max_bytes > 0, max_bytes
     p = os.fspath(path)
-    try:
-        with open(p, "rb") as f:
-            raw = f.read(max_bytes + 1)
+    try:  # a FIFO in its place blocked open() for good
+        raw = read_small_file(Path(p), max_bytes)
     except OSError as e:
         raise TomlFileError(f"cannot read {what} {p}: {e.strerror}") from None
     if len(raw) > max_bytes:

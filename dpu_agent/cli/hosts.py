@@ -13,6 +13,7 @@ import json
 import os
 import secrets
 import shlex
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import click
 
 from dpu_agent.cli.ops import EXIT_USAGE, _fail, admin_call, common, emit, find_agent, show_done
 from dpu_agent.config import AgentConfig
+from dpu_agent.files import read_small_file
 from host_shim.integrations.credentials import (
     CREDENTIALS_VERSION,
     Credentials,
@@ -126,14 +128,19 @@ def hosts_enrol(
     }
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         creds["nvmf"] = str(json.loads(cfg.state_path.read_text())["nvmf"] or "")
-    if control_ca is not None:
-        creds["control_ca"] = Path(control_ca).read_text()
-    elif cfg.control.tls_cert:
-        creds["control_ca"] = cfg.path(cfg.control.tls_cert).read_text()
-    if nqn:
+    ca = Path(control_ca) if control_ca is not None else None
+    if ca is None and cfg.control.tls_cert:
+        ca = cfg.path(cfg.control.tls_cert)
+    if ca is not None:
+        try:
+            creds["control_ca"] = read_small_file(ca, CA_FILE_BYTES_MAX).decode()
+        except (OSError, UnicodeDecodeError) as e:
+            _fail(EXIT_USAGE, f"cannot read the CA {ca}: {getattr(e, 'strerror', e)}", as_json)
+    fd = _open_out(out, as_json)  # before the host is allowed: a path that cannot be written
+    if nqn:  # left the host allowed and its keys printed nowhere
         reply = admin_call(config_path, as_json, "host_add", tenant=tenant, nqn=nqn)
         creds.update({k: v for k, v in reply.items() if k != "tenant"})
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.ftruncate(fd, 0)
     os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
     with os.fdopen(fd, "w") as f:
         json.dump(creds, f, indent=2)
@@ -143,6 +150,23 @@ def hosts_enrol(
         as_json,
         show_done(f"credentials of a {tenant} host written to {out} (0600)"),
     )
+
+
+CA_FILE_BYTES_MAX = 1 << 20  # a certificate chain
+
+
+def _open_out(out: str, as_json: bool) -> int:
+    """A descriptor to write `out` (a regular file, created 0600), opened without blocking:
+    a FIFO there held `hosts enrol` for good, a missing directory raised a traceback."""
+    try:
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        _fail(EXIT_USAGE, f"cannot write {out}: {e.strerror}", as_json)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        _fail(EXIT_USAGE, f"{out} is not a regular file", as_json)
+    os.set_blocking(fd, True)
+    return fd
 
 
 def _connect_args(c: Credentials) -> list[str]:

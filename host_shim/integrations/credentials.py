@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from host_shim.control import client_tls_context
+from kvproto.files import read_small_file
 
 __all__ = ["CREDENTIALS_VERSION", "SALT_HEX_RE", "Credentials", "load_credentials", "parse_salt"]
 
@@ -67,7 +68,7 @@ def load_credentials(path: str | Path) -> Credentials:
     """The credentials in `path`; ValueError naming the file and what is wrong."""
     p = Path(path)
     try:
-        raw = p.read_bytes()[: CREDENTIALS_BYTES_MAX + 1]
+        raw = read_small_file(p, CREDENTIALS_BYTES_MAX)  # a FIFO in its place blocked open()
     except OSError as e:
         raise ValueError(f"credentials file {p}: {e.strerror}") from None
     if len(raw) > CREDENTIALS_BYTES_MAX:
