@@ -139,7 +139,7 @@ def shape_from_hf_config(path: str | Path, dtype: str | None = None) -> ModelSha
             heads = int(doc["num_attention_heads"])
             kv_heads = int(doc.get("num_key_value_heads") or heads)
             head_dim = int(doc.get("head_dim") or doc["hidden_size"] // heads)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+    except (KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError) as e:
         raise CapacityError(f"{p}: not a decoder config with layers and heads ({e!r})") from None
     hf_dtype = str(doc.get("torch_dtype") or doc.get("dtype") or "float16")
     chosen = dtype or _HF_DTYPES.get(hf_dtype, hf_dtype)

@@ -147,7 +147,8 @@ def _table(report: dict[str, Any]) -> str:
     show_default=True,
     help="Index size; repeat for several sizes in one run.",
 )
-@click.option("--seed", default=1, show_default=True, help="RNG seed for the keys.")
+@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=1, show_default=True,
+              help="RNG seed for the keys.")  # fmt: skip
 def index_cmd(as_json: bool, records: tuple[int, ...], seed: int) -> None:
     """Bytes per record and lookup latency of the engine's record index."""
     report = run_index_bench(list(records), seed)

@@ -46,7 +46,13 @@ from dpu_agent.engine._records import items_of
 from dpu_agent.engine._restart_order import ADOPT_ITEMS_MAX, save_order
 from dpu_agent.engine.index import COLUMNS
 from dpu_agent.engine.journal import CHECKPOINT_COLUMNS, Journal, pack_commit
-from dpu_agent.eviction import DEFAULT_POLICY, ElectPolicy, EvictionPolicy, make_policy
+from dpu_agent.eviction import (
+    DEFAULT_POLICY,
+    POLICY_NAMES,
+    ElectPolicy,
+    EvictionPolicy,
+    make_policy,
+)
 from dpu_agent.eviction._elect import CANDIDATES, SWITCH_ADOPT_MAX
 from kvproto.control import TENANTS_MAX
 
@@ -363,8 +369,9 @@ def _table(report: dict[str, Any]) -> str:
     help="Share of the records replayed from the WAL (the rest from the checkpoint).",
 )
 @click.option(
-    "--policy", default=DEFAULT_POLICY, show_default=True, help="Eviction policy to fill."
-)
+    "--policy", type=click.Choice(POLICY_NAMES), default=DEFAULT_POLICY, show_default=True,
+    help="Eviction policy to fill.",
+)  # fmt: skip
 @click.option(
     "--tenants",
     default=1,

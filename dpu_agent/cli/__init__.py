@@ -12,6 +12,7 @@ import importlib
 import json
 import signal
 import sys
+from pathlib import Path
 
 import click
 
@@ -107,6 +108,15 @@ class LazyGroup(click.Group):
             formatter.write_dl(sorted(rows))
 
 
+def _makes_dir(path: Path) -> bool:
+    """Whether the directory `path` could be made (it is: the record goes there)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return True
+
+
 class _BenchGroup(LazyGroup):
     """Benchmarks need the `bench` extra (Redis client, matplotlib) or the `inference` one
     (torch, transformers), which a DPU image lacks: say which instead of a traceback, also when
@@ -128,13 +138,14 @@ class _BenchGroup(LazyGroup):
             raise _missing_extra(e, "this benchmark", " (make demo installs it)") from None
 
     def _invoke_recorded(self, ctx: click.Context, path: str) -> object:
-        from pathlib import Path
-
         from dpu_agent.bench import record
 
         argv = ctx.meta["bench_argv"]
         if "--json" not in argv:
             raise click.UsageError("--record needs the bench's --json (the report it records)")
+        where = Path(path).absolute().parent
+        if not where.is_dir() and not _makes_dir(where):  # say so before the run, not after
+            raise click.UsageError(f"--record {path}: cannot create the directory {where}")
         run_meta = record.meta(argv)
         with record.captured_stdout(lambda text: click.echo(text, nl=False)) as printed:
             rv = super().invoke(ctx)
@@ -142,6 +153,8 @@ class _BenchGroup(LazyGroup):
             record.write_record(Path(path), run_meta, record.parse_report(printed()))
         except record.RecordError as e:
             raise click.ClickException(str(e)) from None
+        except OSError as e:
+            raise click.ClickException(f"--record {path} not written: {e.strerror}") from None
         click.echo(f"recorded {path}", err=True)
         return rv
 

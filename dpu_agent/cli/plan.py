@@ -101,6 +101,8 @@ def capacity_cmd(
     ttft_target_ms: float | None, nvme_per_dpu: int,
     as_json: bool,
 ) -> None:  # fmt: skip
+    if nvme_per_dpu <= 0:  # a divisor below (ZeroDivisionError)
+        raise click.BadParameter("must be more than 0 bytes", param_hint="--nvme-per-dpu")
     try:
         shape = _shape(hf_config, dtype, layers=layers, kv_heads=kv_heads, head_dim=head_dim)
         d = Deployment(context_tokens=context_tokens, sessions_per_gpu=sessions_per_gpu,
