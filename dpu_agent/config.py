@@ -77,6 +77,7 @@ ENV_PREFIX = "DPUKV_"
 # running agent too); DPUKV_AGENT_DATA_DIR, the generic form of [agent] data_dir, wins over it
 DATA_DIR_ENV = "DPUKV_DATA_DIR"
 REDACTED = "<redacted>"
+DEFAULTS_SOURCE = "<defaults>"  # a configuration's source when no file was given
 TOKEN_BYTES = 32  # 256-bit random tokens, URL-safe base64
 MODES = ("embedded", "spdk")
 
@@ -240,7 +241,7 @@ class AgentConfig:
     # cluster mode, loaded by prepare(): Serf's RPC key and the cluster peer keys
     serf_rpc_key: str = field(default="", repr=False)
     peer_keys: tuple[bytes, ...] = field(default=(), repr=False)
-    source: str = "<defaults>"
+    source: str = DEFAULTS_SOURCE  # the configuration file, or DEFAULTS_SOURCE without one
     spdk: SpdkDesired | None = None  # the parsed [spdk] section, when the file has one
     spdk_doc: dict[str, Any] = field(default_factory=dict)  # that section as written
     net: NetDesired | None = None  # the parsed [net] section (dpuctl net), when present

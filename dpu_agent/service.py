@@ -51,7 +51,7 @@ from dpu_agent.cluster import (
     start_membership,
     tenant_source,
 )
-from dpu_agent.config import AgentConfig, TenantConfig, read_secret
+from dpu_agent.config import DEFAULTS_SOURCE, AgentConfig, TenantConfig, read_secret
 from dpu_agent.control import (
     LEASES_ACTIVE,
     RESERVATIONS_ACTIVE,
@@ -638,6 +638,15 @@ class Agent:
                       why=f"{self.tenant_store.damaged_path} (a damaged tenants.json) may name "
                           "them", fix="re-add each with dpuctl tenants add NAME --token-file "
                           "tenant-NAME.token, or remove it; then delete that file")  # fmt: skip
+            return
+        if unnamed and self.cfg.source == DEFAULTS_SOURCE:
+            # No configuration file at all: a restart that forgot --config, not a removal (it
+            # erased every configured tenant, keys and data, logged as a warning)
+            log.error("tenants_kept_unserved", tenants=sorted(unnamed),
+                      why="the agent started with no configuration file, which names none of "
+                          "them", fix="start it with the configuration that names them "
+                          "(--config FILE or DPUKV_CONFIG); a configuration file that leaves "
+                          "one out erases it")  # fmt: skip
             return
         for name in unnamed:
             self._erase_unserved(name, f"not a tenant in {self.cfg.source}")

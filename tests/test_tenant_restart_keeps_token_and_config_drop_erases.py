@@ -88,6 +88,38 @@ def test_tenant_dropped_from_config_is_erased_at_restart(tmp_path: Path) -> None
         a.stop()
 
 
+def test_a_restart_that_forgot_its_config_file_erases_nothing(tmp_path: Path) -> None:
+    """`--config` forgotten at a restart (the defaults: no file at all) crypto-erased every
+    tenant the file named, keys and data, logged as a warning. Now they are kept, unserved,
+    and a restart with the file serves them again."""
+    data = tmp_path / "var"
+    conf = tmp_path / "agent.toml"
+    conf.write_text("[tenants.default]\n[tenants.acme]\n")
+    a = spawn_agent(data, config=conf)
+    try:
+        token = (data / "tenant-acme.token").read_text().strip()
+        with KVClient(a.control_url, "acme", token, LAYOUT, SALT) as c:
+            assert c.put(tokens_for(3, 4), chunks_for(3, 4)) == 4
+    finally:
+        a.stop()
+    a = spawn_agent(data)  # no --config
+    try:
+        with pytest.raises(ControlError):
+            ControlChannel(a.control_url, "acme", token).connect()  # not served ...
+        assert "acme" in json.loads((data / "keys.json").read_text())  # ... but kept
+        assert (data / "nvme" / "acme" / "nvme.img").exists()
+    finally:
+        a.stop()
+    log = (data / "agent.log").read_text()
+    assert "tenants_kept_unserved" in log and "tenant_erased" not in log
+    a = spawn_agent(data, config=conf)
+    try:
+        with KVClient(a.control_url, "acme", token, LAYOUT, SALT) as c:
+            assert c.lookup(tokens_for(3, 4)) == 4
+    finally:
+        a.stop()
+
+
 def test_a_damaged_tenants_file_erases_no_tenant_added_at_run_time(tmp_path: Path) -> None:
     """tenants.json names the tenants added at run time; damaged (a power loss mid-write, a
     disk error), the start took them for tenants the config dropped and crypto-erased them.
