@@ -457,10 +457,14 @@ def _read_peer_keys(path: Path, source: str) -> tuple[bytes, ...]:
         raise ConfigError(f"{where} {e}") from None
 
 
+SECRET_KEYS = frozenset({"token", "password"})  # values a configuration error names, not shows
+
+
 def _coerce(section: str, key: str, value: Any, default: Any, source: str) -> Any:
     """`value` converted to the type of `default` (strings from the environment included);
     ``*_bytes`` and ``*_size`` keys also take sizes such as ``"4GiB"``."""
-    where = f"{source}: [{section}] {key}={value!r}"
+    shown = "<redacted>" if key in SECRET_KEYS else repr(value)  # an error must not echo it
+    where = f"{source}: [{section}] {key}={shown}"
     if key.endswith(("_bytes", "_size")) and isinstance(default, int) and isinstance(value, str):
         try:
             return parse_size(value)

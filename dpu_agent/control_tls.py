@@ -27,9 +27,22 @@ def server_context(cfg: AgentConfig) -> ssl.SSLContext | None:
         return None
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(cfg.path(c.tls_cert), cfg.path(c.tls_key) if c.tls_key else None)
+    cert, key = cfg.path(c.tls_cert), cfg.path(c.tls_key) if c.tls_key else None
+    try:  # ssl's errors name no file ("[Errno 2] No such file or directory", "[SSL] PEM lib")
+        ctx.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(
+            f"[control] tls_cert {cert}"
+            + (f" / tls_key {key}" if key else "")
+            + f": cannot load the certificate and key ({e})"
+        ) from None
     if c.tls_client_ca:
-        ctx.load_verify_locations(cfg.path(c.tls_client_ca))
+        try:
+            ctx.load_verify_locations(cfg.path(c.tls_client_ca))
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(
+                f"[control] tls_client_ca {cfg.path(c.tls_client_ca)}: cannot load it ({e})"
+            ) from None
         ctx.verify_mode = ssl.CERT_REQUIRED
     return ctx
 

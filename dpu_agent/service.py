@@ -845,10 +845,13 @@ async def _serve(cfg: AgentConfig) -> int:
     try:
         await agent.start()
     except OSError as e:
-        print(f"error: cannot start the agent: {e}. Is another agent running "
-              "(dpuctl status)? Ports: [control] port, [nvmf] port, [metrics] port in the "
-              "config, or DPUKV_CONTROL_PORT / DPUKV_NVMF_PORT / DPUKV_METRICS_PORT "
-              "(0 picks a free one).", file=sys.stderr)  # fmt: skip
+        hint = ""
+        if e.errno == errno.EADDRINUSE:  # other errors (a missing tls_cert file, ENOMEM) got
+            hint = (" Is another agent running (dpuctl status)? Ports: [control] port, [nvmf] "
+                    "port, [metrics] port in the config, or DPUKV_CONTROL_PORT / "
+                    "DPUKV_NVMF_PORT / DPUKV_METRICS_PORT (0 picks a free one).")  # fmt: skip
+        where = f" ({e.filename})" if e.filename and str(e.filename) not in str(e) else ""
+        print(f"error: cannot start the agent: {e}{where}.{hint}", file=sys.stderr)
         await agent.stop()
         return 1
     except Exception as e:  # key file, journal, devices: say what, not a traceback

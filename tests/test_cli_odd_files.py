@@ -81,3 +81,21 @@ def test_connect_config_from_a_fifo(tmp_path: Path) -> None:
         cli, ["hosts", "connect-config", "--credentials", str(_fifo(tmp_path / "c.json"))]
     )
     assert r.exit_code == 2 and "not a regular file" in r.output, r.output
+
+
+def test_a_start_that_fails_for_a_missing_file_does_not_blame_the_ports(tmp_path: Path) -> None:
+    """Every OSError at start said "Is another agent running? Ports: ..." (a missing tls_cert
+    too, naming neither the file nor the setting)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DPUKV_AGENT_DATA_DIR": str(tmp_path / "var"),
+           "DPUKV_CONTROL_PORT": "0", "DPUKV_NVMF_PORT": "0", "DPUKV_METRICS_PORT": "0",
+           "DPUKV_CONTROL_TLS_CERT": str(tmp_path / "nope.pem"),
+           "DPUKV_CONTROL_TLS_KEY": str(tmp_path / "nope.key")}  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", "from dpu_agent.cli import main; main()", "agent",
+                        "run"], env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode != 0
+    error = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "tls_cert" in error[0] and "nope.pem" in error[0], r.stderr
+    assert "another agent" not in error[0]

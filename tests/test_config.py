@@ -138,3 +138,11 @@ def test_an_empty_agent_path_is_a_config_error(tmp_path: Path, key: str) -> None
     data directory itself."""
     with pytest.raises(ConfigError, match=rf"\[agent\] {key.lower()}='' is empty"):
         load_config(environ={"DPUKV_DATA_DIR": str(tmp_path), f"DPUKV_AGENT_{key}": ""})
+
+
+def test_a_config_error_does_not_echo_a_token(tmp_path: Path) -> None:
+    f = tmp_path / "agent.toml"
+    f.write_text('[tenants.acme]\ntoken = "s3cret\\u0000tail"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(f, environ={})
+    assert "s3cret" not in str(e.value) and "token=<redacted>" in str(e.value)
