@@ -66,15 +66,16 @@ class TenantStore:
         """A damaged tenants.json was set aside and nobody has cleared it (deleted the file)."""
         return self.damaged_path.exists()
 
-    def load(self) -> SavedTenants:
+    def load(self, *, set_aside: bool = True) -> SavedTenants:
         """The saved changes; none when there is no file. A damaged file (not JSON, not an
         object) is logged and set aside (`damaged_path`), so the agent starts with its
         configured tenants and erases none it does not name; an entry that is not a tenant
-        name or not an object is skipped, the others are kept."""
+        name or not an object is skipped, the others are kept. `set_aside=False`: a reader
+        beside the agent (dpuctl) that must move nothing."""
         doc = self._read()
         out = SavedTenants()
         if doc is None:
-            if self.path.exists():
+            if self.path.exists() and set_aside:
                 out.damaged = True
                 try:
                     os.replace(self.path, self.damaged_path)

@@ -96,6 +96,21 @@ def test_enrol_with_nqn_carries_the_hosts_issued_keys(agent: AgentProcess, tmp_p
     assert data["subnqn"].startswith("nqn.")
 
 
+def test_enrol_of_a_tenant_added_at_run_time(agent: AgentProcess, tmp_path: Path) -> None:
+    """`dpuctl tenants add t1` then `hosts enrol --tenant t1` said "no tenant 't1'" (enrol
+    looked only at the configuration's tenants) while `tenants list` showed it."""
+    env = {"DPUKV_AGENT_DATA_DIR": str(agent.data_dir)}
+    added = CliRunner().invoke(cli, ["tenants", "add", "runtime-t1", "--json"], env=env)
+    assert added.exit_code == 0, added.output
+    out = tmp_path / "t1.json"
+    r = CliRunner().invoke(
+        cli, ["hosts", "enrol", "--tenant", "runtime-t1", "--out", str(out), "--json"], env=env
+    )
+    assert r.exit_code == 0, r.output
+    creds = load_credentials(out)
+    assert creds.tenant == "runtime-t1" and creds.token == json.loads(added.output)["token"]
+
+
 def test_enrol_of_an_unknown_tenant_is_a_usage_error(agent: AgentProcess, tmp_path: Path) -> None:
     env = {"DPUKV_AGENT_DATA_DIR": str(agent.data_dir)}
     r = CliRunner().invoke(

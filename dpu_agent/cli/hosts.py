@@ -20,8 +20,9 @@ from typing import Any
 import click
 
 from dpu_agent.cli.ops import EXIT_USAGE, _fail, admin_call, common, emit, find_agent, show_done
-from dpu_agent.config import AgentConfig
+from dpu_agent.config import AgentConfig, ConfigError, TenantConfig
 from dpu_agent.files import read_small_file
+from dpu_agent.tenant_store import TENANTS_FILE, TenantStore
 from host_shim.integrations.credentials import (
     CREDENTIALS_VERSION,
     Credentials,
@@ -116,9 +117,10 @@ def hosts_enrol(
     as_json: bool,
 ) -> None:
     cfg = find_agent(config_path, as_json)
-    t = cfg.tenants.get(tenant)
+    t = cfg.tenants.get(tenant) or _runtime_tenant(cfg, tenant)
     if t is None or not t.token:
-        _fail(EXIT_USAGE, f"no tenant {tenant!r} in {cfg.source}; see dpuctl tenants list", as_json)
+        _fail(EXIT_USAGE, f"no tenant {tenant!r} in {cfg.source} or added at run time; see "
+              "dpuctl tenants list", as_json)  # fmt: skip
     creds: dict[str, object] = {
         "version": CREDENTIALS_VERSION,
         "control": list(control_urls) or _tcp_control_urls(cfg),
@@ -153,6 +155,21 @@ def hosts_enrol(
 
 
 CA_FILE_BYTES_MAX = 1 << 20  # a certificate chain
+
+
+def _runtime_tenant(cfg: AgentConfig, tenant: str) -> TenantConfig | None:
+    """A tenant added at run time (`dpuctl tenants add`: tenants.json, its token file), with
+    its token; None when there is none (the configuration's tenants were all `enrol` saw)."""
+    saved = TenantStore(cfg.path(TENANTS_FILE)).load(set_aside=False)
+    t = saved.added.get(tenant)
+    if t is None or tenant in saved.removed:
+        return None
+    cfg.tenants[tenant] = t
+    try:
+        cfg.prepare(create=False)  # reads its token file
+    except (ConfigError, OSError):
+        return None
+    return cfg.tenants.get(tenant)
 
 
 def _open_out(out: str, as_json: bool) -> int:
