@@ -280,6 +280,8 @@ class AgentConfig:
         """Load the tokens. `create`: also make the data directory and any missing token file
         (0600), as the agent does at start; without it (what read-only commands use) nothing is
         written and a missing token stays empty."""
+        if self.data_dir.exists() and not self.data_dir.is_dir():  # was "[Errno 17] File exists"
+            raise ConfigError(f"{self.source}: [agent] data_dir {self.data_dir} is not a directory")
         if create:
             self.data_dir.mkdir(parents=True, exist_ok=True)
             os.chmod(self.data_dir, 0o700)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -197,3 +198,39 @@ def test_a_stopped_agent_exits_3_within_the_hello_timeout(
     assert took < 10
     r = CliRunner().invoke(cli, ["stats", "--json"], env=env)
     assert r.exit_code == 0 and "default" in json.loads(r.output)["stats"]["tenants"], r.output
+
+
+@pytest.mark.timeout(60)
+def test_a_reply_of_another_shape_is_no_traceback(tmp_path: Path) -> None:
+    """A peer that speaks the protocol but answers `{}` (a broken or foreign agent): `stats`
+    raised KeyError: 'stats'."""
+    import struct
+    import threading
+
+    import msgpack
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(10)
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            c, _ = srv.accept()
+            with c:
+                buf = b""
+                while d := c.recv(65536):
+                    buf += d
+                    while len(buf) >= 4 and len(buf) >= 4 + struct.unpack(">I", buf[:4])[0]:
+                        n = struct.unpack(">I", buf[:4])[0]
+                        msg, buf = msgpack.unpackb(buf[4 : 4 + n], raw=False), buf[4 + n :]
+                        res = {"node": "fake"} if msg.get("op") == "hello" else {}
+                        out = msgpack.packb({"id": msg["id"], "ok": True, "result": res})
+                        c.sendall(struct.pack(">I", len(out)) + out)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    _admin_token(tmp_path)
+    env = {"DPUKV_AGENT_DATA_DIR": str(tmp_path), "DPUKV_CONTROL_UNIX_SOCKET": "",
+           "DPUKV_CONTROL_PORT": str(srv.getsockname()[1])}  # fmt: skip
+    r = CliRunner().invoke(cli, ["stats", "--json"], env=env)
+    srv.close()
+    assert r.exit_code == 1 and "shape" in json.loads(r.output)["error"], r.output

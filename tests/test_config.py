@@ -146,3 +146,10 @@ def test_a_config_error_does_not_echo_a_token(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as e:
         load_config(f, environ={})
     assert "s3cret" not in str(e.value) and "token=<redacted>" in str(e.value)
+
+
+def test_a_data_dir_that_is_a_file_is_named(tmp_path: Path) -> None:
+    (tmp_path / "var").write_text("not a directory")
+    cfg = load_config(environ={"DPUKV_DATA_DIR": str(tmp_path / "var")})
+    with pytest.raises(ConfigError, match=r"\[agent\] data_dir .*var is not a directory"):
+        cfg.prepare()

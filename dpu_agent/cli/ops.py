@@ -255,6 +255,9 @@ def admin_session(
         _fail(EXIT_USAGE, str(e), as_json)
     except ControlError as e:
         _fail(EXIT_FAILED, f"{what}: {e}", as_json)
+    except (KeyError, TypeError, AttributeError) as e:  # a reply of another shape: no traceback
+        _fail(EXIT_FAILED, f"{what}: {url} answered in a shape this dpuctl does not know "
+              f"({type(e).__name__}: {e}); is it this version's agent?", as_json)  # fmt: skip
 
 
 def emit(data: Any, as_json: bool, human: Callable[[Any], None]) -> None:
