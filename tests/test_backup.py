@@ -109,12 +109,12 @@ def test_backup_chain_errors(tmp_path: Path) -> None:
         dst.close()
 
 
-def test_a_backup_goes_only_to_a_new_or_empty_directory_outside_the_agents(
+def test_a_backup_goes_only_to_a_new_or_empty_directory_not_the_agents_own(
     tmp_path: Path,
 ) -> None:
     """`dpuctl backup create DIR` wrote into any existing directory (a user's data.bin
     replaced by the backup's) and made it 0700 (a shared 1777 /tmp too), and accepted the
-    agent's own data directory."""
+    agent's own data, journal and NVMe directories."""
     src = Engine(cfg(tmp_path / "a"))
     try:
         src.put_chunk("acme", *chunk(1))
@@ -129,9 +129,11 @@ def test_a_backup_goes_only_to_a_new_or_empty_directory_outside_the_agents(
         (tmp_path / "file").write_text("x")
         with pytest.raises(EngineError, match="is not a directory"):
             src.backup(tmp_path / "file")
-        for own in ("a/new-backup", "a/journal/b", "a/nvme/acme/b"):
+        for own in ("a/journal/b", "a/acme/b"):  # the NVMe file of acme is a/acme/nvme.img
             with pytest.raises(EngineError, match="inside the agent's own"):
                 src.backup(tmp_path / own)
+        with pytest.raises(EngineError, match=r"not empty|the agent's data directory"):
+            src.backup(tmp_path / "a")
         (tmp_path / "empty").mkdir()
         assert src.backup(tmp_path / "empty")["records"] >= 1  # empty: fine
     finally:

@@ -103,15 +103,20 @@ def _save_arrays(path: Path, arrays: dict[str, Any]) -> None:
 
 
 def _check_destination(engine: Engine, dest: Path) -> None:
-    """A backup goes to a new or empty directory outside the agent's own: into any existing
-    one it replaced the files of the backup's names and made the directory 0700 (a shared
-    /tmp included), and into the data directory it wrote over the agent's own files."""
+    """A backup goes to a new or empty directory, not the agent's journal or NVMe directory:
+    into any existing one it replaced the files of the backup's names and made the directory
+    0700 (a shared /tmp included), and into the data directory it wrote beside, and over, the
+    agent's own files."""
     if dest.exists() and not dest.is_dir():
         raise EngineError(f"{dest} is not a directory; give an empty or new directory")
     if dest.is_dir() and any(dest.iterdir()):
         raise EngineError(f"{dest} is not empty; give an empty or new directory")
     target = dest.resolve()
-    for own in (engine.config.data_dir, engine.config.journal_path, engine.config.nvme_path):
+    if target == engine.config.data_dir.resolve():
+        raise EngineError(f"{dest} is the agent's data directory; give another directory")
+    owns = [engine.config.journal_path]  # what it lists and deletes in
+    owns += [engine.config.nvme_path / tenant for tenant in engine.tenants()]
+    for own in owns:
         own = own.resolve()
         if target == own or own in target.parents:
             raise EngineError(f"{dest} is inside the agent's own {own}; give a directory outside")
