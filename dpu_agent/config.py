@@ -364,13 +364,12 @@ def _read_token_if_any(path: Path) -> str:
 SECRET_FILE_BYTES_MAX = STRING_BYTES_MAX  # a token: longer, no client could send it
 
 
-def check_secret_mode(path: Path) -> None:
-    """ConfigError when `path` (a secret) is group- or world-accessible."""
-    st = path.stat()
-    if st.st_mode & 0o077:
-        raise ConfigError(
-            f"secret file {path} has mode {st.st_mode & 0o777:o}; run: chmod 600 {path}"
-        )
+def check_secret_mode(path: Path, mode: int | None = None) -> None:
+    """ConfigError when `path` (a secret) is group- or world-accessible (`mode`: its st_mode
+    when the caller has it already, from the descriptor it reads)."""
+    mode = path.stat().st_mode if mode is None else mode
+    if mode & 0o077:
+        raise ConfigError(f"secret file {path} has mode {mode & 0o777:o}; run: chmod 600 {path}")
 
 
 def _read_secret(path: Path) -> str:
@@ -381,11 +380,7 @@ def _read_secret(path: Path) -> str:
             raise ConfigError(f"secret file {path} is not a regular file") from None
         raise
     with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(fd).st_mode
-        if mode & 0o077:
-            raise ConfigError(
-                f"secret file {path} has mode {mode & 0o777:o}; run: chmod 600 {path}"
-            )
+        check_secret_mode(path, os.fstat(fd).st_mode)
         raw = f.read(SECRET_FILE_BYTES_MAX + 1)
     if len(raw) > SECRET_FILE_BYTES_MAX:  # a token no client could send (the protocol's limit)
         raise ConfigError(f"secret file {path} is over {SECRET_FILE_BYTES_MAX} bytes")
