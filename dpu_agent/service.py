@@ -74,7 +74,7 @@ from dpu_agent.metrics import REGISTRY, forget_tenant
 from dpu_agent.metrics_server import METRICS_CONNECTIONS_MAX, start_metrics_server
 from dpu_agent.nixl import NixlServer
 from dpu_agent.sdnotify import Notifier
-from dpu_agent.tenant_store import TENANTS_FILE, TenantStore, write_secret
+from dpu_agent.tenant_store import TENANTS_FILE, TenantStore, apply_saved, write_secret
 from kvproto.control import TENANTS_MAX, valid_tenant_name
 
 __all__ = ["Agent", "banner", "run_agent"]
@@ -771,11 +771,7 @@ class Agent:
     def _load_runtime_tenants(self) -> None:
         """The config file's tenants with the run-time changes of tenants.json applied."""
         saved = self.tenant_store.load()
-        for name, t in saved.added.items():
-            if name not in self.cfg.tenants:
-                self.cfg.tenants[name] = t
-        for name in saved.removed:
-            self.cfg.tenants.pop(name, None)
+        apply_saved(self.cfg.tenants, saved)
         self._cluster_known.update(saved.cluster)
         self.cfg.prepare()  # loads the tokens of the tenants just added
 

@@ -28,7 +28,14 @@ from dpu_agent.files import read_small_file
 from dpu_agent.log import get_logger
 from kvproto.control import valid_tenant_name
 
-__all__ = ["DAMAGED_SUFFIX", "TENANTS_FILE", "SavedTenants", "TenantStore", "write_secret"]
+__all__ = [
+    "DAMAGED_SUFFIX",
+    "TENANTS_FILE",
+    "SavedTenants",
+    "TenantStore",
+    "apply_saved",
+    "write_secret",
+]
 
 log = get_logger("dpu_agent.tenant_store")
 
@@ -49,6 +56,16 @@ class SavedTenants:
     removed: list[str] = field(default_factory=list)
     cluster: dict[str, str] = field(default_factory=dict)  # cluster tenant -> incarnation
     damaged: bool = False  # the file was there and unreadable (kept as DAMAGED_SUFFIX)
+
+
+def apply_saved(tenants: dict[str, TenantConfig], saved: SavedTenants) -> None:
+    """The configuration's tenants with tenants.json's run-time changes applied (in place):
+    the added ones the configuration lacks, less the removed ones. Tokens are the caller's
+    (AgentConfig.prepare reads them)."""
+    for name, t in saved.added.items():
+        tenants.setdefault(name, t)
+    for name in saved.removed:
+        tenants.pop(name, None)
 
 
 class TenantStore:

@@ -22,7 +22,7 @@ import click
 from dpu_agent.cli.ops import EXIT_USAGE, _fail, admin_call, common, emit, find_agent, show_done
 from dpu_agent.config import AgentConfig, ConfigError, TenantConfig
 from dpu_agent.files import read_small_file
-from dpu_agent.tenant_store import TENANTS_FILE, TenantStore
+from dpu_agent.tenant_store import TENANTS_FILE, TenantStore, apply_saved
 from host_shim.integrations.credentials import (
     CREDENTIALS_VERSION,
     Credentials,
@@ -160,11 +160,9 @@ CA_FILE_BYTES_MAX = 1 << 20  # a certificate chain
 def _runtime_tenant(cfg: AgentConfig, tenant: str) -> TenantConfig | None:
     """A tenant added at run time (`dpuctl tenants add`: tenants.json, its token file), with
     its token; None when there is none (the configuration's tenants were all `enrol` saw)."""
-    saved = TenantStore(cfg.path(TENANTS_FILE)).load(set_aside=False)
-    t = saved.added.get(tenant)
-    if t is None or tenant in saved.removed:
+    apply_saved(cfg.tenants, TenantStore(cfg.path(TENANTS_FILE)).load(set_aside=False))
+    if tenant not in cfg.tenants:
         return None
-    cfg.tenants[tenant] = t
     try:
         cfg.prepare(create=False)  # reads its token file
     except (ConfigError, OSError):
