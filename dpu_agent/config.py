@@ -47,7 +47,13 @@ from dpu_agent.eviction import DEFAULT_POLICY, POLICY_NAMES
 from dpu_agent.files import open_regular
 from dpu_agent.net import NetConfigError, NetDesired, parse_net
 from dpu_agent.units import SIZE_BYTES_MAX, SizeError, parse_size
-from kvproto.control import REPLICAS_MAX, STRING_BYTES_MAX, TENANTS_MAX, valid_tenant_name
+from kvproto.control import (
+    REPLICAS_MAX,
+    STRING_BYTES_MAX,
+    TENANTS_MAX,
+    token_problem,
+    valid_tenant_name,
+)
 from kvproto.nvme import BLOCK_BYTES
 from kvproto.peer_auth import parse_peer_keys
 from kvproto.tomlfile import CONFIG_BYTES_MAX, TomlFileError, load_toml
@@ -242,9 +248,16 @@ class AgentConfig:
     serf_rpc_key: str = field(default="", repr=False)
     peer_keys: tuple[bytes, ...] = field(default=(), repr=False)
     source: str = DEFAULTS_SOURCE  # the configuration file, or DEFAULTS_SOURCE without one
+    # where each set value came from ("section.key" -> the file or "environment VAR"): an
+    # error names what set the value, not the file (or <defaults>) of the whole configuration
+    origins: dict[str, str] = field(default_factory=dict)
     spdk: SpdkDesired | None = None  # the parsed [spdk] section, when the file has one
     spdk_doc: dict[str, Any] = field(default_factory=dict)  # that section as written
     net: NetDesired | None = None  # the parsed [net] section (dpuctl net), when present
+
+    def origin(self, key: str) -> str:
+        """What set `key` ("section.key"): its file or environment variable, else `source`."""
+        return self.origins.get(key, self.source)
 
     @property
     def spdk_mode(self) -> bool:
@@ -297,8 +310,27 @@ class AgentConfig:
                 continue
             t.token_file = t.token_file or f"tenant-{t.name}.token"
             t.token = load(self.path(t.token_file))
+        if create:  # the agent's start: a guessable token would open a tenant's data to anyone
+            self._check_tokens()
         if self.cluster.enabled:
             self._prepare_cluster(create=create)
+
+    def _check_tokens(self) -> None:
+        """ConfigError naming the first token (the admin's, a tenant's) that token_problem
+        refuses; read-only commands skip it (they only talk to an agent that started)."""
+        named = [(f"[agent] admin_token_file {self.path(self.agent.admin_token_file)}",
+                  self.admin_token)]  # fmt: skip
+        for t in self.tenants.values():
+            where = (f"tenant {t.name!r} token_file {self.path(t.token_file)}" if t.token_file
+                     else f"[tenants.{t.name}] token")  # fmt: skip
+            named.append((where, t.token))
+        for where, token in named:
+            why = token_problem(token)
+            if why is not None:
+                raise ConfigError(
+                    f"{self.source}: {where}: the token {why}; generated tokens have 43 "
+                    "(delete a token file to have one generated)"
+                )
 
     def _prepare_cluster(self, *, create: bool) -> None:
         """Cluster secrets: the Serf RPC key (generated for our own Serf child), the gossip
@@ -516,6 +548,7 @@ def _apply_section(cfg: AgentConfig, section: str, values: Mapping[str, Any], so
                 f"{source}: unknown key [{section}] {key}; known: {', '.join(sorted(known))}"
             )
         setattr(obj, key, _coerce(section, key, value, getattr(obj, key), source))
+        cfg.origins[f"{section}.{key}"] = source
 
 
 def _apply_tenants(cfg: AgentConfig, tenants: Any, source: str) -> None:
@@ -572,12 +605,18 @@ def load_config(
                     raise ConfigError(str(e)) from None
             elif section in _SECTIONS and isinstance(values, dict):
                 _apply_section(cfg, section, values, str(p))
+            elif section in _SECTIONS:  # `control = 5`: a known name, not a table
+                raise ConfigError(
+                    f"{p}: {section} must be a table ([{section}] and its keys), "
+                    f"not {type(values).__name__} {values!r}"
+                )
             else:
                 known = ", ".join([*_SECTIONS, "tenants", "spdk", "net"])
                 raise ConfigError(f"{p}: unknown section [{section}]; known: {known}")
     env = os.environ if environ is None else environ
     if env.get(DATA_DIR_ENV):
         cfg.agent.data_dir = _coerce("agent", "data_dir", env[DATA_DIR_ENV], "", DATA_DIR_ENV)
+        cfg.origins["agent.data_dir"] = f"environment {DATA_DIR_ENV}"
     _env_overrides(cfg, env)
     _check_values(cfg)
     _check_mode(cfg)
@@ -598,10 +637,9 @@ IO_WORKERS_MAX = 256
 
 def _check_values(cfg: AgentConfig) -> None:
     """Every value that would only fail at `agent run` fails here, at load (exit 4)."""
-    src = cfg.source
 
     def bad(section: str, key: str, value: Any, why: str) -> ConfigError:
-        return ConfigError(f"{src}: [{section}] {key}={value!r} {why}")
+        return ConfigError(f"{cfg.origin(f'{section}.{key}')}: [{section}] {key}={value!r} {why}")
 
     for section in ("control", "nvmf", "metrics"):
         port = getattr(cfg, section).port
@@ -649,7 +687,8 @@ def _check_cluster(cfg: AgentConfig) -> None:
     c = cfg.cluster
     if not 1 <= c.replicas <= REPLICAS_MAX:
         raise ConfigError(
-            f"{cfg.source}: [cluster] replicas={c.replicas} must be 1..{REPLICAS_MAX}"
+            f"{cfg.origin('cluster.replicas')}: [cluster] replicas={c.replicas} "
+            f"must be 1..{REPLICAS_MAX}"
         )
     for t in cfg.tenants.values():
         if t.replicas > REPLICAS_MAX:
@@ -658,7 +697,8 @@ def _check_cluster(cfg: AgentConfig) -> None:
             )
     if c.serf_profile not in ("lan", "wan", "local"):
         raise ConfigError(
-            f"{cfg.source}: [cluster] serf_profile={c.serf_profile!r}: lan, wan or local"
+            f"{cfg.origin('cluster.serf_profile')}: [cluster] serf_profile={c.serf_profile!r}: "
+            "lan, wan or local"
         )
 
 
@@ -719,7 +759,7 @@ def _check_security(cfg: AgentConfig) -> None:
 
 def _check_mode(cfg: AgentConfig) -> None:
     """SPDK mode: [spdk] present, every tenant has both tiers, the agent's NQN is allowed."""
-    where = f"{cfg.source}: [agent] mode={cfg.agent.mode!r}"
+    where = f"{cfg.origin('agent.mode')}: [agent] mode={cfg.agent.mode!r}"
     if cfg.agent.mode not in MODES:
         raise ConfigError(f"{where} must be one of {', '.join(MODES)}")
     if not cfg.spdk_mode:

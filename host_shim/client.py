@@ -41,7 +41,9 @@ from host_shim.control import (
     AgentUnreachable,
     ControlChannel,
     ControlError,
+    is_cluster_url,
     new_hostnqn,
+    parse_client_url,
     parse_control_url,
 )
 from host_shim.nvme import NvmeError, NvmeStatusError, NvmeTcpController
@@ -82,38 +84,6 @@ _STORED_CHECK = {"lease": False, "count": False}
 RECONNECT_BACKOFF_S = 0.5
 # What a lost agent or a broken data path raises: a miss for the caller, never an exception.
 _LOST = (AgentUnreachable, OSError, NvmeError)
-
-
-def parse_client_url(url: str) -> list[str]:
-    """The control URLs a client URL names: one agent, or the seeds of a cluster.
-
-    ``tcp://host:port``, ``tls://host:port``, ``unix:///path``: one agent (a list of one
-    URL, no comma). A comma makes a cluster URL: ``tcp://a:7400,b:7400`` (seeds after the
-    first take its scheme), ``tcp://a:7400,tcp://b:7400``, ``tcp://[::1]:7400,[::1]:7401``,
-    and ``tcp://seed:7400,`` (one seed, still a cluster). ValueError for anything else.
-    """
-    if "," not in url:
-        parse_control_url(url)
-        return [url]
-    parts = [u.strip() for u in url.split(",")]
-    seeds = [u for u in parts if u]
-    if not seeds:
-        raise ValueError(f"cluster URL {url!r} names no seed; tcp://host:port,host:port")
-    if "://" not in seeds[0]:
-        raise ValueError(
-            f"cluster URL {url!r}: the first seed needs a scheme (tcp://, tls:// or unix://); "
-            "later seeds may omit it: tcp://a:7400,b:7400"
-        )
-    scheme = seeds[0].split("://", 1)[0]
-    out = [u if "://" in u else f"{scheme}://{u}" for u in seeds]
-    for u in out:
-        parse_control_url(u)  # ValueError now, not mid-inference
-    return out
-
-
-def is_cluster_url(url: str) -> bool:
-    """A comma makes a cluster URL, even with one seed (``tcp://seed:7400,``)."""
-    return "," in url
 
 
 class NodeClient(KVStore):

@@ -77,6 +77,38 @@ def parse_control_url(url: str) -> tuple[str, str | tuple[str, int]]:
     raise ValueError(f"control URL {url!r}: scheme must be tcp://, tls:// or unix://")
 
 
+def parse_client_url(url: str) -> list[str]:
+    """The control URLs a client URL names: one agent, or the seeds of a cluster.
+
+    ``tcp://host:port``, ``tls://host:port``, ``unix:///path``: one agent (a list of one
+    URL, no comma). A comma makes a cluster URL: ``tcp://a:7400,b:7400`` (seeds after the
+    first take its scheme), ``tcp://a:7400,tcp://b:7400``, ``tcp://[::1]:7400,[::1]:7401``,
+    and ``tcp://seed:7400,`` (one seed, still a cluster). ValueError for anything else.
+    """
+    if "," not in url:
+        parse_control_url(url)
+        return [url]
+    parts = [u.strip() for u in url.split(",")]
+    seeds = [u for u in parts if u]
+    if not seeds:
+        raise ValueError(f"cluster URL {url!r} names no seed; tcp://host:port,host:port")
+    if "://" not in seeds[0]:
+        raise ValueError(
+            f"cluster URL {url!r}: the first seed needs a scheme (tcp://, tls:// or unix://); "
+            "later seeds may omit it: tcp://a:7400,b:7400"
+        )
+    scheme = seeds[0].split("://", 1)[0]
+    out = [u if "://" in u else f"{scheme}://{u}" for u in seeds]
+    for u in out:
+        parse_control_url(u)  # ValueError now, not mid-inference
+    return out
+
+
+def is_cluster_url(url: str) -> bool:
+    """A comma makes a cluster URL, even with one seed (``tcp://seed:7400,``)."""
+    return "," in url
+
+
 def client_tls_context(cadata: str = "") -> ssl.SSLContext:
     """TLS for tls:// control URLs: `cadata` (a PEM CA, e.g. a credentials file's
     control_ca) or DPUKV_CONTROL_TLS_CA (verify the agent against it; the system's CAs when

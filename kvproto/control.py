@@ -226,6 +226,25 @@ def _str(v: Any) -> str | None:
     return None if ok else f"a string of at most {STRING_BYTES_MAX} characters"
 
 
+# A token an operator chooses (a tenant's, the admin's): generated ones have 43 characters. A
+# short one is guessed; whitespace inside one is lost by the files that hold it (stripped).
+TOKEN_CHARS_MIN = 16
+
+
+def token_problem(token: str) -> str | None:
+    """Why `token` cannot be a tenant's or the admin's token, or None."""
+    if not TOKEN_CHARS_MIN <= len(token) <= STRING_BYTES_MAX:
+        return f"must have {TOKEN_CHARS_MIN} to {STRING_BYTES_MAX} characters (it has {len(token)})"
+    if not token.isprintable() or any(c.isspace() for c in token):
+        return "must be printable characters without spaces"
+    return None
+
+
+def _token(v: Any) -> str | None:
+    why = _str(v) or token_problem(v)
+    return None if why is None else f"a token that {why}"
+
+
 def _bool(v: Any) -> str | None:
     return None if isinstance(v, bool) else "a boolean"
 
@@ -361,11 +380,11 @@ OPS: Final[dict[str, _Schema]] = {
     "tenants_list": {},
     "tenant_add": {
         "tenant": (_tenant, True),
-        "token": (_optional(_str), False),
+        "token": (_optional(_token), False),
         "quota_bytes": (_optional(_int), False),
     },
     "tenant_remove": {"tenant": (_tenant, True)},
-    "tenant_rotate": {"tenant": (_tenant, True), "token": (_optional(_str), False)},
+    "tenant_rotate": {"tenant": (_tenant, True), "token": (_optional(_token), False)},
     "host_add": {"tenant": (_tenant, True), "nqn": (_str, True)},
     "host_list": {"tenant": (_tenant, True)},
     "host_remove": {"tenant": (_tenant, True), "nqn": (_str, True)},

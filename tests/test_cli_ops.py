@@ -38,12 +38,12 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
 
 def _admin_token(data_dir: Path) -> None:
     """What a started agent leaves: an admin token (0600)."""
-    (data_dir / "admin.token").write_text("t0ken\n")
+    (data_dir / "admin.token").write_text("t0ken-0123456789abcdef\n")
     (data_dir / "admin.token").chmod(0o600)
 
 
 def test_config_show_json_is_redacted(tmp_path: Path) -> None:
-    (tmp_path / "tenant-default.token").write_text("s3cret-token\n")
+    (tmp_path / "tenant-default.token").write_text("s3cret-token-0123456789\n")
     (tmp_path / "tenant-default.token").chmod(0o600)
     _admin_token(tmp_path)
     r = CliRunner().invoke(
@@ -61,6 +61,18 @@ def test_bad_config_exits_4(tmp_path: Path) -> None:
     bad.write_text("[control]\nport = 'x'\n")
     r = CliRunner().invoke(cli, ["config", "show", "--json", "--config", str(bad)])
     assert r.exit_code == 4 and json.loads(r.output)["ok"] is False
+
+
+def test_a_guessable_token_file_is_a_usage_error(tmp_path: Path) -> None:
+    """`tenants add --token-file` with a 1-character token: refused before any agent is asked
+    (the agent refuses it too: tests/test_control_codec.py)."""
+    token = tmp_path / "t.token"
+    token.write_text("x\n")
+    token.chmod(0o600)
+    env = {"DPUKV_AGENT_DATA_DIR": str(tmp_path / "nothing-runs-here")}
+    for cmd in ("add", "rotate"):
+        r = CliRunner().invoke(cli, ["tenants", cmd, "acme", "--token-file", str(token)], env=env)
+        assert r.exit_code == 2 and "16 to" in r.output, r.output
 
 
 def test_usage_error_exits_2() -> None:

@@ -37,22 +37,27 @@ def test_toml_then_env_override(tmp_path: Path) -> None:
     f = tmp_path / "agent.toml"
     f.write_text(
         "[control]\nport = 7500\n[storage]\ndram_bytes = 8388608\n"
-        '[tenants.acme]\ntoken = "s3cret-acme"\nquota_bytes = 4096\n'
+        '[tenants.acme]\ntoken = "s3cret-acme-0123456789"\nquota_bytes = 4096\n'
     )
     cfg = load_config(f, environ={"DPUKV_CONTROL_PORT": "7600", "DPUKV_METRICS_ENABLED": "false"})
     assert cfg.control.port == 7600
     assert cfg.storage.dram_bytes == 8 << 20
     assert cfg.metrics.enabled is False
-    assert cfg.tenants["acme"].token == "s3cret-acme" and cfg.tenants["acme"].quota_bytes == 4096
+    assert (
+        cfg.tenants["acme"].token == "s3cret-acme-0123456789"
+        and cfg.tenants["acme"].quota_bytes == 4096
+    )
 
 
 def test_redacted_hides_every_secret(tmp_path: Path) -> None:
     f = tmp_path / "agent.toml"
-    f.write_text(f'[agent]\ndata_dir = "{tmp_path}"\n[tenants.acme]\ntoken = "s3cret-acme"\n')
+    f.write_text(
+        f'[agent]\ndata_dir = "{tmp_path}"\n[tenants.acme]\ntoken = "s3cret-acme-0123456789"\n'
+    )
     cfg = load_config(f, environ={})
     cfg.prepare()
     text = json.dumps(cfg.redacted())
-    assert "s3cret-acme" not in text and cfg.admin_token not in text
+    assert "s3cret-acme-0123456789" not in text and cfg.admin_token not in text
     assert cfg.redacted()["tenants"]["acme"]["token"] == "<redacted>"
     assert "s3cret" not in repr(cfg)
 
@@ -81,6 +86,11 @@ def test_redacted_hides_every_secret(tmp_path: Path) -> None:
         ("[storage]\ndram_bytes = '" + "9" * 400 + "'\n", {}, "out of range"),  # traceback
         ("", {"DPUKV_STORAGE_DRAM_BYTES": "9" * 400}, "out of range"),  # traceback
         ('[agent]\ndata_dir = "/tmp/x\\u0000y"\n', {}, "NUL"),  # traceback at mkdir
+        # the value's origin, not the whole configuration's (it said "<defaults>:", the file)
+        ("", {"DPUKV_CONTROL_PORT": "99999"}, "^environment DPUKV_CONTROL_PORT: .*port=99999"),
+        ("[agent]\nnode_name = 'n1'\n", {"DPUKV_CLUSTER_REPLICAS": "0"}, "^environment DPUKV_CL"),
+        ("[control]\nport = 70000\n", {}, "agent.toml: \\[control\\] port=70000"),
+        ("control = 5\n", {}, "control must be a table"),  # it said "unknown section"
     ],
 )
 def test_bad_config_says_what_and_where(tmp_path: Path, toml: str, env: dict, match: str) -> None:
@@ -88,6 +98,31 @@ def test_bad_config_says_what_and_where(tmp_path: Path, toml: str, env: dict, ma
     f.write_text(toml)
     with pytest.raises(ConfigError, match=match):
         load_config(f, environ=env)
+
+
+@pytest.mark.parametrize(
+    ("where", "token", "says"),
+    [
+        ("tenant-default.token", "x", "16 to 4096 characters .it has 1."),
+        ("admin.token", "short-admin", "admin_token_file"),
+        ("inline", "abcdefgh ijklmnopq", "without spaces"),
+    ],
+)
+def test_guessable_token_refused_at_start(
+    tmp_path: Path, where: str, token: str, says: str
+) -> None:
+    """A 1-character tenant token was served: anyone could guess it and read the tenant's data.
+    The agent's start refuses it naming the file; read-only commands still load."""
+    f = tmp_path / "agent.toml"
+    f.write_text(f'[agent]\ndata_dir = "{tmp_path}"\n')
+    if where == "inline":
+        f.write_text(f'[agent]\ndata_dir = "{tmp_path}"\n[tenants.acme]\ntoken = "{token}"\n')
+    else:
+        (tmp_path / where).write_text(token + "\n")
+        (tmp_path / where).chmod(0o600)
+    with pytest.raises(ConfigError, match=says):
+        load_config(f, environ={}).prepare()
+    load_config(f, environ={}).prepare(create=False)  # dpuctl talking to a running agent
 
 
 def test_group_readable_token_refused(tmp_path: Path) -> None:

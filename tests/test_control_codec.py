@@ -102,6 +102,9 @@ def test_oversized_frame_refused_with_reason() -> None:
         ({"id": 1, "op": "stats", "x": 1}, "unknown fields"),
         ({"id": 1, "op": "hello", "version": 1, "tenant": "A B", "token": ""}, "tenant name"),
         ([1, 2], "a map"),
+        # a token an operator chose: a 1-character one was served (guessable by anyone)
+        ({"id": 1, "op": "tenant_add", "tenant": "t", "token": "x"}, "16 to"),
+        ({"id": 1, "op": "tenant_rotate", "tenant": "t", "token": "a" * 20 + " b"}, "spaces"),
     ],
 )
 def test_bad_requests_say_why(msg: object, reason: str) -> None:

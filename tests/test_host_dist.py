@@ -134,6 +134,24 @@ def test_credentials_file_errors_name_the_file(tmp_path: Path) -> None:
     p.write_text("not json")
     with pytest.raises(ValueError, match="not JSON"):
         load_credentials(p)
+    p.write_text(json.dumps({"version": 1, "control": ["garbage"], "tenant": "t", "token": "x",
+                             "salt": "ab" * 16}))  # fmt: skip
+    with pytest.raises(ValueError, match=r"c\.json: control URL 'garbage': scheme must be"):
+        load_credentials(p)  # it loaded, and failed at the first call
+
+
+def test_enrol_refuses_a_control_url_no_host_could_use(agent: AgentProcess, tmp_path: Path) -> None:
+    """`--control-url garbage` was written into the credentials file (0 exit)."""
+    env = {"DPUKV_AGENT_DATA_DIR": str(agent.data_dir)}
+    for bad in ("garbage", "tcp://nohost", "tcp://a:7400,b"):
+        out = tmp_path / "x.json"
+        r = CliRunner().invoke(
+            cli,
+            ["hosts", "enrol", "--tenant", "default", "--control-url", bad, "--out", str(out)],
+            env=env,
+        )
+        assert r.exit_code == 2 and "--control-url" in r.output, (bad, r.output)
+        assert not out.exists()
 
 
 def test_host_wheel_has_no_dpuctl_and_no_agent(tmp_path: Path) -> None:

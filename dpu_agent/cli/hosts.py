@@ -23,6 +23,7 @@ from dpu_agent.cli.ops import EXIT_USAGE, _fail, admin_call, common, emit, find_
 from dpu_agent.config import AgentConfig, ConfigError, TenantConfig
 from dpu_agent.files import read_small_file
 from dpu_agent.tenant_store import TENANTS_FILE, TenantStore, apply_saved
+from host_shim.control import parse_client_url
 from host_shim.integrations.credentials import (
     CREDENTIALS_VERSION,
     Credentials,
@@ -121,6 +122,11 @@ def hosts_enrol(
     if t is None or not t.token:
         _fail(EXIT_USAGE, f"no tenant {tenant!r} in {cfg.source} or added at run time; see "
               "dpuctl tenants list", as_json)  # fmt: skip
+    for url in control_urls:  # a garbage URL was written, failing only on the GPU server
+        try:
+            parse_client_url(url)
+        except ValueError as e:
+            _fail(EXIT_USAGE, f"--control-url: {e}", as_json)
     creds: dict[str, object] = {
         "version": CREDENTIALS_VERSION,
         "control": list(control_urls) or _tcp_control_urls(cfg),

@@ -44,7 +44,13 @@ from host_shim.control import (
     ControlError,
     parse_control_url,
 )
-from kvproto.control import ADMIN_TENANT, KEY_BYTES, LocalProtocolError, valid_tenant_name
+from kvproto.control import (
+    ADMIN_TENANT,
+    KEY_BYTES,
+    LocalProtocolError,
+    token_problem,
+    valid_tenant_name,
+)
 
 __all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_OK", "EXIT_UNREACHABLE", "agent_group", "register"]
 
@@ -794,9 +800,13 @@ def _token_from(path: str | None, as_json: bool) -> str | None:
     if path is None:
         return None
     try:
-        return read_secret(Path(path))
+        token = read_secret(Path(path))
     except (OSError, ConfigError) as e:
         _fail(EXIT_USAGE, f"--token-file {path}: {e}", as_json)
+    why = token_problem(token)
+    if why is not None:
+        _fail(EXIT_USAGE, f"--token-file {path}: the token {why}", as_json)
+    return token
 
 
 @tenants.command("remove", help="Remove a tenant: its token, sessions, key and chunks go.")

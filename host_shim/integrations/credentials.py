@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from host_shim.control import client_tls_context
+from host_shim.control import client_tls_context, parse_client_url
 from kvproto.files import read_small_file
 
 __all__ = ["CREDENTIALS_VERSION", "SALT_HEX_RE", "Credentials", "load_credentials", "parse_salt"]
@@ -98,6 +98,10 @@ def load_credentials(path: str | Path) -> Credentials:
     except ValueError as e:
         raise ValueError(f"credentials file {p}: {e}") from None
     creds = Credentials(control=tuple(control), salt=salt, **out)
+    try:
+        parse_client_url(creds.client_url)  # a garbage URL fails here, not at the first call
+    except ValueError as e:
+        raise ValueError(f"credentials file {p}: {e}") from None
     try:
         creds.tls_context()  # a CA that does not load fails here, naming the file, not mid-connect
     except ssl.SSLError as e:
