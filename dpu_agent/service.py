@@ -51,7 +51,7 @@ from dpu_agent.cluster import (
     start_membership,
     tenant_source,
 )
-from dpu_agent.config import DEFAULTS_SOURCE, AgentConfig, TenantConfig, read_secret
+from dpu_agent.config import DEFAULTS_SOURCE, AgentConfig, ConfigError, TenantConfig, read_secret
 from dpu_agent.control import (
     LEASES_ACTIVE,
     RESERVATIONS_ACTIVE,
@@ -592,16 +592,18 @@ class Agent:
             )
         token = token or secrets.token_urlsafe(TENANT_TOKEN_BYTES)
         write_secret(self.cfg.path(t.token_file), token)
-        ended = self._set_token(t, token)
-        log.info("tenant_token_rotated", tenant=name, sessions_ended=ended)
+        done = self._set_token(t, token)
+        log.info("tenant_token_rotated", tenant=name, **done)
         return {"tenant": name, "token": token, "token_file": str(self.cfg.path(t.token_file)),
-                "sessions_ended": ended}  # fmt: skip
+                **done}  # fmt: skip
 
-    def _set_token(self, t: TenantConfig, token: str) -> int:
-        """Serve `token` for `t` and end the sessions opened with the old one."""
+    def _set_token(self, t: TenantConfig, token: str) -> dict[str, Any]:
+        """Serve `token` for `t`; end the sessions opened with the old one and revoke the host
+        keys their hellos were issued (a leaked token's keys end with it)."""
         t.token = token
         self.registry.add(t.name, token)  # a new incarnation: old sessions are refused
-        return self.control.end_tenant_sessions(t.name) if self.control is not None else 0
+        ended = self.control.end_tenant_sessions(t.name) if self.control is not None else 0
+        return {"sessions_ended": ended, **self.dataplane.token_rotated(t.name)}
 
     def _tenant_remove(self, name: str, *, cluster: bool = False) -> dict[str, Any]:
         """Revoke the token, end its sessions, and have the data plane free what the tenant
@@ -832,8 +834,16 @@ PY
 """
 
 
+# `dpuctl agent run`'s exit code for a configuration error (dpu_agent.cli.ops.EXIT_CONFIG)
+EXIT_CONFIG = 4
+
+
 async def _serve(cfg: AgentConfig) -> int:
-    agent = Agent(cfg)
+    try:
+        agent = Agent(cfg)  # tenants.json's run-time tenants and their token files load here
+    except ConfigError as e:  # a token file a run-time change left unloadable: a traceback
+        print(f"error: cannot start the agent: {e}", file=sys.stderr)
+        return EXIT_CONFIG
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -850,6 +860,10 @@ async def _serve(cfg: AgentConfig) -> int:
         print(f"error: cannot start the agent: {e}{where}.{hint}", file=sys.stderr)
         await agent.stop()
         return 1
+    except ConfigError as e:
+        print(f"error: cannot start the agent: {e}", file=sys.stderr)
+        await agent.stop()
+        return EXIT_CONFIG
     except Exception as e:  # key file, journal, devices: say what, not a traceback
         print(f"error: cannot start the agent: {type(e).__name__}: {e}", file=sys.stderr)
         await agent.stop()

@@ -233,8 +233,10 @@ TOKEN_CHARS_MIN = 16
 
 def token_problem(token: str) -> str | None:
     """Why `token` cannot be a tenant's or the admin's token, or None."""
-    if not TOKEN_CHARS_MIN <= len(token) <= STRING_BYTES_MAX:
-        return f"must have {TOKEN_CHARS_MIN} to {STRING_BYTES_MAX} characters (it has {len(token)})"
+    if len(token) < TOKEN_CHARS_MIN:
+        return f"must have at least {TOKEN_CHARS_MIN} characters (it has {len(token)})"
+    if len(token.encode()) > STRING_BYTES_MAX:  # its file is read back in bytes
+        return f"must have at most {STRING_BYTES_MAX} bytes in UTF-8"
     if not token.isprintable() or any(c.isspace() for c in token):
         return "must be printable characters without spaces"
     return None

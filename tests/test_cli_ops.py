@@ -72,7 +72,7 @@ def test_a_guessable_token_file_is_a_usage_error(tmp_path: Path) -> None:
     env = {"DPUKV_AGENT_DATA_DIR": str(tmp_path / "nothing-runs-here")}
     for cmd in ("add", "rotate"):
         r = CliRunner().invoke(cli, ["tenants", cmd, "acme", "--token-file", str(token)], env=env)
-        assert r.exit_code == 2 and "16 to" in r.output, r.output
+        assert r.exit_code == 2 and "at least 16" in r.output, r.output
 
 
 def test_usage_error_exits_2() -> None:

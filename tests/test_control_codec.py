@@ -103,7 +103,9 @@ def test_oversized_frame_refused_with_reason() -> None:
         ({"id": 1, "op": "hello", "version": 1, "tenant": "A B", "token": ""}, "tenant name"),
         ([1, 2], "a map"),
         # a token an operator chose: a 1-character one was served (guessable by anyone)
-        ({"id": 1, "op": "tenant_add", "tenant": "t", "token": "x"}, "16 to"),
+        ({"id": 1, "op": "tenant_add", "tenant": "t", "token": "x"}, "at least 16"),
+        # 1,100 characters, 4,400 bytes: accepted, then its file refused the agent's next start
+        ({"id": 1, "op": "tenant_add", "tenant": "t", "token": "\U0001f600" * 1100}, "4096 bytes"),
         ({"id": 1, "op": "tenant_rotate", "tenant": "t", "token": "a" * 20 + " b"}, "spaces"),
     ],
 )

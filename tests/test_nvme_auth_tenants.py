@@ -21,7 +21,7 @@ import pytest
 
 from dpu_agent.nvmf import tenant_nqn
 from dpu_agent.testing import AgentProcess, spawn_agent
-from host_shim.client import ControlChannel, KVClient
+from host_shim.client import ControlChannel, ControlError, KVClient
 from host_shim.nvme import NvmeAuthError, NvmeError, NvmeStatusError, NvmeTcpController
 from kvproto.control import ADMIN_TENANT
 from kvproto.keys import ChunkLayout
@@ -155,6 +155,56 @@ def test_dpuctl_hosts_add_issues_a_key(agent: AgentProcess) -> None:
     )
     assert missing.returncode != 0 and "Traceback" not in missing.stderr
     assert "error" in missing.stdout.lower() or "error" in missing.stderr.lower()
+
+
+def test_a_session_cannot_claim_an_operator_added_host(agent: AgentProcess) -> None:
+    """Found by an attack pass: any client of the tenant said hello with a kernel host's NQN
+    (added by `hosts add`), got that host's secret back, and, closing its session, took the
+    host off the subsystem (CONNECT_INVALID_HOST until an operator re-added it)."""
+    token = str(_admin(agent, "tenant_add", tenant="kilo")["token"])
+    kernel = f"nqn.2014-08.org.nvmexpress:uuid:{uuid.uuid4()}"
+    added = _admin(agent, "host_add", tenant="kilo", nqn=kernel)
+    with pytest.raises(ControlError, match="added by the operator") as e:
+        _hello(agent, "kilo", token, kernel)
+    assert e.value.code == "forbidden"
+    host, port = agent.state["nvmf"].rsplit(":", 1)
+    with NvmeTcpController.connect(
+        host, int(port), tenant_nqn("kilo"), kernel, dhchap_key=str(added["dhchap_key"])
+    ) as c:  # still allowed, its key unchanged
+        assert c.active_namespaces()
+    # a host a session bound first, then added by the operator: its session's close keeps it
+    both = f"nqn.2014-08.org.nvmexpress:uuid:{uuid.uuid4()}"
+    with _session(agent, "kilo", token, both):
+        key = _admin(agent, "host_add", tenant="kilo", nqn=both)["dhchap_key"]
+    with NvmeTcpController.connect(
+        host, int(port), tenant_nqn("kilo"), both, dhchap_key=str(key)
+    ) as c:
+        assert c.active_namespaces()
+
+
+def test_a_token_rotation_revokes_the_keys_its_hellos_were_issued(agent: AgentProcess) -> None:
+    """A leaked token's hello-issued keys outlived `tenants rotate`: the holder kept connecting
+    over NVMe/TCP as that host. Now they go with the token; operator-added hosts keep theirs."""
+    token = str(_admin(agent, "tenant_add", tenant="lima")["token"])
+    host_nqn = f"nqn.2014-08.org.nvmexpress:uuid:{uuid.uuid4()}"
+    kernel = f"nqn.2014-08.org.nvmexpress:uuid:{uuid.uuid4()}"
+    kernel_key = str(_admin(agent, "host_add", tenant="lima", nqn=kernel)["dhchap_key"])
+    old = str(_hello(agent, "lima", token, host_nqn)["dhchap_key"])
+    rotated = _admin(agent, "tenant_rotate", tenant="lima")
+    assert rotated["host_keys_revoked"] == 1
+    new_token = str(rotated["token"])
+    host, port = agent.state["nvmf"].rsplit(":", 1)
+    sub = tenant_nqn("lima")
+    with _session(agent, "lima", new_token, host_nqn) as nv:  # the host is allowed again...
+        assert nv["dhchap_key"] != old  # ...with a new key
+        with pytest.raises(NvmeAuthError, match="FAILED"):
+            NvmeTcpController.connect(host, int(port), sub, host_nqn, dhchap_key=old)
+        with NvmeTcpController.connect(
+            host, int(port), sub, host_nqn, dhchap_key=str(nv["dhchap_key"])
+        ) as c:
+            assert c.active_namespaces()
+    with NvmeTcpController.connect(host, int(port), sub, kernel, dhchap_key=kernel_key) as c:
+        assert c.active_namespaces()
 
 
 def test_agent_with_secure_channel_and_auth_issues_both_keys(tmp_path: Path) -> None:

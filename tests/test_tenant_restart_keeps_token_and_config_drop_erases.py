@@ -8,12 +8,15 @@ its records and its XTS key on disk after a restart (the engine rebuilt it from 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from test_service import LAYOUT, SALT, chunks_for, tokens_for
 
-from dpu_agent.testing import spawn_agent
+from dpu_agent.testing import AGENT_PROGRAM, spawn_agent
 from host_shim import KVClient
 from host_shim.client import ControlChannel, ControlError
 from kvproto.control import ADMIN_TENANT
@@ -172,3 +175,23 @@ def test_a_closed_session_holding_many_leases_gives_them_back(tmp_path: Path) ->
         assert admin(a, "stats")["stats"]["leases"] == 0
     finally:
         a.stop()
+
+
+def test_an_unloadable_runtime_token_file_is_a_config_error_not_a_traceback(
+    tmp_path: Path,
+) -> None:
+    """A run-time tenant's token file that no longer loads (over 4,096 bytes: one the agent
+    took before its limit counted bytes) stopped the next start with a traceback, exit 1."""
+    data = tmp_path / "var"
+    a = spawn_agent(data)
+    try:
+        admin(a, "tenant_add", tenant="acme", token="acme-token-" + "a" * 30)
+    finally:
+        a.stop()
+    (data / "tenant-acme.token").write_text("x" * 5000 + "\n")
+    env = {**os.environ, "DPUKV_AGENT_DATA_DIR": str(data), "DPUKV_CONTROL_PORT": "0",
+           "DPUKV_NVMF_PORT": "0", "DPUKV_METRICS_PORT": "0"}  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", AGENT_PROGRAM, "agent", "run"], env=env,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 4, r.stderr[-2000:]
+    assert "tenant-acme.token is over 4096 bytes" in r.stderr and "Traceback" not in r.stderr

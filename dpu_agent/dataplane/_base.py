@@ -72,6 +72,11 @@ class DataPlane(Protocol):
         and its connections, take it off the subsystem."""
         ...
 
+    def token_rotated(self, tenant: str) -> dict[str, Any]:
+        """The tenant's token changed: revoke what the old one obtained (keys hellos issued);
+        what was done (for the reply)."""
+        ...
+
     def flush_keys(self) -> None:
         """Write issued and revoked keys now (blocking: call off the event loop)."""
         ...

@@ -18,6 +18,7 @@ from dpu_agent.engine import Engine, EngineConfig, LimitExceeded, UnknownTenant
 from dpu_agent.log import get_logger, nqn_tag
 from dpu_agent.nvmf import NvmeTcpTarget, Subsystem, TargetOptions, tenant_nqn
 from dpu_agent.nvmf._keys import HOST_KEYS_FILE, HostKeyIssuer, hello_keys
+from kvproto.control import ErrorCode, RemoteProtocolError
 
 __all__ = ["HOSTS_PER_TENANT_MAX", "EmbeddedDataPlane"]
 
@@ -42,6 +43,9 @@ class EmbeddedDataPlane:
         # tenant -> host NQN -> {control session id: its peer address}: an allowlist entry
         # lives exactly as long as a session that bound it (bind_host / session_closed)
         self._bindings: dict[str, dict[str, dict[int, str]]] = {}
+        # tenant -> the host NQNs an operator added (`hosts add`): allowed from anywhere, never
+        # bound to nor unbound by a control session
+        self._operator: dict[str, set[str]] = {}
         self.host_keys = HostKeyIssuer(  # issued DH-HMAC-CHAP secrets / TLS PSKs per host
             cfg.path(HOST_KEYS_FILE), dhchap=cfg.nvmf.require_auth, psk=cfg.nvmf.secure_channel
         )
@@ -95,6 +99,9 @@ class EmbeddedDataPlane:
         self.host_keys.bind(tenant, sub)
         self._subsystems[tenant] = sub
         self._bindings[tenant] = {}
+        self._operator[tenant] = {
+            h for h, row in self.host_keys.hosts(tenant).items() if row["operator_added"]
+        }
         return sub
 
     # --- addresses --------------------------------------------------------------------------
@@ -118,6 +125,15 @@ class EmbeddedDataPlane:
         hosts = self._bindings.get(session.tenant)
         if hosts is None:
             raise UnknownTenant(f"tenant {session.tenant!r} has no subsystem")
+        if hostnqn in self._operator.get(session.tenant, ()):
+            # a session bound it, gave out its keys, and unbound it (the kernel host cut
+            # off) at its close: any client of the tenant could take a kernel host's keys
+            raise RemoteProtocolError(
+                f"host NQN {hostnqn[:64]!r} was added by the operator (dpuctl hosts add) for "
+                "a kernel initiator: a control session cannot claim it; leave hostnqn unset "
+                "(the client makes its own)",
+                ErrorCode.FORBIDDEN,
+            )
         if hostnqn not in hosts and len(hosts) >= HOSTS_PER_TENANT_MAX:
             raise LimitExceeded(
                 f"tenant {session.tenant!r} has {HOSTS_PER_TENANT_MAX} hosts connected "
@@ -139,11 +155,30 @@ class EmbeddedDataPlane:
             return
         del hosts[session.hostnqn]
         sub = self._subsystems[session.tenant]
+        if session.hostnqn in self._operator.get(session.tenant, ()):
+            sub.host_peers.pop(session.hostnqn, None)  # added meanwhile: from anywhere, kept
+            return
         sub.allowed_hosts.discard(session.hostnqn)
         sub.host_peers.pop(session.hostnqn, None)
         if self._target is not None:  # its data-path connections end with it
             self._target.disconnect_host(sub.nqn, session.hostnqn)
         log.info("host_unbound", tenant=session.tenant, host=nqn_tag(session.hostnqn))
+
+    def token_rotated(self, tenant: str) -> dict[str, Any]:
+        """The keys hellos issued with the old token are revoked (their controllers cut off);
+        the next hello issues new ones. Operator-added hosts keep theirs: no hello hands
+        them out."""
+        sub = self._subsystems.get(tenant)
+        gone = self.host_keys.forget_session_hosts(tenant)
+        for nqn in gone:
+            if sub is not None:
+                sub.host_keys.pop(nqn, None)
+                if nqn not in self._bindings.get(tenant, {}):
+                    sub.allowed_hosts.discard(nqn)
+                    sub.host_peers.pop(nqn, None)
+                if self._target is not None:
+                    self._target.disconnect_host(sub.nqn, nqn)
+        return {"host_keys_revoked": len(gone)}
 
     def _apply_host(self, tenant: str, hostnqn: str) -> None:
         sub = self._subsystems[tenant]
@@ -160,6 +195,7 @@ class EmbeddedDataPlane:
         sub = self._subsystems[tenant]
         sub.allowed_hosts.add(nqn)
         sub.host_peers.pop(nqn, None)
+        self._operator.setdefault(tenant, set()).add(nqn)
         keys = {}
         if self.host_keys.enabled:
             keys = hello_keys(self.host_keys.issue(tenant, sub, nqn, any_address=True))
@@ -192,6 +228,7 @@ class EmbeddedDataPlane:
             raise LookupError(f"no host {nqn[:64]!r} on tenant {tenant!r}; see dpuctl hosts list")
         ended = end_sessions()
         self._bindings.get(tenant, {}).pop(nqn, None)
+        self._operator.get(tenant, set()).discard(nqn)
         sub.allowed_hosts.discard(nqn)
         sub.host_peers.pop(nqn, None)
         sub.host_keys.pop(nqn, None)
@@ -217,6 +254,7 @@ class EmbeddedDataPlane:
         self._subsystems.pop(tenant, None)
         self.host_keys.forget_tenant(tenant)
         self._bindings.pop(tenant, None)
+        self._operator.pop(tenant, None)
         return self.engine.remove_tenant(tenant)
 
     def unconfigured(self, held: set[str], configured: set[str]) -> list[str]:

@@ -98,6 +98,10 @@ class SpdkDataPlane:
     def host_remove(self, tenant: str, nqn: str, end_sessions: Callable[[], int]) -> dict[str, Any]:
         raise ValueError(HOSTS_ARE_SPDKS)
 
+    def token_rotated(self, tenant: str) -> dict[str, Any]:
+        """No keys are issued here (SPDK's hosts have the keys [spdk] gives them)."""
+        return {}
+
     def flush_keys(self) -> None:
         """No keys are issued here."""
 

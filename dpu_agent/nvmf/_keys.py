@@ -167,6 +167,19 @@ class HostKeyIssuer:
             self._changed()
             return True
 
+    def forget_session_hosts(self, tenant: str) -> list[str]:
+        """Revoke every key a hello issued for the tenant (not the operator's): at a token
+        rotation, so a leaked token's keys end with it. The hosts that lost keys."""
+        with self._lock:
+            docs = self._docs.get(tenant, {})
+            gone = [h for h in self._keys.get(tenant, {}) if not docs.get(h, {}).get(_ANY_ADDRESS)]
+            for h in gone:
+                del self._keys[tenant][h]
+                docs.pop(h, None)
+            if gone:
+                self._changed()
+            return gone
+
     def forget_tenant(self, tenant: str) -> None:
         with self._lock:
             self._docs.pop(tenant, None)
