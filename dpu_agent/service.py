@@ -804,7 +804,12 @@ def _summary(stats: Any) -> dict[str, Any]:
 
 def banner(cfg: AgentConfig, addr: Mapping[str, Any], plane: DataPlane) -> str:
     tenant = "default" if "default" in cfg.tenants else next(iter(cfg.tenants), "default")
-    token_file = cfg.path(cfg.tenants[tenant].token_file) if tenant in cfg.tenants else "?"
+    t = cfg.tenants.get(tenant)
+    if t is not None and t.token_file:
+        token_file = str(cfg.path(t.token_file))
+        where, read = f"token in {token_file}", f'open("{token_file}").read().strip()'
+    else:  # inline in the config file: it said "token in <data dir>" and opened the directory
+        where, read = f"token in {cfg.source} ([tenants.{tenant}] token)", '"<its token>"'
     # dpuctl in another terminal must find the same data directory (and so the agent)
     env = "" if cfg.agent.data_dir == "./var" else f"DPUKV_AGENT_DATA_DIR={cfg.data_dir} "
     opt = "" if cfg.source == "<defaults>" else f" --config {cfg.source}"
@@ -814,7 +819,7 @@ def banner(cfg: AgentConfig, addr: Mapping[str, Any], plane: DataPlane) -> str:
   NVMe/TCP  {addr["nvmf"]}  (subsystem {nqn})
   metrics   {addr["metrics"] or "disabled"}
   data      {cfg.data_dir}
-  tenant    {tenant}, token in {token_file}
+  tenant    {tenant}, {where}
 
 Try it (in another terminal):
   {env}.venv/bin/dpuctl status{opt}
@@ -824,7 +829,7 @@ import numpy as np
 from host_shim import KVClient
 from kvproto.keys import ChunkLayout
 L = ChunkLayout("demo", "float16", num_layers=2, num_kv_heads=2, head_dim=64, chunk_tokens=16)
-token = open("{token_file}").read().strip()
+token = {read}
 c = KVClient("{addr["control_tcp"]}", "{tenant}", token, L, salt=b"my-tenant-salt-16b")
 tokens = list(range(64))
 print("put", c.put(tokens, [np.full(L.chunk_shape, i, np.float16) for i in range(4)]))

@@ -13,7 +13,9 @@ import pytest
 from dpu_agent.testing import AgentProcess, spawn_agent
 from host_shim import KVClient
 from host_shim.client import byte_view, parse_control_url
+from host_shim.nvme import NvmeStatusError
 from kvproto.keys import ChunkLayout
+from kvproto.nvme import Status
 
 LAYOUT = ChunkLayout("client-model", "bfloat16", 2, 2, 64, chunk_tokens=16)  # 16 KiB
 SALT = b"client-test-salt-0123"
@@ -69,22 +71,56 @@ def test_prefetch_is_awaitable(agent: AgentProcess) -> None:
         assert asyncio.run(run()) == 2
 
 
-def test_corrupted_chunk_ends_the_prefix(agent: AgentProcess, tmp_path: Path) -> None:
+def test_corrupted_chunk_ends_the_prefix(tmp_path: Path) -> None:
     """A chunk whose stored bytes no longer match its checksum is a miss, never wrong KV."""
-    tokens = np.arange(3 * LAYOUT.chunk_tokens, dtype=np.uint32) + 5000
-    chunks = [np.full(LAYOUT.chunk_shape, i + 1, np.uint16) for i in range(3)]
+    # a DRAM tier of one block: the 4-block chunks go to the NVMe tier's file
+    a = spawn_agent(tmp_path / "var", env={"DPUKV_STORAGE_DRAM_BYTES": "4096"})
+    try:
+        tokens = np.arange(3 * LAYOUT.chunk_tokens, dtype=np.uint32) + 5000
+        chunks = [np.full(LAYOUT.chunk_shape, i + 1, np.uint16) for i in range(3)]
+        with KVClient(a.control_url, "default", a.token, LAYOUT, SALT) as c:
+            assert c.put(tokens, chunks) == 3
+            hits = c.channel.call("lookup", keys=c.keys(tokens), lease=False)["hits"]
+            _, nsid, lba, _, _, _ = hits[1]
+            assert nsid == 2, hits
+            # a bad sector under chunk 1: its ciphertext changed behind the engine's back
+            with open(tmp_path / "var" / "nvme" / "default" / "nvme.img", "r+b") as f:
+                f.seek(lba * 4096)
+                f.write(bytes(4096))
+            out = [np.empty(LAYOUT.chunk_shape, np.uint16) for _ in range(3)]
+            assert c.get(tokens, out) == 1
+            assert np.array_equal(out[0], chunks[0])
+            assert c.lookup(tokens) == 1  # the bad chunk was dropped, not served again
+    finally:
+        a.stop()
+
+
+def test_a_host_writes_only_inside_its_open_reservations(agent: AgentProcess) -> None:
+    """Found by an attack pass: a tenant's host wrote any block of its namespaces over
+    NVMe/TCP without reserving (a 1 MiB quota, 64 MiB written; the sparse file and the disk
+    under every tenant's filled) and could overwrite committed chunks. Now a write, Write
+    Zeroes or deallocate outside the tenant's open reservations is refused: Access Denied."""
+    tokens = np.arange(2 * LAYOUT.chunk_tokens, dtype=np.uint32) + 7000
+    chunks = [np.full(LAYOUT.chunk_shape, i + 3, np.uint16) for i in range(2)]
     with KVClient(agent.control_url, "default", agent.token, LAYOUT, SALT) as c:
-        assert c.put(tokens, chunks) == 3
+        assert c.put(tokens, chunks) == 2
         hits = c.channel.call("lookup", keys=c.keys(tokens), lease=False)["hits"]
         _, nsid, lba, _, _, _ = hits[1]
-        # the client's own data path: overwrite chunk 1 behind the engine's back
         nvme = c.node._nvme if c.node is not None else None
         assert nvme is not None
-        nvme.write(nsid, lba, bytes(4096))
-        out = [np.empty(LAYOUT.chunk_shape, np.uint16) for _ in range(3)]
-        assert c.get(tokens, out) == 1
-        assert np.array_equal(out[0], chunks[0])
-        assert c.lookup(tokens) == 1  # the bad chunk was dropped, not served again
+        for target in ((nsid, lba), (1, 5000), (2, 100_000)):  # a chunk's block, free blocks
+            with pytest.raises(NvmeStatusError) as e:
+                nvme.write(*target, bytes(4096))
+            assert e.value.code == Status.ACCESS_DENIED
+        res = c.channel.call("reserve", key=bytes(range(16)), length=4096)
+        nvme.write(res["nsid"], res["lba"], bytes(4096))  # inside its reservation: written
+        with pytest.raises(NvmeStatusError):  # ...and not one block past it
+            nvme.write(res["nsid"], res["lba"] + 1, bytes(4096))
+        c.channel.call("abort", reservation_id=res["reservation_id"])
+        with pytest.raises(NvmeStatusError):  # nor after it ended
+            nvme.write(res["nsid"], res["lba"], bytes(4096))
+        out = [np.empty(LAYOUT.chunk_shape, np.uint16) for _ in range(2)]
+        assert c.get(tokens, out) == 2 and np.array_equal(out[1], chunks[1])
 
 
 def test_key_level_calls_round_trip_byte_exact(agent: AgentProcess) -> None:

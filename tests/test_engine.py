@@ -456,3 +456,22 @@ def test_bounded_requests_and_bad_arguments(eng: Engine) -> None:
         eng.add_tenant("Not_Valid")
     eng.add_tenant("acme", quota_bytes=8 * BS)  # idempotent: only the quota changes
     assert eng.stats("acme")["quota_bytes"] == 8 * BS and eng.tenants() == ["acme"]
+
+
+def test_reservation_ids_say_nothing_of_other_tenants(tmp_path: Path) -> None:
+    """Lease and reservation ids came from one counter for every tenant: acme's next id minus
+    its last told how many reservations and leases the other tenants had made meanwhile."""
+    e = make(tmp_path, tenants={"acme": 0, "other": 0})
+    try:
+        first = e.reserve("acme", chunk(1)[0], BS).reservation_id
+        for i in range(7):
+            e.abort("other", e.reserve("other", chunk(10 + i)[0], BS).reservation_id)
+        second = e.reserve("acme", chunk(2)[0], BS).reservation_id
+        gaps = {second - first}
+        for i in range(20):  # random, not a count
+            nxt = e.reserve("acme", chunk(20 + i)[0], BS).reservation_id
+            gaps.add(nxt - second)
+            e.abort("acme", nxt)
+        assert 8 not in gaps and len(gaps) > 15, gaps
+    finally:
+        e.close()

@@ -249,6 +249,8 @@ def test_a_full_file_system_under_the_tier_file_is_named_not_silent(
         assert "want of space" in rows["agent-storage"]["detail"], rows["agent-storage"]
         text = (data / "agent.log").read_text()
         assert "nvmf_io_device_error" in text and "(full)" in text
+        # said at the start, before any put failed: 64 MiB of tier on a 16 MiB disk
+        assert "storage_overcommitted" in text.split("nvmf_io_device_error")[0]
     finally:
         a.stop()
 

@@ -648,6 +648,14 @@ def test_token_guesses_are_rate_limited_per_address(tmp_path: Path) -> None:
         elapsed = time.monotonic() - t0
         assert limited > 0
         assert checked <= HELLO_FAILURES_PER_ADDRESS_MAX * (1 + elapsed) + 1
+        # another tenant's client at the guesser's address still gets in (it was locked out:
+        # the bucket was the address's alone)
+        other = str(a.admin("tenant_add", tenant="other")["token"])
+        ch = channel_from(ATTACKERS[0], a.port, "other", other)
+        try:
+            ch.connect()
+        finally:
+            ch.close()
         with ControlChannel(a.control_url, "default", a.token) as ch:  # 127.0.0.1: not limited
             ch.connect()
             for _ in range(20):
@@ -668,6 +676,10 @@ def test_failed_hellos_refill_and_count_an_ipv6_host_by_its_64() -> None:
     assert not failures.blocked("")  # the Unix socket is never limited
     now[0] = 1.0 / HELLO_FAILURES_PER_ADDRESS_MAX  # one try comes back
     assert not failures.blocked("2001:db8::1")
+    for _ in range(HELLO_FAILURES_PER_ADDRESS_MAX):  # guesses at one tenant's token...
+        failures.failed("10.0.0.9", "bob")
+    assert failures.blocked("10.0.0.9", "bob")
+    assert not failures.blocked("10.0.0.9", "alice")  # ...leave the others at that address be
 
 
 def test_key_budget_makes_room_only_from_keys_nobody_uses(
@@ -821,6 +833,8 @@ def test_a_tenant_learns_the_agents_addresses_not_how_the_operator_runs_it(tmp_p
             ch.connect()
             (mine,) = ch.call("members")["members"]
         assert mine["control"] == a.control_url and mine["nvme"]
-        assert not {"control_unix", "pid", "uptime_s", "tenants", "restore"} & set(mine), mine
+        operator = {"control_unix", "pid", "uptime_s", "tenants", "restore", "metrics"}
+        assert not operator & set(mine), mine  # metrics: every tenant's live figures, no auth
         (full,) = a.admin("members")["members"]
         assert full["pid"] == a.proc.pid and full["control_unix"] == a.unix_url
+        assert "metrics" in full

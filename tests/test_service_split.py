@@ -117,6 +117,22 @@ def test_spdk_plane_points_hosts_at_spdks_listener(tmp_path: Path) -> None:
     assert f"(subsystem {plane.subsystem_nqn('a')})" in banner(cfg, addr, plane)
 
 
+def test_banner_names_where_the_token_is(tmp_path: Path) -> None:
+    """With the token inline in the config file the banner said "token in <data dir>" and its
+    example opened the data directory as a file."""
+    conf = tmp_path / "agent.toml"
+    conf.write_text('[tenants.acme]\ntoken = "acme-inline-token-0123456789"\n')
+    cfg = load_config(conf, environ={"DPUKV_AGENT_DATA_DIR": str(tmp_path / "var")})
+    cfg.prepare()
+    addr = {"control_tcp": "tcp://127.0.0.1:7400", "control_unix": "", "nvmf": "", "metrics": ""}
+    text = banner(cfg, addr, data_plane(cfg))
+    assert f"token in {conf} ([tenants.acme] token)" in text and "open(" not in text
+    plain = _embedded_cfg(tmp_path / "b")
+    text = banner(plain, addr, data_plane(plain))
+    token_file = tmp_path / "b" / "var" / "tenant-default.token"
+    assert f"token in {token_file}" in text and f'open("{token_file}")' in text
+
+
 def test_embedded_plane_erases_unconfigured_tenants_only(tmp_path: Path) -> None:
     plane = data_plane(_embedded_cfg(tmp_path))
     assert plane.unconfigured({"default", "old", "gone"}, {"default"}) == ["gone", "old"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import ipaddress
-import itertools
 import secrets
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -55,7 +54,11 @@ refusals = RateLimitedLog(log)  # failed logins: a flood costs a few lines a sec
 # What `members` tells the operator (dpuctl status) and not a tenant: the admin socket's path,
 # the process, how many tenants share the agent, an interrupted restore's backup directories.
 # (capacity_bytes stays: a cluster client's placement weighs members by it.)
-OPERATOR_MEMBER_FIELDS = frozenset({"control_unix", "pid", "uptime_s", "tenants", "restore"})
+# `members` fields a tenant's session does not get: how the operator runs the agent, and the
+# metrics URL (unauthenticated, every tenant's live figures: found handed to every tenant)
+OPERATOR_MEMBER_FIELDS = frozenset(
+    {"control_unix", "pid", "uptime_s", "tenants", "restore", "metrics"}
+)
 SESSION_LEASES_MAX = 1 << 16
 SESSION_RESERVATIONS_MAX = 1 << 16
 # A closed session giving back more leases and reservations than this does it off the loop
@@ -214,8 +217,12 @@ def _principal(address: str) -> str:
 
 
 class HelloFailures:
-    """Failed hellos per address: a token bucket of HELLO_FAILURES_PER_ADDRESS_MAX, refilled at
-    that many per second. An address with an empty bucket gets its hello refused unchecked."""
+    """Failed hellos per address and tenant: a token bucket of HELLO_FAILURES_PER_ADDRESS_MAX,
+    refilled at that many per second. A hello whose bucket is empty is refused unchecked. The
+    tenant is part of the key (found by an attack pass: wrong-token hellos from one address
+    locked every tenant's clients at that address out, 0 of 67 connects in 15 s), so guessing
+    one tenant's token slows only that tenant's hellos from there; the names no tenant has
+    share one bucket per address (cycling made-up names buys no fresh buckets)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -229,13 +236,14 @@ class HelloFailures:
         refill = (self._clock() - at) * HELLO_FAILURES_PER_ADDRESS_MAX
         return min(float(HELLO_FAILURES_PER_ADDRESS_MAX), tokens + refill)
 
-    def blocked(self, address: str) -> bool:
-        return bool(address) and self._tokens(_principal(address)) < 1.0
+    def blocked(self, address: str, tenant: str = "") -> bool:
+        """`tenant`: a tenant the agent has ("" for any other name)."""
+        return bool(address) and self._tokens(f"{_principal(address)} {tenant}") < 1.0
 
-    def failed(self, address: str) -> None:
+    def failed(self, address: str, tenant: str = "") -> None:
         if not address:  # the Unix socket: the agent's own user
             return
-        address = _principal(address)
+        address = f"{_principal(address)} {tenant}"
         tokens = self._tokens(address) - 1.0
         self._buckets.pop(address, None)  # re-inserted last: the dict is oldest-first
         self._buckets[address] = (tokens, self._clock())
@@ -253,7 +261,6 @@ class Dispatcher:
         # The server's check that an authenticated session may have a connection slot (per
         # tenant, per address, global); returns why not, or None.
         self.admission: Callable[[Session, str], str | None] | None = None
-        self._session_ids = itertools.count(1)
         self._sync: dict[str, Callable[[Session, Mapping[str, Any]], dict[str, Any]]] = {
             "lookup": self._lookup,
             "release": self._release,
@@ -272,7 +279,8 @@ class Dispatcher:
         }
 
     def new_session(self, peer: str, local_host: str = "127.0.0.1", peer_host: str = "") -> Session:
-        return Session(peer=peer, session_id=next(self._session_ids), local_host=local_host,
+        # random: sequential ids let a tenant count the other tenants' sessions
+        return Session(peer=peer, session_id=secrets.randbits(62) or 1, local_host=local_host,
                        peer_host=peer_host)  # fmt: skip
 
     def close_session(self, s: Session) -> None:
@@ -415,17 +423,19 @@ class Dispatcher:
                 ErrorCode.VERSION,
             )
         tenant = f["tenant"]
-        if self.hello_failures.blocked(s.peer_host):
+        bucket = tenant if tenant in self.registry else ""  # made-up names share one
+        if self.hello_failures.blocked(s.peer_host, bucket):
             s.state = SessionState.CLOSED
             raise RemoteProtocolError(
-                f"too many failed hellos from {s.peer_host} (HELLO_FAILURES_PER_ADDRESS_MAX "
-                f"{HELLO_FAILURES_PER_ADDRESS_MAX}/s); check the token file and retry in a second",
+                f"too many failed hellos for {tenant!r} from {s.peer_host} "
+                f"(HELLO_FAILURES_PER_ADDRESS_MAX {HELLO_FAILURES_PER_ADDRESS_MAX}/s); check the "
+                "token file and retry in a second",
                 ErrorCode.AUTH,
             )
         if "peer_proof" in f:
             self._peer_hello(s, tenant, f)
         elif not self.registry.authenticate(tenant, f["token"]):
-            self.hello_failures.failed(s.peer_host)
+            self.hello_failures.failed(s.peer_host, bucket)
             s.hello_failures += 1
             if s.hello_failures >= HELLO_FAILURES_MAX:
                 s.state = SessionState.CLOSED

@@ -9,6 +9,7 @@ host gets issued DH-HMAC-CHAP secrets / TLS PSKs (docs/NVME_AUTH.md).
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +47,7 @@ class EmbeddedDataPlane:
         # tenant -> the host NQNs an operator added (`hosts add`): allowed from anywhere, never
         # bound to nor unbound by a control session
         self._operator: dict[str, set[str]] = {}
+        self._overcommitted = False  # storage_overcommitted logged, not fitting since
         self.host_keys = HostKeyIssuer(  # issued DH-HMAC-CHAP secrets / TLS PSKs per host
             cfg.path(HOST_KEYS_FILE), dhchap=cfg.nvmf.require_auth, psk=cfg.nvmf.secure_channel
         )
@@ -71,6 +73,33 @@ class EmbeddedDataPlane:
             secure_channel=cfg.nvmf.secure_channel,
         )
         await self._target.start()
+        self.check_overcommit()
+
+    def check_overcommit(self) -> int:
+        """Warn when the tenants' NVMe tier files (sparse, each growing to [storage]
+        nvme_bytes) could outgrow the file system under them: a full disk fails every
+        tenant's puts. What they may still grow by minus the free space (0: they fit)."""
+        root = self.cfg.path(self.cfg.storage.nvme_dir)
+        grow = 0
+        for tenant in self._subsystems:
+            path = root / tenant / "nvme.img"
+            try:
+                held = path.stat().st_blocks * 512
+            except OSError:
+                held = 0
+            grow += max(0, self.cfg.storage.nvme_bytes - held)
+        try:
+            st = os.statvfs(root)
+        except OSError:
+            return 0
+        short = grow - st.f_bavail * st.f_frsize
+        if short > 0 and not self._overcommitted:  # once, until it fits again
+            log.warning("storage_overcommitted", nvme_dir=str(root), tenants=len(self._subsystems),
+                        may_grow_bytes=grow, free_bytes=st.f_bavail * st.f_frsize,
+                        fix="lower [storage] nvme_bytes, or give nvme_dir a larger file system: "
+                            "a full disk fails every tenant's puts")  # fmt: skip
+        self._overcommitted = short > 0
+        return max(0, short)
 
     async def stop(self) -> None:
         if self._target is not None:
@@ -96,6 +125,7 @@ class EmbeddedDataPlane:
         sub = Subsystem(nqn=tenant_nqn(tenant), namespaces=self.engine.namespaces(tenant))
         sub.require_auth = self.cfg.nvmf.require_auth
         sub.secure_channel = self.cfg.nvmf.secure_channel
+        sub.write_gate = self.engine.write_gate(tenant)  # only inside open reservations
         self.host_keys.bind(tenant, sub)
         self._subsystems[tenant] = sub
         self._bindings[tenant] = {}
@@ -245,6 +275,7 @@ class EmbeddedDataPlane:
 
     def add_tenant(self, tenant: str) -> None:
         self.target.add_subsystem(self._subsystem(tenant))
+        self.check_overcommit()
 
     def remove_tenant(self, tenant: str) -> dict[str, Any]:
         """Remove its subsystem (its hosts are disconnected) and keys, and crypto-erase its

@@ -8,8 +8,9 @@ Called with the engine lock held.
 
 from __future__ import annotations
 
-import itertools
+import bisect
 import secrets
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TypeVar
@@ -47,7 +48,42 @@ UNLEASE_SCALAR_MAX = 16  # leases of up to this many extents are undone row by r
 EXPIRED_REMEMBERED_MAX = 4096  # expired lease/reservation ids kept for precise error messages
 SCALAR_HITS_MAX = 16  # a lookup's hit rows read and updated row by row; more through numpy
 
+ID_BITS = 62  # lease and reservation ids: random, within the protocol's integers (< 2^63)
 Extent = tuple[int, int, int]  # tenant id, tier, lba
+
+
+class WritableExtents:
+    """The extents of one tenant's tier that its hosts may write: those of its open
+    reservations. The NVMe/TCP target asks (`covers`) from its event loop without the engine
+    lock, so this has a lock of its own; reservations never overlap (the allocator's)."""
+
+    __slots__ = ("_ends", "_lock", "_starts")
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []  # sorted
+        self._ends: dict[int, int] = {}  # start -> end (exclusive)
+        self._lock = threading.Lock()
+
+    def add(self, lba: int, count: int) -> None:
+        with self._lock:
+            if lba not in self._ends:
+                bisect.insort(self._starts, lba)
+            self._ends[lba] = lba + count
+
+    def remove(self, lba: int) -> None:
+        """Idempotent: a reservation taken, then reclaimed, is removed once."""
+        with self._lock:
+            if self._ends.pop(lba, None) is not None:
+                del self._starts[bisect.bisect_left(self._starts, lba)]
+
+    def covers(self, lba: int, count: int) -> bool:
+        """Whether [lba, lba + count) lies inside one open reservation."""
+        with self._lock:
+            i = bisect.bisect_right(self._starts, lba) - 1
+            return i >= 0 and lba + count <= self._ends[self._starts[i]]
+
+    def __len__(self) -> int:
+        return len(self._ends)
 
 
 class Leases:
@@ -67,11 +103,21 @@ class Leases:
         self._tenant_hits: dict[int, int] = {}  # tenant id -> the hits of its open leases
         self._expired_leases: OrderedDict[int, float] = OrderedDict()
         self._expired_reservations: OrderedDict[int, float] = OrderedDict()
-        # random start: ids from an earlier run are not mistaken for live ones
-        self._ids = itertools.count(secrets.randbits(40) + 1)
+        # (tenant id, tier) -> what its hosts may write over NVMe/TCP: its open reservations
+        self.writable: dict[tuple[int, int], WritableExtents] = {}
 
     def next_id(self) -> int:
-        return next(self._ids)
+        """A random id for a lease or reservation, none open or remembered: ids from an
+        earlier run are not mistaken for live ones, and no tenant can count another's leases
+        and reservations from the gaps between its own (one counter did that, an attack
+        pass found)."""
+        while True:
+            ident = secrets.randbits(ID_BITS)
+            if ident and not (
+                ident in self.leases or ident in self.reservations
+                or ident in self._expired_leases or ident in self._expired_reservations
+            ):  # fmt: skip
+                return ident
 
     def count(self, tenant_id: int) -> tuple[int, int]:
         """(open leases, open reservations) of a tenant."""
@@ -228,6 +274,10 @@ class Leases:
     def add_reservation(self, res: PendingReservation) -> None:
         self.reservations[res.reservation_id] = res
         tid = res.tenant_id
+        writable = self.writable.get((tid, res.tier))
+        if writable is None:
+            writable = self.writable[(tid, res.tier)] = WritableExtents()
+        writable.add(res.lba, res.block_count)
         self._tenant_reservations[tid] = self._tenant_reservations.get(tid, 0) + 1
         self._tenants.by_id(tid).reserved_blocks += res.block_count
 
@@ -242,6 +292,7 @@ class Leases:
             raise ReservationExpired(_gone_text("reservation", rid, ts.name, expired_at, now))
         del self.reservations[rid]
         _drop_one(self._tenant_reservations, res.tenant_id)
+        self._unwritable(res)  # committed or expired: its hosts write there no more
         if now > res.expires:
             self.reclaim_reservation(res)
             self._remember(self._expired_reservations, rid, res.expires)
@@ -251,7 +302,13 @@ class Leases:
             )
         return res
 
+    def _unwritable(self, res: PendingReservation) -> None:
+        writable = self.writable.get((res.tenant_id, res.tier))
+        if writable is not None:
+            writable.remove(res.lba)
+
     def reclaim_reservation(self, res: PendingReservation) -> None:
+        self._unwritable(res)
         ts = self._tenants.by_id(res.tenant_id)
         ts.reserved_blocks -= res.block_count
         ts.tiers[res.tier].alloc.free(res.lba, res.block_count)
@@ -303,6 +360,8 @@ class Leases:
                 del table[ident]
         self._tenant_leases.pop(tid, None)
         self._tenant_reservations.pop(tid, None)
+        for tier_key in [k for k in self.writable if k[0] == tid]:
+            del self.writable[tier_key]
         self.leased_hits -= self._tenant_hits.pop(tid, 0)
         for k in [k for k in self.extent_counts if k[0] == tid]:
             del self.extent_counts[k]

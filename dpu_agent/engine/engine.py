@@ -267,6 +267,23 @@ class Engine:
             ts = self._tenant(tenant)
             return {t.spec.nsid: t.device for t in ts.tiers}
 
+    def write_gate(self, tenant: str) -> Callable[[int, int, int], bool]:
+        """For the NVMe/TCP target: whether the tenant's hosts may write (nsid, lba, count):
+        only inside its open reservations. A raw write elsewhere (a committed chunk, free
+        blocks) escaped the quota and the index: a tenant with a 1 MiB quota filled its whole
+        sparse file, and the disk under every tenant's. Called without the engine lock."""
+        with self._lock:
+            ts = self._tenant(tenant)
+            tiers = {t.spec.nsid: (ts.tenant_id, i) for i, t in enumerate(ts.tiers)}
+        writable = self._leases.writable
+
+        def allowed(nsid: int, lba: int, count: int) -> bool:
+            key = tiers.get(nsid)
+            extents = writable.get(key) if key is not None else None
+            return extents is not None and extents.covers(lba, count)
+
+        return allowed
+
     def remove_tenant(self, tenant: str) -> dict[str, Any]:
         """Crypto-erase a tenant: journal its removal, forget its records, leases and
         reservations, close its devices, then destroy its XTS keys and delete its NVMe file

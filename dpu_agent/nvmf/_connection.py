@@ -71,6 +71,7 @@ __all__ = ["ADMIN_ICD_BYTES", "MAXH2CDATA", "MemoryViewDevice", "NvmfConnection"
 log = get_logger("dpu_agent.nvmf")
 refusals = RateLimitedLog(log)  # protocol errors of hostile peers: a few lines a second
 device_errors = RateLimitedLog(log)  # a full or failing device: a line a few times a second
+write_refusals = RateLimitedLog(log)  # a tenant host writing outside its reservations
 
 # MAXH2CDATA in ICResp is max(this, max_io_size). SPDK sends 128 KiB (its
 # NVMF_TCP_PDU_MAX_H2C_DATA_SIZE); the spec leaves it to the controller, and one H2CData per
@@ -689,6 +690,8 @@ class NvmfConnection(asyncio.BufferedProtocol):
         cmd.nlb = (sqe.cdw12 & 0xFFFF) + 1
         if cmd.slba + cmd.nlb > dev.block_count:
             return self._complete(cmd, Status.LBA_OUT_OF_RANGE)
+        if op != IoOpcode.READ and not self._may_write(sqe.nsid, [(cmd.slba, cmd.nlb)]):
+            return self._complete(cmd, Status.ACCESS_DENIED)
         if op == IoOpcode.WRITE_ZEROES:
             return self._submit(cmd, _write_zeroes, dev, cmd.slba, cmd.nlb)
         cmd.length = cmd.nlb * dev.block_size
@@ -714,7 +717,19 @@ class NvmfConnection(asyncio.BufferedProtocol):
         ranges = _dsm_ranges(data, count)
         if any(s + n > dev.block_count for s, n in ranges):
             return self._complete(cmd, Status.LBA_OUT_OF_RANGE)
+        if not self._may_write(cmd.sqe.nsid, ranges):
+            return self._complete(cmd, Status.ACCESS_DENIED)
         self._submit(cmd, _deallocate, dev, ranges)
+
+    def _may_write(self, nsid: int, ranges: list[tuple[int, int]]) -> bool:
+        """The subsystem's write gate (the agent's tenants: only their open reservations)."""
+        assert self.ctrl is not None and self.ctrl.subsystem is not None
+        gate = self.ctrl.subsystem.write_gate
+        if gate is None or all(gate(nsid, s, n) for s, n in ranges):
+            return True
+        write_refusals.warning("nvmf_write_outside_reservation", peer=self.peer, nsid=nsid,
+                               lba=ranges[0][0], blocks=ranges[0][1])  # fmt: skip
+        return False
 
     def _can_start(self, cmd: _Cmd) -> bool:
         """A data buffer is free (unless the device lends its memory), and for a read the

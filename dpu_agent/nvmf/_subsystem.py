@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dpu_agent.blockdev import BLOCK_SIZE, BlockDevice
@@ -91,6 +92,9 @@ class Subsystem:
     host_keys: dict[str, HostKeys] = field(default_factory=dict)
     require_auth: bool = False
     secure_channel: bool = False  # hosts must come over TLS (a secure_channel target)
+    # (nsid, lba, count) -> whether hosts may write there; None: anywhere (a plain target).
+    # The agent's tenants: only inside their open reservations (Engine.write_gate)
+    write_gate: Callable[[int, int, int], bool] | None = None
 
     def __post_init__(self) -> None:
         raw = self.nqn.encode()
