@@ -143,7 +143,12 @@ class Agent:
         self.cluster_receiver: ReceiveLimiter | None = None  # set before Serf publishes us
         # the cluster key: proves this agent to its peers and theirs to it (cluster/_peer.py)
         self.peer_auth = (
-            PeerAuth(cfg.agent.node_name, cfg.peer_keys, peer_client_context(cfg))
+            PeerAuth(
+                cfg.agent.node_name,
+                cfg.peer_keys,
+                peer_client_context(cfg),
+                incarnation=self._tenant_incarnation,
+            )
             if cfg.cluster.enabled
             else None
         )
@@ -550,6 +555,10 @@ class Agent:
             raise LookupError(f"no tenant {tenant!r}; see dpuctl tenants list")
 
     # --- tenants at run time ------------------------------------------------------------------
+    def _tenant_incarnation(self, tenant: str) -> str | None:
+        """The incarnation of a tenant served from etcd, None for this node's own tenants."""
+        return self._cluster_known.get(tenant) if tenant in self._cluster_served else None
+
     def _tenant_add(self, name: str, token: str | None, quota_bytes: int = 0) -> dict[str, Any]:
         """A tenant of this node only (no [cluster] etcd_endpoints): its token in its own 0600
         file, so that a restart serves the same token, given or generated."""

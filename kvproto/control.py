@@ -353,6 +353,7 @@ OPS: Final[dict[str, _Schema]] = {
         "hostnqn": (_optional(_str), False),
         "client": (_optional(_str), False),
         "peer_proof": (_optional(_nonce), False),  # agent to agent: see peer_challenge
+        "incarnation": (_optional(_str), False),  # agent to agent: the tenant's, from etcd
     },
     "peer_challenge": {"node": (_str, True), "nonce": (_nonce, True)},
     "lookup": {

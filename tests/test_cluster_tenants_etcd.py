@@ -24,10 +24,12 @@ from etcd_harness import ETCD_BIN, BlackHoleProxy, Etcd, start_etcd
 from test_service import LAYOUT, SALT, chunks_for, tokens_for
 
 from dpu_agent.cluster import ETCD_CALL_TIMEOUT_S, EtcdClient, EtcdError
+from dpu_agent.cluster._peer import PeerAuth, open_peer
 from dpu_agent.testing import AgentProcess, spawn_agent
 from host_shim import KVClient
-from host_shim.client import ControlChannel, ControlError
+from host_shim.client import AgentUnreachable, ControlChannel, ControlError
 from kvproto.control import ADMIN_TENANT
+from kvproto.placement import Node
 
 pytestmark = [
     pytest.mark.skipif(ETCD_BIN is None, reason="needs etcd (Debian package etcd-server)"),
@@ -248,6 +250,23 @@ def test_tenant_added_on_one_node_takes_every_owners_share_of_cluster_puts(
             out_buf = [np.empty(LAYOUT.chunk_shape, np.float16)]
             got = sum(kv.get(p, out_buf) for p in prompts)
         assert (stored, got) == (50, 50)
+        # A peer session names the incarnation it acts for: a node that missed a remove and
+        # re-add of "acme" (cut off from etcd) pushed the removed tenant's chunks into the new
+        # one (an attack pass: 9 of 30 removed chunks read back with the new token)
+        a = c.nodes["a"].agent
+        held = json.loads((a.data_dir / "tenants.json").read_text())["cluster"]["acme"]
+        member = Node(name="a", control=a.control_url)
+        for inc, ok in ((held["incarnation"], True), ("0123456789abcdef", False), (None, False)):
+            auth = PeerAuth("b", c.peer_keys, incarnation=lambda _t, inc=inc: inc)
+            peer = open_peer(member, "acme", auth)
+            try:
+                if ok:
+                    assert peer.lookup_keys([bytes(16)]) == 0  # a session of acme
+                else:
+                    with pytest.raises(AgentUnreachable, match="another incarnation"):
+                        peer._ensure()
+            finally:
+                peer.close()
     finally:
         c.stop_all()
 

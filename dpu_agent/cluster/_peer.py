@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import secrets
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +43,8 @@ PEER_REFUSED = Counter(
     "Members or connections refused for not proving cluster membership, by reason: member_tag "
     "(gossip lists it, its auth tag does not verify), bad_tag (malformed tags), server_proof "
     "(a peer we connected to failed the handshake), client_proof (a peer connecting here did), "
-    "no_peer_tls_ca (a tls:// member and no CA here to verify it).",
+    "no_peer_tls_ca (a tls:// member and no CA here to verify it), tenant_incarnation (a "
+    "peer acting for another incarnation of a tenant, removed and added again meanwhile).",
     ["reason"],
     registry=REGISTRY,
 )
@@ -63,6 +65,10 @@ class PeerAuth:
     node: str
     keys: tuple[bytes, ...] = field(repr=False)
     tls: ssl.SSLContext | None = field(default=None, repr=False, compare=False)
+    # tenant -> the incarnation this node holds of it (tenants from etcd), None for a tenant
+    # of the node's own config: a peer session names it and the receiver compares, so a node
+    # that missed a remove and re-add of the name never moves one tenant's chunks into the other
+    incarnation: Callable[[str], str | None] = field(default=lambda _t: None, compare=False)
 
     def __post_init__(self) -> None:
         assert self.keys, "a cluster needs at least one peer key"
@@ -126,6 +132,9 @@ class PeerChannel(ControlChannel):
         mine = client_proof(auth.keys[0], nonce_c, nonce_s, auth.node, server)
         fields = {"version": PROTOCOL_VERSION, "tenant": self.tenant, "token": "",
                   "hostnqn": self.hostnqn, "client": self._client, "peer_proof": mine}  # fmt: skip
+        incarnation = auth.incarnation(self.tenant)
+        if incarnation is not None:
+            fields["incarnation"] = incarnation
         (reply,) = self._exchange(self._encode([("hello", fields)]))
         if not reply.ok:  # the peer is a member but refuses (tenant unknown there, old key)
             raise AgentUnreachable(f"peer {server} refused {self.tenant}: {reply.message}")

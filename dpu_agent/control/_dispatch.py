@@ -504,6 +504,16 @@ class Dispatcher:
         assert ch is not None
         if tenant == ADMIN_TENANT or tenant not in self.registry:
             raise RemoteProtocolError(f"tenant {tenant!r} is unknown here", ErrorCode.AUTH)
+        ours, theirs = auth.incarnation(tenant), f.get("incarnation")
+        if ours is not None and theirs != ours:
+            # found by an attack pass: a node cut off from etcd while the tenant was removed
+            # and added again pushed the removed tenant's chunks into the new one
+            refuse("tenant_incarnation", peer=s.peer, node=ch[0], tenant=tenant)
+            raise RemoteProtocolError(
+                f"tenant {tenant!r} here is another incarnation than the peer's (removed and "
+                "added again while one of the two was cut off from etcd): nothing is exchanged",
+                ErrorCode.AUTH,
+            )
         s.peer_node = ch[0]
 
     # --- tenant operations (always scoped to s.tenant) --------------------------------------
