@@ -44,6 +44,7 @@ import numpy as np
 
 from dpu_agent.cluster._peer import PeerAuth, open_peer
 from dpu_agent.cluster._plan import OwnerTable, plan
+from dpu_agent.engine.errors import EngineError
 from dpu_agent.log import get_logger
 from dpu_agent.metrics import REGISTRY, Counter, Gauge
 from host_shim.client import ControlError, NodeClient
@@ -78,6 +79,12 @@ PEER_CLIENTS_MAX = 1024  # one client per (tenant, owner) at most; a 1,024-node 
 RETRY_S = 1.0  # a pass that left chunks pending runs again after this, doubling while stuck
 RETRY_MAX_S = 30.0
 ANTI_ENTROPY_INTERVAL_S = 30.0  # default; [cluster] anti_entropy_interval_s
+# After a start that may have lost chunks (killed: the DRAM tier is gone; or a new data
+# directory), the rounds that also fetch back what this node first-owns and another owner
+# holds, and how soon the first one runs: the other owner is the only copy meanwhile
+PULL_ROUNDS = 3
+PULL_FIRST_ROUND_S = 2.0
+PULL_CHUNKS_MAX = 65536  # fetched in one round at most (a tier's worth is refilled in rounds)
 # Digest buckets: the top 8 bits of the key (a hash already). 256 digests are 2 KiB a peer and
 # round; at 1M chunks a node, a bucket lists ~4K keys when it differs.
 AE_BUCKETS = 256
@@ -254,7 +261,10 @@ class Rebalancer:
         bytes_per_s: float,
         peer_auth: PeerAuth | None,
         interval_s: float = ANTI_ENTROPY_INTERVAL_S,
+        pull: bool = False,
     ) -> None:
+        """`pull`: this node may have lost chunks it held (an unclean stop, a new data
+        directory): its first rounds fetch back what it first-owns and another owner holds."""
         assert bytes_per_s > 0, bytes_per_s
         self._peer_auth = peer_auth  # None: no cluster key, so no peer is ever contacted
         self.engine, self.node = engine, node
@@ -283,6 +293,8 @@ class Rebalancer:
         self._hot: dict[tuple[str, bytes], float] = {}  # -> monotonic time the mark lapses
         self._hot_queue: deque[tuple[str, bytes]] = deque()
         self.hot_reads_per_s = HOT_READS_PER_S  # 0 turns hot copies off
+        self._pull_rounds = PULL_ROUNDS if pull else 0
+        self._pulled = 0  # chunks fetched in the current round
 
     def start(self) -> None:
         self._thread.start()
@@ -300,7 +312,8 @@ class Rebalancer:
             c.close()
 
     def _loop(self) -> None:
-        next_round = time.monotonic() + self.interval_s
+        first = PULL_FIRST_ROUND_S if self._pull_rounds else self.interval_s
+        next_round = time.monotonic() + first
         while not self._stop.is_set():
             wait = self._retry_s if self._retry else max(0.0, next_round - time.monotonic())
             woke = self._wake.wait(0.0 if self._hot_queue else wait)
@@ -315,6 +328,8 @@ class Rebalancer:
                     next_round = time.monotonic() + self.interval_s
                     if not self._retry:
                         self.run_round()
+                    elif self._pull_rounds:  # not settled yet: the pull round soon after
+                        next_round = time.monotonic() + PULL_FIRST_ROUND_S
             except Exception:  # a failing pass must not stop the agent; the next one retries
                 log.exception("cluster_rebalance_failed")
 
@@ -634,6 +649,8 @@ class Rebalancer:
         if self._settled is None or self._settled.epoch != placement.epoch:
             return stats
         self.progress.ae_rounds += 1
+        pulling, self._pulled = self._pull_rounds > 0, 0
+        stats["pulled"] = 0
         nodes = placement.by_name()
         leaving = nodes.get(self.node) is not None and nodes[self.node].state == "leaving"
         for tenant, (token, replicas) in sorted(self._tenants().items()):
@@ -644,9 +661,14 @@ class Rebalancer:
             if not leaving:
                 stats["dropped"] += self._surplus(placement, tenant, token, r, rows, pl.after,
                                                   pl.names)  # fmt: skip
-                got = self._anti_entropy(placement, tenant, token, rows, pl.after, pl.names)
+                got = self._anti_entropy(placement, tenant, token, rows, pl.after, pl.names,
+                                         pull=pulling)  # fmt: skip
                 stats["divergent"] += got[0]
                 stats["repaired"] += got[1]
+        if pulling:
+            self._pull_rounds -= 1
+            stats["pulled"] = self._pulled
+            log.info("cluster_pull_round", pulled=self._pulled, rounds_left=self._pull_rounds)
         return stats
 
     def _surplus(
@@ -687,16 +709,21 @@ class Rebalancer:
 
     def _anti_entropy(
         self, placement: Placement, tenant: str, token: str, rows: TenantRows,
-        after: np.ndarray, names: tuple[str, ...],
+        after: np.ndarray, names: tuple[str, ...], *, pull: bool = False,
     ) -> tuple[int, int]:  # fmt: skip
-        """As first owner, compare digests with each other owner; resolve what differs."""
+        """As first owner, compare digests with each other owner; resolve what differs.
+        `pull`: with every other member (what this node lost, any of them may co-own), and
+        fetch what this node lacks."""
         if self.node not in names or after.shape[1] < 2:
             return 0, 0
         me = names.index(self.node)
         first = after[:, 0] == me
         nodes = placement.by_name()
         divergent = repaired = 0
-        for j in sorted({int(x) for x in after[first, 1:].ravel() if x >= 0}):
+        peers = {int(x) for x in after[first, 1:].ravel() if x >= 0}
+        if pull:
+            peers |= {j for j in range(len(names)) if j != me}
+        for j in sorted(peers):
             peer = nodes.get(names[j])
             if peer is None:
                 continue
@@ -711,14 +738,15 @@ class Rebalancer:
             diff = [b for b, (x, y) in enumerate(zip(mine, theirs["digests"], strict=True))
                     if x != y]  # fmt: skip
             for b in diff:
-                d, rep = self._resolve_bucket(tenant, token, peer, rows, sel, b)
+                d, rep = self._resolve_bucket(tenant, token, peer, rows, sel, b, pull=pull)
                 divergent += d
                 repaired += rep
         return divergent, repaired
 
     def _resolve_bucket(
-        self, tenant: str, token: str, peer: Node, rows: TenantRows, sel: np.ndarray, bucket: int
-    ) -> tuple[int, int]:
+        self, tenant: str, token: str, peer: Node, rows: TenantRows, sel: np.ndarray, bucket: int,
+        *, pull: bool = False,
+    ) -> tuple[int, int]:  # fmt: skip
         placement = self._placement()
         try:
             ch = self._peer(tenant, token, peer).channel
@@ -740,7 +768,15 @@ class Rebalancer:
                     repaired += 1
                 continue
             assert other is not None
-            if i is None:  # we lack it (evicted here, or a write that failed): not our job
+            if i is None:  # we lack it (evicted here, or a write that failed): not our job,
+                # unless this node lost what it held (a kill: its DRAM tier), where the other
+                # owner's is the only copy left (an attack pass: a second kill lost it)
+                if pull and self._pulled < PULL_CHUNKS_MAX:
+                    self._throttle(other[1])
+                    got = self._fetch(tenant, token, peer, key, other[1])
+                    if got is not None and self._keep(tenant, key, got):
+                        self._pulled += 1
+                        repaired += 1
                 continue
             ours = rows.checksum(i)
             if ours == other[0]:
@@ -788,6 +824,15 @@ class Rebalancer:
         now = time.monotonic()
         with self._lock:
             return [n for n, k in enumerate(keys) if self._hot.get((tenant, k), 0.0) > now]
+
+    def _keep(self, tenant: str, key: bytes, data: bytes) -> bool:
+        """Store a fetched chunk here; False when the engine cannot take it now."""
+        try:
+            self.engine.put_chunk(tenant, key, data)
+        except EngineError as e:  # full of leased chunks, a fenced journal: the next round
+            log.info("cluster_pull_refused", tenant=tenant, error=str(e))
+            return False
+        return True
 
     def _fetch(self, tenant: str, token: str, node: Node, key: bytes, length: int) -> bytes | None:
         buf = bytearray(length)
