@@ -22,7 +22,7 @@ from typing import Any
 
 from dpu_agent.cluster._peer import refuse
 from dpu_agent.cluster._serf_client import SerfClient, SerfUnreachable
-from dpu_agent.cluster._serf_process import SerfProcess
+from dpu_agent.cluster._serf_process import SerfProcess, name_conflict_in
 from dpu_agent.log import get_logger
 from dpu_agent.metrics import REGISTRY, Counter, Gauge
 from kvproto.peer_auth import AUTH_TAG, member_tag, verify_member_tag
@@ -175,6 +175,7 @@ class Membership:
         self.reach: Any = None  # dpu_agent.cluster._reach.Reachability, set by start_membership
         self.changes = 0  # view changes seen (epoch changes)
         self.last_change_s = 0.0
+        self._conflict_logged = False  # cluster_node_name_conflict said
 
     # --- lifecycle -----------------------------------------------------------------------
     def _spawn(self, join: Sequence[str]) -> SerfClient:
@@ -337,6 +338,7 @@ class Membership:
                     if self.serf.alive:
                         return  # only the stream broke: the next loop opens another
                     self.serf.kill()  # reaped, its config dir removed
+                    self._name_conflict()
                     client = self._spawn([] if left else self.opts.join)
                 else:
                     client = SerfClient(self.opts.serf_rpc, auth_key=self.opts.auth_key)
@@ -349,6 +351,17 @@ class Membership:
                 old.close()
         log.info("cluster_serf_restarted", node=self.node, left=left,
                  own=self.serf is not None)  # fmt: skip
+
+    def _name_conflict(self) -> None:
+        """Serf quits when another member has our node name and wins Serf's vote: said once
+        (it restarted every few seconds for good, and nothing named the cause)."""
+        other = name_conflict_in(self.opts.log_path)
+        if other is not None and not self._conflict_logged:
+            self._conflict_logged = True
+            fix = ("another agent runs with this [agent] node_name (a copied config, a node "
+                   "restored elsewhere): give each agent its own name; this one keeps "
+                   "restarting Serf and stays out of the cluster meanwhile")  # fmt: skip
+            log.error("cluster_node_name_conflict", node=self.node, other=other, fix=fix)
 
     # --- what the control plane answers ----------------------------------------------------------
     def view(self) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -23,7 +24,7 @@ from pathlib import Path
 from dpu_agent.cluster._serf_client import SerfClient, SerfUnreachable
 from dpu_agent.config import check_secret_mode
 
-__all__ = ["SERF_START_TIMEOUT_S", "SerfProcess", "free_port"]
+__all__ = ["SERF_START_TIMEOUT_S", "SerfProcess", "free_port", "name_conflict_in"]
 
 SERF_START_TIMEOUT_S = 20.0  # Serf starts in ~0.1 s; a loaded 2-core box is far slower
 SERF_STOP_TIMEOUT_S = 10.0  # a graceful leave waits for its broadcast (5 s by default)
@@ -61,6 +62,31 @@ def _dies_with_parent() -> list[str]:
     Without setpriv (not Linux, no util-linux) Serf runs as before and can outlive a crash."""
     path = shutil.which("setpriv")
     return [path, "--pdeathsig", "TERM"] if path else []
+
+
+SERF_LOG_TAIL_BYTES = 64 << 10  # what name_conflict_in reads of Serf's log
+# Serf's words when it quits for losing a node-name vote (serf/serf.go, resolveNodeConflict),
+# and the line before naming the other node ("Node name conflicts with another node at ...")
+_QUIT_FOR_CONFLICT = "minority in name conflict resolution"
+_CONFLICT_AT = re.compile(r"conflicts with another node at (\S+?)\.? Names must be unique")
+
+
+def name_conflict_in(log_path: str | os.PathLike[str] | None) -> str | None:
+    """The other node's address when Serf's log ends with it quitting over our node name
+    (another member has it), else None."""
+    if log_path is None:
+        return None
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - SERF_LOG_TAIL_BYTES))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    quit_at = tail.rfind(_QUIT_FOR_CONFLICT)
+    if quit_at < 0:
+        return None
+    found = _CONFLICT_AT.findall(tail[:quit_at])
+    return found[-1] if found else "?"
 
 
 class SerfProcess:
