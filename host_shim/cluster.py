@@ -40,7 +40,7 @@ import numpy as np
 
 from host_shim._store import KVStore, _checked_keys, byte_view
 from host_shim.control import AgentUnreachable, ControlChannel, ControlError
-from kvproto.control import ProtocolError
+from kvproto.control import LOOKUP_KEYS_MAX, ProtocolError
 from kvproto.keys import ChunkLayout
 from kvproto.placement import REPLICAS_MAX, Node, Placement, keys64
 
@@ -203,6 +203,10 @@ class ClusterRouter(KVStore):
         self._leases: OrderedDict[int, list[tuple[str, int]]] = OrderedDict()
         # (member, key) -> (chunk bytes, parent): copies a down member missed (hinted handoff)
         self._hints: OrderedDict[tuple[str, bytes], tuple[int, bytes | None]] = OrderedDict()
+        # (member, key): deletes a down member missed, replayed when it is back (without them
+        # a member frozen during a delete served the chunk again after the heal, and its
+        # anti-entropy copied it back to the other owners: an attack pass, 14 of 14 keys)
+        self._delete_hints: OrderedDict[tuple[str, bytes], None] = OrderedDict()
         self.hints_replayed = 0  # copies handed to a member that came back
         self.hints_dropped = 0  # hints dropped at HINTS_MAX (left to the rebalancer)
         self._next_lease = 1
@@ -615,6 +619,7 @@ class ClusterRouter(KVStore):
             for name, i in missed:
                 if not stored[i]:
                     continue  # no replica has it: nothing to copy from
+                self._delete_hints.pop((name, keys[i]), None)  # written again since
                 nbytes = _nbytes(chunks[i]) if chunk_bytes is None else chunk_bytes
                 self._hints[(name, keys[i])] = (nbytes, parents[i])
                 self._hints.move_to_end((name, keys[i]))
@@ -623,9 +628,12 @@ class ClusterRouter(KVStore):
                     self.hints_dropped += 1
 
     def _handoff(self, name: str) -> None:
-        """Copy the chunks `name` missed while it was down from the replicas that have them."""
+        """Copy the chunks `name` missed while it was down from the replicas that have them;
+        then replay the deletes it missed (on every owner: its anti-entropy may have copied
+        the chunk back to them already)."""
         with self._lock:
             todo = [(k, v) for (n, k), v in self._hints.items() if n == name]
+            deletes = [k for (n, k) in self._delete_hints if n == name]
             node = next((m for m in self._placement.serving if m.name == name), None)
         for key, (nbytes, parent) in todo:
             if node is None or self._breaker.is_down(name) or self._stop.is_set():
@@ -643,6 +651,18 @@ class ClusterRouter(KVStore):
             with self._lock:
                 self._hints.pop((name, key), None)
             self.hints_replayed += copied
+        if deletes and node is not None and not self._breaker.is_down(name):
+            try:
+                for i in range(0, len(deletes), LOOKUP_KEYS_MAX):
+                    part = deletes[i : i + LOOKUP_KEYS_MAX]
+                    self._node(node).deleted(part)
+                    self.delete_keys(part, hint=False)
+            except (ControlError, ValueError) as e:
+                log.debug("kvcluster: replaying deletes on %s: %s", name, e)
+                return  # the hints stay: the next probe that finds it back tries again
+            with self._lock:
+                for key in deletes:
+                    self._delete_hints.pop((name, key), None)
 
     def lease_keys(self, keys: list[bytes]) -> tuple[int, int]:
         """Each owner leases its part of the prefix; one cluster lease id names them all."""
@@ -684,7 +704,9 @@ class ClusterRouter(KVStore):
             if c is not None and not self._breaker.is_down(name):
                 c.release_lease(node_lease)  # posted: no round trip
 
-    def delete_keys(self, keys: list[bytes]) -> int:
+    def delete_keys(self, keys: list[bytes], *, hint: bool = True) -> int:
+        """Delete on every owner; an owner that is down or does not answer gets the delete
+        when a probe finds it back (`hint`: remember it; False for a replay)."""
         keys = _checked(keys)
         if not keys:
             return 0
@@ -699,9 +721,25 @@ class ClusterRouter(KVStore):
                 for n, idxs in groups.items()}  # fmt: skip
         found = [False] * len(keys)
         for n, flags in _settle(jobs).items():
-            for i, flag in zip(groups[n], flags or [], strict=False):
+            # skipped as down (0), or lost during the call (all False, then marked down)
+            if not isinstance(flags, list) or self._breaker.is_down(nodes[n].name):
+                if hint:
+                    self._hint_deletes(nodes[n].name, [keys[i] for i in groups[n]])
+                if not isinstance(flags, list):
+                    continue
+            for i, flag in zip(groups[n], flags, strict=False):
                 found[i] |= bool(flag)
         return sum(found)
+
+    def _hint_deletes(self, name: str, keys: list[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                self._hints.pop((name, key), None)  # a copy to hand over no more
+                self._delete_hints[(name, key)] = None
+                self._delete_hints.move_to_end((name, key))
+            while len(self._delete_hints) > HINTS_MAX:
+                self._delete_hints.popitem(last=False)
+                self.hints_dropped += 1
 
     @property
     def transport(self) -> str:
@@ -730,7 +768,8 @@ class ClusterRouter(KVStore):
         return {
             "epoch": self._epoch, "replicas": self.replicas, "moved": self.moved_count,
             "down": self.down(), "breaker_trips": self._breaker.trips,
-            "hints": len(self._hints), "hints_replayed": self.hints_replayed,
+            "hints": len(self._hints) + len(self._delete_hints),
+            "hints_replayed": self.hints_replayed,
             "hints_dropped": self.hints_dropped,
             "refreshes": list(self.refreshes),
             "nodes": {name: f.result() for name, f in jobs.items()},

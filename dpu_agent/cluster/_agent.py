@@ -65,8 +65,10 @@ def start_membership(agent: Any) -> Membership:
         engine=agent.engine, node=m.node, placement=lambda: m.placement, tenants=tenants,
         bytes_per_s=c.rebalance_bytes_per_s, peer_auth=agent.peer_auth,
         interval_s=c.anti_entropy_interval_s,
-        # killed (its DRAM tier gone) or a new data directory: fetch back what it first-owns
-        pull=agent.engine.recovery_report.previous_stop != "clean",
+        # killed or crashed (its DRAM tier gone): fetch back what it first-owns. Not after a
+        # first start: a new cluster's members would all pull at once (a replaced disk is
+        # repaired by the view change its absence makes)
+        pull=agent.engine.recovery_report.previous_stop == "unclean",
     )  # fmt: skip
     m.rebalancer.start()
     m.reach = Reachability(m.node, lambda: m.view()["members"])

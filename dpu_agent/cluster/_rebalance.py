@@ -81,9 +81,10 @@ RETRY_MAX_S = 30.0
 ANTI_ENTROPY_INTERVAL_S = 30.0  # default; [cluster] anti_entropy_interval_s
 # After a start that may have lost chunks (killed: the DRAM tier is gone; or a new data
 # directory), the rounds that also fetch back what this node first-owns and another owner
-# holds, and how soon the first one runs: the other owner is the only copy meanwhile
+# holds, and how far apart they run (the first once the view settles): the other owner holds
+# the only copy meanwhile, and a pull round that finds nothing missing costs digests only
 PULL_ROUNDS = 3
-PULL_FIRST_ROUND_S = 2.0
+PULL_ROUND_S = 2.0
 PULL_CHUNKS_MAX = 65536  # fetched in one round at most (a tier's worth is refilled in rounds)
 # Digest buckets: the top 8 bits of the key (a hash already). 256 digests are 2 KiB a peer and
 # round; at 1M chunks a node, a bucket lists ~4K keys when it differs.
@@ -312,8 +313,7 @@ class Rebalancer:
             c.close()
 
     def _loop(self) -> None:
-        first = PULL_FIRST_ROUND_S if self._pull_rounds else self.interval_s
-        next_round = time.monotonic() + first
+        next_round = time.monotonic() + (PULL_ROUND_S if self._pull_rounds else self.interval_s)
         while not self._stop.is_set():
             wait = self._retry_s if self._retry else max(0.0, next_round - time.monotonic())
             woke = self._wake.wait(0.0 if self._hot_queue else wait)
@@ -325,11 +325,11 @@ class Rebalancer:
                 if woke or self._retry:
                     self.run_pass()
                 if time.monotonic() >= next_round:
-                    next_round = time.monotonic() + self.interval_s
                     if not self._retry:
                         self.run_round()
-                    elif self._pull_rounds:  # not settled yet: the pull round soon after
-                        next_round = time.monotonic() + PULL_FIRST_ROUND_S
+                    # pulling: the next round soon (also while the view is not settled yet)
+                    wait = PULL_ROUND_S if self._pull_rounds else self.interval_s
+                    next_round = time.monotonic() + wait
             except Exception:  # a failing pass must not stop the agent; the next one retries
                 log.exception("cluster_rebalance_failed")
 
