@@ -88,6 +88,9 @@ TOKEN_BYTES = 32  # 256-bit random tokens, URL-safe base64
 MODES = ("embedded", "spdk")
 
 
+EXIT_CONFIG = 4  # the exit code of dpuctl and `dpuctl agent run` for a ConfigError
+
+
 class ConfigError(Exception):
     """The configuration is invalid; the message names the key, the value and the fix."""
 

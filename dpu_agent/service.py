@@ -51,7 +51,14 @@ from dpu_agent.cluster import (
     start_membership,
     tenant_source,
 )
-from dpu_agent.config import DEFAULTS_SOURCE, AgentConfig, ConfigError, TenantConfig, read_secret
+from dpu_agent.config import (
+    DEFAULTS_SOURCE,
+    EXIT_CONFIG,
+    AgentConfig,
+    ConfigError,
+    TenantConfig,
+    read_secret,
+)
 from dpu_agent.control import (
     LEASES_ACTIVE,
     RESERVATIONS_ACTIVE,
@@ -846,10 +853,6 @@ out = [np.empty(L.chunk_shape, np.float16) for _ in range(4)]
 print("get", c.get(tokens, out), "chunks; first value of chunk 3:", out[3].flat[0])
 PY
 """
-
-
-# `dpuctl agent run`'s exit code for a configuration error (dpu_agent.cli.ops.EXIT_CONFIG)
-EXIT_CONFIG = 4
 
 
 async def _serve(cfg: AgentConfig) -> int:

@@ -36,7 +36,14 @@ from rich.table import Table
 
 from dpu_agent.cli import LazyGroup
 from dpu_agent.cli._common import fail as _fail
-from dpu_agent.config import DATA_DIR_ENV, AgentConfig, ConfigError, load_config, read_secret
+from dpu_agent.config import (
+    DATA_DIR_ENV,
+    EXIT_CONFIG,
+    AgentConfig,
+    ConfigError,
+    load_config,
+    read_secret,
+)
 from dpu_agent.units import SizeError, format_duration, format_size, format_timestamp, parse_size
 from host_shim.control import (
     AgentUnreachable,
@@ -54,7 +61,7 @@ from kvproto.control import (
 
 __all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_OK", "EXIT_UNREACHABLE", "agent_group", "register"]
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_CONFIG = 0, 1, 2, 3, 4
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 # An agent answers its hello in milliseconds: no answer is an agent stopped (SIGSTOP, a hung
 # host) or another program on its port, said at once rather than after the longest wait below.
 HELLO_TIMEOUT_S = 10.0
