@@ -11,6 +11,7 @@ directory) fetches back, in its first rounds, what it first-owns and another own
 from __future__ import annotations
 
 import shutil
+import socket
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 from cluster_harness import Cluster
 
+from dpu_agent.testing import spawn_agent
 from host_shim import KVClient
 from kvproto.keys import ChunkLayout
 
@@ -42,6 +44,31 @@ def chunk(i: int) -> np.ndarray:
     return np.full(LAYOUT.chunk_shape, i % 251, np.uint8)
 
 
+def restart_killed(c: Cluster, name: str) -> None:
+    """Kill -9 member `name` and start it again as a deployment does: the same data directory
+    and the same Serf addresses (the harness's start() picks new ones, which the others
+    refuse as a conflicting address until the old one is reaped: tens of seconds)."""
+    node = c.nodes[name]
+    node.agent.proc.kill()
+    node.agent.proc.wait()
+    for addr in (node.serf_bind, node.serf_rpc):  # its Serf goes on SIGTERM (pdeathsig)
+        host, port = addr.rsplit(":", 1)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with socket.create_server((host, int(port))):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, f"{addr} still held"
+                time.sleep(0.1)
+    env = dict(node.env)
+    env["DPUKV_CLUSTER_JOIN"] = ",".join(
+        n.serf_bind for n in c.nodes.values() if n.name != name and n.agent.proc.poll() is None
+    )
+    node.agent = spawn_agent(Path(env["DPUKV_AGENT_DATA_DIR"]), env=env,
+                             config=c.root / "cluster.toml")  # fmt: skip
+
+
 def held_by(c: Cluster, name: str) -> set[int]:
     """The chunks node `name` itself holds (a client of that one agent)."""
     with KVClient(c.nodes[name].agent.control_url, "default", c.token, LAYOUT, SALT) as kv:
@@ -58,10 +85,7 @@ def test_a_killed_member_fetches_back_what_it_first_owns(tmp_path: Path) -> None
             assert sum(kv.put(prompt(i), [chunk(i)]) for i in range(CHUNKS)) == CHUNKS
         before = held_by(c, "n1")
         assert before, "n1 owns some of the chunks"
-        killed = c.nodes["n1"].agent
-        killed.proc.kill()  # its DRAM tier (where these 2 KiB chunks are) is gone
-        killed.proc.wait()
-        c.start("n1", extra_env=ENV)
+        restart_killed(c, "n1")  # its DRAM tier (where these 2 KiB chunks are) is gone
         c.wait_serving(NAMES, on=NAMES)
         t0 = time.monotonic()
         while (got := held_by(c, "n1")) < before:
@@ -79,6 +103,7 @@ def test_a_killed_member_fetches_back_what_it_first_owns(tmp_path: Path) -> None
                 out = [np.empty(LAYOUT.chunk_shape, np.uint8)]
                 for i in sorted(before):
                     assert kv.get(prompt(i), out) == 1 and np.array_equal(out[0], chunk(i)), i
-            c.start(other, extra_env=ENV)
+            restart_killed(c, other)
+            c.wait_serving(NAMES, on=NAMES)
     finally:
         c.stop_all()
