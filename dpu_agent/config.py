@@ -416,8 +416,10 @@ def _read_secret(path: Path) -> str:
         raise
     with os.fdopen(fd, "rb") as f:
         check_secret_mode(path, os.fstat(fd).st_mode)
-        raw = f.read(SECRET_FILE_BYTES_MAX + 1)
-    if len(raw) > SECRET_FILE_BYTES_MAX:  # a token no client could send (the protocol's limit)
+        raw = f.read(SECRET_FILE_BYTES_MAX + 3)  # the value, then a line end ("\r\n")
+    # a token no client could send (the protocol's limit); the line end a writer adds is not
+    # the token's (a 4,096-byte token was taken, written with "\n", then refused at restart)
+    if len(raw.rstrip(b"\r\n")) > SECRET_FILE_BYTES_MAX:
         raise ConfigError(f"secret file {path} is over {SECRET_FILE_BYTES_MAX} bytes")
     try:
         value = raw.decode().strip()

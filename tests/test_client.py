@@ -4,8 +4,10 @@ URLs, prefetch, and a corrupted chunk ending the prefix, against a real agent ch
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from dpu_agent.testing import AgentProcess, spawn_agent
 from host_shim import KVClient
 from host_shim.client import byte_view, parse_control_url
 from host_shim.nvme import NvmeStatusError
+from kvproto.checksum import chunk_checksum
 from kvproto.keys import ChunkLayout
 from kvproto.nvme import Status
 
@@ -178,3 +181,51 @@ def test_key_level_calls_lost_agent_is_a_miss(caplog: pytest.LogCaptureFixture) 
             assert c.get_keys(keys, [chunk]) == 0
             assert c.put_keys(keys, [chunk]) == 0
     assert sum("agent lost" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_write_whose_data_comes_after_its_reservation_ended_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write gate was checked when the Write command came; its data comes after the R2T,
+    up to R2T_TIMEOUT_S later. A reservation committed or aborted meanwhile: the data landed
+    on the committed chunk, or on freed blocks the next reservation got (a re-attack pass).
+    The gate is asked again when the data is in."""
+    from host_shim.nvme._queue import QueuePairSocket
+
+    # a DRAM tier of one block: the reservations are the NVMe tier's (data copied, not in place)
+    a = spawn_agent(tmp_path / "var", env={"DPUKV_STORAGE_DRAM_BYTES": "4096"})
+    hooks: list[Any] = []
+    real = QueuePairSocket._r2t
+
+    def on_r2t(self: Any, ev: Any) -> Any:  # between the R2T and the data it asks for
+        if hooks:
+            hooks.pop()()
+        return real(self, ev)
+
+    monkeypatch.setattr(QueuePairSocket, "_r2t", on_r2t)
+    try:
+        with KVClient(a.control_url, "default", a.token, LAYOUT, SALT) as c:
+            assert c.put(np.arange(16, dtype=np.uint32) + 1, [np.ones(LAYOUT.chunk_shape,
+                                                                     np.uint16)]) == 1  # fmt: skip
+            nvme = c.node._nvme if c.node is not None else None
+            assert nvme is not None
+            key, blocks = bytes(range(16)), 4
+            res = c.channel.call("reserve", key=key, length=blocks * 4096)
+            assert res["nsid"] == 2, res
+            first = os.urandom(blocks * 4096)
+            nvme.write(res["nsid"], res["lba"], first)  # inside the open reservation: written
+            hooks.append(lambda: c.channel.call("commit", reservation_id=res["reservation_id"],
+                                                checksum=chunk_checksum(key, first)))  # fmt: skip
+            with pytest.raises(NvmeStatusError) as e:
+                nvme.write(res["nsid"], res["lba"], bytes(blocks * 4096))
+            assert e.value.code == Status.ACCESS_DENIED
+            back = bytearray(blocks * 4096)
+            nvme.read(res["nsid"], res["lba"], back)
+            assert bytes(back) == first  # the committed chunk kept its bytes
+            res = c.channel.call("reserve", key=bytes(16), length=blocks * 4096)
+            hooks.append(lambda: c.channel.call("abort", reservation_id=res["reservation_id"]))
+            with pytest.raises(NvmeStatusError) as e:
+                nvme.write(res["nsid"], res["lba"], first)
+            assert e.value.code == Status.ACCESS_DENIED
+    finally:
+        a.stop()

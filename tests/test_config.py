@@ -125,6 +125,21 @@ def test_guessable_token_refused_at_start(
     load_config(f, environ={}).prepare(create=False)  # dpuctl talking to a running agent
 
 
+def test_a_token_of_the_largest_size_loads_with_its_line_end(tmp_path: Path) -> None:
+    """A 4,096-byte token was taken at run time, written with its "\n", then refused at the
+    next start as "over 4096 bytes" (a re-attack pass)."""
+    from dpu_agent.config import read_secret
+
+    f = tmp_path / "t.token"
+    for text in ("a" * 4096 + "\n", "a" * 4096 + "\r\n", "a" * 4096):
+        f.write_text(text, newline="")
+        f.chmod(0o600)
+        assert read_secret(f) == "a" * 4096
+    f.write_text("a" * 4097 + "\n")
+    with pytest.raises(ConfigError, match="over 4096 bytes"):
+        read_secret(f)
+
+
 def test_group_readable_token_refused(tmp_path: Path) -> None:
     cfg = load_config(environ={"DPUKV_AGENT_DATA_DIR": str(tmp_path)})
     cfg.prepare()

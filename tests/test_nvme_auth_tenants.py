@@ -182,6 +182,26 @@ def test_a_session_cannot_claim_an_operator_added_host(agent: AgentProcess) -> N
         assert c.active_namespaces()
 
 
+def test_hosts_add_of_a_host_a_hello_had_claimed_issues_new_keys(agent: AgentProcess) -> None:
+    """A re-attack pass: a holder of the token said hello with a host's NQN (no secret: it is
+    in /etc/nvme/hostnqn and every Connect) before the operator added that host; `hosts add`
+    then returned the same key, and as an operator's host it outlived a token rotation."""
+    token = str(_admin(agent, "tenant_add", tenant="mike")["token"])
+    host = f"nqn.2014-08.org.nvmexpress:uuid:{uuid.uuid4()}"
+    claimed = str(_hello(agent, "mike", token, host)["dhchap_key"])
+    added = str(_admin(agent, "host_add", tenant="mike", nqn=host)["dhchap_key"])
+    assert added != claimed
+    addr, port = agent.state["nvmf"].rsplit(":", 1)
+    with pytest.raises(NvmeAuthError, match="FAILED"):
+        NvmeTcpController.connect(addr, int(port), tenant_nqn("mike"), host, dhchap_key=claimed)
+    with NvmeTcpController.connect(
+        addr, int(port), tenant_nqn("mike"), host, dhchap_key=added
+    ) as c:
+        assert c.active_namespaces()
+    again = str(_admin(agent, "host_add", tenant="mike", nqn=host)["dhchap_key"])
+    assert again == added  # adding it again (an operator's script re-run) keeps its key
+
+
 def test_a_token_rotation_revokes_the_keys_its_hellos_were_issued(agent: AgentProcess) -> None:
     """A leaked token's hello-issued keys outlived `tenants rotate`: the holder kept connecting
     over NVMe/TCP as that host. Now they go with the token; operator-added hosts keep theirs."""

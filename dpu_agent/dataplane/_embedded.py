@@ -223,12 +223,16 @@ class EmbeddedDataPlane:
         bound to a control session; with `[nvmf] require_auth` it must still prove its issued
         secret (without it, its NQN is all it shows)."""
         sub = self._subsystems[tenant]
+        operator = self._operator.setdefault(tenant, set())
+        rekeyed = nqn in sub.host_keys and nqn not in operator  # a hello's keys: replaced
         sub.allowed_hosts.add(nqn)
         sub.host_peers.pop(nqn, None)
-        self._operator.setdefault(tenant, set()).add(nqn)
+        operator.add(nqn)
         keys = {}
         if self.host_keys.enabled:
             keys = hello_keys(self.host_keys.issue(tenant, sub, nqn, any_address=True))
+        if rekeyed and self._target is not None:  # controllers on the old key end
+            self._target.disconnect_host(sub.nqn, nqn)
         log.info("host_added", tenant=tenant, keys=sorted(keys))
         return {"tenant": tenant, "hostnqn": nqn, "subnqn": tenant_nqn(tenant), **keys}
 

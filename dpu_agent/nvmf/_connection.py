@@ -781,6 +781,10 @@ class NvmfConnection(asyncio.BufferedProtocol):
 
     def _data_ready(self, cmd: _Cmd, view: memoryview) -> None:
         assert cmd.dev is not None
+        # the gate again: the reservation may have been committed, aborted or expired since
+        # the command came (up to R2T_TIMEOUT_S), and its blocks be a chunk or free by now
+        if not self._may_write(cmd.sqe.nsid, [(cmd.slba, cmd.nlb)]):
+            return self._complete(cmd, Status.ACCESS_DENIED)  # (in place: landed, refused)
         if cmd.in_place:  # the H2CData went straight into the device
             return self._complete(cmd)
         self._submit(cmd, cmd.dev.write, cmd.slba, view)

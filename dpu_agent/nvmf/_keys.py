@@ -108,7 +108,15 @@ class HostKeyIssuer:
             docs = self._docs.setdefault(tenant, {})
             keys = hosts.get(hostnqn)
             wanted = (self.dhchap, self.psk)
-            if keys is None or ((keys.dhchap_key is not None, keys.psk is not None) != wanted):
+            # the operator adding a host a hello was issued keys for: new keys (any holder of
+            # the tenant's token could have said hello with that NQN, which is no secret, and
+            # kept its key past a rotation as an operator's host: an attack pass)
+            rekey = any_address and not docs.get(hostnqn, {}).get(_ANY_ADDRESS)
+            if (
+                rekey
+                or keys is None
+                or ((keys.dhchap_key is not None, keys.psk is not None) != wanted)
+            ):
                 if hostnqn not in hosts and len(hosts) >= HOST_KEYS_PER_TENANT_MAX:
                     self._make_room(tenant, sub)
                 keys = HostKeys(
@@ -121,9 +129,6 @@ class HostKeyIssuer:
                 if any_address or docs.pop(hostnqn, {}).get(_ANY_ADDRESS):
                     doc[_ANY_ADDRESS] = True
                 docs[hostnqn] = doc
-                self._changed()
-            elif any_address and not docs[hostnqn].get(_ANY_ADDRESS):
-                docs[hostnqn] = {**docs[hostnqn], _ANY_ADDRESS: True}
                 self._changed()
             else:  # seen again: the newest, so the last to make room
                 hosts[hostnqn] = hosts.pop(hostnqn)
