@@ -41,8 +41,14 @@ def _dpuctl(agent: AgentProcess, *args: str) -> tuple[int, dict]:
 def test_removed_host_loses_keys_and_session_and_leaves_the_list(
     agent: AgentProcess, tmp_path: Path
 ) -> None:
-    code, _ = _dpuctl(agent, "hosts", "add", "--tenant", "default", "--nqn", HOSTNQN)
+    # an operator's host: listed, then removed with its keys (a control session cannot claim
+    # it: tests/test_nvme_auth_tenants.py)
+    kernel = HOSTNQN[:-4] + "beef"
+    code, _ = _dpuctl(agent, "hosts", "add", "--tenant", "default", "--nqn", kernel)
     assert code == 0
+    code, removed = _dpuctl(agent, "hosts", "remove", "--tenant", "default", "--nqn", kernel)
+    assert code == 0 and removed["keys_revoked"] and removed["sessions_ended"] == 0
+    # a host a session's hello was issued keys for
     tokens = list(range(LAYOUT.chunk_tokens))
     chunk = [np.ones(LAYOUT.chunk_shape, np.float16)]
     with KVClient(agent.control_url, "default", agent.token, LAYOUT, b"s" * 16,
@@ -58,9 +64,9 @@ def test_removed_host_loses_keys_and_session_and_leaves_the_list(
         # its session is gone: the shim serves misses (until it says hello again)
         assert c.get(tokens, [np.zeros(LAYOUT.chunk_shape, np.float16)]) == 0
     code, listed = _dpuctl(agent, "hosts", "list", "--tenant", "default")
-    assert HOSTNQN not in [h["hostnqn"] for h in listed["hosts"]]
+    assert not {HOSTNQN, kernel} & {h["hostnqn"] for h in listed["hosts"]}
     keys_file = json.loads((agent.data_dir / "host_keys.json").read_text())
-    assert HOSTNQN not in keys_file.get("default", {})
+    assert not {HOSTNQN, kernel} & set(keys_file.get("default", {}))
 
 
 def test_removing_an_unknown_host_names_it(agent: AgentProcess) -> None:
