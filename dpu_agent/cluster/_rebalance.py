@@ -79,9 +79,8 @@ PEER_CLIENTS_MAX = 1024  # one client per (tenant, owner) at most; a 1,024-node 
 RETRY_S = 1.0  # a pass that left chunks pending runs again after this, doubling while stuck
 RETRY_MAX_S = 30.0
 ANTI_ENTROPY_INTERVAL_S = 30.0  # default; [cluster] anti_entropy_interval_s
-# After a start that may have lost chunks (killed: the DRAM tier is gone; or a new data
-# directory), the rounds that also fetch back what this node first-owns and another owner
-# holds, and how far apart they run (the first once the view settles): the other owner holds
+# After a start that lost chunks (an unclean stop: a kill takes the DRAM tier), the rounds
+# that also fetch back what this node first-owns and another owner holds, and how far apart they run (the first once the view settles): the other owner holds
 # the only copy meanwhile, and a pull round that finds nothing missing costs digests only
 PULL_ROUNDS = 3
 PULL_ROUND_S = 2.0
@@ -264,8 +263,8 @@ class Rebalancer:
         interval_s: float = ANTI_ENTROPY_INTERVAL_S,
         pull: bool = False,
     ) -> None:
-        """`pull`: this node may have lost chunks it held (an unclean stop, a new data
-        directory): its first rounds fetch back what it first-owns and another owner holds."""
+        """`pull`: this node lost chunks it held (an unclean stop): its first rounds fetch
+        back what it first-owns and another owner holds."""
         assert bytes_per_s > 0, bytes_per_s
         self._peer_auth = peer_auth  # None: no cluster key, so no peer is ever contacted
         self.engine, self.node = engine, node
