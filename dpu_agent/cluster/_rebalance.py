@@ -80,8 +80,9 @@ RETRY_S = 1.0  # a pass that left chunks pending runs again after this, doubling
 RETRY_MAX_S = 30.0
 ANTI_ENTROPY_INTERVAL_S = 30.0  # default; [cluster] anti_entropy_interval_s
 # After a start that lost chunks (an unclean stop: a kill takes the DRAM tier), the rounds
-# that also fetch back what this node first-owns and another owner holds, and how far apart they run (the first once the view settles): the other owner holds
-# the only copy meanwhile, and a pull round that finds nothing missing costs digests only
+# that also fetch back what this node first-owns and another owner holds, and how far apart
+# they run (the first once the view settles): the other owner holds the only copy meanwhile,
+# and a pull round that finds nothing missing costs digests only
 PULL_ROUNDS = 3
 PULL_ROUND_S = 2.0
 PULL_CHUNKS_MAX = 65536  # fetched in one round at most (a tier's worth is refilled in rounds)
