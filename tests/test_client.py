@@ -74,6 +74,20 @@ def test_prefetch_is_awaitable(agent: AgentProcess) -> None:
         assert asyncio.run(run()) == 2
 
 
+def where(c: KVClient, tokens: np.ndarray, i: int) -> tuple[int, int]:
+    """(nsid, lba) of the i-th chunk of `tokens` (a probe: no lease taken)."""
+    hits = c.channel.call("lookup", keys=c.keys(tokens), lease=False)["hits"]
+    _, nsid, lba, _, _, _ = hits[i]
+    return int(nsid), int(lba)
+
+
+def data_path(c: KVClient) -> Any:
+    """The client's own NVMe/TCP controller (to send raw commands as its host)."""
+    nvme = c.node._nvme if c.node is not None else None
+    assert nvme is not None
+    return nvme
+
+
 def test_corrupted_chunk_ends_the_prefix(tmp_path: Path) -> None:
     """A chunk whose stored bytes no longer match its checksum is a miss, never wrong KV."""
     # a DRAM tier of one block: the 4-block chunks go to the NVMe tier's file
@@ -83,9 +97,8 @@ def test_corrupted_chunk_ends_the_prefix(tmp_path: Path) -> None:
         chunks = [np.full(LAYOUT.chunk_shape, i + 1, np.uint16) for i in range(3)]
         with KVClient(a.control_url, "default", a.token, LAYOUT, SALT) as c:
             assert c.put(tokens, chunks) == 3
-            hits = c.channel.call("lookup", keys=c.keys(tokens), lease=False)["hits"]
-            _, nsid, lba, _, _, _ = hits[1]
-            assert nsid == 2, hits
+            nsid, lba = where(c, tokens, 1)
+            assert nsid == 2, (nsid, lba)
             # a bad sector under chunk 1: its ciphertext changed behind the engine's back
             with open(tmp_path / "var" / "nvme" / "default" / "nvme.img", "r+b") as f:
                 f.seek(lba * 4096)
@@ -107,10 +120,8 @@ def test_a_host_writes_only_inside_its_open_reservations(agent: AgentProcess) ->
     chunks = [np.full(LAYOUT.chunk_shape, i + 3, np.uint16) for i in range(2)]
     with KVClient(agent.control_url, "default", agent.token, LAYOUT, SALT) as c:
         assert c.put(tokens, chunks) == 2
-        hits = c.channel.call("lookup", keys=c.keys(tokens), lease=False)["hits"]
-        _, nsid, lba, _, _, _ = hits[1]
-        nvme = c.node._nvme if c.node is not None else None
-        assert nvme is not None
+        nsid, lba = where(c, tokens, 1)
+        nvme = data_path(c)
         for target in ((nsid, lba), (1, 5000), (2, 100_000)):  # a chunk's block, free blocks
             with pytest.raises(NvmeStatusError) as e:
                 nvme.write(*target, bytes(4096))
@@ -207,8 +218,7 @@ def test_a_write_whose_data_comes_after_its_reservation_ended_is_refused(
         with KVClient(a.control_url, "default", a.token, LAYOUT, SALT) as c:
             assert c.put(np.arange(16, dtype=np.uint32) + 1, [np.ones(LAYOUT.chunk_shape,
                                                                      np.uint16)]) == 1  # fmt: skip
-            nvme = c.node._nvme if c.node is not None else None
-            assert nvme is not None
+            nvme = data_path(c)
             key, blocks = bytes(range(16)), 4
             res = c.channel.call("reserve", key=key, length=blocks * 4096)
             assert res["nsid"] == 2, res
