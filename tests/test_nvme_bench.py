@@ -194,6 +194,15 @@ def test_a_row_above_its_ceiling_is_explained_by_its_slices_or_fails() -> None:
     reason = median_over["ceiling_exceeded_reason"]
     assert reason.startswith("vs_device: the median of the slice ratios is 1.2, but")
     assert "ceilings_exceeded" not in median_over
+    # CI's failure: SPDK's writes 2.501 GB/s over a 2.318 ceiling, median ratio 1.023 (noise
+    # between two polling peers on a loaded box): within the tolerance, with the reason
+    spdk = {**row, "target": "spdk", "op": "write", "gbps": 2.501}
+    within = _bounded({**spdk, "ceiling_gbps": 2.318, "ratio": 1.023})
+    assert "within the ceiling's 5% tolerance" in within["ceiling_exceeded_reason"]
+    assert "ceilings_exceeded" not in within and ceiling_violations(within) == []
+    # the faults this check found were 1.1x and more on both measures: still failures
+    beyond = _bounded({**spdk, "ceiling_gbps": 2.2, "ratio": 1.1})
+    assert beyond["ceilings_exceeded"] == ["ceiling_gbps 2.2 (ratio 1.1)"]
     # the socket+device figure is a reference, not a ceiling: above it is no failure
     reference = _bounded({**row, "socket_device_gbps": 1.0, "vs_socket_device": 2.0})
     assert "ceilings_exceeded" not in reference and ceiling_violations(reference) == []
