@@ -133,3 +133,13 @@ def test_serf_dies_with_a_killed_parent() -> None:
     finally:
         if not gone():
             os.kill(serf_pid, signal.SIGKILL)
+
+
+def test_free_port_never_hands_out_a_port_twice_in_a_row() -> None:
+    """A CI rehearsal: `serf agent a1 exited with 1` (the cause that fits). A pick is free
+    when made, but nothing holds it until Serf binds, and a node's gossip and RPC ports are
+    two picks: 2,000 picks from 12,000 ports repeat one almost surely (the birthday bound),
+    so the same port twice would make a Serf bind its own port. Picks this process made are
+    not made again."""
+    picks = [free_port() for _ in range(2000)]
+    assert len(set(picks)) == len(picks)
