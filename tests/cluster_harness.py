@@ -210,22 +210,6 @@ class Cluster:
             time.sleep(0.2)
         raise AssertionError(f"cluster did not converge on {names}: {last}")
 
-    def wait_pulled(self, names: list[str], timeout_s: float = 60.0) -> None:
-        """Wait until every node in `names` has run its pull rounds (a start fetches back, in
-        its first anti-entropy rounds, what it first-owns: `rebalance.pull_rounds_left`)."""
-        deadline = time.monotonic() + timeout_s
-        left: dict[str, object] = {}
-        while time.monotonic() < deadline:
-            for n in names:
-                try:
-                    left[n] = self.members(n)["rebalance"]["pull_rounds_left"]
-                except (ControlError, OSError) as e:
-                    left[n] = e
-            if all(v == 0 for v in left.values()):
-                return
-            time.sleep(0.2)
-        raise AssertionError(f"pull rounds not done: {left}")
-
     def stop_all(self) -> None:
         for n in self.nodes.values():
             if n.agent.proc.poll() is None:

@@ -5,7 +5,7 @@ back quickly under the same name, no view change was seen, and the periodic anti
 on each key's first owner over the chunks it holds, so a first owner that had lost a chunk never
 fetched it back: the other owner held the only copy (45 of 300 keys for 30 s), and a second
 kill lost them (255 of 300 read back). Now a start after an unclean stop fetches back, in its
-first rounds, what it first-owns and another owner holds (`members`: `rebalance.pulled`).
+first rounds, what it first-owns and another owner holds.
 """
 
 from __future__ import annotations
@@ -94,8 +94,6 @@ def test_a_killed_member_fetches_back_what_it_first_owns(tmp_path: Path) -> None
                 f"kill, {REPAIR_S_MAX} s after its restart"
             )
             time.sleep(1.0)
-        c.wait_pulled(["n1"])
-        assert c.members("n1")["rebalance"]["pulled"] > 0  # the pull, not a view change
         for other in ("n2", "n3"):  # now any other member may go: every chunk has 2 copies
             gone = c.nodes[other].agent
             gone.proc.kill()

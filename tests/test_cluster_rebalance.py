@@ -413,8 +413,11 @@ def test_a_node_that_lost_chunks_fetches_back_what_it_first_owns(
             assert stats["pulled"] == len(mine) and held == mine
             assert all(engines["me"].get_chunk("default", k) == data(i)
                        for i in range(40) if (k := key(i)) in mine)  # fmt: skip
+            assert r.progress.pull_rounds_left == rb.PULL_ROUNDS - 1
             for _ in range(rb.PULL_ROUNDS):  # then the rounds stop pulling
                 r.run_round()
+            # what `members` shows of it (rebalance.pull_rounds_left, pulled)
+            assert r.progress.pull_rounds_left == 0 and r.progress.pulled == len(mine)
             engines["me"].delete("default", next(iter(mine)))  # evicted, say
             assert r.run_round()["pulled"] == 0
         else:

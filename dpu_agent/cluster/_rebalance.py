@@ -296,9 +296,8 @@ class Rebalancer:
         self._hot: dict[tuple[str, bytes], float] = {}  # -> monotonic time the mark lapses
         self._hot_queue: deque[tuple[str, bytes]] = deque()
         self.hot_reads_per_s = HOT_READS_PER_S  # 0 turns hot copies off
-        self._pull_rounds = PULL_ROUNDS if pull else 0
         self._pulled = 0  # chunks fetched in the current round
-        self.progress.pull_rounds_left = self._pull_rounds
+        self.progress.pull_rounds_left = PULL_ROUNDS if pull else 0
 
     def start(self) -> None:
         self._thread.start()
@@ -316,7 +315,8 @@ class Rebalancer:
             c.close()
 
     def _loop(self) -> None:
-        next_round = time.monotonic() + (PULL_ROUND_S if self._pull_rounds else self.interval_s)
+        pulling = self.progress.pull_rounds_left
+        next_round = time.monotonic() + (PULL_ROUND_S if pulling else self.interval_s)
         while not self._stop.is_set():
             wait = self._retry_s if self._retry else max(0.0, next_round - time.monotonic())
             woke = self._wake.wait(0.0 if self._hot_queue else wait)
@@ -331,7 +331,7 @@ class Rebalancer:
                     if not self._retry:
                         self.run_round()
                     # pulling: the next round soon (also while the view is not settled yet)
-                    wait = PULL_ROUND_S if self._pull_rounds else self.interval_s
+                    wait = PULL_ROUND_S if self.progress.pull_rounds_left else self.interval_s
                     next_round = time.monotonic() + wait
             except Exception:  # a failing pass must not stop the agent; the next one retries
                 log.exception("cluster_rebalance_failed")
@@ -652,7 +652,7 @@ class Rebalancer:
         if self._settled is None or self._settled.epoch != placement.epoch:
             return stats
         self.progress.ae_rounds += 1
-        pulling, self._pulled = self._pull_rounds > 0, 0
+        pulling, self._pulled = self.progress.pull_rounds_left > 0, 0
         stats["pulled"] = 0
         nodes = placement.by_name()
         leaving = nodes.get(self.node) is not None and nodes[self.node].state == "leaving"
@@ -669,11 +669,11 @@ class Rebalancer:
                 stats["divergent"] += got[0]
                 stats["repaired"] += got[1]
         if pulling:
-            self._pull_rounds -= 1
+            self.progress.pull_rounds_left -= 1
             stats["pulled"] = self._pulled
-            self.progress.pull_rounds_left = self._pull_rounds
             self.progress.pulled += self._pulled
-            log.info("cluster_pull_round", pulled=self._pulled, rounds_left=self._pull_rounds)
+            log.info("cluster_pull_round", pulled=self._pulled,
+                     rounds_left=self.progress.pull_rounds_left)  # fmt: skip
         return stats
 
     def _surplus(

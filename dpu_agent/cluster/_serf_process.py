@@ -52,19 +52,16 @@ def free_port(host: str = "127.0.0.1") -> int:
     rng = random.Random()
     for _ in range(PICK_PORT_TRIES_MAX):
         port = rng.randrange(*PICK_PORT_RANGE)
-        with _picked_lock:
+        with _picked_lock:  # remembered even if busy below: a busy port is no loss
             if port in _picked:
                 continue
+            _picked.append(port)
         with socket.socket() as s, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
             try:
                 s.bind((host, port))
                 u.bind((host, port))
             except OSError:
                 continue
-        with _picked_lock:
-            if port in _picked:  # another thread was given it meanwhile
-                continue
-            _picked.append(port)
         return port
     raise OSError(f"no free TCP+UDP port in {PICK_PORT_RANGE} on {host}")
 
